@@ -1,0 +1,66 @@
+"""The masking rule of DESIGN section 2, written once: per pair of tokens, and per pair of ranges.
+
+`allowed` decides whether one query may read one key. `may_attend` decides, from the position and
+segment ranges of a group of queries and a group of keys, whether *any* pair in them may be allowed;
+when it says no, the whole tile (or ring step) is skipped. It is conservative: it may say yes for a
+group whose pairs are all excluded, never no for a group with an allowed pair.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from tuner.spec import AttentionSpec
+
+
+def allowed(q_pos, k_pos, q_seg, k_seg, spec: AttentionSpec):
+    """Bool `[..., Tq, Tk]`: query i may read key j. Positions/segments are `[..., Tq]` and `[..., Tk]`.
+
+    Returns None when the spec excludes nothing (no mask needs to be applied).
+    """
+    qp = q_pos[..., :, None]
+    kp = k_pos[..., None, :]
+    conditions = []
+    if spec.causal:
+        conditions.append(kp <= qp)
+    if spec.window is not None:
+        left, right = spec.window
+        conditions.append((kp >= qp - left) & (kp <= qp + right))
+    if spec.chunk_size is not None:
+        conditions.append(qp // spec.chunk_size == kp // spec.chunk_size)
+    if spec.has_segments:
+        conditions.append(q_seg[..., :, None] == k_seg[..., None, :])
+    if not conditions:
+        return None
+    mask = conditions[0]
+    for condition in conditions[1:]:
+        mask = mask & condition
+    return mask
+
+
+def _ranges_overlap(lo_a, hi_a, lo_b, hi_b):
+    return (lo_a <= hi_b) & (lo_b <= hi_a)
+
+
+def may_attend(q_pos, k_pos, q_seg, k_seg, spec: AttentionSpec):
+    """Scalar bool: some query of `q_pos [B, Tq]` may read some key of `k_pos [B, Tk]`.
+
+    Checked per batch row from the min/max of positions (and segment ids), then OR-ed over rows.
+    """
+    if not spec.has_mask:
+        return jnp.bool_(True)
+    q_lo, q_hi = q_pos.min(axis=-1), q_pos.max(axis=-1)
+    k_lo, k_hi = k_pos.min(axis=-1), k_pos.max(axis=-1)
+    possible = jnp.ones(q_lo.shape, bool)
+    if spec.causal:
+        possible &= k_lo <= q_hi
+    if spec.window is not None:
+        left, right = spec.window
+        possible &= _ranges_overlap(q_lo - left, q_hi + right, k_lo, k_hi)
+    if spec.chunk_size is not None:
+        c = spec.chunk_size
+        possible &= _ranges_overlap(q_lo // c, q_hi // c, k_lo // c, k_hi // c)
+    if spec.has_segments:
+        possible &= _ranges_overlap(q_seg.min(axis=-1), q_seg.max(axis=-1),
+                                    k_seg.min(axis=-1), k_seg.max(axis=-1))
+    return possible.any()

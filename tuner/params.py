@@ -1,0 +1,76 @@
+"""Tunable tile parameters shared by every backend (DESIGN section 6)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+def _check_positive(owner: str, name: str, value: int | None, *, optional: bool) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        kind = "a positive int or None" if optional else "a positive int"
+        raise ValueError(f"{owner}.{name} must be {kind}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class FwdParams:
+    """Forward tiles: a `block_q` x `block_kv` tile of logits is live at a time.
+
+    `num_warps` / `num_stages` are GPU launch settings; backends without them (scan) reject them.
+    A tile longer than the local sequence is shortened to the sequence (results are unchanged).
+    """
+
+    block_q: int = 128
+    block_kv: int = 128
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_positive("FwdParams", "block_q", self.block_q, optional=False)
+        _check_positive("FwdParams", "block_kv", self.block_kv, optional=False)
+        _check_positive("FwdParams", "num_warps", self.num_warps, optional=True)
+        _check_positive("FwdParams", "num_stages", self.num_stages, optional=True)
+
+    def to_dict(self) -> dict[str, int | None]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class BwdParams:
+    """Backward tiles.
+
+    The dk/dv pass holds a `block_kv_dkv` tile of keys and streams `block_q_dkv` query tiles past it.
+    The dq pass holds a `block_q_dq` tile of queries and streams `block_kv_dq` key tiles past it;
+    leaving both dq tiles `None` computes dq inside the dk/dv pass instead (one pass, fewer matmuls).
+    """
+
+    block_q_dkv: int = 128
+    block_kv_dkv: int = 128
+    block_q_dq: int | None = None
+    block_kv_dq: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_positive("BwdParams", "block_q_dkv", self.block_q_dkv, optional=False)
+        _check_positive("BwdParams", "block_kv_dkv", self.block_kv_dkv, optional=False)
+        _check_positive("BwdParams", "block_q_dq", self.block_q_dq, optional=True)
+        _check_positive("BwdParams", "block_kv_dq", self.block_kv_dq, optional=True)
+        _check_positive("BwdParams", "num_warps", self.num_warps, optional=True)
+        _check_positive("BwdParams", "num_stages", self.num_stages, optional=True)
+        if (self.block_q_dq is None) != (self.block_kv_dq is None):
+            raise ValueError(
+                "BwdParams.block_q_dq and BwdParams.block_kv_dq must both be set (a separate dq pass) "
+                f"or both be None (dq fused into the dk/dv pass), got {self.block_q_dq!r} and "
+                f"{self.block_kv_dq!r}"
+            )
+
+    @property
+    def fused_dq(self) -> bool:
+        """True when dq is accumulated inside the dk/dv pass."""
+        return self.block_q_dq is None
+
+    def to_dict(self) -> dict[str, int | None]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,289 @@
+"""Ring attention: the public entry point and the one ring driver every backend runs under.
+
+The driver (DESIGN section 3) owns everything ring-specific; backends only compute one block.
+
+Forward, on each of the P devices of `axis_name`: P steps. At every step the visiting key/value shard
+(with its positions and segment ids) is first sent on to the next device, so the transfer can overlap
+the compute, then this device's queries attend to it and the block result is merged into the running
+`(out, lse)` by `logaddexp` in float32. There is no send after the last step. A step whose visiting
+shard is wholly excluded by the masks is skipped. Sinks join the softmax once, at the end.
+
+Backward replays the same steps with the final (sink-inclusive) lse and `delta = rowsum(dout * out)`:
+dq accumulates here, while dk/dv accumulators travel with the keys and, after one last hop, arrive
+back at the device that owns those keys. `d softmax_aux` is computed once, from lse and delta.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from tuner import layouts, masks, vma, work
+from tuner.backends import choose_backend, get_backend
+from tuner.params import BwdParams, FwdParams
+from tuner.spec import AttentionSpec, build_spec, check_inputs
+
+F32 = jnp.float32
+
+
+@dataclass(frozen=True)
+class RingConfig:
+    """Everything static about one ring call (a `custom_vjp` non-differentiable argument)."""
+
+    spec: AttentionSpec
+    backend: str
+    fwd_params: FwdParams
+    bwd_params: BwdParams
+    axis_name: Hashable | None
+    interpret: bool
+
+
+def ring_geometry(axis_name: Hashable | None) -> tuple[int, Any]:
+    """(ring size, this device's index on the ring); (1, 0) without an axis."""
+    if axis_name is None:
+        return 1, 0
+    return lax.axis_size(axis_name), lax.axis_index(axis_name)
+
+
+def _send_to_next(tree, axis_name: Hashable, size: int):
+    perm = [(i, (i + 1) % size) for i in range(size)]
+    return jax.tree.map(lambda x: lax.ppermute(x, axis_name, perm), tree)
+
+
+def _bias_columns(bias, source, kv_len: int):
+    """The columns of a global-key-axis bias that belong to the shard of ring position `source`."""
+    if bias is None or bias.shape[-1] == 1:
+        return bias
+    return lax.dynamic_slice_in_dim(bias, source * kv_len, kv_len, axis=-1)
+
+
+def _add_bias_columns(dbias, block_dbias, source, kv_len: int):
+    if dbias.shape[-1] == 1:
+        return dbias + block_dbias
+    current = lax.dynamic_slice_in_dim(dbias, source * kv_len, kv_len, axis=-1)
+    return lax.dynamic_update_slice_in_dim(dbias, current + block_dbias, source * kv_len, axis=-1)
+
+
+def _merge(out, lse, block_out, block_lse):
+    """Combine two partial softmaxes (normalized outputs and their lse) exactly, in float32."""
+    new_lse = jnp.logaddexp(lse, block_lse)
+    safe = jnp.where(new_lse == -jnp.inf, 0.0, new_lse)
+
+    def weight(x):
+        return jnp.swapaxes(jnp.exp(x - safe), 1, 2)[..., None]  # [B,H,Tq] -> [B,Tq,H,1]
+
+    return weight(lse) * out + weight(block_lse) * block_out, new_lse
+
+
+def _sink_lse(sinks):
+    """logsumexp of each head's sinks, `[H]`, float32."""
+    sinks = sinks.astype(F32)
+    return sinks if sinks.ndim == 1 else jax.nn.logsumexp(sinks, axis=-1)
+
+
+def _forward(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks):
+    backend = get_backend(cfg.backend)
+    size, rank = ring_geometry(cfg.axis_name)
+    b, tq, h, d = q.shape
+    kv_len = k.shape[1]
+
+    def block(visiting, step, out, lse):
+        k_, v_, kv_pos_, kv_seg_ = visiting
+        source = (rank - step) % size
+
+        def compute(carry):
+            work.record("blocks", 1)
+            block_out, block_lse = backend.block_fwd(
+                q, k_, v_, q_pos, kv_pos_, q_seg, kv_seg_, _bias_columns(bias, source, kv_len),
+                spec=cfg.spec, params=cfg.fwd_params, interpret=cfg.interpret)
+            return _merge(*carry, block_out, block_lse)
+
+        if not cfg.spec.has_mask:
+            return compute((out, lse))
+        attends = masks.may_attend(q_pos, kv_pos_, q_seg, kv_seg_, cfg.spec)
+        return lax.cond(attends, compute, lambda carry: carry, (out, lse))
+
+    with work.on_device(rank):
+        out = vma.like(jnp.zeros((b, tq, h, d), F32), q)
+        lse = vma.like(jnp.full((b, h, tq), -jnp.inf, F32), q)
+        visiting = (k, v, kv_pos, kv_seg)
+        if size > 1:
+            def step(i, carry):
+                visiting, out, lse = carry
+                arriving = _send_to_next(visiting, cfg.axis_name, size)
+                return (arriving, *block(visiting, i, out, lse))
+
+            visiting, out, lse = lax.fori_loop(0, size - 1, step, (visiting, out, lse))
+        out, lse = block(visiting, size - 1, out, lse)
+
+    if sinks is not None:
+        final_lse = jnp.logaddexp(lse, _sink_lse(sinks)[None, :, None])
+        out = out * jnp.swapaxes(jnp.exp(lse - final_lse), 1, 2)[..., None]
+        lse = final_lse
+    return out.astype(q.dtype), lse
+
+
+def _backward(cfg: RingConfig, residuals, cotangents):
+    q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks, out, lse = residuals
+    dout, dlse = cotangents
+    backend = get_backend(cfg.backend)
+    size, rank = ring_geometry(cfg.axis_name)
+    kv_len = k.shape[1]
+    # d lse folds into delta: d logits = p * (dp - delta + dlse).
+    delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(F32), out.astype(F32)) - dlse
+    dout = dout.astype(q.dtype)
+
+    def block(visiting, travelling, step, dq, dbias):
+        k_, v_, kv_pos_, kv_seg_ = visiting
+        source = (rank - step) % size
+
+        def compute(carry):
+            dq, (dk, dv), dbias = carry
+            work.record("blocks", 1)
+            dq_b, dk_b, dv_b, dbias_b = backend.block_bwd(
+                q, k_, v_, out, lse, dout, delta, q_pos, kv_pos_, q_seg, kv_seg_,
+                _bias_columns(bias, source, kv_len), spec=cfg.spec, params=cfg.bwd_params,
+                interpret=cfg.interpret)
+            if dbias is not None:
+                dbias = _add_bias_columns(dbias, dbias_b, source, kv_len)
+            return dq + dq_b, (dk + dk_b, dv + dv_b), dbias
+
+        carry = (dq, travelling, dbias)
+        if not cfg.spec.has_mask:
+            return compute(carry)
+        attends = masks.may_attend(q_pos, kv_pos_, q_seg, kv_seg_, cfg.spec)
+        return lax.cond(attends, compute, lambda c: c, carry)
+
+    with work.on_device(rank):
+        dq = vma.like(jnp.zeros(q.shape, F32), q)
+        dbias = None if bias is None else vma.like(jnp.zeros(bias.shape, F32), q)
+        travelling = (vma.like(jnp.zeros(k.shape, F32), q), vma.like(jnp.zeros(v.shape, F32), q))
+        visiting = (k, v, kv_pos, kv_seg)
+        if size > 1:
+            def step(i, carry):
+                visiting, travelling, dq, dbias = carry
+                arriving = _send_to_next(visiting, cfg.axis_name, size)
+                dq, travelling, dbias = block(visiting, travelling, i, dq, dbias)
+                return arriving, _send_to_next(travelling, cfg.axis_name, size), dq, dbias
+
+            visiting, travelling, dq, dbias = lax.fori_loop(
+                0, size - 1, step, (visiting, travelling, dq, dbias))
+        dq, travelling, dbias = block(visiting, travelling, size - 1, dq, dbias)
+        if size > 1:  # one last hop brings the accumulators home
+            travelling = _send_to_next(travelling, cfg.axis_name, size)
+    dk, dv = travelling
+
+    dsinks = None
+    if sinks is not None:
+        sinks32 = sinks.astype(F32).reshape(sinks.shape[0], -1)
+        p_sink = jnp.exp(sinks32[None, :, None, :] - lse[..., None])  # [B,H,Tq,n]
+        dsinks = -(p_sink * delta[..., None]).sum(axis=(0, 2)).reshape(sinks.shape).astype(sinks.dtype)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None,
+            None if bias is None else dbias.astype(bias.dtype), dsinks)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks):
+    return _forward(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks)
+
+
+def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks):
+    out, lse = _forward(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks)
+    return (out, lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks, out, lse)
+
+
+_ring.defvjp(_ring_fwd, _backward)
+
+
+def _varying(x, axis_name: Hashable | None):
+    """Mark an input as varying over the ring axis, so that the gradient of a replicated input
+    (one bias or one set of sinks for every device) is summed over the ring by `shard_map`."""
+    if x is None or axis_name is None or axis_name in vma.varying_axes(x):
+        return x
+    return lax.pcast(x, (axis_name,), to="varying")
+
+
+def _positions(explicit, layout: str, length: int, batch: int, size: int, rank):
+    if explicit is not None:
+        return explicit.astype(jnp.int32)
+    return jnp.broadcast_to(layouts.local_positions(layout, length, size, rank), (batch, length))
+
+
+def ring_attention(
+    query,
+    key,
+    value,
+    *,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    q_positions=None,
+    kv_positions=None,
+    softmax_aux=None,
+    bias=None,
+    sliding_window: int | tuple[int, int] | None = None,
+    chunk_size: int | None = None,
+    causal: bool = False,
+    logits_soft_cap: float | None = None,
+    softmax_scale: float | None = None,
+    axis_name: Hashable | None = None,
+    layout: str = "contiguous",
+    backend: str = "auto",
+    fwd_params: FwdParams | None = None,
+    bwd_params: BwdParams | None = None,
+    interpret: bool = False,
+    return_lse: bool = False,
+):
+    """Exact attention of `query [B,Tq,H,D]` over `key`/`value [B,Tk,Hkv,D]`, differentiable.
+
+    With `axis_name`, call it under `shard_map` on the local shards: the keys travel around the ring of
+    that axis (only the `Hkv` heads travel) and each device gets the exact attention of its queries
+    over the whole sequence. Token positions come from `layout` and the device's ring index unless
+    `q_positions`/`kv_positions` `[B, T]` are given; masks (causal, sliding window, chunk, segment ids)
+    are decided from them. `bias` is `[B, H, Tq, ring_size*Tk]` (or broadcastable) over the laid-out
+    global key axis; `softmax_aux` (`[H]` or `[H, n]`) adds sink terms to every softmax denominator.
+
+    `backend="auto"` picks the fastest backend that can run here and honours every option;
+    `fwd_params`/`bwd_params` override its tiles. `interpret=True` runs kernel backends in their
+    interpreter on the CPU (the pure-JAX scan backend runs the same either way). Returns the output in
+    the query's dtype, and with `return_lse` also the float32 log-sum-exp `[B, H, Tq]`.
+    """
+    if not isinstance(layout, str) or layout not in layouts.LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(layouts.LAYOUTS)}, got {layout!r}")
+    if not isinstance(backend, str):
+        raise ValueError(f"backend must be a string, got {backend!r}")
+    for name, params, kind in (("fwd_params", fwd_params, FwdParams), ("bwd_params", bwd_params, BwdParams)):
+        if params is not None and not isinstance(params, kind):
+            raise ValueError(f"{name} must be a {kind.__name__} or None, got {type(params).__name__}")
+    size, rank = ring_geometry(axis_name)
+    check_inputs(query, key, value, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                 q_positions=q_positions, kv_positions=kv_positions, softmax_aux=softmax_aux,
+                 bias=bias, ring_size=size)
+    if q_positions is None:
+        layouts.check_layout(layout, query.shape[1])
+    if kv_positions is None:
+        layouts.check_layout(layout, key.shape[1])
+    spec = build_spec(query, causal=causal, sliding_window=sliding_window, chunk_size=chunk_size,
+                      logits_soft_cap=logits_soft_cap, softmax_scale=softmax_scale,
+                      has_segments=q_segment_ids is not None, bias=bias, softmax_aux=softmax_aux)
+    chosen = choose_backend(backend, spec, query.dtype)
+    default_fwd, default_bwd = chosen.default_params(query.shape[1], key.shape[1], query.shape[3])
+    fwd_params = fwd_params or default_fwd
+    bwd_params = bwd_params or default_bwd
+    chosen.check_params(fwd_params, bwd_params)
+    cfg = RingConfig(spec, chosen.name, fwd_params, bwd_params, axis_name, bool(interpret))
+
+    batch = query.shape[0]
+    q_pos = _positions(q_positions, layout, query.shape[1], batch, size, rank)
+    kv_pos = _positions(kv_positions, layout, key.shape[1], batch, size, rank)
+    q_seg = None if q_segment_ids is None else q_segment_ids.astype(jnp.int32)
+    kv_seg = None if kv_segment_ids is None else kv_segment_ids.astype(jnp.int32)
+    args = [_varying(x, axis_name) for x in (query, key, value, q_pos, kv_pos, q_seg, kv_seg, bias,
+                                             softmax_aux)]
+    out, lse = _ring(cfg, *args)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,188 @@
+"""The problem every backend solves: its feature set and the validation of its inputs (DESIGN section 2)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
+LAYOUTS = ("contiguous", "zigzag", "striped")
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """The static features of one attention problem: what is compiled in or out of a kernel.
+
+    Hashable, so it can be a static argument and part of a cache key. Shapes are not part of it.
+    """
+
+    scale: float
+    causal: bool = False
+    window: tuple[int, int] | None = None
+    chunk_size: int | None = None
+    softcap: float | None = None
+    has_segments: bool = False
+    has_bias: bool = False
+    num_sinks: int = 0
+
+    @property
+    def has_position_mask(self) -> bool:
+        """True when positions alone can exclude a key (causal, window or chunk)."""
+        return self.causal or self.window is not None or self.chunk_size is not None
+
+    @property
+    def has_mask(self) -> bool:
+        """True when some (query, key) pair may be excluded."""
+        return self.has_position_mask or self.has_segments
+
+    def features(self) -> dict[str, Any]:
+        """The feature flags as plain values, for cache keys and kernel headers."""
+        return {
+            "causal": self.causal,
+            "window": list(self.window) if self.window is not None else None,
+            "chunk_size": self.chunk_size,
+            "softcap": self.softcap is not None,
+            "segments": self.has_segments,
+            "bias": self.has_bias,
+            "sinks": self.num_sinks,
+        }
+
+
+def normalize_window(sliding_window: int | tuple[int, int] | None) -> tuple[int, int] | None:
+    """`w` means `(w, w)`; both sides must be non-negative ints."""
+    if sliding_window is None:
+        return None
+    if isinstance(sliding_window, (int, np.integer)) and not isinstance(sliding_window, bool):
+        left = right = int(sliding_window)
+    elif isinstance(sliding_window, (tuple, list)) and len(sliding_window) == 2:
+        left, right = sliding_window
+    else:
+        raise ValueError(
+            f"sliding_window must be an int or a (left, right) pair of ints, got {sliding_window!r}"
+        )
+    for side, value in (("left", left), ("right", right)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"sliding_window {side} must be a non-negative int, got {value!r}")
+    return int(left), int(right)
+
+
+def _check_optional_positive(name: str, value: Any, kind: type) -> None:
+    if value is None:
+        return
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    if kind is int:
+        ok = ok and float(value).is_integer()
+    if not ok or not math.isfinite(float(value)) or value <= 0:
+        raise ValueError(f"{name} must be a positive {kind.__name__}, got {value!r}")
+
+
+def build_spec(
+    query: Any,
+    *,
+    causal: bool,
+    sliding_window: int | tuple[int, int] | None,
+    chunk_size: int | None,
+    logits_soft_cap: float | None,
+    softmax_scale: float | None,
+    has_segments: bool,
+    bias: Any,
+    softmax_aux: Any,
+) -> AttentionSpec:
+    """Check the scalar options and turn them into an `AttentionSpec`."""
+    if not isinstance(causal, (bool, np.bool_)):
+        raise ValueError(f"causal must be a bool, got {causal!r}")
+    _check_optional_positive("chunk_size", chunk_size, int)
+    _check_optional_positive("logits_soft_cap", logits_soft_cap, float)
+    _check_optional_positive("softmax_scale", softmax_scale, float)
+    head_dim = query.shape[-1]
+    scale = float(softmax_scale) if softmax_scale is not None else head_dim**-0.5
+    num_sinks = 0
+    if softmax_aux is not None:
+        num_sinks = 1 if softmax_aux.ndim == 1 else softmax_aux.shape[1]
+    return AttentionSpec(
+        scale=scale,
+        causal=bool(causal),
+        window=normalize_window(sliding_window),
+        chunk_size=int(chunk_size) if chunk_size is not None else None,
+        softcap=float(logits_soft_cap) if logits_soft_cap is not None else None,
+        has_segments=has_segments,
+        has_bias=bias is not None,
+        num_sinks=num_sinks,
+    )
+
+
+def _check_float(name: str, x: Any) -> None:
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+
+
+def _check_int(name: str, x: Any) -> None:
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must have an integer dtype, got {x.dtype}")
+
+
+def check_inputs(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    q_segment_ids: Any,
+    kv_segment_ids: Any,
+    q_positions: Any,
+    kv_positions: Any,
+    softmax_aux: Any,
+    bias: Any,
+    ring_size: int,
+) -> None:
+    """Raise `ValueError` / `TypeError` naming the argument for every malformed input.
+
+    Shapes are the local shards: `query [B, Tq, H, D]`, `key`/`value [B, Tk, Hkv, D]`; `bias` spans the
+    global key axis (`ring_size * Tk`).
+    """
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(f"{name} must have rank 4 [batch, length, heads, head_dim], got shape "
+                             f"{getattr(x, 'shape', None)}")
+        _check_float(name, x)
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise TypeError(f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, "
+                        f"{value.dtype}")
+    b, tq, h, d = query.shape
+    if key.shape != value.shape:
+        raise ValueError(f"key and value must have the same shape, got {key.shape} and {value.shape}")
+    _, tk, hkv, _ = key.shape
+    if key.shape[0] != b:
+        raise ValueError(f"key batch {key.shape[0]} does not match query batch {b}")
+    if key.shape[3] != d:
+        raise ValueError(f"key head_dim {key.shape[3]} does not match query head_dim {d}")
+    if min(b, tq, tk, h, hkv, d) == 0:
+        raise ValueError(f"query {query.shape} and key {key.shape} must have no empty dimension")
+    if h % hkv:
+        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hkv})")
+
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("q_segment_ids and kv_segment_ids must be given together (or neither)")
+    for name, x, t in (("q_segment_ids", q_segment_ids, tq), ("kv_segment_ids", kv_segment_ids, tk),
+                       ("q_positions", q_positions, tq), ("kv_positions", kv_positions, tk)):
+        if x is None:
+            continue
+        _check_int(name, x)
+        if x.shape != (b, t):
+            raise ValueError(f"{name} must have shape [batch, length] = {(b, t)}, got {x.shape}")
+
+    if softmax_aux is not None:
+        _check_float("softmax_aux", softmax_aux)
+        if not (softmax_aux.ndim in (1, 2) and softmax_aux.shape[0] == h
+                and (softmax_aux.ndim == 1 or softmax_aux.shape[1] > 0)):
+            raise ValueError(f"softmax_aux must have shape [heads] = ({h},) or [heads, n] = ({h}, n), "
+                             f"got {softmax_aux.shape}")
+    if bias is not None:
+        _check_float("bias", bias)
+        want = (b, h, tq, tk * ring_size)
+        if bias.ndim != 4 or any(got not in (1, full) for got, full in zip(bias.shape, want)):
+            raise ValueError(f"bias must have shape [batch, heads, q_length, global kv_length] = {want} "
+                             f"or be broadcastable to it (size-1 dims), got {bias.shape}")
