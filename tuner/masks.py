@@ -2,8 +2,9 @@
 
 `allowed` decides whether one query may read one key. `may_attend` decides, from the position and
 segment ranges of a group of queries and a group of keys, whether *any* pair in them may be allowed;
-when it says no, the whole tile (or ring step) is skipped. It is conservative: it may say yes for a
-group whose pairs are all excluded, never no for a group with an allowed pair.
+when it says no, the whole tile (or ring step) is skipped. `fully_allowed` decides whether *every*
+pair is allowed; when it says yes, the tile is computed without building a mask. Both are
+conservative: they may fail to skip, or fail to drop the mask, but never give a wrong result.
 """
 
 from __future__ import annotations
@@ -64,3 +65,25 @@ def may_attend(q_pos, k_pos, q_seg, k_seg, spec: AttentionSpec):
         possible &= _ranges_overlap(q_seg.min(axis=-1), q_seg.max(axis=-1),
                                     k_seg.min(axis=-1), k_seg.max(axis=-1))
     return possible.any()
+
+
+def fully_allowed(q_pos, k_pos, q_seg, k_seg, spec: AttentionSpec):
+    """Scalar bool: every query of `q_pos [B, Tq]` may read every key of `k_pos [B, Tk]`."""
+    if not spec.has_mask:
+        return jnp.bool_(True)
+    q_lo, q_hi = q_pos.min(axis=-1), q_pos.max(axis=-1)
+    k_lo, k_hi = k_pos.min(axis=-1), k_pos.max(axis=-1)
+    every = jnp.ones(q_lo.shape, bool)
+    if spec.causal:
+        every &= k_hi <= q_lo
+    if spec.window is not None:
+        left, right = spec.window
+        every &= (k_lo >= q_hi - left) & (k_hi <= q_lo + right)
+    if spec.chunk_size is not None:
+        c = spec.chunk_size
+        every &= (q_lo // c == q_hi // c) & (k_lo // c == k_hi // c) & (q_lo // c == k_lo // c)
+    if spec.has_segments:
+        q_s_lo, q_s_hi = q_seg.min(axis=-1), q_seg.max(axis=-1)
+        k_s_lo, k_s_hi = k_seg.min(axis=-1), k_seg.max(axis=-1)
+        every &= (q_s_lo == q_s_hi) & (k_s_lo == k_s_hi) & (q_s_lo == k_s_lo)
+    return every.all()

@@ -144,18 +144,29 @@ class _Operands:
         kv_seg = None if self.kv_seg is None else self.kv_seg[j]
         return masks.may_attend(self.q_pos[i], self.kv_pos[j], q_seg, kv_seg, spec)
 
-    def mask(self, spec: AttentionSpec, i, j):
-        """Bool `[B, 1, 1, bq, bk]` of readable pairs of tile (i, j), or None if all are readable."""
+    def fully_allowed(self, spec: AttentionSpec, i, j):
         q_seg = None if self.q_seg is None else self.q_seg[i]
         kv_seg = None if self.kv_seg is None else self.kv_seg[j]
-        mask = masks.allowed(self.q_pos[i], self.kv_pos[j], q_seg, kv_seg, spec)
+        return masks.fully_allowed(self.q_pos[i], self.kv_pos[j], q_seg, kv_seg, spec)
+
+    def mask(self, spec: AttentionSpec, i, j, masked: bool):
+        """Bool `[B, 1, 1, bq, bk]` of readable pairs of tile (i, j), or None if all are readable.
+
+        With `masked=False` the caller knows the spec excludes no pair of this tile; only padding is
+        masked then.
+        """
+        mask = None
+        if masked:
+            q_seg = None if self.q_seg is None else self.q_seg[i]
+            kv_seg = None if self.kv_seg is None else self.kv_seg[j]
+            mask = masks.allowed(self.q_pos[i], self.kv_pos[j], q_seg, kv_seg, spec)
         if self.tiling.kv_padded:
             valid = self.kv_valid[j][None, None, :]
             mask = valid if mask is None else mask & valid
         return None if mask is None else mask[:, None, None]
 
 
-def _logits(ops: _Operands, spec: AttentionSpec, q_tile, i, j):
+def _logits(ops: _Operands, spec: AttentionSpec, q_tile, i, j, masked: bool):
     """Logits of tile (i, j) `[B, Hkv, G, bq, bk]` (masked to -inf) and the softcap's tanh (or None)."""
     s = jnp.einsum("bhgqd,bhkd->bhgqk", q_tile, ops.k[j], preferred_element_type=F32) * spec.scale
     tanh = None
@@ -165,20 +176,25 @@ def _logits(ops: _Operands, spec: AttentionSpec, q_tile, i, j):
     bias = ops.bias_tile(i, j)
     if bias is not None:
         s = s + bias.astype(F32)
-    mask = ops.mask(spec, i, j)
+    mask = ops.mask(spec, i, j, masked)
     if mask is not None:
         s = jnp.where(mask, s, -jnp.inf)
     return s, tanh
 
 
-def _skip_unless_attending(ops: _Operands, spec: AttentionSpec, i, j, compute, carry):
-    """Run `compute(carry)` for tile (i, j) unless the masks exclude the whole tile."""
-    def counted(c):
-        work.record("tile_area", ops.tiling.block_q * ops.tiling.block_kv)
-        return compute(c)
+def _visit_tile(ops: _Operands, spec: AttentionSpec, i, j, compute, carry):
+    """Run `compute(carry, masked)` for tile (i, j): skipped when the masks exclude the whole tile,
+    with `masked=False` (no mask built) when they exclude no pair of it, else with `masked=True`."""
+    def counted(masked: bool):
+        def run(c):
+            work.record("tile_area", ops.tiling.block_q * ops.tiling.block_kv)
+            return compute(c, masked)
+        return run
+
     if not spec.has_mask:
-        return counted(carry)
-    return lax.cond(ops.may_attend(spec, i, j), counted, lambda c: c, carry)
+        return counted(False)(carry)
+    branch = jnp.where(ops.may_attend(spec, i, j), jnp.where(ops.fully_allowed(spec, i, j), 1, 2), 0)
+    return lax.switch(branch, [lambda c: c, counted(False), counted(True)], carry)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -194,9 +210,9 @@ def _forward(ops: _Operands, spec: AttentionSpec):
         stat_shape = q_tile.shape[:-1]
 
         def key_tile(carry, j):
-            def compute(carry):
+            def compute(carry, masked):
                 row_max, row_sum, acc = carry
-                s, _ = _logits(ops, spec, q_tile, i, j)
+                s, _ = _logits(ops, spec, q_tile, i, j, masked)
                 new_max = jnp.maximum(row_max, s.max(axis=-1))
                 safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
                 p = jnp.exp(s - safe_max[..., None])
@@ -206,7 +222,7 @@ def _forward(ops: _Operands, spec: AttentionSpec):
                                 preferred_element_type=F32)
                 return new_max, row_sum, rescale[..., None] * acc + pv
 
-            return _skip_unless_attending(ops, spec, i, j, compute, carry), None
+            return _visit_tile(ops, spec, i, j, compute, carry), None
 
         init = (jnp.full(stat_shape, -jnp.inf, F32), jnp.zeros(stat_shape, F32),
                 jnp.zeros(q_tile.shape, F32))
@@ -234,9 +250,9 @@ def _forward(ops: _Operands, spec: AttentionSpec):
 class _Grads:
     """Per-tile gradient pieces of tile (i, j), from the final-softmax statistics."""
 
-    def __init__(self, ops: _Operands, spec: AttentionSpec, do, lse, delta, i, j):
+    def __init__(self, ops: _Operands, spec: AttentionSpec, do, lse, delta, i, j, masked: bool):
         q_tile, do_tile = ops.q[i], do[i]
-        s, tanh = _logits(ops, spec, q_tile, i, j)
+        s, tanh = _logits(ops, spec, q_tile, i, j, masked)
         p = jnp.exp(s - lse[i][..., None])
         dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_tile, ops.v[j], preferred_element_type=F32)
         self.dlogits = p * (dp - delta[i][..., None])
@@ -271,9 +287,9 @@ def _backward(ops: _Operands, spec: AttentionSpec, do, lse, delta, dq_ops: _Oper
 
     def key_tile(outer, j):
         def query_tile(inner, i):
-            def compute(inner):
+            def compute(inner, masked):
                 dk, dv, dq, dbias = inner
-                grads = _Grads(ops, spec, do, lse, delta, i, j)
+                grads = _Grads(ops, spec, do, lse, delta, i, j, masked)
                 dk, dv = dk + grads.dk(ops), dv + grads.dv(ops)
                 if fused:
                     dq = dq.at[i].add(grads.dq(ops, j))
@@ -281,7 +297,7 @@ def _backward(ops: _Operands, spec: AttentionSpec, do, lse, delta, dq_ops: _Oper
                     dbias = dbias.at[ops.bias_index(i, j)].add(grads.dbias(ops, i, j))
                 return dk, dv, dq, dbias
 
-            return _skip_unless_attending(ops, spec, i, j, compute, inner), None
+            return _visit_tile(ops, spec, i, j, compute, inner), None
 
         dq, dbias = outer
         zeros = vma.like(jnp.zeros(k_tile_shape, F32), ops.q)
@@ -299,9 +315,9 @@ def _backward(ops: _Operands, spec: AttentionSpec, do, lse, delta, dq_ops: _Oper
 def _dq_pass(ops: _Operands, spec: AttentionSpec, do, lse, delta):
     def query_tile(i):
         def key_tile(dq, j):
-            def compute(dq):
-                return dq + _Grads(ops, spec, do, lse, delta, i, j).dq(ops, j)
-            return _skip_unless_attending(ops, spec, i, j, compute, dq), None
+            def compute(dq, masked):
+                return dq + _Grads(ops, spec, do, lse, delta, i, j, masked).dq(ops, j)
+            return _visit_tile(ops, spec, i, j, compute, dq), None
 
         dq0 = vma.like(jnp.zeros(ops.q.shape[1:], F32), ops.q)
         dq, _ = lax.scan(key_tile, dq0, jnp.arange(ops.tiling.num_kv))

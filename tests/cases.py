@@ -1,0 +1,232 @@
+"""Attention problems for the property tests: a hypothesis strategy, the ring runner and the oracle.
+
+A `Case` is a whole problem in natural token order (global arrays). `run_ring` lays it out for a
+ring of `case.ring` simulated devices, runs `ring_attention` under `shard_map`, and restores the
+results to natural order; `run_reference` runs the dense oracle in float64. Both return the output,
+the lse and the gradients of the same scalar loss with respect to query, key, value, bias and sinks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import strategies as st
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from tuner import BwdParams, FwdParams, layouts, ring_attention
+from tuner.reference import dense_attention
+
+GRAD_NAMES = ("dq", "dk", "dv", "dbias", "dsinks")
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int
+    length: int  # global, for queries and keys
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ring: int = 1
+    layout: str = "contiguous"
+    causal: bool = False
+    window: int | tuple[int, int] | None = None
+    chunk: int | None = None
+    softcap: float | None = None
+    scale: float | None = None
+    segments: str | None = None  # None, "packed" (sorted) or "random"
+    bias: str | None = None  # None, "full" [B,H,T,T], "keys" [1,H,1,T], "rows" [B,1,T,1]
+    sinks: str | None = None  # None, "head" [H], "pair" [H, 2]
+    explicit_positions: bool = False
+    fwd: FwdParams = FwdParams()
+    bwd: BwdParams = BwdParams()
+    dtype: str = "float32"
+    seed: int = 0
+
+    @property
+    def options(self) -> dict:
+        return dict(causal=self.causal, sliding_window=self.window, chunk_size=self.chunk,
+                    logits_soft_cap=self.softcap, softmax_scale=self.scale)
+
+
+@st.composite
+def cases(draw, ring_sizes=(1,), layouts_=layouts.LAYOUTS, dtype: str = "float32") -> Case:
+    ring = draw(st.sampled_from(ring_sizes))
+    layout = draw(st.sampled_from(layouts_))
+    local = draw(st.sampled_from([4, 6, 8, 12]))
+    length = local * ring
+    kv_heads = draw(st.sampled_from([1, 2]))
+    group = draw(st.sampled_from([1, 2, 4]))
+    window = draw(st.one_of(st.none(), st.integers(0, length),
+                            st.tuples(st.integers(0, length), st.integers(0, length))))
+    fused = draw(st.booleans())
+    block = st.integers(2, 2 * local)
+    return Case(
+        batch=draw(st.sampled_from([1, 2])), length=length, heads=kv_heads * group, kv_heads=kv_heads,
+        head_dim=draw(st.sampled_from([4, 8, 16])), ring=ring, layout=layout,
+        causal=draw(st.booleans()), window=window,
+        chunk=draw(st.one_of(st.none(), st.integers(1, length))),
+        softcap=draw(st.one_of(st.none(), st.floats(0.5, 20.0))),
+        scale=draw(st.one_of(st.none(), st.floats(0.05, 1.5))),
+        segments=draw(st.sampled_from([None, "packed", "random"])),
+        bias=draw(st.sampled_from([None, "full", "keys", "rows"])),
+        sinks=draw(st.sampled_from([None, "head", "pair"])),
+        explicit_positions=draw(st.booleans()),
+        fwd=FwdParams(draw(block), draw(block)),
+        bwd=BwdParams(draw(block), draw(block), *( (None, None) if fused else (draw(block), draw(block)))),
+        dtype=dtype, seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@dataclass
+class Arrays:
+    """The inputs of a case in natural token order (NumPy), plus the loss weights."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    bias: np.ndarray | None
+    sinks: np.ndarray | None
+    q_seg: np.ndarray | None
+    kv_seg: np.ndarray | None
+    positions: np.ndarray | None
+    out_weight: np.ndarray
+    lse_weight: np.ndarray
+
+
+def make_arrays(case: Case) -> Arrays:
+    rng = np.random.default_rng(case.seed)
+    b, t, h, hkv, d = case.batch, case.length, case.heads, case.kv_heads, case.head_dim
+
+    def normal(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    q_seg = kv_seg = None
+    if case.segments is not None:
+        q_seg = rng.integers(0, 3, (b, t)).astype(np.int32)
+        if case.segments == "packed":
+            q_seg = np.sort(q_seg, axis=1)
+        kv_seg = np.where(q_seg == 2, 1, q_seg).astype(np.int32)  # segment 2 reads no key: empty rows
+    bias = {None: None, "full": lambda: normal(b, h, t, t), "keys": lambda: normal(1, h, 1, t),
+            "rows": lambda: normal(b, 1, t, 1)}[case.bias]
+    sinks = {None: None, "head": lambda: normal(h), "pair": lambda: normal(h, 2)}[case.sinks]
+    positions = None
+    if case.explicit_positions:  # strictly increasing, with gaps and a per-row offset
+        positions = np.cumsum(rng.integers(1, 3, (b, t)), axis=1).astype(np.int32) - 1
+    return Arrays(normal(b, t, h, d), normal(b, t, hkv, d), normal(b, t, hkv, d),
+                  bias() if bias else None, sinks() if sinks else None, q_seg, kv_seg, positions,
+                  normal(b, t, h, d), normal(b, h, t))
+
+
+def _loss(out, lse, arrays_w, arrays_u):
+    finite = jnp.isfinite(lse)
+    return jnp.vdot(out.astype(jnp.float32), arrays_w) + jnp.sum(jnp.where(finite, lse, 0.0) * arrays_u)
+
+
+def run_reference(case: Case, a: Arrays, dtype=jnp.float64):
+    """The dense oracle (float64 by default): out, lse and the gradients, NumPy float64."""
+    with jax.enable_x64(True):
+        def loss(q, k, v, bias, sinks):
+            out, lse = dense_attention(
+                q, k, v, q_positions=a.positions, kv_positions=a.positions, q_segment_ids=a.q_seg,
+                kv_segment_ids=a.kv_seg, bias=bias, softmax_aux=sinks, **case.options)
+            w, u = jnp.asarray(a.out_weight, dtype), jnp.asarray(a.lse_weight, dtype)
+            finite = jnp.isfinite(lse)
+            value = jnp.vdot(out, w) + jnp.sum(jnp.where(finite, lse, 0.0) * u)
+            return value.astype(jnp.float64), (out, lse)
+
+        args = [None if x is None else jnp.asarray(x, dtype) for x in (a.q, a.k, a.v, a.bias, a.sinks)]
+        (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(*args)
+        as64 = lambda x: None if x is None else np.asarray(x, np.float64)  # noqa: E731
+        return as64(out), as64(lse), [as64(g) for g in grads]
+
+
+def run_ring(case: Case, a: Arrays, *, use_axis: bool = True):
+    """`ring_attention` on `case.ring` simulated devices: out, lse and gradients in natural order.
+
+    With `use_axis=False` (ring of 1 only) it is called directly, with `axis_name=None`.
+    """
+    assert use_axis or case.ring == 1
+    ring, layout = case.ring, case.layout
+    dtype = jnp.dtype(case.dtype)
+
+    def lay(x, axis=1):
+        return None if x is None else np.asarray(layouts.lay_out(jnp.asarray(x), layout, ring, axis=axis))
+
+    def back(x, axis=1):
+        return None if x is None else np.asarray(layouts.restore(jnp.asarray(x), layout, ring, axis=axis),
+                                                 np.float64)
+
+    bias = a.bias
+    if bias is not None:
+        bias = lay(bias, 2) if bias.shape[2] > 1 else bias
+        bias = lay(bias, 3) if bias.shape[3] > 1 else bias
+    seq = P(None, "sp")
+    bias_spec = P() if bias is None or bias.shape[2] == 1 else P(None, None, "sp", None)
+    mesh = Mesh(np.array(jax.devices()[:ring]), ("sp",))
+
+    def local(q, k, v, bias, sinks, q_seg, kv_seg, pos, w, u):
+        out, lse = ring_attention(
+            q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_positions=pos, kv_positions=pos,
+            softmax_aux=sinks, bias=bias, axis_name="sp" if use_axis else None, layout=layout, fwd_params=case.fwd,
+            bwd_params=case.bwd, return_lse=True, **case.options)
+        return out, lse
+
+    sharded = jax.shard_map(
+        local, mesh=mesh,
+        in_specs=(seq, seq, seq, bias_spec, P(), seq, seq, seq, seq, P(None, None, "sp")),
+        out_specs=(seq, P(None, None, "sp"))) if use_axis else local
+
+    def loss(q, k, v, bias, sinks, q_seg, kv_seg, pos, w, u):
+        out, lse = sharded(q, k, v, bias, sinks, q_seg, kv_seg, pos, w, u)
+        return _loss(out, lse, w, u), (out, lse)
+
+    cast = lambda x: None if x is None else jnp.asarray(x, dtype)  # noqa: E731
+    args = (cast(lay(a.q)), cast(lay(a.k)), cast(lay(a.v)), cast(bias), cast(a.sinks), lay(a.q_seg),
+            lay(a.kv_seg), lay(a.positions), lay(a.out_weight), lay(a.lse_weight, 2))
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
+    (_, (out, lse)), (dq, dk, dv, dbias, dsinks) = step(*args)
+    assert out.dtype == dtype, f"output dtype {out.dtype} != query dtype {dtype}"
+    assert lse.dtype == jnp.float32, f"lse dtype {lse.dtype} is not float32"
+    if dbias is not None:
+        dbias = back(dbias, 2) if dbias.shape[2] > 1 else np.asarray(dbias, np.float64)
+        dbias = back(dbias, 3) if dbias.shape[3] > 1 else dbias
+    return back(out), back(lse, 2), [back(dq), back(dk), back(dv), dbias,
+                                      None if dsinks is None else np.asarray(dsinks, np.float64)]
+
+
+def rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    """Relative Frobenius error; NaN anywhere counts as infinitely wrong."""
+    if not np.all(np.isfinite(got)):
+        return float("inf")
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-12))
+
+
+def assert_lse_close(got: np.ndarray, want: np.ndarray, tol: float) -> None:
+    empty = np.isneginf(want)
+    assert np.array_equal(np.isneginf(got), empty), "rows without any readable key must have lse -inf"
+    assert not np.any(np.isnan(got)), "lse has NaN"
+    assert rel_err(got[~empty], want[~empty]) <= tol
+
+
+def check_case(case: Case, fwd_tol: float = 1e-5, grad_tol: float = 1e-4, *, use_axis: bool = True) -> None:
+    """Run a float32 case on the ring and assert DESIGN section 10's tolerances against float64."""
+    a = make_arrays(case)
+    out_r, lse_r, grads_r = run_reference(case, a)
+    out, lse, grads = run_ring(case, a, use_axis=use_axis)
+    assert rel_err(out, out_r) <= fwd_tol, f"forward error {rel_err(out, out_r):.2e}"
+    assert_lse_close(lse, lse_r, fwd_tol)
+    empty_rows = np.isneginf(lse_r)  # [B,H,T]
+    assert np.all(out.transpose(0, 2, 1, 3)[empty_rows] == 0.0), "empty rows must output exactly 0"
+    for name, got, want in zip(GRAD_NAMES, grads, grads_r):
+        assert (got is None) == (want is None), name
+        if got is not None:
+            assert rel_err(got, want) <= grad_tol, f"{name} error {rel_err(got, want):.2e}"
+
+
+def replace(case: Case, **changes) -> Case:
+    return dataclasses.replace(case, **changes)

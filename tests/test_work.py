@@ -1,0 +1,65 @@
+"""Masked work is skipped, not computed and thrown away; zigzag balances causal work."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from tuner import FwdParams, BwdParams, ring_attention
+from tuner.work import count_work
+
+
+def _count(ring: int, layout: str, *, causal: bool = True, local: int = 16, backward: bool = False,
+           **options):
+    mesh = Mesh(np.array(jax.devices()[:ring]), ("sp",))
+    seq = P(None, "sp")
+    half = local // 2  # tiles of half a local shard: the zigzag chunk size
+
+    def local_fn(q, k, v):
+        return ring_attention(q, k, v, causal=causal, axis_name="sp", layout=layout, backend="scan",
+                              fwd_params=FwdParams(half, half), bwd_params=BwdParams(half, half),
+                              **options)
+
+    fn = jax.shard_map(local_fn, mesh=mesh, in_specs=(seq, seq, seq), out_specs=seq)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, ring * local, 2, 8)), jnp.float32)
+    with count_work() as counts:
+        if backward:
+            jax.block_until_ready(jax.grad(lambda q: fn(q, x, x).sum())(x))
+        else:
+            jax.block_until_ready(jax.jit(fn)(x, x, x))
+    return counts
+
+
+@pytest.mark.parametrize("ring", [4, 8])
+def test_contiguous_causal_ring_skips_future_blocks(ring):
+    counts = _count(ring, "contiguous")
+    assert sum(counts["blocks"].values()) == ring * (ring + 1) // 2
+    assert dict(counts["blocks"]) == {r: r + 1 for r in range(ring)}  # device r sees shards 0..r
+
+
+def test_non_causal_ring_computes_every_block():
+    counts = _count(4, "contiguous", causal=False)
+    assert dict(counts["blocks"]) == {r: 4 for r in range(4)}
+
+
+def test_backward_skips_the_same_blocks():
+    counts = _count(4, "contiguous", backward=True)
+    # the forward (saved for the backward) and the backward each compute P(P+1)/2 blocks
+    assert sum(counts["blocks"].values()) == 2 * (4 * 5 // 2)
+
+
+def test_zigzag_balances_causal_work_at_p8():
+    zigzag = _count(8, "zigzag")["tile_area"]
+    contiguous = _count(8, "contiguous")["tile_area"]
+    balance = lambda work: max(work.values()) / (sum(work.values()) / 8)  # noqa: E731
+    assert len(zigzag) == 8 and balance(zigzag) <= 1.1, dict(zigzag)
+    assert balance(contiguous) > 1.5, dict(contiguous)  # the imbalance zigzag removes
+    assert sum(zigzag.values()) <= 0.6 * 8 * 8 * 16 * 16  # about half of the P^2 T^2 pairs is computed
+
+
+def test_sliding_window_skips_far_blocks():
+    counts = _count(8, "contiguous", causal=False, sliding_window=4)
+    # a window of 4 tokens on shards of 16 reaches only the neighbouring shards
+    assert dict(counts["blocks"]) == {r: 3 - (r in (0, 7)) for r in range(8)}

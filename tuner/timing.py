@@ -1,0 +1,89 @@
+"""Honest timing of compiled JAX functions (DESIGN section 7).
+
+Every candidate is compiled first (compile time is measured apart), warmed up, then the candidates
+are run interleaved -- A, B, C, A, B, C, ... -- so that a slow spell of a shared machine hits them
+all alike. Each run gets a freshly drawn, non-zero input set (never zeros: a kernel that skips work
+on zeros would look fast). The result is the median with its spread.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import jax
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per call: median and spread over `runs` interleaved runs, plus the compile time."""
+
+    median: float
+    low: float
+    high: float
+    runs: int
+    compile_seconds: float
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median: how noisy the measurement was."""
+        return (self.high - self.low) / self.median if self.median > 0 else 0.0
+
+    def to_dict(self) -> dict[str, float]:
+        return {"median_s": self.median, "min_s": self.low, "max_s": self.high, "runs": self.runs,
+                "compile_s": self.compile_seconds, "spread": self.spread}
+
+
+def compile_timed(fn: Callable, args: Sequence) -> tuple[Callable, float]:
+    """AOT-compile `jax.jit(fn)` for `args`; returns the compiled callable and the seconds it took."""
+    start = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    return compiled, time.perf_counter() - start
+
+
+def time_interleaved(
+    candidates: dict[str, Callable],
+    input_sets: Sequence[Sequence],
+    *,
+    runs: int = 7,
+    warmup: int = 2,
+) -> dict[str, Timing]:
+    """Median seconds per call of each candidate, compiled, warmed up and run interleaved.
+
+    `input_sets` are argument tuples drawn beforehand (distinct, non-zero); run `i` uses set
+    `i % len(input_sets)`, so consecutive runs never reuse the same buffers.
+    """
+    if not input_sets:
+        raise ValueError("input_sets must hold at least one argument tuple")
+    if runs < 1:
+        raise ValueError(f"runs must be >= 1, got {runs}")
+    compiled, compile_seconds = {}, {}
+    for name, fn in candidates.items():
+        compiled[name], compile_seconds[name] = compile_timed(fn, input_sets[0])
+    for i in range(warmup):
+        for fn in compiled.values():
+            jax.block_until_ready(fn(*input_sets[i % len(input_sets)]))
+    samples: dict[str, list[float]] = {name: [] for name in candidates}
+    for i in range(runs):
+        args = input_sets[i % len(input_sets)]
+        for name, fn in compiled.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            samples[name].append(time.perf_counter() - start)
+    return {
+        name: Timing(statistics.median(s), min(s), max(s), len(s), compile_seconds[name])
+        for name, s in samples.items()
+    }
+
+
+def attention_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, *, causal: bool,
+                    objective: str = "fwd") -> float:
+    """FLOPs of exact attention (DESIGN section 11): forward 4*B*H*Tq*Tk*D, half when causal;
+    backward 2.5x forward; `objective` is "fwd", "bwd" or "fwd+bwd"."""
+    forward = 4.0 * batch * heads * q_len * kv_len * head_dim * (0.5 if causal else 1.0)
+    factor = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
+    if objective not in factor:
+        raise ValueError(f"objective must be one of {', '.join(factor)}, got {objective!r}")
+    return forward * factor[objective]
