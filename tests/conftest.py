@@ -12,7 +12,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
-    "ci", max_examples=12, deadline=None, derandomize=True, print_blob=True,
+    "ci", max_examples=20, deadline=None, derandomize=True, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.register_profile(
