@@ -39,6 +39,11 @@ def allowed(q_pos, k_pos, q_seg, k_seg, spec: AttentionSpec):
     return mask
 
 
+def _bounds(x):
+    """Per batch row (min, max) of `[B, T]` positions or segment ids."""
+    return x.min(axis=-1), x.max(axis=-1)
+
+
 def _ranges_overlap(lo_a, hi_a, lo_b, hi_b):
     return (lo_a <= hi_b) & (lo_b <= hi_a)
 
@@ -50,8 +55,7 @@ def may_attend(q_pos, k_pos, q_seg, k_seg, spec: AttentionSpec):
     """
     if not spec.has_mask:
         return jnp.bool_(True)
-    q_lo, q_hi = q_pos.min(axis=-1), q_pos.max(axis=-1)
-    k_lo, k_hi = k_pos.min(axis=-1), k_pos.max(axis=-1)
+    (q_lo, q_hi), (k_lo, k_hi) = _bounds(q_pos), _bounds(k_pos)
     possible = jnp.ones(q_lo.shape, bool)
     if spec.causal:
         possible &= k_lo <= q_hi
@@ -62,8 +66,7 @@ def may_attend(q_pos, k_pos, q_seg, k_seg, spec: AttentionSpec):
         c = spec.chunk_size
         possible &= _ranges_overlap(q_lo // c, q_hi // c, k_lo // c, k_hi // c)
     if spec.has_segments:
-        possible &= _ranges_overlap(q_seg.min(axis=-1), q_seg.max(axis=-1),
-                                    k_seg.min(axis=-1), k_seg.max(axis=-1))
+        possible &= _ranges_overlap(*_bounds(q_seg), *_bounds(k_seg))
     return possible.any()
 
 
@@ -71,8 +74,7 @@ def fully_allowed(q_pos, k_pos, q_seg, k_seg, spec: AttentionSpec):
     """Scalar bool: every query of `q_pos [B, Tq]` may read every key of `k_pos [B, Tk]`."""
     if not spec.has_mask:
         return jnp.bool_(True)
-    q_lo, q_hi = q_pos.min(axis=-1), q_pos.max(axis=-1)
-    k_lo, k_hi = k_pos.min(axis=-1), k_pos.max(axis=-1)
+    (q_lo, q_hi), (k_lo, k_hi) = _bounds(q_pos), _bounds(k_pos)
     every = jnp.ones(q_lo.shape, bool)
     if spec.causal:
         every &= k_hi <= q_lo
@@ -83,7 +85,6 @@ def fully_allowed(q_pos, k_pos, q_seg, k_seg, spec: AttentionSpec):
         c = spec.chunk_size
         every &= (q_lo // c == q_hi // c) & (k_lo // c == k_hi // c) & (q_lo // c == k_lo // c)
     if spec.has_segments:
-        q_s_lo, q_s_hi = q_seg.min(axis=-1), q_seg.max(axis=-1)
-        k_s_lo, k_s_hi = k_seg.min(axis=-1), k_seg.max(axis=-1)
+        (q_s_lo, q_s_hi), (k_s_lo, k_s_hi) = _bounds(q_seg), _bounds(k_seg)
         every &= (q_s_lo == q_s_hi) & (k_s_lo == k_s_hi) & (q_s_lo == k_s_lo)
     return every.all()
