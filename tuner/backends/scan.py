@@ -139,15 +139,17 @@ class _Operands:
             return None
         return self.bias[self.bias_index(i, j)]
 
+    def segments(self, i, j):
+        """Segment ids of query tile i and key tile j (None, None without segments)."""
+        if self.q_seg is None:
+            return None, None
+        return self.q_seg[i], self.kv_seg[j]
+
     def may_attend(self, spec: AttentionSpec, i, j):
-        q_seg = None if self.q_seg is None else self.q_seg[i]
-        kv_seg = None if self.kv_seg is None else self.kv_seg[j]
-        return masks.may_attend(self.q_pos[i], self.kv_pos[j], q_seg, kv_seg, spec)
+        return masks.may_attend(self.q_pos[i], self.kv_pos[j], *self.segments(i, j), spec)
 
     def fully_allowed(self, spec: AttentionSpec, i, j):
-        q_seg = None if self.q_seg is None else self.q_seg[i]
-        kv_seg = None if self.kv_seg is None else self.kv_seg[j]
-        return masks.fully_allowed(self.q_pos[i], self.kv_pos[j], q_seg, kv_seg, spec)
+        return masks.fully_allowed(self.q_pos[i], self.kv_pos[j], *self.segments(i, j), spec)
 
     def mask(self, spec: AttentionSpec, i, j, masked: bool):
         """Bool `[B, 1, 1, bq, bk]` of readable pairs of tile (i, j), or None if all are readable.
@@ -157,9 +159,7 @@ class _Operands:
         """
         mask = None
         if masked:
-            q_seg = None if self.q_seg is None else self.q_seg[i]
-            kv_seg = None if self.kv_seg is None else self.kv_seg[j]
-            mask = masks.allowed(self.q_pos[i], self.kv_pos[j], q_seg, kv_seg, spec)
+            mask = masks.allowed(self.q_pos[i], self.kv_pos[j], *self.segments(i, j), spec)
         if self.tiling.kv_padded:
             valid = self.kv_valid[j][None, None, :]
             mask = valid if mask is None else mask & valid
