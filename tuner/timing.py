@@ -43,6 +43,41 @@ def compile_timed(fn: Callable, args: Sequence) -> tuple[Callable, float]:
     return compiled, time.perf_counter() - start
 
 
+def run_interleaved(
+    thunks: dict[str, Callable[[int], object]],
+    *,
+    runs: int = 7,
+    warmup: int = 2,
+    compile_seconds: dict[str, float] | None = None,
+    deadline: float | None = None,
+) -> dict[str, Timing]:
+    """Median seconds per call of each already-compiled `thunk(i)` (run `i` picks its own input set),
+    warmed up, then run interleaved.
+
+    With `deadline` (a `time.perf_counter()` value), raises `TimeoutError` as soon as the measured
+    runs show that the remaining ones cannot finish before it.
+    """
+    if runs < 1:
+        raise ValueError(f"runs must be >= 1, got {runs}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    samples: dict[str, list[float]] = {name: [] for name in thunks}
+    for i in range(-warmup, runs):
+        round_start = time.perf_counter()
+        for name, thunk in thunks.items():
+            start = time.perf_counter()
+            jax.block_until_ready(thunk(i))
+            if i >= 0:
+                samples[name].append(time.perf_counter() - start)
+        now = time.perf_counter()
+        if deadline is not None and now + (runs - 1 - i) * (now - round_start) > deadline:
+            raise TimeoutError(f"{runs} timed runs of {len(thunks)} function(s) would take "
+                               f"{(runs + warmup) * (now - round_start):.1f} s")
+    compile_seconds = compile_seconds or {}
+    return {name: Timing(statistics.median(s), min(s), max(s), len(s), compile_seconds.get(name, 0.0))
+            for name, s in samples.items()}
+
+
 def time_interleaved(
     candidates: dict[str, Callable],
     input_sets: Sequence[Sequence],
@@ -57,25 +92,11 @@ def time_interleaved(
     """
     if not input_sets:
         raise ValueError("input_sets must hold at least one argument tuple")
-    if runs < 1:
-        raise ValueError(f"runs must be >= 1, got {runs}")
     compiled, compile_seconds = {}, {}
     for name, fn in candidates.items():
         compiled[name], compile_seconds[name] = compile_timed(fn, input_sets[0])
-    for i in range(warmup):
-        for fn in compiled.values():
-            jax.block_until_ready(fn(*input_sets[i % len(input_sets)]))
-    samples: dict[str, list[float]] = {name: [] for name in candidates}
-    for i in range(runs):
-        args = input_sets[i % len(input_sets)]
-        for name, fn in compiled.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            samples[name].append(time.perf_counter() - start)
-    return {
-        name: Timing(statistics.median(s), min(s), max(s), len(s), compile_seconds[name])
-        for name, s in samples.items()
-    }
+    thunks = {name: (lambda i, fn=fn: fn(*input_sets[i % len(input_sets)])) for name, fn in compiled.items()}
+    return run_interleaved(thunks, runs=runs, warmup=warmup, compile_seconds=compile_seconds)
 
 
 def attention_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, *, causal: bool,

@@ -15,10 +15,50 @@ final softmax (all ring steps and sinks), so a block's probabilities are `exp(lo
 
 from __future__ import annotations
 
+import hashlib
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from tuner.params import BwdParams, FwdParams
+from tuner.problem import Problem
 from tuner.spec import AttentionSpec
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The tunable choices of one backend for one problem (DESIGN section 6).
+
+    `fwd` maps `FwdParams` fields to their candidate values, `bwd` the `BwdParams` fields other than the
+    dq tiles; `dq_tiles` are the candidates for `block_q_dq` and `block_kv_dq` of a separate dq pass
+    (empty: dq is always fused). Cross-field constraints are the backend's `violation`.
+    """
+
+    fwd: dict[str, tuple[int, ...]]
+    bwd: dict[str, tuple[int, ...]]
+    dq_tiles: tuple[int, ...] = ()
+
+    def fwd_points(self) -> Iterator[FwdParams]:
+        names = list(self.fwd)
+        for values in itertools.product(*self.fwd.values()):
+            yield FwdParams(**dict(zip(names, values)))
+
+    def bwd_points(self) -> Iterator[BwdParams]:
+        names = list(self.bwd)
+        dq_options = [(None, None), *itertools.product(self.dq_tiles, self.dq_tiles)]
+        for values in itertools.product(*self.bwd.values()):
+            for block_q_dq, block_kv_dq in dq_options:
+                yield BwdParams(**dict(zip(names, values)), block_q_dq=block_q_dq, block_kv_dq=block_kv_dq)
+
+
+def source_hash(*paths: Path) -> str:
+    """First 12 hex digits of the sha256 of these files: the version of a backend's kernel code."""
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 class Backend(Protocol):
@@ -37,6 +77,16 @@ class Backend(Protocol):
 
     def default_params(self, q_len: int, kv_len: int, head_dim: int) -> tuple[FwdParams, BwdParams]:
         """The heuristic default for a local problem of these lengths."""
+
+    def search_space(self, problem: Problem) -> SearchSpace:
+        """The candidate tiles (and launch settings) worth trying for `problem`."""
+
+    def violation(self, problem: Problem, fwd: FwdParams | None, bwd: BwdParams | None) -> str | None:
+        """Why this point cannot run for `problem` (checked before compiling), or None when it can."""
+
+    def code_hash(self) -> str:
+        """Version of the code that builds this backend's kernels (template text for generated ones):
+        part of every cache entry, so tuned entries go stale when the kernels change."""
 
     def block_fwd(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec,
                   params: FwdParams, interpret: bool): ...

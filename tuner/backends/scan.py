@@ -13,6 +13,7 @@ are padded; padded keys are masked out and padded query rows are dropped.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -20,7 +21,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from tuner import masks, vma, work
+from tuner.backends.base import SearchSpace, source_hash
 from tuner.params import BwdParams, FwdParams
+from tuner.problem import Problem
 from tuner.spec import AttentionSpec
 
 F32 = jnp.float32
@@ -378,6 +381,9 @@ def _untile_bias(x, ops: _Operands, tiling: _Tiling):
 # --------------------------------------------------------------------------------------------------
 
 
+TILE_BYTES_LIMIT = 256 * 2**20
+
+
 class ScanBackend:
     """Pure-JAX blockwise attention; honours every feature on every platform."""
 
@@ -400,6 +406,36 @@ class ScanBackend:
         """Tall query tiles, short key tiles, dq fused: the best of a sweep on a 2-core x86 CPU
         (local T=1024, H=8, D=64, float32); half a 1024-token shard keeps zigzag chunks tile-aligned."""
         return FwdParams(block_q=512, block_kv=256), BwdParams(block_q_dkv=512, block_kv_dkv=256)
+
+    def search_space(self, problem: Problem) -> SearchSpace:
+        """Powers of two from 32 up to the local length (and the local length itself): a longer tile
+        would only be shortened to the sequence, a point already in the space."""
+        local = problem.local_len
+        tiles = tuple(sorted({t for t in (32, 64, 128, 256, 512, 1024, 2048, 4096) if t <= local}
+                             | {min(local, 4096)}))
+        return SearchSpace(fwd={"block_q": tiles, "block_kv": tiles},
+                           bwd={"block_q_dkv": tiles, "block_kv_dkv": tiles}, dq_tiles=tiles)
+
+    def violation(self, problem: Problem, fwd: FwdParams | None, bwd: BwdParams | None) -> str | None:
+        """A float32 logits tile for every (batch, head) must fit in `TILE_BYTES_LIMIT`: larger tiles
+        thrash the caches on a CPU and exhaust memory on an accelerator."""
+        tiles = []
+        if fwd is not None:
+            tiles.append(("fwd", fwd.block_q, fwd.block_kv))
+        if bwd is not None:
+            tiles.append(("bwd dk/dv", bwd.block_q_dkv, bwd.block_kv_dkv))
+            if not bwd.fused_dq:
+                tiles.append(("bwd dq", bwd.block_q_dq, bwd.block_kv_dq))
+        for name, block_q, block_kv in tiles:
+            rows, cols = min(block_q, problem.local_len), min(block_kv, problem.local_len)
+            size = 4 * problem.batch * problem.heads * rows * cols
+            if size > TILE_BYTES_LIMIT:
+                return (f"{name} logits tile {rows}x{cols} x B*H={problem.batch * problem.heads} is "
+                        f"{size / 2**20:.0f} MiB, over the {TILE_BYTES_LIMIT // 2**20} MiB tile limit")
+        return None
+
+    def code_hash(self) -> str:
+        return source_hash(Path(__file__))
 
     def block_fwd(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec,
                   params: FwdParams, interpret: bool = False):

@@ -1,0 +1,143 @@
+"""What the tuner tunes: one ring attention problem (global shape, features, ring) and its cache key.
+
+A `Problem` is the user's description (global sequence length, ring size, layout, feature options);
+`ProblemKey` is what the cache stores and looks up (DESIGN section 8): the local shapes each device
+sees, the dtype, the feature flags, the device kind, ring size, layout and backend. The runtime loader
+builds the same key from the shapes it is traced with, so a search and a training job meet on it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tuner import layouts
+from tuner.spec import LAYOUTS, AttentionSpec, normalize_window
+
+DTYPES = ("float32", "bfloat16", "float16")
+OBJECTIVES = ("fwd", "bwd", "fwd+bwd")
+
+
+def _positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One attention problem over a ring: global shapes, dtype, features, ring size and layout.
+
+    `segments` is the number of packed documents per batch row (0: no segment ids); `sinks` the number
+    of sink logits per head (0: none); `window` is `(left, right)` or None.
+    """
+
+    batch: int = 1
+    seq_len: int = 2048
+    heads: int = 8
+    kv_heads: int = 2
+    head_dim: int = 64
+    dtype: str = "float32"
+    causal: bool = True
+    window: tuple[int, int] | None = None
+    chunk_size: int | None = None
+    segments: int = 0
+    softcap: float | None = None
+    sinks: int = 0
+    ring_size: int = 4
+    layout: str = "zigzag"
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "seq_len", "heads", "kv_heads", "head_dim", "ring_size"):
+            _positive(name, getattr(self, name))
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
+        if self.seq_len % self.ring_size:
+            raise ValueError(f"seq_len={self.seq_len} must be divisible by ring_size={self.ring_size}")
+        layouts.check_layout(self.layout, self.local_len)
+        object.__setattr__(self, "window", normalize_window(self.window))
+        if self.chunk_size is not None:
+            _positive("chunk_size", self.chunk_size)
+        if self.softcap is not None and not self.softcap > 0:
+            raise ValueError(f"softcap must be a positive number, got {self.softcap!r}")
+        for name in ("segments", "sinks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.segments > self.seq_len:
+            raise ValueError(f"segments={self.segments} cannot exceed seq_len={self.seq_len} "
+                             f"(every packed document needs a token)")
+
+    @property
+    def local_len(self) -> int:
+        """Tokens per device: the local query and key length."""
+        return self.seq_len // self.ring_size
+
+    @property
+    def spec(self) -> AttentionSpec:
+        return AttentionSpec(scale=self.head_dim**-0.5, causal=self.causal, window=self.window,
+                             chunk_size=self.chunk_size, softcap=self.softcap,
+                             has_segments=self.segments > 0, num_sinks=self.sinks)
+
+    def key(self, backend: str, device_kind: str) -> ProblemKey:
+        return ProblemKey(backend=backend, device_kind=device_kind, ring_size=self.ring_size,
+                          layout=self.layout, batch=self.batch, q_len=self.local_len,
+                          kv_len=self.local_len, heads=self.heads, kv_heads=self.kv_heads,
+                          head_dim=self.head_dim, dtype=self.dtype, features=self.spec.features())
+
+    def describe(self) -> str:
+        """One line: shapes, dtype and the features that are on."""
+        extras = [name for name, on in (("causal", self.causal), (f"window={self.window}", self.window),
+                                        (f"chunk={self.chunk_size}", self.chunk_size),
+                                        (f"segments={self.segments}", self.segments),
+                                        (f"softcap={self.softcap}", self.softcap),
+                                        (f"sinks={self.sinks}", self.sinks)) if on]
+        return (f"B={self.batch} T={self.seq_len} H={self.heads} Hkv={self.kv_heads} D={self.head_dim} "
+                f"{self.dtype} {' '.join(extras) or 'full'} | ring {self.ring_size} x {self.local_len} "
+                f"tokens, {self.layout}")
+
+
+@dataclass(frozen=True)
+class ProblemKey:
+    """The cache key of DESIGN section 8, less the versions (those decide staleness, not identity)."""
+
+    backend: str
+    device_kind: str
+    ring_size: int
+    layout: str
+    batch: int
+    q_len: int
+    kv_len: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    features: dict[str, Any] = field(default_factory=dict)
+    op: str = "ring_attention"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def digest(self) -> str:
+        """A stable 16-hex-digit id of the key, the primary key of its cache row."""
+        text = json.dumps(self.as_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    @property
+    def family(self) -> tuple:
+        """What must match for a tuned entry to be borrowed by a nearby shape (nearest lookup)."""
+        return (self.op, self.backend, self.device_kind, self.head_dim, self.dtype,
+                json.dumps(self.features, sort_keys=True))
+
+    def distance(self, other: ProblemKey) -> float:
+        """How far apart two shapes of one family are: summed |log2 ratio| of the size fields."""
+        fields = ("batch", "q_len", "kv_len", "heads", "kv_heads", "ring_size")
+        return sum(abs(math.log2(getattr(self, f) / getattr(other, f))) for f in fields) + (
+            0.5 if self.layout != other.layout else 0.0)

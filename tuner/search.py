@@ -1,0 +1,523 @@
+"""The autotuner (DESIGN section 7): an optuna study per problem, candidates verified before timed.
+
+One study per (problem key, objective, versions). Its first trial is the backend's heuristic default.
+Every trial:
+
+1. samples forward and/or backward params from the backend's `SearchSpace` (the objective decides
+   which; the others stay at the default);
+2. drops points the backend's constraints rule out, *before compiling* (a pruned trial, with reason);
+3. compiles (compile seconds kept apart from run time);
+4. checks the candidate against the scan backend at float32 on the same random inputs -- forward,
+   and the gradients for backward objectives; a wrong candidate is a failed trial with its error;
+5. times it interleaved with the default (the reference measured in the same run) on fresh non-zero
+   inputs; its value is its time relative to the default's, so a noisy machine hurts every trial alike.
+
+Compile errors, out-of-memory, wrong results and trials over `trial_timeout` are failed trials with a
+reason, and the search goes on. Forward and backward params act on separate passes, so the best
+forward of any trial and the best backward of any trial are also combined into one candidate. At the
+end the best few candidates, the combination and the default are re-timed interleaved and the winner
+is written to the cache. Studies live in an optuna storage (by default a SQLite file beside the
+cache): run the same search again and it resumes; point several processes or hosts at one storage
+and they share the study.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import logging
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import optuna
+
+import tuner
+from tuner.backends import Backend, choose_backend, get_backend
+from tuner.backends.base import SearchSpace
+from tuner.cache import Cache, current_versions, make_row
+from tuner.params import BwdParams, FwdParams
+from tuner.problem import OBJECTIVES, Problem, ProblemKey
+from tuner.timing import Timing, run_interleaved
+from tuner.workload import Compiled, Workload, relative_error
+
+log = logging.getLogger("tuner.search")
+
+SAMPLERS = ("tpe", "gp", "random", "grid")
+DEVICES = ("cpu", "gpu", "tpu")
+FWD_TOLERANCE = 1e-5
+GRAD_TOLERANCE = 1e-4
+INTERRUPTED = "interrupted"
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """How to search. `trials` is the total the study should reach (a resumed study runs the rest);
+    `timeout` bounds this run in seconds; `trial_timeout` bounds one trial (checked between its
+    compile, check and timed runs: a single compile that runs longer is not interrupted)."""
+
+    objective: str = "fwd+bwd"
+    trials: int = 12
+    timeout: float | None = None
+    trial_timeout: float = 120.0
+    sampler: str = "tpe"
+    seed: int = 0
+    storage: str | None = None
+    runs: int = 3
+    final_runs: int = 5
+    top: int = 3
+    interpret: bool = False
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
+        for name in ("trials", "runs", "final_runs", "top"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("timeout", "trial_timeout"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
+    @property
+    def tunes_fwd(self) -> bool:
+        return self.objective != "bwd"
+
+    @property
+    def tunes_bwd(self) -> bool:
+        return self.objective != "fwd"
+
+
+@dataclass(frozen=True)
+class Point:
+    """One candidate: forward and backward params."""
+
+    fwd: FwdParams
+    bwd: BwdParams
+
+    def describe(self) -> str:
+        def short(params) -> str:
+            return " ".join(f"{k}={v}" for k, v in params.to_dict().items() if v is not None)
+        return f"fwd({short(self.fwd)}) bwd({short(self.bwd)})"
+
+
+@dataclass
+class Measured:
+    """A candidate's re-timed seconds per pass (0 for a pass the objective leaves out)."""
+
+    point: Point
+    fwd: Timing | None
+    bwd: Timing | None
+
+    @property
+    def seconds(self) -> float:
+        return sum(t.median for t in (self.fwd, self.bwd) if t is not None)
+
+
+@dataclass
+class SearchResult:
+    """What a search found, measured and stored."""
+
+    problem: Problem
+    backend: str
+    device_kind: str
+    key: ProblemKey
+    objective: str
+    study: str
+    storage: str
+    default: Measured
+    best: Measured
+    trials_run: int
+    trials_pruned: int
+    failed: dict[str, int]
+    db_path: Path
+    seconds: float
+    new_trials: int
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def speedup(self) -> float:
+        return self.default.seconds / self.best.seconds
+
+
+class TrialFailed(Exception):
+    """A candidate that compiled badly, ran out of memory or time, or gave a wrong result."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def check_device(device: str) -> str:
+    """The device kind of `device` ("cpu", "gpu" or "tpu") here; `ValueError` saying what is present."""
+    if device not in DEVICES:
+        raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+    try:
+        devices = jax.devices(device)
+    except RuntimeError:
+        present = sorted({d.platform for d in jax.devices()})
+        hint = {"gpu": "install jax with CUDA (pip install 'jax[cuda12]') on a machine with an NVIDIA GPU",
+                "tpu": "run on a TPU host with jax[tpu] installed"}.get(device, "")
+        raise ValueError(f"--device {device}: no {device} device here (this machine has: "
+                         f"{', '.join(present)}); {hint} or use --device {present[0]}") from None
+    if jax.default_backend() != device:
+        raise ValueError(f"--device {device}: jax's default backend is {jax.default_backend()}; set "
+                         f"JAX_PLATFORMS={device} to tune on {device}")
+    return devices[0].device_kind
+
+
+def resolve_backend(name: str, problem: Problem, device: str) -> Backend:
+    """`name` ("auto": the device's best that supports the problem), checked to run here."""
+    return choose_backend(name, problem.spec, np.dtype(problem.dtype) if problem.dtype != "bfloat16"
+                          else jax.numpy.bfloat16, platform=device)
+
+
+def default_storage(db_path: Path) -> str:
+    """The optuna storage beside the cache: `<cache stem>.studies.sqlite`."""
+    return f"sqlite:///{db_path.parent / (db_path.stem + '.studies.sqlite')}"
+
+
+def _storage(url: str) -> optuna.storages.BaseStorage:
+    engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
+    if url.startswith("sqlite:///"):
+        Path(url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():  # heartbeats fail the trials of a killed worker
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=30,
+                                          grace_period=120)
+
+
+def _sampler(options: SearchOptions, trials: int) -> optuna.samplers.BaseSampler:
+    if options.sampler == "tpe":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.samplers.TPESampler(seed=options.seed, multivariate=True, group=True,
+                                              n_startup_trials=max(3, min(10, trials // 3)))
+    if options.sampler == "gp":
+        if importlib.util.find_spec("torch") is None or importlib.util.find_spec("scipy") is None:
+            raise ValueError("--sampler gp needs torch and scipy (pip install torch scipy); "
+                             "or use --sampler tpe") from None
+        return optuna.samplers.GPSampler(seed=options.seed)
+    return optuna.samplers.RandomSampler(seed=options.seed)  # random; grid enqueues its points
+
+
+# --------------------------------------------------------------------------------------------------
+# Points <-> optuna parameters.
+# --------------------------------------------------------------------------------------------------
+
+
+def _params_of(point: Point, options: SearchOptions) -> dict[str, Any]:
+    """The optuna parameters that name `point` (the fields the objective tunes)."""
+    params: dict[str, Any] = {}
+    if options.tunes_fwd:
+        params.update({f"fwd.{k}": v for k, v in point.fwd.to_dict().items() if v is not None})
+    if options.tunes_bwd:
+        bwd = point.bwd.to_dict()
+        dq = {"bwd.block_q_dq": bwd.pop("block_q_dq"), "bwd.block_kv_dq": bwd.pop("block_kv_dq")}
+        params.update({f"bwd.{k}": v for k, v in bwd.items() if v is not None})
+        params["bwd.dq_pass"] = "fused" if point.bwd.fused_dq else "separate"
+        if not point.bwd.fused_dq:
+            params.update(dq)
+    return params
+
+
+def _suggest(trial: optuna.Trial, space: SearchSpace, default: Point, options: SearchOptions) -> Point:
+    fwd, bwd = default.fwd, default.bwd
+    if options.tunes_fwd:
+        fwd = FwdParams(**{n: trial.suggest_categorical(f"fwd.{n}", c) for n, c in space.fwd.items()})
+    if options.tunes_bwd:
+        fields = {n: trial.suggest_categorical(f"bwd.{n}", c) for n, c in space.bwd.items()}
+        dq_pass = trial.suggest_categorical("bwd.dq_pass", ("fused", "separate") if space.dq_tiles
+                                            else ("fused",))
+        if dq_pass == "separate":
+            fields["block_q_dq"] = trial.suggest_categorical("bwd.block_q_dq", space.dq_tiles)
+            fields["block_kv_dq"] = trial.suggest_categorical("bwd.block_kv_dq", space.dq_tiles)
+        bwd = BwdParams(**fields)
+    return Point(fwd, bwd)
+
+
+def _point_of(params: dict[str, Any], default: Point) -> Point:
+    fwd = {k[4:]: v for k, v in params.items() if k.startswith("fwd.")}
+    bwd = {k[4:]: v for k, v in params.items() if k.startswith("bwd.") and k != "bwd.dq_pass"}
+    return Point(FwdParams(**fwd) if fwd else default.fwd, BwdParams(**bwd) if bwd else default.bwd)
+
+
+def grid_points(space: SearchSpace, default: Point, options: SearchOptions) -> list[Point]:
+    """The grid: every forward point and every backward point, walked side by side (forward and
+    backward are separate passes, so covering each space once covers every combination that can
+    win: the best forward and the best backward are combined at the end)."""
+    fwds = list(space.fwd_points()) if options.tunes_fwd else [default.fwd]
+    bwds = list(space.bwd_points()) if options.tunes_bwd else [default.bwd]
+    return [Point(fwds[i % len(fwds)], bwds[i % len(bwds)]) for i in range(max(len(fwds), len(bwds)))]
+
+
+# --------------------------------------------------------------------------------------------------
+# The search.
+# --------------------------------------------------------------------------------------------------
+
+
+def _reason(error: BaseException, otherwise: str) -> str:
+    """"oom" for an out-of-memory error, else `otherwise`."""
+    text = str(error)
+    if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower() or isinstance(error, MemoryError):
+        return "oom"
+    return otherwise
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:300] if text else ''}"
+
+
+class _Search:
+    """State shared by the trials of one search process."""
+
+    def __init__(self, problem: Problem, backend: Backend, options: SearchOptions):
+        self.problem, self.backend, self.options = problem, backend, options
+        self.workload = Workload(problem)
+        self.space = backend.search_space(problem)
+        local = problem.local_len
+        self.default = Point(*backend.default_params(local, local, problem.head_dim))
+        self.check_inputs, self.check_dout = self.workload.draw(seed=10_000 + options.seed, dtype="float32")
+        self.time_sets = [self.workload.draw(seed=options.seed + i) for i in range(3)]
+        scan_fwd, scan_bwd = get_backend("scan").default_params(local, local, problem.head_dim)
+        reference = self.workload.compile(self.workload.ring("scan", scan_fwd, scan_bwd), self.check_inputs,
+                                          self.check_dout, backward=options.tunes_bwd)
+        self.reference = self._outputs(reference)
+        self.built: dict[Point, tuple[Compiled, float]] = {}
+        self.baseline = self._compile(self.default, deadline=None)
+
+    def _outputs(self, compiled: Compiled) -> dict[str, Any]:
+        outputs = {"out": compiled.forward(self.check_inputs)}
+        if self.options.tunes_bwd:
+            grads = compiled.gradients(self.check_inputs, self.check_dout)
+            outputs.update({f"d{name}": g for name, g in grads.items()})
+        return outputs
+
+    def _compile(self, point: Point, deadline: float | None) -> tuple[Compiled, float]:
+        """Compile `point` for timing, checked first (at float32) against the reference; a point
+        this process already built is reused."""
+        if point not in self.built:
+            self.built[point] = self._build(point, deadline)
+        return self.built[point]
+
+    def _build(self, point: Point, deadline: float | None) -> tuple[Compiled, float]:
+        fn = self.workload.ring(self.backend.name, point.fwd, point.bwd, interpret=self.options.interpret)
+        inputs, dout = self.time_sets[0]
+        try:
+            timed = self.workload.compile(fn, inputs, dout, backward=self.options.tunes_bwd)
+            checked = timed if self.problem.dtype == "float32" else self.workload.compile(
+                fn, self.check_inputs, self.check_dout, backward=self.options.tunes_bwd)
+        except Exception as error:  # noqa: BLE001 - any build failure is a failed trial, with its reason
+            raise TrialFailed(_reason(error, "compile"), _first_line(error)) from error
+        compile_seconds = timed.compile_seconds + (0.0 if checked is timed else checked.compile_seconds)
+        if deadline is not None and time.perf_counter() > deadline:
+            raise TrialFailed("timeout", f"compiling took {compile_seconds:.1f} s, over the "
+                                         f"{self.options.trial_timeout:.0f} s trial timeout")
+        try:
+            got = self._outputs(checked)
+        except Exception as error:  # noqa: BLE001
+            raise TrialFailed(_reason(error, "runtime"), _first_line(error)) from error
+        for name, want in self.reference.items():
+            tolerance = FWD_TOLERANCE if name == "out" else GRAD_TOLERANCE
+            error = relative_error(got[name], want)
+            if not error <= tolerance:
+                raise TrialFailed("wrong", f"{name} differs from the scan reference by {error:.2e} "
+                                           f"(relative), over the {tolerance:.0e} tolerance")
+        return timed, compile_seconds
+
+    def _thunks(self, name: str, compiled: Compiled) -> dict[str, Callable[[int], Any]]:
+        sets = self.time_sets
+        thunks: dict[str, Callable[[int], Any]] = {}
+        if self.options.tunes_fwd:
+            thunks[f"{name}:fwd"] = lambda i: compiled.forward(sets[i % len(sets)][0])
+        if self.options.tunes_bwd:
+            residuals = [compiled.forward_with_residuals(inputs)[1] for inputs, _ in sets]
+            thunks[f"{name}:bwd"] = lambda i: compiled.backward(residuals[i % len(sets)],
+                                                                 sets[i % len(sets)][1])
+        return thunks
+
+    def measure(self, candidates: dict[str, Compiled], runs: int, deadline: float | None
+                ) -> dict[str, tuple[Timing | None, Timing | None]]:
+        thunks: dict[str, Callable[[int], Any]] = {}
+        for name, compiled in candidates.items():
+            thunks.update(self._thunks(name, compiled))
+        timings = run_interleaved(thunks, runs=runs, warmup=1, deadline=deadline)
+        return {name: (timings.get(f"{name}:fwd"), timings.get(f"{name}:bwd")) for name in candidates}
+
+    def objective(self, trial: optuna.Trial) -> float:
+        start = time.perf_counter()
+        deadline = start + self.options.trial_timeout
+        point = _suggest(trial, self.space, self.default, self.options)
+        try:
+            reason = self.backend.violation(self.problem, point.fwd if self.options.tunes_fwd else None,
+                                            point.bwd if self.options.tunes_bwd else None)
+            if reason is not None:
+                trial.set_user_attr("pruned", reason)
+                raise optuna.TrialPruned(reason)
+            try:
+                compiled, compile_seconds = self._compile(point, deadline)
+                trial.set_user_attr("compile_s", compile_seconds)
+                timings = self.measure({"candidate": compiled, "default": self.baseline[0]},
+                                       self.options.runs, deadline)
+            except TimeoutError as error:
+                raise TrialFailed("timeout", f"{error}, over the {self.options.trial_timeout:.0f} s "
+                                             f"trial timeout") from error
+            except TrialFailed:
+                raise
+            except Exception as error:  # noqa: BLE001
+                raise TrialFailed(_reason(error, "runtime"), _first_line(error)) from error
+        except TrialFailed as failure:
+            trial.set_user_attr("failure", failure.reason)
+            trial.set_user_attr("detail", failure.detail)
+            raise
+        except KeyboardInterrupt:
+            trial.set_user_attr("failure", INTERRUPTED)
+            raise
+        candidate, default = timings["candidate"], timings["default"]
+        for part, cand, base in (("fwd", *[t[0] for t in (candidate, default)]),
+                                 ("bwd", *[t[1] for t in (candidate, default)])):
+            if cand is not None:
+                trial.set_user_attr(f"{part}_s", cand.median)
+                trial.set_user_attr(f"{part}_rel", cand.median / base.median)
+        total = sum(t.median for t in candidate if t is not None)
+        base_total = sum(t.median for t in default if t is not None)
+        trial.set_user_attr("seconds", total)
+        return total / base_total
+
+
+def _finished(trials: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
+    """Trials that count towards `--trials`: complete, pruned or failed, but not interrupted."""
+    done = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.FAIL)
+    return [t for t in trials if t.state in done and t.user_attrs.get("failure") != INTERRUPTED]
+
+
+def study_name(key: ProblemKey, objective: str, versions: dict[str, str]) -> str:
+    """One study per problem key, objective and versions (a code change starts a fresh study)."""
+    digest = hashlib.sha256(json.dumps(versions, sort_keys=True).encode()).hexdigest()[:8]
+    return f"ring-{key.digest}-{objective}-{digest}"
+
+
+def search(
+    problem: Problem,
+    *,
+    device: str = "cpu",
+    backend: str = "auto",
+    options: SearchOptions = SearchOptions(),
+    db: str | Path | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> SearchResult:
+    """Tune `problem` on `device` and write the winner to the cache at `db` (DESIGN section 7).
+
+    `progress(done, total, status)` is called after every trial. Raises `ValueError` for a device or
+    backend that cannot run here, `KeyboardInterrupt` (after saving the study) when interrupted.
+    """
+    started = time.perf_counter()
+    device_kind = check_device(device)
+    chosen = resolve_backend(backend, problem, device)
+    cache = Cache(db)
+    versions = current_versions(chosen.code_hash())
+    key = problem.key(chosen.name, device_kind)
+    storage_url = options.storage or default_storage(cache.path)
+    name = study_name(key, options.objective, versions)
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    study = optuna.create_study(study_name=name, storage=_storage(storage_url),
+                                sampler=_sampler(options, options.trials), direction="minimize",
+                                load_if_exists=True)
+    for attr, value in (("problem", dataclasses.asdict(problem)), ("backend", chosen.name),
+                        ("device_kind", device_kind), ("versions", versions)):
+        study.set_user_attr(attr, value)
+
+    state = _Search(problem, chosen, options)
+    points = grid_points(state.space, state.default, options) if options.sampler == "grid" \
+        else [state.default]
+    for point in points[:options.trials]:
+        study.enqueue_trial(_params_of(point, options), skip_if_exists=True)
+
+    already = len(_finished(study.get_trials(deepcopy=False)))
+    remaining = max(0, options.trials - already)
+    new_trials = 0
+
+    def after_trial(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        nonlocal new_trials
+        new_trials += 1
+        finished = _finished(study.get_trials(deepcopy=False))
+        if progress is not None:
+            best = [t for t in finished if t.state == optuna.trial.TrialState.COMPLETE]
+            status = (f"best {min(t.value for t in best):.2f}x default time" if best else "no result yet")
+            failed = sum(t.state == optuna.trial.TrialState.FAIL for t in finished)
+            progress(min(len(finished), options.trials), options.trials,
+                     f"{status}, {failed} failed" if failed else status)
+        if len(finished) >= options.trials:
+            study.stop()
+
+    if remaining:
+        study.optimize(state.objective, n_trials=remaining, timeout=options.timeout,
+                       catch=(TrialFailed,), callbacks=[after_trial], gc_after_trial=False)
+
+    trials = _finished(study.get_trials(deepcopy=False))
+    counts = Counter(t.user_attrs.get("failure", "error") for t in trials
+                     if t.state == optuna.trial.TrialState.FAIL)
+    pruned = sum(t.state == optuna.trial.TrialState.PRUNED for t in trials)
+    if not any(t.state == optuna.trial.TrialState.COMPLETE for t in trials):
+        raise RuntimeError(f"no trial of study {name} completed ({len(trials)} finished: {pruned} pruned, "
+                           f"failed {dict(counts)}); nothing was written to the cache")
+    measured, failures = _retime(state, trials)
+    default = measured["default"]
+    winner = min(measured.values(), key=lambda m: m.seconds)
+    row = make_row(key, winner.point.fwd, winner.point.bwd, versions=versions, tool_version=tuner.__version__,
+                   objective=options.objective, best_s=winner.seconds, default_s=default.seconds,
+                   speedup=default.seconds / winner.seconds, trials_run=len(trials), trials_pruned=pruned,
+                   trials_failed=dict(counts), study=name)
+    cache.put(row)
+    return SearchResult(problem, chosen.name, device_kind, key, options.objective, name, storage_url,
+                        default, winner, len(trials), pruned, dict(counts), cache.path,
+                        time.perf_counter() - started, new_trials, failures)
+
+
+def _retime(state: _Search, trials: list[optuna.trial.FrozenTrial]
+            ) -> tuple[dict[str, Measured], list[str]]:
+    """Re-time, interleaved, the default, the best few trials and the best-forward x best-backward
+    combination; returns their measurements by name and the candidates that failed to rebuild."""
+    options = state.options
+    complete = sorted((t for t in trials if t.state == optuna.trial.TrialState.COMPLETE),
+                      key=lambda t: t.value)
+    points: dict[Point, str] = {state.default: "default"}
+    for t in complete:
+        if len(points) > options.top:
+            break
+        points.setdefault(_point_of(t.params, state.default), f"trial {t.number}")
+    if options.objective == "fwd+bwd" and complete:
+        best_fwd = min(complete, key=lambda t: t.user_attrs["fwd_rel"])
+        best_bwd = min(complete, key=lambda t: t.user_attrs["bwd_rel"])
+        combined = Point(_point_of(best_fwd.params, state.default).fwd,
+                         _point_of(best_bwd.params, state.default).bwd)
+        points.setdefault(combined, f"fwd of trial {best_fwd.number} + bwd of trial {best_bwd.number}")
+    compiled: dict[str, Compiled] = {"default": state.baseline[0]}
+    failures = []
+    names: dict[str, Point] = {"default": state.default}
+    for point, name in points.items():
+        if name == "default":
+            continue
+        try:
+            compiled[name] = state._compile(point, deadline=None)[0]
+            names[name] = point
+        except TrialFailed as failure:
+            failures.append(f"{name}: {failure}")
+    timings = state.measure(compiled, options.final_runs, deadline=None)
+    return {name: Measured(names[name], *timings[name]) for name in compiled}, failures
+
+
+__all__ = ["SAMPLERS", "SearchOptions", "SearchResult", "check_device", "search"]

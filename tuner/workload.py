@@ -1,0 +1,151 @@
+"""A `Problem` made runnable: a mesh, random inputs, and compiled forward / backward ring functions.
+
+Shared by the search (candidates, the reference check) and `tuner bench`. The ring runs under
+`shard_map` over the first `ring_size` devices; inputs are global arrays in the layout's order, so
+every device's shard carries the positions of its layout (segment ids are laid out to match).
+
+The backward is compiled on its own, so that it can be timed on its own: the forward returns the
+residuals of `jax.vjp` as plain arrays, and the backward rebuilds the vjp from them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tuner import layouts
+from tuner.params import BwdParams, FwdParams
+from tuner.problem import Problem
+from tuner.ring import ring_attention
+
+AXIS = "sp"
+Inputs = dict[str, Any]
+
+
+def relative_error(got, want) -> float:
+    """Relative Frobenius error in float64; inf when `got` holds NaN or inf."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if not np.all(np.isfinite(got)):
+        return float("inf")
+    norm = np.linalg.norm(want)
+    return float(np.linalg.norm(got - want) / (norm if norm > 0 else 1.0))
+
+
+@dataclass
+class Compiled:
+    """A candidate's compiled forward (and, when built, its backward) and their compile seconds."""
+
+    forward: Callable[[Inputs], Any]
+    compile_seconds: float
+    forward_with_residuals: Callable[[Inputs], Any] | None = None
+    backward: Callable[[Any, Any], Any] | None = None
+
+    def gradients(self, inputs: Inputs, dout) -> Inputs:
+        _, residuals = self.forward_with_residuals(inputs)
+        return self.backward(residuals, dout)
+
+
+class Workload:
+    """Inputs and ring functions of one problem on this machine's first `ring_size` devices."""
+
+    def __init__(self, problem: Problem):
+        devices = jax.devices()
+        if len(devices) < problem.ring_size:
+            raise ValueError(f"ring_size={problem.ring_size} needs {problem.ring_size} devices, "
+                             f"{len(devices)} {devices[0].platform} device(s) are visible")
+        self.problem = problem
+        self.mesh = Mesh(np.array(devices[:problem.ring_size]), (AXIS,))
+        seq = P(None, AXIS)
+        self.specs: Inputs = {"q": seq, "k": seq, "v": seq}
+        if problem.segments:
+            self.specs["segment_ids"] = seq
+        if problem.sinks:
+            self.specs["sinks"] = P()
+
+    def draw(self, seed: int, dtype: str | None = None) -> tuple[Inputs, Any]:
+        """Random, non-zero inputs and an output cotangent, placed on the mesh."""
+        p = self.problem
+        rng = np.random.default_rng(seed)
+        dtype = jnp.dtype(dtype or p.dtype)
+
+        def normal(*shape):
+            return rng.standard_normal(shape, dtype=np.float32)
+
+        host: Inputs = {"q": normal(p.batch, p.seq_len, p.heads, p.head_dim),
+                        "k": normal(p.batch, p.seq_len, p.kv_heads, p.head_dim),
+                        "v": normal(p.batch, p.seq_len, p.kv_heads, p.head_dim)}
+        if p.segments:
+            cuts = np.sort(rng.choice(np.arange(1, p.seq_len), size=p.segments - 1, replace=False), axis=-1) \
+                if p.segments > 1 else np.zeros(0, np.int64)
+            natural = np.searchsorted(cuts, np.arange(p.seq_len), side="right").astype(np.int32)
+            order = layouts.global_order(p.layout, p.seq_len, p.ring_size)
+            host["segment_ids"] = np.broadcast_to(natural[order], (p.batch, p.seq_len)).copy()
+        if p.sinks:
+            host["sinks"] = normal(p.heads, p.sinks) if p.sinks > 1 else normal(p.heads)
+        inputs = {name: jax.device_put(jnp.asarray(x, jnp.int32 if name == "segment_ids" else dtype),
+                                       NamedSharding(self.mesh, self.specs[name]))
+                  for name, x in host.items()}
+        dout = jax.device_put(jnp.asarray(normal(p.batch, p.seq_len, p.heads, p.head_dim), dtype),
+                              NamedSharding(self.mesh, self.specs["q"]))
+        return inputs, dout
+
+    def ring(self, backend: str, fwd: FwdParams, bwd: BwdParams, *, interpret: bool = False
+             ) -> Callable[[Inputs], Any]:
+        """The global ring function `inputs -> output` for this backend and these params."""
+        p = self.problem
+
+        def local(x: Inputs):
+            segments = x.get("segment_ids")
+            return ring_attention(
+                x["q"], x["k"], x["v"], q_segment_ids=segments, kv_segment_ids=segments,
+                softmax_aux=x.get("sinks"), causal=p.causal, sliding_window=p.window,
+                chunk_size=p.chunk_size, logits_soft_cap=p.softcap, axis_name=AXIS, layout=p.layout,
+                backend=backend, fwd_params=fwd, bwd_params=bwd, interpret=interpret)
+
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(self.specs,), out_specs=self.specs["q"])
+
+    def compile(self, fn: Callable[[Inputs], Any], inputs: Inputs, dout, *, backward: bool) -> Compiled:
+        """AOT-compile `fn`, or with `backward` its residual-saving forward and its backward (so the
+        forward is timed as a training step runs it). Compile seconds are measured together."""
+        start = time.perf_counter()
+        if not backward:
+            return Compiled(jax.jit(fn).lower(inputs).compile(), time.perf_counter() - start)
+        float_inputs = {n: x for n, x in inputs.items() if n != "segment_ids"}
+        fixed = {n: x for n, x in inputs.items() if n == "segment_ids"}
+        tree: dict[str, Any] = {}
+
+        def forward_with_residuals(x: Inputs):
+            diff = {n: v for n, v in x.items() if n != "segment_ids"}
+            const = {n: v for n, v in x.items() if n == "segment_ids"}
+            out, vjp = jax.vjp(lambda d: fn({**d, **const}), diff)
+            leaves, tree["vjp"] = jax.tree.flatten(vjp)
+            return out, leaves
+
+        def backward_from_residuals(leaves, dout):
+            (grads,) = jax.tree.unflatten(tree["vjp"], leaves)(dout)
+            return grads
+
+        with_residuals = jax.jit(forward_with_residuals).lower({**float_inputs, **fixed}).compile()
+        _, leaves = with_residuals(inputs)
+        backward_fn = jax.jit(backward_from_residuals).lower(leaves, dout).compile()
+        return Compiled(lambda x: with_residuals(x)[0], time.perf_counter() - start, with_residuals,
+                        backward_fn)
+
+    def dense(self, implementation: str = "xla") -> Callable[[Inputs], Any]:
+        """`jax.nn.dot_product_attention` over the global arrays with the problem's causal flag: the
+        reference point of `tuner bench`. It is dense attention of the same size and work, not the
+        same masks: the layout, windows, chunks, segments, sinks and softcap are not applied."""
+        causal = self.problem.causal
+
+        def dense(x: Inputs):
+            return jax.nn.dot_product_attention(x["q"], x["k"], x["v"], is_causal=causal,
+                                                implementation=implementation)
+        return dense
