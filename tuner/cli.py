@@ -1,92 +1,302 @@
 """The `tuner` command line.
 
-    tuner demo [--devices 4] [--seq-len 2048] ...   ring over simulated CPU devices, checked and timed
-    tuner info                                       devices, backends and why a backend is unavailable
+    tuner search --device cpu [problem] [--trials N] ...   tune a problem, store the winner in the cache
+    tuner list | show KEY | export FILE | import FILE | clear   the cache
+    tuner bench --device cpu [problem]                      tuned vs default vs scan vs dense, one run
+    tuner report KEY --out FILE                             HTML report of the study behind an entry
+    tuner info                                              devices, backends, versions, cache
+    tuner demo                                              a ring on simulated CPU devices, checked, timed
 
-Bad arguments print one line saying what to do and exit with status 2.
+Bad arguments print one line saying what to do and exit with status 2; jax is imported only after the
+arguments are checked (on the CPU the ring size decides how many devices jax simulates).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from tuner.problem import DTYPES, OBJECTIVES, Problem
+from tuner.spec import LAYOUTS
+from tuner.tables import short_params, table
+
+DEVICES = ("cpu", "gpu", "tpu")
+SAMPLERS = ("tpe", "gp", "random", "grid")
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    line = lambda row: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))  # noqa: E731
-    rule = "  ".join("-" * w for w in widths)
-    return "\n".join([line(cells[0]), rule, *(line(r) for r in cells[1:])])
+class UsageError(Exception):
+    """Bad command-line input: printed as one line, exit status 2."""
 
 
-def _fail(message: str) -> int:
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def _fail(message: str, status: int = 2) -> int:
     print(f"tuner: error: {message}", file=sys.stderr)
-    return 2
+    return status
 
 
-def _demo(args: argparse.Namespace) -> int:
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
+def _simulate_cpu_devices(count: int) -> None:
+    """Before jax starts: make the CPU client expose `count` devices, and tune on the CPU."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={count}"])
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
-    from tuner import layouts, ring_attention
-    from tuner.reference import dense_attention
-    from tuner.timing import attention_flops, time_interleaved
 
-    devices = jax.devices()
-    if len(devices) < args.devices:
-        return _fail(f"--devices {args.devices} needs {args.devices} devices but {len(devices)} are visible; "
-                     f"on the CPU run it in a fresh process (XLA_FLAGS is set before jax starts)")
-    if args.seq_len % (args.devices * 2):
-        return _fail(f"--seq-len {args.seq_len} must be a multiple of 2 x --devices ({2 * args.devices}) "
-                     f"for the zigzag layout")
-    if args.heads % args.kv_heads:
-        return _fail(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+# --------------------------------------------------------------------------------------------------
+# Problem options (search, bench).
+# --------------------------------------------------------------------------------------------------
 
-    mesh = Mesh(np.array(devices[:args.devices]), ("sp",))
-    seq = P(None, "sp")
-    rng = np.random.default_rng(0)
-    shape_q = (args.batch, args.seq_len, args.heads, args.head_dim)
-    shape_kv = (args.batch, args.seq_len, args.kv_heads, args.head_dim)
-    q, k, v = (rng.standard_normal(s, dtype=np.float32) for s in (shape_q, shape_kv, shape_kv))
 
-    def ring_local(q, k, v):
-        return ring_attention(q, k, v, causal=args.causal, axis_name="sp", layout=args.layout)
+def _window(text: str) -> int | tuple[int, int]:
+    try:
+        parts = [int(p) for p in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected W or LEFT,RIGHT (non-negative ints), got {text!r}") from None
+    if len(parts) not in (1, 2) or min(parts) < 0:
+        raise argparse.ArgumentTypeError(f"expected W or LEFT,RIGHT (non-negative ints), got {text!r}")
+    return parts[0] if len(parts) == 1 else (parts[0], parts[1])
 
-    ring = jax.shard_map(ring_local, mesh=mesh, in_specs=(seq, seq, seq), out_specs=seq)
-    laid = [jax.device_put(layouts.lay_out(jnp.asarray(x), args.layout, args.devices),
-                           NamedSharding(mesh, seq)) for x in (q, k, v)]
-    out = layouts.restore(jax.jit(ring)(*laid), args.layout, args.devices)
-    with jax.enable_x64(True):
-        want, _ = dense_attention(*(jnp.asarray(x, jnp.float64) for x in (q, k, v)), causal=args.causal)
-    want = np.asarray(want)
-    error = float(np.linalg.norm(np.asarray(out, np.float64) - want) / np.linalg.norm(want))
 
-    def dense(q, k, v):
-        return jax.nn.dot_product_attention(q, k, v, is_causal=args.causal, implementation="xla")
+def _add_problem(parser: argparse.ArgumentParser) -> None:
+    d = Problem()
+    group = parser.add_argument_group("problem (global shapes; defaults: a small problem)")
+    group.add_argument("--device", required=True, choices=DEVICES, help="the hardware to tune on")
+    group.add_argument("--batch", type=int, default=d.batch)
+    group.add_argument("--seq-len", type=int, default=d.seq_len, help="global sequence length")
+    group.add_argument("--heads", type=int, default=d.heads, help="query heads")
+    group.add_argument("--kv-heads", type=int, default=d.kv_heads, help="key/value heads (GQA)")
+    group.add_argument("--head-dim", type=int, default=d.head_dim)
+    group.add_argument("--dtype", choices=DTYPES, default=d.dtype)
+    group.add_argument("--causal", action=argparse.BooleanOptionalAction, default=d.causal)
+    group.add_argument("--window", type=_window, default=None, metavar="W|L,R", help="sliding window")
+    group.add_argument("--chunk", type=int, default=None, help="chunked attention: chunk size")
+    group.add_argument("--segments", type=int, default=0, metavar="N",
+                       help="pack N documents per row (segment ids); 0: none")
+    group.add_argument("--softcap", type=float, default=None, help="logits soft cap")
+    group.add_argument("--sinks", type=int, default=0, metavar="N", help="sink logits per head; 0: none")
+    group.add_argument("--ring-size", type=int, default=None,
+                       help=f"devices on the ring (CPU: simulated; default {d.ring_size} on the CPU, "
+                            f"all devices elsewhere)")
+    group.add_argument("--layout", choices=LAYOUTS, default=d.layout)
+    group.add_argument("--backend", default="auto", help="auto (the device's best), scan, ...")
+    group.add_argument("--db", default=None, help="cache file (default $TUNER_DB, else "
+                                                  "$TUNER_HOME/tuning.sqlite)")
 
-    k_rep = np.repeat(k, args.heads // args.kv_heads, axis=2)
-    v_rep = np.repeat(v, args.heads // args.kv_heads, axis=2)
-    timings = time_interleaved(
-        {"ring": lambda *a: ring(*a[:3]), "dense": lambda *a: dense(*a[3:])},
-        [(*laid, jnp.asarray(q), jnp.asarray(k_rep), jnp.asarray(v_rep))], runs=args.runs)
-    flops = attention_flops(args.batch, args.heads, args.seq_len, args.seq_len, args.head_dim,
-                            causal=args.causal)
-    rows = [[name, f"{t.median * 1e3:.1f}", f"{t.spread:.0%}", f"{flops / t.median / 1e9:.1f}",
-             f"{timings['dense'].median / t.median:.2f}x"] for name, t in timings.items()]
-    print(f"ring attention over {args.devices} simulated CPU devices, layout {args.layout}, "
-          f"causal={args.causal}, B={args.batch} T={args.seq_len} H={args.heads} Hkv={args.kv_heads} "
-          f"D={args.head_dim} float32")
-    print(f"relative error vs dense float64 attention: {error:.2e} "
-          f"({'ok' if error <= 1e-5 else 'ABOVE the 1e-5 tolerance'})")
-    print(_table(["impl", "median ms", "spread", "GFLOP/s", "vs dense"], rows))
-    print("dense = jax.nn.dot_product_attention(implementation='xla') on the global arrays, same run.")
-    return 0 if error <= 1e-5 else 1
+
+def _problem(args: argparse.Namespace) -> Problem:
+    ring = args.ring_size if args.ring_size is not None else (Problem().ring_size if args.device == "cpu"
+                                                             else None)
+    if ring is None:  # gpu / tpu: every device of the platform
+        import jax
+
+        ring = len(jax.devices())
+    try:
+        return Problem(batch=args.batch, seq_len=args.seq_len, heads=args.heads, kv_heads=args.kv_heads,
+                       head_dim=args.head_dim, dtype=args.dtype, causal=args.causal, window=args.window,
+                       chunk_size=args.chunk, segments=args.segments, softcap=args.softcap,
+                       sinks=args.sinks, ring_size=ring, layout=args.layout)
+    except ValueError as error:  # name the flag, not the field
+        message = str(error)
+        for field in ("seq_len", "kv_heads", "head_dim", "ring_size", "chunk_size", "batch", "heads",
+                      "segments", "sinks", "softcap", "dtype", "layout"):
+            flag = "--chunk" if field == "chunk_size" else "--" + field.replace("_", "-")
+            message = message.replace(f"{field}=", f"{flag} ").replace(f"{field} must", f"{flag} must")
+        raise UsageError(message) from None
+
+
+def _prepare_device(args: argparse.Namespace) -> None:
+    if args.device == "cpu":
+        _simulate_cpu_devices(args.ring_size or Problem().ring_size)
+
+
+# --------------------------------------------------------------------------------------------------
+# Verbs.
+# --------------------------------------------------------------------------------------------------
+
+
+def _search(args: argparse.Namespace) -> int:
+    from tuner.search import SearchOptions, check_device, resolve_backend, search
+
+    _prepare_device(args)
+    problem = _problem(args)
+    try:
+        options = SearchOptions(objective=args.objective, trials=args.trials, timeout=args.timeout,
+                                trial_timeout=args.trial_timeout, sampler=args.sampler, seed=args.seed,
+                                storage=args.storage, runs=args.runs, interpret=args.interpret)
+        check_device(args.device)
+        resolve_backend(args.backend, problem, args.device)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+    from tqdm import tqdm
+
+    print(f"tuning {problem.describe()}\n  on {args.device}, objective {args.objective}, "
+          f"{args.trials} trials ({args.sampler})", file=sys.stderr)
+    bar = tqdm(total=args.trials, desc="search", unit="trial", file=sys.stderr, dynamic_ncols=True)
+
+    def progress(done: int, total: int, status: str) -> None:
+        bar.set_postfix_str(status, refresh=False)
+        bar.update(done - bar.n)
+
+    try:
+        result = search(problem, device=args.device, backend=args.backend, options=options, db=args.db,
+                        progress=progress)
+    except KeyboardInterrupt:
+        bar.close()
+        print("\ninterrupted: every finished trial is saved in the study; run the same command again "
+              "to resume", file=sys.stderr)
+        return 130
+    except RuntimeError as error:  # no trial completed
+        bar.close()
+        return _fail(str(error), status=1)
+    bar.close()
+    rows = []
+    for name, measured in (("default", result.default), ("best", result.best)):
+        times = [f"{t.median * 1e3:.1f}" if t is not None else "-" for t in (measured.fwd, measured.bwd)]
+        rows.append([name, *times, f"{measured.seconds * 1e3:.1f}",
+                     f"{result.default.seconds / measured.seconds:.2f}x",
+                     f"fwd({short_params(measured.point.fwd)}) bwd({short_params(measured.point.bwd)})"])
+    print(f"{result.backend} backend on {result.device_kind}: {problem.describe()}")
+    print(table(["", "fwd ms", "bwd ms", "total ms", "speedup", "params"], rows))
+    failed = ", ".join(f"{reason} {count}" for reason, count in sorted(result.failed.items())) or "none"
+    print(f"trials   {result.trials_run} in the study ({result.new_trials} run now): "
+          f"{result.trials_run - result.trials_pruned - sum(result.failed.values())} complete, "
+          f"{result.trials_pruned} pruned, failed: {failed}")
+    for failure in result.failures:
+        print(f"re-timing skipped {failure}")
+    print(f"stored   key {result.key.digest} in {result.db_path}")
+    print(f"study    {result.study} in {result.storage}  ({result.seconds:.0f} s)")
+    return 0
+
+
+def _cache(args: argparse.Namespace):
+    from tuner.cache import Cache
+
+    return Cache(args.db)
+
+
+def _status(row: dict[str, Any]) -> str:
+    from tuner.backends import BACKENDS
+    from tuner.cache import current_versions, stale_reason
+
+    backend = BACKENDS.get(row["backend"])
+    if backend is None:
+        return f"stale (backend {row['backend']} not in this version)"
+    reason = stale_reason(row, current_versions(backend.code_hash()))
+    return f"stale ({reason})" if reason else "ok"
+
+
+def _features(row: dict[str, Any]) -> str:
+    features = json.loads(row["features"])
+    on = [k if v is True else f"{k}={v}" for k, v in features.items() if v not in (None, False, 0)]
+    return ",".join(on) or "full"
+
+
+def _list(args: argparse.Namespace) -> int:
+    rows = _cache(args).rows()
+    if not rows:
+        print(f"no tuned entries in {_cache(args).path}; run `tuner search --device cpu` to add one")
+        return 0
+    entries = [[r["key"], r["backend"], r["device_kind"], r["ring_size"], r["layout"], r["batch"],
+              r["q_len"], f"{r['heads']}/{r['kv_heads']}", r["head_dim"], r["dtype"], _features(r),
+              r["objective"], f"{r['best_s'] * 1e3:.1f}", f"{r['speedup']:.2f}x", r["measured_at"][:10],
+              _status(r)] for r in rows]
+    print(table(["key", "backend", "device", "ring", "layout", "B", "Tq", "H/Hkv", "D", "dtype", "features",
+                  "objective", "best ms", "speedup", "measured", "status"], entries))
+    return 0
+
+
+def _find_one(args: argparse.Namespace) -> dict[str, Any]:
+    rows = _cache(args).find(args.key)
+    if not rows:
+        raise UsageError(f"no cache entry with a key starting {args.key!r}; `tuner list` shows the keys")
+    if len(rows) > 1:
+        raise UsageError(f"{len(rows)} entries start with {args.key!r} ({', '.join(r['key'] for r in rows)}); "
+                         f"give more of the key")
+    return rows[0]
+
+
+def _show(args: argparse.Namespace) -> int:
+    row = _find_one(args)
+    width = max(map(len, row))
+    for field, value in row.items():
+        print(f"{field.ljust(width)}  {value}")
+    print(f"{'status'.ljust(width)}  {_status(row)}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from tuner.cache import write_jsonl
+
+    rows = _cache(args).rows()
+    if args.key:
+        rows = [r for r in rows if r["key"].startswith(args.key)]
+    count = write_jsonl(args.file, rows)
+    print(f"exported {count} entr{'y' if count == 1 else 'ies'} to {args.file}")
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from tuner.cache import read_jsonl
+
+    if not os.path.isfile(args.file):
+        raise UsageError(f"{args.file}: no such file")
+    try:
+        rows = list(read_jsonl(args.file))
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    cache = _cache(args)
+    count = cache.put_many(rows)
+    print(f"imported {count} entr{'y' if count == 1 else 'ies'} into {cache.path}")
+    return 0
+
+
+def _clear(args: argparse.Namespace) -> int:
+    cache = _cache(args)
+    rows = cache.rows()
+    if args.stale:
+        rows = [r for r in rows if _status(r) != "ok"]
+    count = cache.delete(r["key"] for r in rows)
+    print(f"deleted {count} {'stale ' if args.stale else ''}entr{'y' if count == 1 else 'ies'} from {cache.path}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from tuner.bench import bench
+
+    _prepare_device(args)
+    problem = _problem(args)
+    try:
+        from tuner.search import check_device
+
+        check_device(args.device)
+        report = bench(problem, device=args.device, backend=args.backend, objective=args.objective,
+                       runs=args.runs, db=args.db)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    print(report)
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from tuner.search import default_storage, write_report
+
+    row = _find_one(args)
+    storage = args.storage or default_storage(_cache(args).path)
+    try:
+        count = write_report(row["study"], storage, args.out)
+    except (KeyError, ValueError, ImportError) as error:
+        raise UsageError(str(error)) from None
+    print(f"wrote the report of study {row['study']} ({count} trials) to {args.out}")
+    return 0
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -94,18 +304,94 @@ def _info(args: argparse.Namespace) -> int:
 
     import tuner
     from tuner.backends import BACKENDS
+    from tuner.cache import current_versions, read_shipped, shipped_dir
 
-    print(f"ring-tuner {tuner.__version__}, jax {jax.__version__}, platform {jax.default_backend()}, "
-          f"{len(jax.devices())} device(s): {jax.devices()[0].device_kind}")
-    rows = [[name, "yes" if backend.unavailable_reason() is None else "no",
+    devices = jax.devices()
+    print(f"ring-tuner {tuner.__version__}, platform {jax.default_backend()}, {len(devices)} device(s): "
+          f"{devices[0].device_kind}")
+    versions = current_versions("-")
+    print("versions: " + ", ".join(f"{k.removesuffix('_version')} {v}" for k, v in versions.items()
+                                   if k != "code_hash"))
+    rows = [[name, "yes" if backend.unavailable_reason() is None else "no", backend.code_hash(),
              backend.unavailable_reason() or ""] for name, backend in BACKENDS.items()]
-    print(_table(["backend", "available", "why not"], rows))
+    print(table(["backend", "available", "code hash", "why not"], rows))
+    cache = _cache(args)
+    try:
+        entries = cache.rows()
+        stale = sum(_status(r) != "ok" for r in entries)
+        print(f"cache: {cache.path} ({len(entries)} tuned, {stale} stale)")
+    except Exception as error:  # noqa: BLE001 - info reports the problem instead of failing
+        print(f"cache: {cache.path} is unusable: {error}")
+    try:
+        print(f"shipped: {shipped_dir()} ({sum(1 for _ in read_shipped())} tuned)")
+    except ValueError as error:
+        print(f"shipped: {shipped_dir()} has a bad entry: {error}")
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from tuner.demo import demo
+
+    _simulate_cpu_devices(args.devices)
+    return demo(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tuner", description="Ring flash attention for JAX.")
-    verbs = parser.add_subparsers(dest="verb", metavar="VERB")
+    parser = _Parser(prog="tuner", description="Generate, verify, autotune and dispatch ring flash "
+                                               "attention for JAX.")
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
+
+    search = verbs.add_parser("search", help="tune a problem and store the winner in the cache")
+    _add_problem(search)
+    tuning = search.add_argument_group("search")
+    tuning.add_argument("--objective", choices=OBJECTIVES, default="fwd+bwd")
+    tuning.add_argument("--trials", type=int, default=12, help="trials the study should reach (a re-run "
+                                                               "resumes and runs the rest)")
+    tuning.add_argument("--timeout", type=float, default=None, help="seconds for this run's trials")
+    tuning.add_argument("--trial-timeout", type=float, default=120.0, help="seconds per trial")
+    tuning.add_argument("--sampler", choices=SAMPLERS, default="tpe")
+    tuning.add_argument("--seed", type=int, default=0)
+    tuning.add_argument("--runs", type=int, default=3, help="timed runs per trial")
+    tuning.add_argument("--storage", default=None, help="optuna storage URL shared by workers (default: "
+                                                        "a SQLite file beside the cache)")
+    tuning.add_argument("--interpret", action="store_true", help="run kernel backends in their "
+                                                                 "interpreter (CPU checks)")
+    search.set_defaults(run=_search)
+
+    for name, helptext, run in (("list", "the tuned entries (stale ones marked)", _list),
+                                ("show", "one entry, every field", _show),
+                                ("export", "write entries as JSON lines", _export),
+                                ("import", "read entries from JSON lines", _import),
+                                ("clear", "delete entries", _clear)):
+        verb = verbs.add_parser(name, help=helptext)
+        if name == "show":
+            verb.add_argument("key", help="the entry's key, or a unique prefix of it")
+        if name in ("export", "import"):
+            verb.add_argument("file", help="JSON-lines file")
+        if name == "export":
+            verb.add_argument("--key", default=None, help="only entries whose key starts with this")
+        if name == "clear":
+            verb.add_argument("--stale", action="store_true", help="only the stale entries")
+        verb.add_argument("--db", default=None, help="cache file")
+        verb.set_defaults(run=run)
+
+    bench = verbs.add_parser("bench", help="tuned vs default vs scan vs dense attention, side by side")
+    _add_problem(bench)
+    bench.add_argument("--objective", choices=OBJECTIVES, default="fwd+bwd")
+    bench.add_argument("--runs", type=int, default=7)
+    bench.set_defaults(run=_bench)
+
+    report = verbs.add_parser("report", help="HTML report of the study behind a cache entry")
+    report.add_argument("key", help="the entry's key, or a unique prefix of it")
+    report.add_argument("--out", required=True, help="HTML file to write")
+    report.add_argument("--storage", default=None, help="optuna storage of the study")
+    report.add_argument("--db", default=None, help="cache file")
+    report.set_defaults(run=_report)
+
+    info = verbs.add_parser("info", help="devices, backends, versions, cache")
+    info.add_argument("--db", default=None, help="cache file")
+    info.set_defaults(run=_info)
+
     demo = verbs.add_parser("demo", help="run a ring on simulated CPU devices, check it, time it")
     demo.add_argument("--devices", type=int, default=4, help="ring size (simulated CPU devices)")
     demo.add_argument("--batch", type=int, default=1)
@@ -113,29 +399,37 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--heads", type=int, default=8)
     demo.add_argument("--kv-heads", type=int, default=2)
     demo.add_argument("--head-dim", type=int, default=64)
-    demo.add_argument("--layout", choices=["contiguous", "zigzag", "striped"], default="zigzag")
+    demo.add_argument("--layout", choices=LAYOUTS, default="zigzag")
     demo.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     demo.add_argument("--runs", type=int, default=5)
     demo.set_defaults(run=_demo)
-    info = verbs.add_parser("info", help="devices, backends, versions")
-    info.set_defaults(run=_info)
     return parser
+
+
+POSITIVE = ("devices", "batch", "seq_len", "heads", "kv_heads", "head_dim", "runs", "trials", "ring_size",
+            "chunk", "timeout", "trial_timeout")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.verb is None:
-        parser.print_help()
-        return 2
-    for name in ("devices", "batch", "seq_len", "heads", "kv_heads", "head_dim", "runs"):
-        value = getattr(args, name, None)
-        if value is not None and value <= 0:
-            return _fail(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
-    if args.verb == "demo":  # read when jax first starts its CPU client, not at import
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + f" --xla_force_host_platform_device_count={args.devices}").strip()
-    return args.run(args)
+    try:
+        args = parser.parse_args(argv)
+        if args.verb is None:
+            parser.print_help()
+            return 2
+        for name in POSITIVE:
+            value = getattr(args, name, None)
+            if value is not None and value <= 0:
+                raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        return args.run(args)
+    except UsageError as error:
+        return _fail(str(error))
+    except Exception as error:  # the cache and other runtime failures: one line, what to do
+        from tuner.cache import CacheError
+
+        if isinstance(error, CacheError):
+            return _fail(str(error), status=1)
+        raise
 
 
 if __name__ == "__main__":

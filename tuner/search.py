@@ -297,7 +297,11 @@ class _Search:
                                           self.check_dout, backward=options.tunes_bwd)
         self.reference = self._outputs(reference)
         self.built: dict[Point, tuple[Compiled, float]] = {}
-        self.baseline = self._compile(self.default, deadline=None)
+        try:
+            self.baseline = self._compile(self.default, deadline=None)
+        except TrialFailed as failure:
+            raise RuntimeError(f"the {backend.name} backend's default ({self.default.describe()}) fails "
+                               f"on this problem, so there is nothing to measure against: {failure}") from None
 
     def _outputs(self, compiled: Compiled) -> dict[str, Any]:
         outputs = {"out": compiled.forward(self.check_inputs)}
@@ -441,8 +445,9 @@ def search(
         study.set_user_attr(attr, value)
 
     state = _Search(problem, chosen, options)
-    points = grid_points(state.space, state.default, options) if options.sampler == "grid" \
-        else [state.default]
+    points = [state.default]
+    if options.sampler == "grid":
+        points += [p for p in grid_points(state.space, state.default, options) if p != state.default]
     for point in points[:options.trials]:
         study.enqueue_trial(_params_of(point, options), skip_if_exists=True)
 
@@ -520,4 +525,56 @@ def _retime(state: _Search, trials: list[optuna.trial.FrozenTrial]
     return {name: Measured(names[name], *timings[name]) for name in compiled}, failures
 
 
-__all__ = ["SAMPLERS", "SearchOptions", "SearchResult", "check_device", "search"]
+
+
+def write_report(study: str, storage: str, out: str | Path) -> int:
+    """Write an HTML report of `study` (optimization history, parameter importances, parallel
+    coordinates, from optuna's plotly visualizations) to `out`; returns the number of trials.
+
+    `KeyError` when the storage has no such study, `ImportError` (saying what to install) without
+    plotly.
+    """
+    if importlib.util.find_spec("plotly") is None:
+        raise ImportError("tuner report needs plotly: pip install plotly (or pip install "
+                          "'ring-tuner[report]')")
+    import html
+
+    from optuna import visualization
+
+    names = [s.study_name for s in optuna.get_all_study_summaries(_storage(storage))]
+    if study not in names:
+        raise KeyError(f"no study {study!r} in {storage} (it has {len(names)}); pass the storage the "
+                       f"search used with --storage")
+    loaded = optuna.load_study(study_name=study, storage=_storage(storage))
+    trials = loaded.get_trials(deepcopy=False)
+    complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+    figures: list[tuple[str, Any]] = [("Optimization history (time relative to the default)",
+                                       visualization.plot_optimization_history(loaded))]
+    notes = []
+    if len(complete) >= 2:
+        figures.append(("Parallel coordinates", visualization.plot_parallel_coordinate(loaded)))
+        try:
+            figures.append(("Parameter importances", visualization.plot_param_importances(loaded)))
+        except (RuntimeError, ValueError) as error:
+            notes.append(f"parameter importances unavailable: {error}")
+    else:
+        notes.append("parallel coordinates and importances need at least two complete trials")
+    states = Counter(t.state.name.lower() for t in trials)
+    failures = Counter(t.user_attrs.get("failure") for t in trials if t.state == optuna.trial.TrialState.FAIL)
+    summary = ", ".join(f"{n} {s}" for s, n in states.items())
+    if failures:
+        summary += " (failed: " + ", ".join(f"{r} {n}" for r, n in failures.items()) + ")"
+    parts = [f"<h1>Study {html.escape(study)}</h1>",
+             f"<p>{html.escape(json.dumps(loaded.user_attrs.get('problem', {})))}</p>",
+             f"<p>backend {html.escape(str(loaded.user_attrs.get('backend')))} on "
+             f"{html.escape(str(loaded.user_attrs.get('device_kind')))}; trials: {html.escape(summary)}</p>",
+             *(f"<p><i>{html.escape(n)}</i></p>" for n in notes)]
+    for i, (title, figure) in enumerate(figures):
+        parts.append(f"<h2>{html.escape(title)}</h2>")
+        parts.append(figure.to_html(full_html=False, include_plotlyjs=(i == 0)))
+    Path(out).write_text("<!doctype html><html><head><meta charset='utf-8'><title>tuner report</title>"
+                         "</head><body>" + "\n".join(parts) + "</body></html>", encoding="utf-8")
+    return len(trials)
+
+
+__all__ = ["SAMPLERS", "SearchOptions", "SearchResult", "check_device", "search", "write_report"]

@@ -404,8 +404,11 @@ class ScanBackend:
 
     def default_params(self, q_len: int, kv_len: int, head_dim: int) -> tuple[FwdParams, BwdParams]:
         """Tall query tiles, short key tiles, dq fused: the best of a sweep on a 2-core x86 CPU
-        (local T=1024, H=8, D=64, float32); half a 1024-token shard keeps zigzag chunks tile-aligned."""
-        return FwdParams(block_q=512, block_kv=256), BwdParams(block_q_dkv=512, block_kv_dkv=256)
+        (local T=1024, H=8, D=64, float32); half a 1024-token shard keeps zigzag chunks tile-aligned.
+        Tiles are cut to the local lengths (the same computation, named as the search space names it)."""
+        block_q, block_kv = min(512, q_len), min(256, kv_len)
+        return (FwdParams(block_q=block_q, block_kv=block_kv),
+                BwdParams(block_q_dkv=block_q, block_kv_dkv=block_kv))
 
     def search_space(self, problem: Problem) -> SearchSpace:
         """Powers of two from 32 up to the local length (and the local length itself): a longer tile

@@ -1,0 +1,149 @@
+"""The search machinery, on a tiny problem with a deliberately faulty backend: the default runs first,
+constrained points are pruned before compiling, wrong and unbuildable candidates are failed trials with
+their reasons, the search goes on, and the winner lands in the cache."""
+
+import json
+
+import optuna
+import pytest
+
+from tuner import BwdParams, FwdParams
+from tuner.backends import BACKENDS
+from tuner.backends.base import SearchSpace
+from tuner.backends.scan import ScanBackend
+from tuner.cache import Cache
+from tuner.problem import Problem
+from tuner.search import Point, SearchOptions, _point_of, default_storage, grid_points, search, study_name
+
+TINY = Problem(batch=1, seq_len=64, heads=2, kv_heads=1, head_dim=16, causal=True, ring_size=2,
+               layout="zigzag")
+
+
+class Faulty(ScanBackend):
+    """Scan, except: fwd (8, 8) is wrong, fwd (8, 16) fails to build, (16, 16) breaks a constraint."""
+
+    name = "faulty"
+
+    def default_params(self, q_len, kv_len, head_dim):
+        return FwdParams(16, 8), BwdParams(16, 8)
+
+    def search_space(self, problem):
+        return SearchSpace(fwd={"block_q": (8, 16), "block_kv": (8, 16)},
+                           bwd={"block_q_dkv": (8, 16), "block_kv_dkv": (8, 16)}, dq_tiles=(8, 16))
+
+    def violation(self, problem, fwd, bwd):
+        if fwd is not None and (fwd.block_q, fwd.block_kv) == (16, 16):
+            return "16x16 tiles are ruled out"
+        return None
+
+    def block_fwd(self, q, k, v, *args, spec, params, interpret=False):
+        if (params.block_q, params.block_kv) == (8, 16):
+            raise RuntimeError("this variant does not build")
+        out, lse = super().block_fwd(q, k, v, *args, spec=spec, params=params, interpret=interpret)
+        if (params.block_q, params.block_kv) == (8, 8):
+            out = out * 1.001
+        return out, lse
+
+
+@pytest.fixture
+def faulty(monkeypatch):
+    monkeypatch.setitem(BACKENDS, "faulty", Faulty())
+
+
+def test_every_outcome_is_recorded_and_the_search_goes_on(faulty, tmp_path):
+    db = tmp_path / "tuning.sqlite"
+    options = SearchOptions(objective="fwd", trials=4, sampler="grid", runs=2, final_runs=2)
+    result = search(TINY, device="cpu", backend="faulty", options=options, db=db)
+
+    assert result.failed == {"wrong": 1, "compile": 1}
+    assert (result.trials_run, result.trials_pruned) == (4, 1)
+    assert result.best.point.fwd == FwdParams(16, 8)  # the only correct, buildable point
+
+    study = optuna.load_study(study_name=result.study, storage=default_storage(db))
+    trials = sorted(study.trials, key=lambda t: t.number)
+    assert _point_of(trials[0].params, result.default.point).fwd == FwdParams(16, 8)  # default first
+    by_point = {(t.params["fwd.block_q"], t.params["fwd.block_kv"]): t for t in trials}
+    assert "differs from the scan reference" in by_point[(8, 8)].user_attrs["detail"]
+    assert "does not build" in by_point[(8, 16)].user_attrs["detail"]
+    assert by_point[(16, 16)].state == optuna.trial.TrialState.PRUNED
+    assert by_point[(16, 16)].user_attrs["pruned"] == "16x16 tiles are ruled out"
+    assert by_point[(16, 8)].user_attrs["compile_s"] > 0
+
+    (row,) = Cache(db).rows()
+    assert row["key"] == TINY.key("faulty", "cpu").digest
+    assert json.loads(row["fwd_params"])["block_q"] == 16
+    assert json.loads(row["trials_failed"]) == {"compile": 1, "wrong": 1}
+    assert row["best_s"] > 0 and row["default_s"] > 0
+
+
+def test_a_rerun_resumes_the_study(faulty, tmp_path):
+    db = tmp_path / "tuning.sqlite"
+    first = search(TINY, device="cpu", backend="faulty", db=db,
+                   options=SearchOptions(objective="fwd", trials=2, sampler="grid", runs=1, final_runs=1))
+    second = search(TINY, device="cpu", backend="faulty", db=db,
+                    options=SearchOptions(objective="fwd", trials=4, sampler="grid", runs=1, final_runs=1))
+    assert (first.new_trials, second.new_trials, second.trials_run) == (2, 2, 4)
+    assert first.study == second.study
+
+
+def test_trials_over_the_time_limit_fail_as_timeouts(tmp_path):
+    options = SearchOptions(objective="fwd", trials=2, trial_timeout=1e-4, runs=1, final_runs=1)
+    with pytest.raises(RuntimeError, match=r"no trial .* completed .*'timeout': 2"):
+        search(TINY, device="cpu", backend="scan", options=options, db=tmp_path / "t.sqlite")
+
+
+def test_backward_objective_checks_gradients(monkeypatch, tmp_path):
+    class WrongSeparateDq(ScanBackend):
+        name = "wrong_dq"
+
+        def block_bwd(self, *args, params, **kwargs):
+            dq, dk, dv, dbias = super().block_bwd(*args, params=params, **kwargs)
+            return (dq if params.fused_dq else dq * 1.01), dk, dv, dbias
+
+    monkeypatch.setitem(BACKENDS, "wrong_dq", WrongSeparateDq())
+    options = SearchOptions(objective="bwd", trials=2, sampler="grid", runs=1, final_runs=1)
+    result = search(TINY, device="cpu", backend="wrong_dq", options=options, db=tmp_path / "t.sqlite")
+    assert result.failed == {"wrong": 1}
+    assert result.best.point.bwd.fused_dq
+
+
+def test_a_failing_default_stops_the_search_with_a_reason(monkeypatch, tmp_path):
+    class AlwaysWrong(ScanBackend):
+        name = "always_wrong"
+
+        def block_fwd(self, *args, **kwargs):
+            out, lse = super().block_fwd(*args, **kwargs)
+            return out + 1.0, lse
+
+    monkeypatch.setitem(BACKENDS, "always_wrong", AlwaysWrong())
+    with pytest.raises(RuntimeError, match="default .* fails on this problem.*differs from the scan"):
+        search(TINY, device="cpu", backend="always_wrong", db=tmp_path / "t.sqlite",
+               options=SearchOptions(objective="fwd", trials=1, runs=1, final_runs=1))
+
+
+def test_grid_covers_forward_and_backward_spaces_side_by_side():
+    space = Faulty().search_space(TINY)
+    default = Faulty().default_params(32, 32, 16)
+    points = grid_points(space, Point(*default), SearchOptions(objective="fwd+bwd", sampler="grid"))
+    assert {p.fwd for p in points} == set(space.fwd_points())
+    assert {p.bwd for p in points} == set(space.bwd_points())
+    assert len(points) == len(list(space.bwd_points())) == 4 * (1 + 4)
+
+
+def test_study_names_change_with_versions():
+    key = TINY.key("scan", "cpu")
+    assert study_name(key, "fwd", {"jax_version": "1"}) != study_name(key, "fwd", {"jax_version": "2"})
+    assert study_name(key, "fwd", {"jax_version": "1"}) != study_name(key, "bwd", {"jax_version": "1"})
+
+
+def test_bad_options_name_the_field():
+    with pytest.raises(ValueError, match="objective"):
+        SearchOptions(objective="both")
+    with pytest.raises(ValueError, match="trials"):
+        SearchOptions(trials=0)
+    with pytest.raises(ValueError, match="sampler"):
+        SearchOptions(sampler="cmaes")
+    with pytest.raises(ValueError, match="kv_heads"):
+        Problem(heads=6, kv_heads=4)
+    with pytest.raises(ValueError, match="ring_size"):
+        Problem(seq_len=1001, ring_size=4)

@@ -1,0 +1,28 @@
+"""Plain-text tables and one-line params, shared by the CLI's verbs."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+
+NUMBER = re.compile(r"^[-+]?[0-9][0-9.,e+-]*(x|%| s)?$|^-$")
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """Columns padded to their widest cell; numeric columns right-aligned, the others left-aligned."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    numeric = [len(cells) > 1 and all(NUMBER.match(row[i]) for row in cells[1:]) for i in range(len(headers))]
+
+    def line(row: Sequence[str]) -> str:
+        return "  ".join(c.rjust(w) if numeric[i] else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+
+    return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths), *(line(r) for r in cells[1:])])
+
+
+def short_params(params: Any) -> str:
+    """`FwdParams`/`BwdParams` as `field=value ...`, unset fields left out."""
+    return " ".join(f"{k}={v}" for k, v in params.to_dict().items() if v is not None)
