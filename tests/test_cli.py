@@ -1,38 +1,202 @@
-"""The `tuner` command line: the demo runs, checks and times a ring; bad input exits 2 with one line."""
+"""End to end through the `tuner` command: search -> cache row -> the runtime loader picks it (exact)
+-> output equals the dense reference; list / show / export / import / clear / report / bench; resume
+after Ctrl-C; two workers on one study; a corrupt cache file; `tuner demo` and `tuner info`; bad input
+is one line and exit status 2."""
 
+import os
+import re
+import signal
+import sqlite3
 import subprocess
 import sys
+import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import Mesh
+
+from tuner import get_tuned_ring_attention, layouts
+from tuner.reference import dense_attention
+
+PROBLEM = ["--seq-len", "128", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--ring-size", "2"]
 
 
-def _tuner(*args: str) -> subprocess.CompletedProcess:
+def tuner(*args: str, home, **kwargs) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TUNER_HOME": str(home)}
+    env.pop("XLA_FLAGS", None)
     return subprocess.run([sys.executable, "-m", "tuner.cli", *args], capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, env=env, **kwargs)
 
 
-def test_demo_checks_and_times_a_ring():
-    result = _tuner("demo", "--devices", "4", "--seq-len", "256", "--heads", "4", "--kv-heads", "2",
-                    "--head-dim", "16", "--runs", "2")
+def stored_key(stdout: str) -> str:
+    match = re.search(r"stored\s+key ([0-9a-f]{16})", stdout)
+    assert match, stdout
+    return match.group(1)
+
+
+@pytest.fixture(scope="module")
+def searched(tmp_path_factory):
+    home = tmp_path_factory.mktemp("home")
+    result = tuner("search", "--device", "cpu", *PROBLEM, "--trials", "3", "--runs", "1", home=home)
     assert result.returncode == 0, result.stderr
-    assert "relative error vs dense float64 attention" in result.stdout
-    assert "(ok)" in result.stdout
-    assert "ring" in result.stdout and "dense" in result.stdout
+    return home, result
+
+
+def test_search_prints_the_summary_table(searched):
+    _, result = searched
+    out = result.stdout
+    for word in ("default", "best", "speedup", "trials", "failed: none", "stored", "study"):
+        assert word in out, out
+    assert "3 in the study (3 run now)" in out
+    assert "search" in result.stderr  # the progress bar
+
+
+def test_the_loader_picks_the_searched_entry_and_matches_dense(searched):
+    home, result = searched
+    key = stored_key(result.stdout)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("sp",))
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, layout="zigzag", mesh=mesh,
+                                    db=str(home / "tuning.sqlite"))
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.standard_normal((1, 128, 4, 16), np.float32))
+    k, v = (jnp.asarray(rng.standard_normal((1, 128, 2, 16), np.float32)) for _ in range(2))
+    decision = attn.explain(q, k, v)
+    assert (decision.source, decision.key.digest) == ("exact", key)
+    out = layouts.restore(jax.jit(attn)(*(layouts.lay_out(x, "zigzag", 2) for x in (q, k, v))), "zigzag", 2)
+    with jax.enable_x64(True):
+        want = np.asarray(dense_attention(*(x.astype(jnp.float64) for x in (q, k, v)), causal=True)[0])
+    assert np.linalg.norm(np.asarray(out, np.float64) - want) / np.linalg.norm(want) < 1e-5
+
+
+def test_list_show_export_clear_import(searched, tmp_path):
+    home, result = searched
+    key = stored_key(result.stdout)
+    listed = tuner("list", home=home)
+    assert listed.returncode == 0 and key in listed.stdout and " ok" in listed.stdout
+    shown = tuner("show", key[:6], home=home)
+    assert shown.returncode == 0 and "fwd_params" in shown.stdout and "status" in shown.stdout
+
+    other = tmp_path / "other"
+    export = tmp_path / "entries.jsonl"
+    assert tuner("export", str(export), home=home).returncode == 0
+    imported = tuner("import", str(export), home=other)
+    assert imported.returncode == 0 and "imported 1 entry" in imported.stdout
+    assert key in tuner("list", home=other).stdout
+    cleared = tuner("clear", home=other)
+    assert "deleted 1 entry" in cleared.stdout
+    assert "no tuned entries" in tuner("list", home=other).stdout
+
+    export.write_text("{broken\n")
+    bad = tuner("import", str(export), home=other)
+    assert bad.returncode == 2 and "entries.jsonl:1: not JSON" in bad.stderr
+
+
+def test_report_writes_html(searched, tmp_path):
+    home, result = searched
+    page = tmp_path / "report.html"
+    done = tuner("report", stored_key(result.stdout)[:8], "--out", str(page), home=home)
+    assert done.returncode == 0, done.stderr
+    text = page.read_text()
+    assert "Optimization history" in text and "Parallel coordinates" in text and "plotly" in text
+
+
+def test_bench_times_tuned_default_scan_and_dense(searched):
+    home, _ = searched
+    result = tuner("bench", "--device", "cpu", *PROBLEM, "--runs", "2", home=home)
+    assert result.returncode == 0, result.stderr
+    assert "tuned (exact)" in result.stdout and "dense xla" in result.stdout
+    assert re.search(r"dense xla .* 1\.00x", result.stdout)
+
+
+def test_interrupted_search_resumes(tmp_path):
+    args = ["search", "--device", "cpu", *PROBLEM, "--trials", "4", "--runs", "1", "--objective", "fwd"]
+    env = {**os.environ, "TUNER_HOME": str(tmp_path)}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.Popen([sys.executable, "-m", "tuner.cli", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    studies = tmp_path / "tuning.studies.sqlite"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+        try:
+            with sqlite3.connect(studies, timeout=5) as conn:
+                if conn.execute("SELECT count(*) FROM trials WHERE state = 'COMPLETE'").fetchone()[0] >= 1:
+                    break
+        except sqlite3.OperationalError:  # not created yet
+            continue
+    assert proc.poll() is None, "the search ended before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err
+    assert "run the same command again to resume" in err
+
+    again = tuner(*args, home=tmp_path)
+    assert again.returncode == 0, again.stderr
+    done = re.search(r"(\d+) in the study \((\d+) run now\)", again.stdout)
+    assert done and int(done.group(1)) == 4 and 1 <= int(done.group(2)) <= 3, again.stdout
+
+
+def test_two_workers_share_one_study(tmp_path):
+    args = ["search", "--device", "cpu", *PROBLEM, "--trials", "4", "--runs", "1", "--objective", "fwd",
+            "--storage", f"sqlite:///{tmp_path / 'shared.sqlite'}"]
+    env = {**os.environ, "TUNER_HOME": str(tmp_path)}
+    env.pop("XLA_FLAGS", None)
+    workers = [subprocess.Popen([sys.executable, "-m", "tuner.cli", *args], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [w.communicate(timeout=600) for w in workers]
+    for worker, (out, err) in zip(workers, outputs):
+        assert worker.returncode == 0, err
+    runs = [int(re.search(r"\((\d+) run now\)", out).group(1)) for out, _ in outputs]
+    totals = {int(re.search(r"(\d+) in the study", out).group(1)) for out, _ in outputs}
+    assert min(totals) >= 4 and sum(runs) >= 4
+    with sqlite3.connect(tmp_path / "shared.sqlite") as conn:
+        states = dict(conn.execute("SELECT state, count(*) FROM trials GROUP BY state").fetchall())
+    assert states.get("COMPLETE", 0) >= 4 and "RUNNING" not in states
+    assert len(tuner("list", home=tmp_path).stdout.strip().splitlines()) == 3  # header, rule, one row
+
+
+def test_corrupt_cache_file_is_one_line_with_what_to_do(tmp_path):
+    db = tmp_path / "tuning.sqlite"
+    db.write_bytes(b"not sqlite at all" * 500)
+    result = tuner("list", "--db", str(db), home=tmp_path)
+    assert result.returncode == 1
+    assert "move it aside" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("args, message", [
+    (("search", "--device", "fpga"), "argument --device: invalid choice"),
+    (("search", "--device", "cpu", "--heads", "6", "--kv-heads", "4"), "--heads 6 must be a multiple of --kv-heads 4"),
+    (("search", "--device", "cpu", "--seq-len", "1001"), "--seq-len 1001 must be divisible by --ring-size 4"),
+    (("search", "--device", "cpu", "--trials", "0"), "--trials must be positive"),
+    (("search", "--device", "tpu"), "no tpu device here"),
+    (("search", "--device", "cpu", "--backend", "cuda"), "backend must be one of"),
+    (("search",), "required: --device"),
+    (("show", "ffff"), "no cache entry"),
     (("demo", "--seq-len", "100"), "must be a multiple of 2 x --devices"),
     (("demo", "--heads", "6", "--kv-heads", "4"), "must be a multiple of --kv-heads"),
-    (("demo", "--devices", "0"), "--devices must be a positive integer"),
+    (("demo", "--devices", "0"), "--devices must be positive"),
 ])
-def test_bad_input_is_one_line_and_exit_2(args, message):
-    result = _tuner(*args)
-    assert result.returncode == 2
+def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
+    result = tuner(*args, home=tmp_path)
+    assert result.returncode == 2, result.stdout
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-def test_info_lists_the_scan_backend():
-    result = _tuner("info")
+def test_demo_checks_and_times_a_ring(tmp_path):
+    result = tuner("demo", "--devices", "4", "--seq-len", "256", "--heads", "4", "--kv-heads", "2",
+                   "--head-dim", "16", "--runs", "2", home=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "scan" in result.stdout and "yes" in result.stdout
+    assert "relative error vs dense float64 attention" in result.stdout and "(ok)" in result.stdout
+    assert "ring" in result.stdout and "dense" in result.stdout
+
+
+def test_info_lists_backends_versions_and_the_cache(searched):
+    home, _ = searched
+    result = tuner("info", home=home)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^scan\s+yes", result.stdout, re.M)
+    assert "versions: jax" in result.stdout
+    assert re.search(r"cache: .*tuning.sqlite \(1 tuned, 0 stale\)", result.stdout)

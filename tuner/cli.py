@@ -333,7 +333,10 @@ def _demo(args: argparse.Namespace) -> int:
     from tuner.demo import demo
 
     _simulate_cpu_devices(args.devices)
-    return demo(args)
+    try:
+        return demo(args)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,23 +12,23 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tuner import layouts, ring_attention
-from tuner.cli import UsageError
 from tuner.reference import dense_attention
 from tuner.tables import table
 from tuner.timing import attention_flops, time_interleaved
 
 
 def demo(args: argparse.Namespace) -> int:
-    """Run the ring of `tuner demo`; 0 when it matches float64 dense attention within 1e-5."""
+    """Run the ring of `tuner demo`; 0 when it matches float64 dense attention within 1e-5.
+    `ValueError` (a usage error) for arguments that cannot work."""
     devices = jax.devices()
     if len(devices) < args.devices:
-        raise UsageError(f"--devices {args.devices} needs {args.devices} devices but {len(devices)} are "
+        raise ValueError(f"--devices {args.devices} needs {args.devices} devices but {len(devices)} are "
                          f"visible; on the CPU run it in a fresh process (XLA_FLAGS is set before jax starts)")
     if args.seq_len % (args.devices * 2):
-        raise UsageError(f"--seq-len {args.seq_len} must be a multiple of 2 x --devices "
+        raise ValueError(f"--seq-len {args.seq_len} must be a multiple of 2 x --devices "
                          f"({2 * args.devices}) for the zigzag layout")
     if args.heads % args.kv_heads:
-        raise UsageError(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+        raise ValueError(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
 
     mesh = Mesh(np.array(devices[:args.devices]), ("sp",))
     seq = P(None, "sp")

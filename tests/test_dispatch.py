@@ -1,0 +1,174 @@
+"""The runtime loader: trace-time decisions from the cache, fallbacks with reasons, exact results under
+jit, grad and shard_map (its own, with mesh=, or the caller's)."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from tuner import BwdParams, FwdParams, get_tuned_ring_attention, layouts, ring_attention
+from tuner import dispatch as dispatch_module
+from tuner.backends import BACKENDS
+from tuner.backends.scan import ScanBackend
+from tuner.cache import Cache, current_versions, make_row
+from tuner.problem import Problem
+from tuner.reference import dense_attention
+
+RING = 4
+PROBLEM = Problem(batch=1, seq_len=64, heads=4, kv_heads=2, head_dim=8, causal=True, ring_size=RING,
+                  layout="zigzag")
+
+
+def arrays(problem: Problem, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((problem.batch, problem.seq_len, problem.heads, problem.head_dim), np.float32)
+    k, v = (rng.standard_normal((problem.batch, problem.seq_len, problem.kv_heads, problem.head_dim),
+                                np.float32) for _ in range(2))
+    return jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+
+
+def store(db, problem: Problem, fwd: FwdParams, bwd: BwdParams, backend: str = "scan") -> str:
+    row = make_row(problem.key(backend, jax.devices()[0].device_kind), fwd, bwd,
+                   versions=current_versions(BACKENDS[backend].code_hash()), tool_version="test",
+                   objective="fwd+bwd", best_s=1.0, default_s=1.5, speedup=1.5, trials_run=2, trials_pruned=0,
+                   trials_failed={}, study="test")
+    Cache(db).put(row)
+    return row["key"]
+
+
+def explain(attn, problem: Problem, **options):
+    q, k, v = arrays(problem)
+    return attn.explain(q, k, v, **options)
+
+
+def test_explain_default_then_exact_then_nearest(tmp_path):
+    db = tmp_path / "tuning.sqlite"
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, layout="zigzag", db=str(db),
+                                    mesh=Mesh(np.array(jax.devices()[:RING]), ("sp",)))
+    decision = explain(attn, PROBLEM)
+    assert (decision.backend, decision.source) == ("scan", "default")
+    assert decision.fwd_params == BACKENDS["scan"].default_params(16, 16, 8)[0]
+
+    key = store(db, PROBLEM, FwdParams(8, 4), BwdParams(4, 8, 8, 8))
+    fresh = get_tuned_ring_attention(axis_name="sp", causal=True, layout="zigzag", db=str(db),
+                                     mesh=Mesh(np.array(jax.devices()[:RING]), ("sp",)))
+    decision = explain(fresh, PROBLEM)
+    assert decision.source == "exact" and key in decision.reason
+    assert (decision.fwd_params, decision.bwd_params) == (FwdParams(8, 4), BwdParams(4, 8, 8, 8))
+    assert decision.key.digest == key
+
+    longer = Problem(**{**PROBLEM.__dict__, "seq_len": 128})
+    decision = explain(fresh, longer)
+    assert decision.source == "nearest" and decision.fwd_params == FwdParams(8, 4)
+
+
+def test_tuned_call_with_mesh_equals_dense_forward_and_gradients(tmp_path, monkeypatch):
+    db = tmp_path / "tuning.sqlite"
+    store(db, PROBLEM, FwdParams(4, 8), BwdParams(8, 4, 4, 8))
+    used = []
+
+    def spy(*args, **kwargs):
+        used.append((kwargs["backend"], kwargs["fwd_params"], kwargs["bwd_params"]))
+        return ring_attention(*args, **kwargs)
+
+    monkeypatch.setattr(dispatch_module, "ring_attention", spy)
+    mesh = Mesh(np.array(jax.devices()[:RING]), ("sp",))
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, layout="zigzag", db=str(db), mesh=mesh)
+    q, k, v = arrays(PROBLEM)
+
+    def loss(fn, q, k, v):
+        return jnp.sum(jnp.sin(fn(q, k, v)))
+
+    laid = [layouts.lay_out(x, "zigzag", RING) for x in (q, k, v)]
+    out = layouts.restore(jax.jit(attn)(*laid), "zigzag", RING)
+    grads = [layouts.restore(g, "zigzag", RING) for g in jax.jit(jax.grad(
+        lambda *a: loss(attn, *a), argnums=(0, 1, 2)))(*laid)]
+    with jax.enable_x64(True):
+        q64, k64, v64 = (x.astype(jnp.float64) for x in (q, k, v))
+        want = dense_attention(q64, k64, v64, causal=True)[0]
+        want_grads = jax.grad(lambda *a: loss(lambda *b: dense_attention(*b, causal=True)[0], *a),
+                              argnums=(0, 1, 2))(q64, k64, v64)
+    np.testing.assert_allclose(out, want, rtol=0, atol=2e-5)
+    for got, expected in zip(grads, want_grads):
+        got, expected = np.asarray(got, np.float64), np.asarray(expected)
+        assert np.linalg.norm(got - expected) / np.linalg.norm(expected) < 1e-4
+    assert set(used) == {("scan", FwdParams(4, 8), BwdParams(8, 4, 4, 8))}
+
+
+def test_inside_callers_shard_map_with_segments(tmp_path):
+    """Without mesh=: called on local shards inside the caller's shard_map, per-call segment ids."""
+    problem = Problem(**{**PROBLEM.__dict__, "segments": 3, "layout": "contiguous"})
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, db=str(tmp_path / "none.sqlite"))
+    mesh = Mesh(np.array(jax.devices()[:RING]), ("sp",))
+    q, k, v = arrays(problem)
+    seg = jnp.asarray(np.repeat(np.arange(3), [20, 30, 14])[None].astype(np.int32))
+    seq = P(None, "sp")
+    fn = jax.shard_map(lambda q, k, v, s: attn(q, k, v, q_segment_ids=s, kv_segment_ids=s), mesh=mesh,
+                       in_specs=(seq, seq, seq, seq), out_specs=seq)
+    out = jax.jit(fn)(q, k, v, seg)
+    with jax.enable_x64(True):
+        want = dense_attention(*(x.astype(jnp.float64) for x in (q, k, v)), causal=True,
+                               q_segment_ids=seg, kv_segment_ids=seg)[0]
+    np.testing.assert_allclose(out, want, rtol=0, atol=2e-5)
+    decision = attn.explain(*(x[:, :16] for x in (q, k, v)), ring_size=RING,
+                            q_segment_ids=seg[:, :16], kv_segment_ids=seg[:, :16])
+    assert decision.key.features["segments"] is True and decision.source == "default"
+
+
+def test_auto_on_a_gpu_without_triton_falls_back_to_scan_with_the_reason(tmp_path, monkeypatch):
+    monkeypatch.setattr(dispatch_module, "_platform", lambda: ("gpu", "NVIDIA H100 80GB HBM3"))
+    attn = get_tuned_ring_attention(causal=True, db=str(tmp_path / "t.sqlite"))
+    decision = explain(attn, Problem(**{**PROBLEM.__dict__, "ring_size": 1}))
+    assert (decision.backend, decision.source) == ("scan", "fallback")
+    assert "triton" in decision.reason
+    assert decision.key.device_kind == "NVIDIA H100 80GB HBM3"
+
+
+def test_a_backend_that_fails_to_build_falls_back_to_scan(monkeypatch, caplog, tmp_path):
+    class Unbuildable(ScanBackend):
+        name = "unbuildable"
+
+        def block_fwd(self, *args, **kwargs):
+            raise RuntimeError("kernel does not compile")
+
+    monkeypatch.setitem(BACKENDS, "unbuildable", Unbuildable())
+    attn = get_tuned_ring_attention(causal=True, backend="unbuildable", db=str(tmp_path / "t.sqlite"))
+    q, k, v = arrays(PROBLEM)
+    with caplog.at_level(logging.WARNING, logger="tuner.dispatch"):
+        out = jax.jit(attn)(q, k, v)
+    assert "unbuildable failed to build" in caplog.text and "kernel does not compile" in caplog.text
+    with jax.enable_x64(True):
+        want = dense_attention(*(x.astype(jnp.float64) for x in (q, k, v)), causal=True)[0]
+    np.testing.assert_allclose(out, want, rtol=0, atol=2e-5)
+
+
+def test_a_corrupt_cache_means_defaults_and_a_warning(tmp_path, caplog):
+    db = tmp_path / "tuning.sqlite"
+    db.write_bytes(b"garbage" * 1000)
+    attn = get_tuned_ring_attention(causal=True, db=str(db))
+    q, k, v = arrays(PROBLEM)
+    with caplog.at_level(logging.WARNING, logger="tuner.dispatch"):
+        out = jax.jit(attn)(q, k, v)
+    assert "tuning cache unusable" in caplog.text
+    assert bool(jnp.all(jnp.isfinite(out)))
+    decision = attn.explain(q, k, v)
+    assert decision.source == "default" and "cache unusable" in decision.reason
+
+
+def test_bad_options_are_named():
+    with pytest.raises(TypeError, match="unknown per-call option.*causal"):
+        get_tuned_ring_attention().explain(*arrays(PROBLEM), causal=True)
+    with pytest.raises(ValueError, match="layout"):
+        get_tuned_ring_attention(layout="spiral")
+    with pytest.raises(ValueError, match="backend"):
+        get_tuned_ring_attention(backend="cuda")
+    with pytest.raises(ValueError, match="axis_name"):
+        get_tuned_ring_attention(mesh=Mesh(np.array(jax.devices()[:2]), ("sp",)))
+    with pytest.raises(ValueError, match="chunk_size"):
+        get_tuned_ring_attention(chunk_size=0)
+    with pytest.raises(ValueError, match="ring_size"):
+        get_tuned_ring_attention(axis_name="sp").explain(*arrays(PROBLEM))
