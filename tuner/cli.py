@@ -132,7 +132,7 @@ def _search(args: argparse.Namespace) -> int:
                                 trial_timeout=args.trial_timeout, sampler=args.sampler, seed=args.seed,
                                 storage=args.storage, runs=args.runs, interpret=args.interpret)
         check_device(args.device)
-        resolve_backend(args.backend, problem, args.device)
+        resolve_backend(args.backend, problem, args.device, args.interpret)
     except ValueError as error:
         raise UsageError(str(error)) from None
 
@@ -313,8 +313,10 @@ def _info(args: argparse.Namespace) -> int:
     print("versions: " + ", ".join(f"{k.removesuffix('_version')} {v}" for k, v in versions.items()
                                    if k != "code_hash"))
     rows = [[name, "yes" if backend.unavailable_reason() is None else "no", backend.code_hash(),
-             backend.unavailable_reason() or ""] for name, backend in BACKENDS.items()]
-    print(table(["backend", "available", "code hash", "why not"], rows))
+             backend.unavailable_reason() or "",
+             "yes" if backend.unavailable_reason(interpret=True) is None else "no"]
+            for name, backend in BACKENDS.items()]
+    print(table(["backend", "available", "code hash", "why not", "interpreter"], rows))
     cache = _cache(args)
     try:
         entries = cache.rows()

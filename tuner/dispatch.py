@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from tuner import layouts
-from tuner.backends import BACKENDS, PREFERENCE, Backend, available, choose_backend, get_backend
+from tuner.backends import Backend, choose_backend, get_backend, resolve_auto
 from tuner.cache import Cache, CacheError, current_versions, row_params
 from tuner.params import BwdParams, FwdParams
 from tuner.problem import ProblemKey
@@ -142,7 +142,7 @@ class TunedRingAttention:
                           bias=options.get("bias"), softmax_aux=options.get("softmax_aux"), **self.options)
         dtype = jnp.dtype(query.dtype)
         platform, device_kind = _platform()
-        backend, fallback = self._choose(spec, dtype, platform)
+        backend, fallback = self._choose(spec, dtype, query.shape[3], platform, bool(options.get("interpret")))
         b, tq, h, d = query.shape
         problem = ProblemKey(backend=backend.name, device_kind=device_kind, ring_size=ring_size,
                              layout=self.layout, batch=b, q_len=tq, kv_len=key.shape[1], heads=h,
@@ -154,22 +154,12 @@ class TunedRingAttention:
                      decision.source, decision.reason)
         return self._decisions[memo]
 
-    def _choose(self, spec, dtype, platform: str) -> tuple[Backend, str | None]:
+    def _choose(self, spec, dtype, head_dim: int, platform: str, interpret: bool) -> tuple[Backend, str | None]:
         """The backend, and why it is a fallback (None when it is the platform's first choice)."""
         if self.backend != "auto":
-            return choose_backend(self.backend, spec, dtype, platform), None
-        passed_over = []
-        for name in PREFERENCE.get(platform, ("scan",)):
-            candidate = BACKENDS.get(name)
-            if candidate is None:
-                passed_over.append(f"{name} is not built in this version")
-            elif not available(candidate):
-                passed_over.append(f"{name} unavailable: {candidate.unavailable_reason()}")
-            elif candidate.supports(spec, dtype) is not None:
-                passed_over.append(f"{name} does not support {candidate.supports(spec, dtype)}")
-            else:
-                return candidate, ("; ".join(passed_over) or None)
-        return BACKENDS["scan"], "; ".join(passed_over)
+            return choose_backend(self.backend, spec, dtype, head_dim, platform, interpret), None
+        backend, passed_over = resolve_auto(spec, dtype, head_dim, platform, interpret)
+        return backend, "; ".join(passed_over) or None
 
     def _lookup(self, problem: ProblemKey, backend: Backend, fallback: str | None) -> Decision:
         def accept(row: dict[str, Any]) -> str | None:

@@ -271,7 +271,7 @@ def ring_attention(
     spec = build_spec(query, causal=causal, sliding_window=sliding_window, chunk_size=chunk_size,
                       logits_soft_cap=logits_soft_cap, softmax_scale=softmax_scale,
                       has_segments=q_segment_ids is not None, bias=bias, softmax_aux=softmax_aux)
-    chosen = choose_backend(backend, spec, query.dtype)
+    chosen = choose_backend(backend, spec, query.dtype, query.shape[3], interpret=bool(interpret))
     default_fwd, default_bwd = chosen.default_params(query.shape[1], key.shape[1], query.shape[3])
     fwd_params = fwd_params or default_fwd
     bwd_params = bwd_params or default_bwd

@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 import optuna
 
 import tuner
@@ -178,10 +177,10 @@ def check_device(device: str) -> str:
     return devices[0].device_kind
 
 
-def resolve_backend(name: str, problem: Problem, device: str) -> Backend:
+def resolve_backend(name: str, problem: Problem, device: str, interpret: bool = False) -> Backend:
     """`name` ("auto": the device's best that supports the problem), checked to run here."""
-    return choose_backend(name, problem.spec, np.dtype(problem.dtype) if problem.dtype != "bfloat16"
-                          else jax.numpy.bfloat16, platform=device)
+    return choose_backend(name, problem.spec, jax.numpy.dtype(problem.dtype), problem.head_dim,
+                          platform=device, interpret=interpret)
 
 
 def default_storage(db_path: Path) -> str:
@@ -239,8 +238,8 @@ def _suggest(trial: optuna.Trial, space: SearchSpace, default: Point, options: S
         fwd = FwdParams(**{n: trial.suggest_categorical(f"fwd.{n}", c) for n, c in space.fwd.items()})
     if options.tunes_bwd:
         fields = {n: trial.suggest_categorical(f"bwd.{n}", c) for n, c in space.bwd.items()}
-        dq_pass = trial.suggest_categorical("bwd.dq_pass", ("fused", "separate") if space.dq_tiles
-                                            else ("fused",))
+        passes = tuple(p for p in space.dq_passes if p == "fused" or space.dq_tiles)
+        dq_pass = trial.suggest_categorical("bwd.dq_pass", passes)
         if dq_pass == "separate":
             fields["block_q_dq"] = trial.suggest_categorical("bwd.block_q_dq", space.dq_tiles)
             fields["block_kv_dq"] = trial.suggest_categorical("bwd.block_kv_dq", space.dq_tiles)
@@ -430,7 +429,7 @@ def search(
     """
     started = time.perf_counter()
     device_kind = check_device(device)
-    chosen = resolve_backend(backend, problem, device)
+    chosen = resolve_backend(backend, problem, device, options.interpret)
     cache = Cache(db)
     versions = current_versions(chosen.code_hash())
     key = problem.key(chosen.name, device_kind)

@@ -8,9 +8,10 @@ import jax
 
 from tuner.backends.base import Backend, available
 from tuner.backends.scan import ScanBackend
+from tuner.backends.triton import TritonBackend
 from tuner.spec import AttentionSpec
 
-BACKENDS: dict[str, Backend] = {"scan": ScanBackend()}
+BACKENDS: dict[str, Backend] = {"scan": ScanBackend(), "triton": TritonBackend()}
 
 # `backend="auto"` tries these in order on each platform; names not registered yet are passed over.
 PREFERENCE: dict[str, tuple[str, ...]] = {
@@ -29,28 +30,46 @@ def get_backend(name: str) -> Backend:
         raise ValueError(f"backend must be one of {known}, got {name!r}") from None
 
 
-def choose_backend(name: str, spec: AttentionSpec, dtype: Any, platform: str | None = None) -> Backend:
+def why_not(backend: Backend, spec: AttentionSpec, dtype: Any, head_dim: int, interpret: bool = False
+            ) -> str | None:
+    """Why `backend` cannot run this problem here (unavailable, or a feature it does not honour)."""
+    reason = backend.unavailable_reason(interpret)
+    if reason is not None:
+        return f"cannot run here: {reason}"
+    reason = backend.supports(spec, dtype, head_dim)
+    return None if reason is None else f"does not support {reason}"
+
+
+def resolve_auto(spec: AttentionSpec, dtype: Any, head_dim: int, platform: str | None = None,
+                 interpret: bool = False) -> tuple[Backend, list[str]]:
+    """The first backend of the platform's preference that can run the problem, and why each one
+    before it was passed over."""
+    passed_over = []
+    for name in PREFERENCE.get(platform or jax.default_backend(), ("scan",)):
+        backend = BACKENDS.get(name)
+        reason = "is not built in this version" if backend is None else why_not(backend, spec, dtype,
+                                                                                 head_dim, interpret)
+        if reason is None:
+            return backend, passed_over
+        passed_over.append(f"{name} {reason}")
+    return BACKENDS["scan"], passed_over
+
+
+def choose_backend(name: str, spec: AttentionSpec, dtype: Any, head_dim: int, platform: str | None = None,
+                   interpret: bool = False) -> Backend:
     """Resolve `name` ("auto" or a backend name) for this problem.
 
     A named backend that cannot run here or cannot honour a feature raises `ValueError` saying why;
     "auto" takes the first backend of the platform's preference that can.
     """
     if name == "auto":
-        platform = platform or jax.default_backend()
-        for candidate in PREFERENCE.get(platform, ("scan",)):
-            backend = BACKENDS.get(candidate)
-            if backend is not None and available(backend) and backend.supports(spec, dtype) is None:
-                return backend
-        return BACKENDS["scan"]
+        return resolve_auto(spec, dtype, head_dim, platform, interpret)[0]
     backend = get_backend(name)
-    reason = backend.unavailable_reason()
+    reason = why_not(backend, spec, dtype, head_dim, interpret)
     if reason is not None:
-        raise ValueError(f"backend {name!r} cannot run here: {reason}; use backend='auto' or 'scan'")
-    reason = backend.supports(spec, dtype)
-    if reason is not None:
-        raise ValueError(f"backend {name!r} does not support this problem: {reason}; "
-                         f"use backend='auto' to fall back to one that does")
+        raise ValueError(f"backend {name!r} {reason}; use backend='auto' to fall back to one that can")
     return backend
 
 
-__all__ = ["BACKENDS", "Backend", "available", "choose_backend", "get_backend"]
+__all__ = ["BACKENDS", "PREFERENCE", "Backend", "available", "choose_backend", "get_backend", "resolve_auto",
+           "why_not"]

@@ -33,12 +33,14 @@ class SearchSpace:
 
     `fwd` maps `FwdParams` fields to their candidate values, `bwd` the `BwdParams` fields other than the
     dq tiles; `dq_tiles` are the candidates for `block_q_dq` and `block_kv_dq` of a separate dq pass
-    (empty: dq is always fused). Cross-field constraints are the backend's `violation`.
+    (empty: dq is always fused); `dq_passes` says whether dq may be "fused" into the dk/dv pass and/or
+    run as a "separate" pass. Cross-field constraints are the backend's `violation`.
     """
 
     fwd: dict[str, tuple[int, ...]]
     bwd: dict[str, tuple[int, ...]]
     dq_tiles: tuple[int, ...] = ()
+    dq_passes: tuple[str, ...] = ("fused", "separate")
 
     def fwd_points(self) -> Iterator[FwdParams]:
         names = list(self.fwd)
@@ -47,7 +49,9 @@ class SearchSpace:
 
     def bwd_points(self) -> Iterator[BwdParams]:
         names = list(self.bwd)
-        dq_options = [(None, None), *itertools.product(self.dq_tiles, self.dq_tiles)]
+        dq_options = [(None, None)] if "fused" in self.dq_passes else []
+        if "separate" in self.dq_passes:
+            dq_options += itertools.product(self.dq_tiles, self.dq_tiles)
         for values in itertools.product(*self.bwd.values()):
             for block_q_dq, block_kv_dq in dq_options:
                 yield BwdParams(**dict(zip(names, values)), block_q_dq=block_q_dq, block_kv_dq=block_kv_dq)
@@ -66,10 +70,10 @@ class Backend(Protocol):
 
     name: str
 
-    def unavailable_reason(self) -> str | None:
-        """None when this backend can run here, else why not (no GPU, missing package, ...)."""
+    def unavailable_reason(self, interpret: bool = False) -> str | None:
+        """None when this backend can run here (in its interpreter, with `interpret`), else why not."""
 
-    def supports(self, spec: AttentionSpec, dtype: Any) -> str | None:
+    def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int) -> str | None:
         """None when every feature of `spec` is honoured, else the first one that is not."""
 
     def check_params(self, fwd: FwdParams, bwd: BwdParams) -> None:
@@ -97,4 +101,4 @@ class Backend(Protocol):
 
 def available(backend: Backend) -> bool:
     """True when `backend` can run on this machine."""
-    return backend.unavailable_reason() is None
+    return backend.unavailable_reason(False) is None

@@ -389,10 +389,10 @@ class ScanBackend:
 
     name = "scan"
 
-    def unavailable_reason(self) -> str | None:
+    def unavailable_reason(self, interpret: bool = False) -> str | None:
         return None
 
-    def supports(self, spec: AttentionSpec, dtype: Any) -> str | None:
+    def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int) -> str | None:
         return None
 
     def check_params(self, fwd: FwdParams, bwd: BwdParams) -> None:
