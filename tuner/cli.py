@@ -3,6 +3,7 @@
     tuner search --device cpu [problem] [--trials N] ...   tune a problem, store the winner in the cache
     tuner list | show KEY | export FILE | import FILE | clear   the cache
     tuner bench --device cpu [problem]                      tuned vs default vs scan vs dense, one run
+    tuner generate --backend triton [--compile sm_80,sm_90] render (and compile) the standard variants
     tuner report KEY --out FILE                             HTML report of the study behind an entry
     tuner info                                              devices, backends, versions, cache
     tuner demo                                              a ring on simulated CPU devices, checked, timed
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -299,6 +301,41 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from tuner import codegen
+    from tuner.backends import triton as triton_backend
+
+    if args.backend != "triton":
+        raise UsageError(f"--backend {args.backend}: only triton has templates in this version")
+    targets = []
+    for target in filter(None, (args.compile or "").split(",")):
+        if not re.fullmatch(r"sm_\d{2,3}", target):
+            raise UsageError(f"--compile takes targets like sm_80,sm_90, got {target!r}")
+        targets.append(int(target[3:]))
+    rows, report = [], []
+    dtypes = args.dtypes.split(",") if args.dtypes else None
+    for variant in triton_backend.standard_variants():
+        if dtypes is not None and variant.features["dtype"] not in dtypes:
+            continue
+        path = codegen.render(variant, args.out)
+        on = [k for k in ("causal", "window", "chunk", "segments", "softcap") if variant.features[k]]
+        rows.append([path.name, variant.features["dtype"], variant.features["head_dim"], ",".join(on) or "full"])
+        for capability in targets:
+            for entry in triton_backend.standard_resources(variant, capability):
+                report.append({"file": path.name, **variant.features, **entry})
+    print(table(["file", "dtype", "D", "features"], rows))
+    print(f"rendered {len(rows)} variants into {args.out or codegen.generated_dir()}")
+    if report:
+        print(table(["file", "kernel", "target", "tiles", "warps", "stages", "smem KiB", "regs", "stack B", "mma"],
+                    [[r["file"], r["kernel"], r["target"], f"{r['block_q']}x{r['block_kv']}", r["num_warps"],
+                      r["num_stages"], f"{r['shared'] / 1024:.0f}", r["registers"], r["spill_bytes"], r["mma"]]
+                     for r in report]))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump(report, out, indent=1)
+    return 0
+
+
 def _info(args: argparse.Namespace) -> int:
     import jax
 
@@ -392,6 +429,18 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--storage", default=None, help="optuna storage of the study")
     report.add_argument("--db", default=None, help="cache file")
     report.set_defaults(run=_report)
+
+    generate = verbs.add_parser("generate", help="render the standard kernel variants (and compile them)")
+    generate.add_argument("--backend", default="triton", help="whose templates (triton)")
+    generate.add_argument("--out", default=None, help="folder (default: kernels_generated/ of the checkout, "
+                                                      "else $TUNER_HOME/kernels_generated)")
+    generate.add_argument("--compile", default=None, metavar="sm_80,sm_90",
+                          help="also compile every kernel for these targets (no GPU needed) and report "
+                               "shared memory, registers, spills and the MMA instructions")
+    generate.add_argument("--dtypes", default=None, metavar="bfloat16,float16",
+                          help="only these dtypes (float32 kernels take ptxas about a minute each)")
+    generate.add_argument("--json", default=None, help="write the compile report as JSON")
+    generate.set_defaults(run=_generate)
 
     info = verbs.add_parser("info", help="devices, backends, versions, cache")
     info.add_argument("--db", default=None, help="cache file")

@@ -39,7 +39,7 @@ from tuner.problem import Problem
 from tuner.spec import AttentionSpec
 
 TEMPLATE = "attention.py.j2"
-TILES = (16, 32, 64, 128, 256)
+TILES = (16, 32, 64, 128)
 WARPS = (1, 2, 4, 8, 16)
 SHARED_MEMORY_BYTES = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 
@@ -180,6 +180,7 @@ def _pointer_type(arg: str, dtype: str) -> str:
 @functools.lru_cache(maxsize=256)
 def _compiled(source_variant: codegen.Variant, kernel_name: str, constants: tuple, num_warps: int,
               num_stages: int, capability: int):
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's current default, made explicit
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -196,8 +197,8 @@ def _compiled(source_variant: codegen.Variant, kernel_name: str, constants: tupl
 def resources(source_variant: codegen.Variant, kernel_name: str, constants: dict, *, num_warps: int = 4,
               num_stages: int = 2, capability: int = 90) -> dict[str, Any]:
     """Compile one kernel for `sm_<capability>` (no GPU needed) and report its shared memory (bytes),
-    registers per thread and spilled bytes (from `cuobjdump -res-usage` on the cubin), and whether the
-    matrix products use Hopper's warpgroup MMA (`HGMMA` in the SASS) or the older `HMMA`."""
+    registers per thread and stack frame bytes (spills; from `cuobjdump -res-usage` on the cubin), and
+    whether the matrix products use Hopper's warpgroup MMA (`HGMMA` in the SASS) or the older `HMMA`."""
     compiled = _compiled(source_variant, kernel_name, tuple(sorted(constants.items())), num_warps,
                          num_stages, capability)
     report: dict[str, Any] = {"shared": compiled.metadata.shared, "registers": None, "spill_bytes": None,
@@ -216,6 +217,29 @@ def resources(source_variant: codegen.Variant, kernel_name: str, constants: dict
         report["spill_bytes"] = int(match.group(1))
     report["mma"] = "HGMMA" if "HGMMA" in sass else "HMMA" if "HMMA" in sass else "none"
     return report
+
+
+def standard_resources(source_variant: codegen.Variant, capability: int, local_len: int = 4096,
+                       heads: int = 16) -> list[dict[str, Any]]:
+    """Resources of the three kernels of a variant at the backend's default params for a local length,
+    compiled for `sm_<capability>` (what `tuner generate --compile` reports)."""
+    features = source_variant.features
+    head_dim = features["head_dim"]
+    spec = AttentionSpec(scale=head_dim**-0.5, causal=features["causal"],
+                         window=(256, 0) if features["window"] else None,
+                         chunk_size=1024 if features["chunk"] else None,
+                         softcap=30.0 if features["softcap"] else None, has_segments=features["segments"])
+    fwd, bwd = TritonBackend().default_params(local_len, local_len, head_dim)
+    rows = []
+    for kernel, block_q, block_kv, params in (("attention_fwd", fwd.block_q, fwd.block_kv, fwd),
+                                              ("attention_dkv", bwd.block_q_dkv, bwd.block_kv_dkv, bwd),
+                                              ("attention_dq", bwd.block_q_dq, bwd.block_kv_dq, bwd)):
+        constants = _constants(spec, local_len, local_len, heads, heads, head_dim, block_q, block_kv)
+        report = resources(source_variant, kernel, constants, num_warps=params.num_warps,
+                           num_stages=params.num_stages, capability=capability)
+        rows.append({"kernel": kernel, "target": f"sm_{capability}", "block_q": block_q, "block_kv": block_kv,
+                     "num_warps": params.num_warps, "num_stages": params.num_stages, **report})
+    return rows
 
 
 # --------------------------------------------------------------------------------------------------

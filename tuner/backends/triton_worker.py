@@ -27,10 +27,32 @@ def _tensor(packed):
     return torch.from_numpy(np.frombuffer(data, dtype).reshape(shape).copy())
 
 
+def _fix_bfloat16_dot() -> None:
+    """Triton's interpreter multiplies bfloat16 operands of `tl.dot` as their raw 16-bit patterns
+    (it widens only fp8); widen them to float32 first -- exact, and the product accumulates in float32
+    as on the GPU. Checked by the bf16 property tests (tests/test_triton.py)."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.create_dot
+
+    def widened(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        data = interpreter._convert_float(handle.data, tl.bfloat16, tl.float32, None).view(np.float32)
+        return interpreter.TensorHandle(data, tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
 def serve(requests, replies) -> None:
     """Answer requests until stdin closes."""
     import torch
 
+    _fix_bfloat16_dot()
     modules = {}
     while True:
         try:
