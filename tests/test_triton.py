@@ -4,6 +4,7 @@ float32 at DESIGN tolerances and bf16/fp16 within twice dense's error), and ever
 compiles for sm_80 and sm_90 with its resources reported."""
 
 import importlib.util
+import re
 import shutil
 
 import jax.numpy as jnp
@@ -72,22 +73,27 @@ def test_features_are_compiled_in_or_out():
 # Compiling for real GPU targets without a GPU.
 # --------------------------------------------------------------------------------------------------
 
-# Every feature set once (bf16, D=128), and fp16 and D=64 on the causal set. float32 variants (exact
-# `ieee` products, on FMA units) take ptxas about a minute each, too long for CI: they are compiled by
-# `tuner generate --compile sm_80,sm_90`, like the whole standard set.
-COMPILED = [v for v in triton_backend.standard_variants()
-            if (v.features["dtype"], v.features["head_dim"]) == ("bfloat16", 128)
-            or (v.features["causal"] and not any(v.features[k] for k in ("window", "chunk", "segments", "softcap"))
-                and v.features["dtype"] != "float32" and (v.features["dtype"], v.features["head_dim"]) != ("bfloat16", 128))]
+# In CI: every feature set (bf16, D=128) for sm_90, and the causal set in bf16 D=64 and fp16 D=128 for
+# sm_80 (each of the three kernels takes ptxas a few seconds; float32 variants, exact `ieee` products on
+# FMA units, about a minute). `tuner generate --compile sm_80,sm_90` compiles the whole standard set;
+# its report is in benchmarks/results/.
+def _compiled_in_ci():
+    plain_causal = {"causal": True, "window": False, "chunk": False, "segments": False, "softcap": False}
+    for variant in triton_backend.standard_variants():
+        features = variant.features
+        if (features["dtype"], features["head_dim"]) == ("bfloat16", 128):
+            yield pytest.param(variant, 90, id=f"{variant.filename}-sm_90")
+        if all(features[k] == v for k, v in plain_causal.items()) and (features["dtype"], features["head_dim"]) in (
+                ("bfloat16", 64), ("float16", 128)):
+            yield pytest.param(variant, 80, id=f"{variant.filename}-sm_80")
 
 
-@pytest.mark.parametrize("capability", [80, 90])
-@pytest.mark.parametrize("variant", COMPILED, ids=lambda v: v.filename)
+@pytest.mark.parametrize("variant, capability", list(_compiled_in_ci()))
 def test_standard_variants_compile_for_sm80_and_sm90(variant, capability):
     rows = triton_backend.standard_resources(variant, capability)
     for row in rows:
         print(f"{variant.filename} {row['kernel']} sm_{capability}: {row['shared']} B shared, "
-              f"{row['registers']} registers, {row['spill_bytes']} B spilled, {row['mma']}")
+              f"{row['registers']} registers, {row['spill_bytes']} B stack, {row['mma']}")
         assert 0 < row["shared"] <= triton_backend.SHARED_MEMORY_BYTES[capability]
         assert row["registers"] is not None and row["registers"] <= 255
         assert row["mma"] == ("HGMMA" if capability == 90 else "HMMA")
@@ -117,13 +123,17 @@ def test_what_the_backend_supports_and_rejects():
         ring_attention(q, q, q, backend="triton", interpret=True, bias=jnp.zeros((1, 2, 16, 16)))
 
 
-def test_shared_memory_constraint_prunes_before_running():
+def test_shared_memory_constraint_compiles_and_compares(monkeypatch):
+    """The constraint compiles the kernel for the target (sm_90 here) and compares its real shared
+    memory with the target's limit: fine at the real limit, a pruning reason under a tiny one."""
     backend = triton_backend.TritonBackend()
-    problem = Problem(seq_len=8192, heads=16, kv_heads=16, head_dim=128, dtype="float32", ring_size=2)
+    problem = Problem(seq_len=8192, heads=16, kv_heads=16, head_dim=128, dtype="bfloat16", ring_size=2)
     fwd, bwd = backend.default_params(4096, 4096, 128)
     assert backend.violation(problem, fwd, None) is None
-    huge = FwdParams(block_q=128, block_kv=128, num_warps=8, num_stages=4)  # float32: 64 KiB per k/v tile
-    assert "shared memory" in backend.violation(problem, huge, None)
+    monkeypatch.setitem(triton_backend.SHARED_MEMORY_BYTES, 90, 16 * 1024)
+    reason = backend.violation(problem, fwd, None)
+    assert re.fullmatch(r"attention_fwd needs \d+ KiB of shared memory with 3 stages, over the 16 KiB of sm_90",
+                        reason), reason
 
 
 def test_search_runs_the_triton_backend_in_the_interpreter(tmp_path):

@@ -55,8 +55,15 @@ def may_attend(q_pos, k_pos, q_seg, k_seg, spec: AttentionSpec):
     """
     if not spec.has_mask:
         return jnp.bool_(True)
-    (q_lo, q_hi), (k_lo, k_hi) = _bounds(q_pos), _bounds(k_pos)
-    possible = jnp.ones(q_lo.shape, bool)
+    segments = (*_bounds(q_seg), *_bounds(k_seg)) if spec.has_segments else None
+    return ranges_may_attend(*_bounds(q_pos), *_bounds(k_pos), segments, spec).any()
+
+
+def ranges_may_attend(q_lo, q_hi, k_lo, k_hi, segments, spec: AttentionSpec):
+    """Elementwise bool: some query with a position in [q_lo, q_hi] may read some key in [k_lo, k_hi]
+    (and, with `segments = (q_seg_lo, q_seg_hi, k_seg_lo, k_seg_hi)`, segment ids in those ranges).
+    Arguments broadcast: per batch row here, per tile pair in the Triton backend's schedule."""
+    possible = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_lo), jnp.shape(k_lo)), bool)
     if spec.causal:
         possible &= k_lo <= q_hi
     if spec.window is not None:
@@ -66,8 +73,8 @@ def may_attend(q_pos, k_pos, q_seg, k_seg, spec: AttentionSpec):
         c = spec.chunk_size
         possible &= _ranges_overlap(q_lo // c, q_hi // c, k_lo // c, k_hi // c)
     if spec.has_segments:
-        possible &= _ranges_overlap(*_bounds(q_seg), *_bounds(k_seg))
-    return possible.any()
+        possible &= _ranges_overlap(*segments)
+    return possible
 
 
 def fully_allowed(q_pos, k_pos, q_seg, k_seg, spec: AttentionSpec):

@@ -126,7 +126,7 @@ def _forward(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks
         final_lse = jnp.logaddexp(lse, _sink_lse(sinks)[None, :, None])
         out = out * jnp.swapaxes(jnp.exp(lse - final_lse), 1, 2)[..., None]
         lse = final_lse
-    return out.astype(q.dtype), lse
+    return out, lse
 
 
 def _backward(cfg: RingConfig, residuals, cotangents):
@@ -190,12 +190,16 @@ def _backward(cfg: RingConfig, residuals, cotangents):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ring(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks):
-    return _forward(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks)
+    out, lse = _forward(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks)
+    return out.astype(q.dtype), lse
 
 
 def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks):
     out, lse = _forward(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks)
-    return (out, lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks, out, lse)
+    # With sinks the residual output stays float32: d sinks sums p_sink * rowsum(dout * out) over every
+    # row, and a bf16/fp16-rounded out would put that dtype's rounding error into the sum.
+    saved = out if sinks is not None else out.astype(q.dtype)
+    return (out.astype(q.dtype), lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks, saved, lse)
 
 
 _ring.defvjp(_ring_fwd, _backward)

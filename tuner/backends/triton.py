@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tuner import codegen
+from tuner import codegen, masks
 from tuner.backends.base import SearchSpace, source_hash
 from tuner.params import BwdParams, FwdParams
 from tuner.problem import Problem
@@ -83,10 +83,39 @@ def standard_variants() -> list[codegen.Variant]:
 def _constants(spec: AttentionSpec, q_len: int, kv_len: int, heads: int, kv_heads: int, head_dim: int,
                block_q: int, block_kv: int) -> dict[str, Any]:
     left, right = spec.window if spec.window is not None else (0, 0)
+    block_q, block_kv = min(block_q, _pow2_at_least(q_len)), min(block_kv, _pow2_at_least(kv_len))
     return dict(Q_LEN=q_len, KV_LEN=kv_len, HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
                 SCALE=float(spec.scale), SOFTCAP=float(spec.softcap or 0.0), WINDOW_LEFT=left,
-                WINDOW_RIGHT=right, CHUNK=spec.chunk_size or 1,
-                BLOCK_Q=min(block_q, _pow2_at_least(q_len)), BLOCK_KV=min(block_kv, _pow2_at_least(kv_len)))
+                WINDOW_RIGHT=right, CHUNK=spec.chunk_size or 1, BLOCK_Q=block_q, BLOCK_KV=block_kv,
+                NUM_Q_TILES=-(-q_len // block_q), NUM_KV_TILES=-(-kv_len // block_kv))
+
+
+def _tile_bounds(x, block: int, tiles: int):
+    """Per batch row and tile, (min, max) of `[B, T]` positions or segment ids (the last tile padded
+    with its last value, so padding changes neither)."""
+    padded = jnp.pad(x, ((0, 0), (0, tiles * block - x.shape[1])), mode="edge").reshape(x.shape[0], tiles, block)
+    return padded.min(axis=-1), padded.max(axis=-1)
+
+
+def schedule(q_pos, kv_pos, q_seg, kv_seg, spec: AttentionSpec, constants: dict, *, by_key: bool = False):
+    """Which tiles each program visits: for every (batch, query tile) the key tiles that may attend to
+    it, active first, and how many (`by_key`: for every key tile, its query tiles). The rule is
+    `masks.ranges_may_attend` on the tiles' position and segment ranges, the one the scan backend and
+    the ring driver skip by."""
+    nq, nk = constants["NUM_Q_TILES"], constants["NUM_KV_TILES"]
+    q_lo, q_hi = _tile_bounds(q_pos, constants["BLOCK_Q"], nq)
+    k_lo, k_hi = _tile_bounds(kv_pos, constants["BLOCK_KV"], nk)
+    segments = None
+    if spec.has_segments:
+        (qs_lo, qs_hi), (ks_lo, ks_hi) = (_tile_bounds(q_seg, constants["BLOCK_Q"], nq),
+                                          _tile_bounds(kv_seg, constants["BLOCK_KV"], nk))
+        segments = (qs_lo[:, :, None], qs_hi[:, :, None], ks_lo[:, None, :], ks_hi[:, None, :])
+    possible = masks.ranges_may_attend(q_lo[:, :, None], q_hi[:, :, None], k_lo[:, None, :], k_hi[:, None, :],
+                                       segments, spec)
+    if by_key:
+        possible = jnp.swapaxes(possible, 1, 2)
+    order = jnp.argsort(~possible, axis=-1, stable=True).astype(jnp.int32)
+    return order, possible.sum(axis=-1, dtype=jnp.int32)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -163,14 +192,16 @@ def _launch(kernel_name: str, spec: AttentionSpec, inputs: list, out_shapes: lis
 
 
 KERNEL_ARGS = {
-    "attention_fwd": ("Q", "K", "V", "QPos", "KPos", "QSeg", "KSeg", "Out", "Lse"),
-    "attention_dkv": ("Q", "K", "V", "DO", "Lse", "Delta", "QPos", "KPos", "QSeg", "KSeg", "DK", "DV"),
-    "attention_dq": ("Q", "K", "V", "DO", "Lse", "Delta", "QPos", "KPos", "QSeg", "KSeg", "DQ"),
+    "attention_fwd": ("Q", "K", "V", "QPos", "KPos", "QSeg", "KSeg", "Schedule", "Count", "Out", "Lse"),
+    "attention_dkv": ("Q", "K", "V", "DO", "Lse", "Delta", "QPos", "KPos", "QSeg", "KSeg", "Schedule", "Count",
+                      "DK", "DV"),
+    "attention_dq": ("Q", "K", "V", "DO", "Lse", "Delta", "QPos", "KPos", "QSeg", "KSeg", "Schedule", "Count",
+                     "DQ"),
 }
 
 
 def _pointer_type(arg: str, dtype: str) -> str:
-    if arg in ("QPos", "KPos", "QSeg", "KSeg"):
+    if arg in ("QPos", "KPos", "QSeg", "KSeg", "Schedule", "Count"):
         return "*i32"
     if arg in ("Q", "K", "V", "DO"):
         return {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}[dtype]
@@ -344,10 +375,11 @@ class TritonBackend:
         tk, hkv = k.shape[1], k.shape[2]
         constants = _constants(spec, tq, tk, h, hkv, d, params.block_q, params.block_kv)
         q_seg, kv_seg = (q_pos, kv_pos) if q_seg is None else (q_seg, kv_seg)
+        tiles = schedule(q_pos, kv_pos, q_seg, kv_seg, spec, constants)
         out_shapes = [jax.ShapeDtypeStruct((b, tq, h, d), jnp.float32), jax.ShapeDtypeStruct((b, h, tq), jnp.float32)]
-        grid = (-(-tq // constants["BLOCK_Q"]), b * h)
-        out, lse = _launch("attention_fwd", spec, [q, k, v, q_pos, kv_pos, q_seg, kv_seg], out_shapes, grid,
-                           constants, params.num_warps, params.num_stages, interpret, q)
+        grid = (constants["NUM_Q_TILES"], b * h)
+        out, lse = _launch("attention_fwd", spec, [q, k, v, q_pos, kv_pos, q_seg, kv_seg, *tiles], out_shapes,
+                           grid, constants, params.num_warps, params.num_stages, interpret, q)
         return out, lse
 
     def block_bwd(self, q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *,
@@ -357,12 +389,14 @@ class TritonBackend:
         q_seg, kv_seg = (q_pos, kv_pos) if q_seg is None else (q_seg, kv_seg)
         inputs = [q, k, v, do.astype(q.dtype), lse, delta, q_pos, kv_pos, q_seg, kv_seg]
         dkv = _constants(spec, tq, tk, h, hkv, d, params.block_q_dkv, params.block_kv_dkv)
+        by_key = schedule(q_pos, kv_pos, q_seg, kv_seg, spec, dkv, by_key=True)
         kv_shape = jax.ShapeDtypeStruct((b, tk, hkv, d), jnp.float32)
-        dk, dv = _launch("attention_dkv", spec, inputs, [kv_shape, kv_shape], (-(-tk // dkv["BLOCK_KV"]), b * hkv),
-                         dkv, params.num_warps, params.num_stages, interpret, q)
+        dk, dv = _launch("attention_dkv", spec, [*inputs, *by_key], [kv_shape, kv_shape],
+                         (dkv["NUM_KV_TILES"], b * hkv), dkv, params.num_warps, params.num_stages, interpret, q)
         dq_constants = _constants(spec, tq, tk, h, hkv, d, params.block_q_dq, params.block_kv_dq)
-        (dq,) = _launch("attention_dq", spec, inputs, [jax.ShapeDtypeStruct((b, tq, h, d), jnp.float32)],
-                        (-(-tq // dq_constants["BLOCK_Q"]), b * h), dq_constants, params.num_warps,
+        by_query = schedule(q_pos, kv_pos, q_seg, kv_seg, spec, dq_constants)
+        (dq,) = _launch("attention_dq", spec, [*inputs, *by_query], [jax.ShapeDtypeStruct((b, tq, h, d), jnp.float32)],
+                        (dq_constants["NUM_Q_TILES"], b * h), dq_constants, params.num_warps,
                         params.num_stages, interpret, q)
         return dq, dk, dv, None
 
