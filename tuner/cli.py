@@ -22,12 +22,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from tuner.problem import DTYPES, OBJECTIVES, Problem
+from tuner.problem import DEVICES, DTYPES, OBJECTIVES, SAMPLERS, Problem
 from tuner.spec import LAYOUTS
 from tuner.tables import short_params, table
-
-DEVICES = ("cpu", "gpu", "tpu")
-SAMPLERS = ("tpe", "gp", "random", "grid")
 
 
 class UsageError(Exception):

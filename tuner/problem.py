@@ -19,6 +19,8 @@ from tuner.spec import LAYOUTS, AttentionSpec, normalize_window
 
 DTYPES = ("float32", "bfloat16", "float16")
 OBJECTIVES = ("fwd", "bwd", "fwd+bwd")
+DEVICES = ("cpu", "gpu", "tpu")
+SAMPLERS = ("tpe", "gp", "random", "grid")
 
 
 def _positive(name: str, value: Any) -> None:

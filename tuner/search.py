@@ -44,14 +44,12 @@ from tuner.backends import Backend, choose_backend, get_backend
 from tuner.backends.base import SearchSpace
 from tuner.cache import Cache, current_versions, make_row
 from tuner.params import BwdParams, FwdParams
-from tuner.problem import OBJECTIVES, Problem, ProblemKey
+from tuner.problem import DEVICES, OBJECTIVES, SAMPLERS, Problem, ProblemKey
 from tuner.timing import Timing, run_interleaved
 from tuner.workload import Compiled, Workload, relative_error
 
 log = logging.getLogger("tuner.search")
 
-SAMPLERS = ("tpe", "gp", "random", "grid")
-DEVICES = ("cpu", "gpu", "tpu")
 FWD_TOLERANCE = 1e-5
 GRAD_TOLERANCE = 1e-4
 INTERRUPTED = "interrupted"
