@@ -247,8 +247,16 @@ def check_case(case: Case, fwd_tol: float = 1e-5, grad_tol: float = 1e-4, *, use
 
 def check_low_precision(case: Case) -> None:
     """bf16 / fp16: at most twice the error of dense attention computed in the same dtype (both
-    against float64), and never above the 2e-2 backstop."""
-    a = make_arrays(case)
+    against float64), and never above the 2e-2 backstop.
+
+    The float64 reference is computed from the inputs rounded to the dtype -- the inputs both
+    implementations actually get. Against unrounded inputs, the rounding of the inputs dominates small
+    problems, and an exact computation on the rounded inputs can then show 4x the error of a dense
+    bf16 one whose own roundings happen to cancel it (seen on a 4-token case).
+    """
+    rounded = lambda x: None if x is None else np.asarray(jnp.asarray(x, case.dtype), np.float32)  # noqa: E731
+    arrays = make_arrays(case)
+    a = dataclasses.replace(arrays, **{n: rounded(getattr(arrays, n)) for n in ("q", "k", "v", "bias", "sinks")})
     out_64, _, grads_64 = run_reference(case, a)
     out_lo, _, grads_lo = run_reference(case, a, dtype=jnp.dtype(case.dtype))
     out, _, grads = run_ring(case, a)

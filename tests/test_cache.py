@@ -138,3 +138,14 @@ def _repo_root():
     from pathlib import Path
 
     return Path(__file__).resolve().parents[1]
+
+
+def test_triton_version_only_matters_to_triton_entries():
+    import importlib.metadata
+
+    assert current_versions("abc")["triton_version"] == "-"
+    try:
+        installed = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        installed = "-"
+    assert current_versions("abc", triton=True)["triton_version"] == installed

@@ -33,7 +33,7 @@ def arrays(problem: Problem, seed: int = 0):
 
 def store(db, problem: Problem, fwd: FwdParams, bwd: BwdParams, backend: str = "scan") -> str:
     row = make_row(problem.key(backend, jax.devices()[0].device_kind), fwd, bwd,
-                   versions=current_versions(BACKENDS[backend].code_hash()), tool_version="test",
+                   versions=current_versions(BACKENDS[backend].code_hash(), triton=backend == "triton"), tool_version="test",
                    objective="fwd+bwd", best_s=1.0, default_s=1.5, speedup=1.5, trials_run=2, trials_pruned=0,
                    trials_failed={}, study="test")
     Cache(db).put(row)

@@ -63,8 +63,10 @@ def shipped_dir() -> Path:
     return Path(__file__).resolve().parents[1] / "cache_db"
 
 
-def current_versions(code_hash: str) -> dict[str, str]:
-    """The versions an entry measured now would carry, for a backend whose code hash is `code_hash`."""
+def current_versions(code_hash: str, *, triton: bool = False) -> dict[str, str]:
+    """The versions an entry measured now would carry, for a backend whose code hash is `code_hash`;
+    the triton version only for a backend built on Triton ("-" otherwise, so that installing or
+    upgrading triton does not make scan entries stale)."""
     def version(package: str) -> str:
         try:
             return importlib.metadata.version(package)
@@ -72,7 +74,7 @@ def current_versions(code_hash: str) -> dict[str, str]:
             return "-"
 
     return {"jax_version": version("jax"), "jaxlib_version": version("jaxlib"),
-            "triton_version": version("triton"), "code_hash": code_hash}
+            "triton_version": version("triton") if triton else "-", "code_hash": code_hash}
 
 
 def stale_reason(row: dict[str, Any], versions: dict[str, str]) -> str | None:

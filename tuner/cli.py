@@ -189,7 +189,7 @@ def _status(row: dict[str, Any]) -> str:
     backend = BACKENDS.get(row["backend"])
     if backend is None:
         return f"stale (backend {row['backend']} not in this version)"
-    reason = stale_reason(row, current_versions(backend.code_hash()))
+    reason = stale_reason(row, current_versions(backend.code_hash(), triton=backend.name == "triton"))
     return f"stale ({reason})" if reason else "ok"
 
 
@@ -343,7 +343,7 @@ def _info(args: argparse.Namespace) -> int:
     devices = jax.devices()
     print(f"ring-tuner {tuner.__version__}, platform {jax.default_backend()}, {len(devices)} device(s): "
           f"{devices[0].device_kind}")
-    versions = current_versions("-")
+    versions = current_versions("-", triton=True)
     print("versions: " + ", ".join(f"{k.removesuffix('_version')} {v}" for k, v in versions.items()
                                    if k != "code_hash"))
     rows = [[name, "yes" if backend.unavailable_reason() is None else "no", backend.code_hash(),

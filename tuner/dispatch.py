@@ -171,7 +171,7 @@ class TunedRingAttention:
 
         defaults = backend.default_params(problem.q_len, problem.kv_len, problem.head_dim)
         try:
-            found = Cache(self.db).lookup(problem, current_versions(backend.code_hash()), accept)
+            found = Cache(self.db).lookup(problem, current_versions(backend.code_hash(), triton=backend.name == "triton"), accept)
         except (CacheError, ValueError, OSError) as error:
             log.warning("ring attention: tuning cache unusable, using default params: %s", error)
             return Decision(backend.name, *defaults, "fallback" if fallback else "default",

@@ -429,7 +429,7 @@ def search(
     device_kind = check_device(device)
     chosen = resolve_backend(backend, problem, device, options.interpret)
     cache = Cache(db)
-    versions = current_versions(chosen.code_hash())
+    versions = current_versions(chosen.code_hash(), triton=chosen.name == "triton")
     key = problem.key(chosen.name, device_kind)
     storage_url = options.storage or default_storage(cache.path)
     name = study_name(key, options.objective, versions)

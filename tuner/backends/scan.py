@@ -169,6 +169,27 @@ class _Operands:
         return None if mask is None else mask[:, None, None]
 
 
+def _widen() -> bool:
+    """On the CPU, matmuls of 16-bit operands run in float32: XLA:CPU cannot execute some
+    bf16 x bf16 -> f32 dots ("Unsupported element type for DotThunk"), and there is no 16-bit matmul
+    unit to gain speed from. Elsewhere they run in the input dtype, accumulating in float32."""
+    return jax.default_backend() == "cpu"
+
+
+def _operand(x, dtype):
+    """A float32 intermediate (probabilities, their gradient) as a matmul operand: rounded to the input
+    dtype where matmuls run in it, kept float32 where they are widened anyway."""
+    return x if _widen() else x.astype(dtype)
+
+
+def _einsum(subscripts: str, a, b):
+    """`jnp.einsum` accumulating in float32 (16-bit operands widened on the CPU: a product of two
+    16-bit floats is exact in float32)."""
+    if _widen():
+        a, b = a.astype(F32), b.astype(F32)
+    return jnp.einsum(subscripts, a, b, preferred_element_type=F32)
+
+
 def _logits(ops: _Operands, spec: AttentionSpec, q_tile, i, j, masked: bool, transposed: bool = False):
     """Logits of tile (i, j), masked to -inf, and the softcap's tanh (or None).
 
@@ -176,9 +197,9 @@ def _logits(ops: _Operands, spec: AttentionSpec, q_tile, i, j, masked: bool, tra
     lets the dk/dv matmuls contract over the trailing (G, bq) axes without transposing the tile.
     """
     if transposed:
-        s = jnp.einsum("bhkd,bhgqd->bhkgq", ops.k[j], q_tile, preferred_element_type=F32)
+        s = _einsum("bhkd,bhgqd->bhkgq", ops.k[j], q_tile)
     else:
-        s = jnp.einsum("bhgqd,bhkd->bhgqk", q_tile, ops.k[j], preferred_element_type=F32)
+        s = _einsum("bhgqd,bhkd->bhgqk", q_tile, ops.k[j])
     s = s * spec.scale
     orient = (lambda x: jnp.moveaxis(x, -1, 2)) if transposed else (lambda x: x)
     tanh = None
@@ -230,8 +251,7 @@ def _forward(ops: _Operands, spec: AttentionSpec):
                 p = jnp.exp(s - safe_max[..., None])
                 rescale = jnp.exp(row_max - safe_max)
                 row_sum = rescale * row_sum + p.sum(axis=-1)
-                pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(ops.v.dtype), ops.v[j],
-                                preferred_element_type=F32)
+                pv = _einsum("bhgqk,bhkd->bhgqd", _operand(p, ops.v.dtype), ops.v[j])
                 return new_max, row_sum, rescale[..., None] * acc + pv
 
             return _visit_tile(ops, spec, i, j, compute, carry), None
@@ -273,9 +293,9 @@ class _Grads:
         row = (lambda x: x[:, :, None]) if transposed else (lambda x: x[..., None])
         p = jnp.exp(s - row(lse[i]))
         if transposed:
-            dp = jnp.einsum("bhkd,bhgqd->bhkgq", ops.v[j], do_tile, preferred_element_type=F32)
+            dp = _einsum("bhkd,bhgqd->bhkgq", ops.v[j], do_tile)
         else:
-            dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_tile, ops.v[j], preferred_element_type=F32)
+            dp = _einsum("bhgqd,bhkd->bhgqk", do_tile, ops.v[j])
         self.dlogits = p * (dp - row(delta[i]))
         ds = self.dlogits if tanh is None else self.dlogits * (1.0 - tanh * tanh)
         self.ds = ds * spec.scale
@@ -283,20 +303,17 @@ class _Grads:
         self.q_tile, self.do_tile = q_tile, do_tile
 
     def dk(self, ops: _Operands):
-        return jnp.einsum("bhkgq,bhgqd->bhkd", self.ds.astype(ops.q.dtype), self.q_tile,
-                          preferred_element_type=F32)
+        return _einsum("bhkgq,bhgqd->bhkd", _operand(self.ds, ops.q.dtype), self.q_tile)
 
     def dv(self, ops: _Operands):
-        return jnp.einsum("bhkgq,bhgqd->bhkd", self.p.astype(self.do_tile.dtype), self.do_tile,
-                          preferred_element_type=F32)
+        return _einsum("bhkgq,bhgqd->bhkd", _operand(self.p, self.do_tile.dtype), self.do_tile)
 
     def dq(self, ops: _Operands, j):
         """`[B, Hkv, G, bq, D]`, or `[B, Hkv, D, G, bq]` when transposed (a plain matmul by k^T)."""
         if self.transposed:
-            return jnp.einsum("bhdk,bhkgq->bhdgq", jnp.swapaxes(ops.k[j], -1, -2),
-                              self.ds.astype(ops.k.dtype), preferred_element_type=F32)
-        return jnp.einsum("bhgqk,bhkd->bhgqd", self.ds.astype(ops.k.dtype), ops.k[j],
-                          preferred_element_type=F32)
+            return _einsum("bhdk,bhkgq->bhdgq", jnp.swapaxes(ops.k[j], -1, -2),
+                              _operand(self.ds, ops.k.dtype))
+        return _einsum("bhgqk,bhkd->bhgqd", _operand(self.ds, ops.k.dtype), ops.k[j])
 
     def dbias(self, ops: _Operands, i, j):
         dlogits = jnp.moveaxis(self.dlogits, 2, -1) if self.transposed else self.dlogits
