@@ -38,7 +38,6 @@ def bench(problem: Problem, *, device: str, backend: str = "auto", objective: st
         "scan default": ("scan", *scan_default),
     }
     backward = objective != "fwd"
-    inputs, dout = workload.draw(seed=0)
     sets = [workload.draw(seed=i) for i in range(3)]
     compiled: dict[str, Compiled] = {}
     labels: dict[str, list[str]] = {}
@@ -48,7 +47,7 @@ def bench(problem: Problem, *, device: str, backend: str = "auto", objective: st
             labels[seen[(backend_name, fwd, bwd)]][0] += f" = {name}"
             continue
         seen[(backend_name, fwd, bwd)] = name
-        compiled[name] = workload.compile(workload.ring(backend_name, fwd, bwd), inputs, dout, backward=backward)
+        compiled[name] = workload.compile(workload.ring(backend_name, fwd, bwd), *sets[0], backward=backward)
         labels[name] = [name, backend_name, f"fwd({short_params(fwd)}) bwd({short_params(bwd)})"]
 
     one_device = jax.devices()[0]
@@ -60,13 +59,7 @@ def bench(problem: Problem, *, device: str, backend: str = "auto", objective: st
 
     thunks = {}
     for name, fn in compiled.items():
-        data = dense_sets if name.startswith("dense") else sets
-        if backward:
-            residuals = [fn.forward_with_residuals(x)[1] for x, _ in data]
-            thunks[f"{name}:fwd"] = lambda i, fn=fn, data=data: fn.forward(data[i % 3][0])
-            thunks[f"{name}:bwd"] = lambda i, fn=fn, data=data, r=residuals: fn.backward(r[i % 3], data[i % 3][1])
-        else:
-            thunks[f"{name}:fwd"] = lambda i, fn=fn, data=data: fn.forward(data[i % 3][0])
+        thunks.update(fn.thunks(name, dense_sets if name.startswith("dense") else sets))
     timings = run_interleaved(thunks, runs=runs, warmup=2)
 
     flops = attention_flops(problem.batch, problem.heads, problem.seq_len, problem.seq_len, problem.head_dim,

@@ -299,6 +299,8 @@ class _Search:
         except TrialFailed as failure:
             raise RuntimeError(f"the {backend.name} backend's default ({self.default.describe()}) fails "
                                f"on this problem, so there is nothing to measure against: {failure}") from None
+        # Every measurement runs the default beside its candidates: its backward residuals are kept.
+        self.default_thunks = self.baseline[0].thunks("default", self.time_sets, forward=options.tunes_fwd)
 
     def _outputs(self, compiled: Compiled) -> dict[str, Any]:
         outputs = {"out": compiled.forward(self.check_inputs)}
@@ -339,24 +341,15 @@ class _Search:
                                            f"(relative), over the {tolerance:.0e} tolerance")
         return timed, compile_seconds
 
-    def _thunks(self, name: str, compiled: Compiled) -> dict[str, Callable[[int], Any]]:
-        sets = self.time_sets
-        thunks: dict[str, Callable[[int], Any]] = {}
-        if self.options.tunes_fwd:
-            thunks[f"{name}:fwd"] = lambda i: compiled.forward(sets[i % len(sets)][0])
-        if self.options.tunes_bwd:
-            residuals = [compiled.forward_with_residuals(inputs)[1] for inputs, _ in sets]
-            thunks[f"{name}:bwd"] = lambda i: compiled.backward(residuals[i % len(sets)],
-                                                                 sets[i % len(sets)][1])
-        return thunks
-
     def measure(self, candidates: dict[str, Compiled], runs: int, deadline: float | None
                 ) -> dict[str, tuple[Timing | None, Timing | None]]:
-        thunks: dict[str, Callable[[int], Any]] = {}
+        """(fwd, bwd) timings of the candidates and of the default ("default"), run interleaved."""
+        thunks = dict(self.default_thunks)
         for name, compiled in candidates.items():
-            thunks.update(self._thunks(name, compiled))
+            thunks.update(compiled.thunks(name, self.time_sets, forward=self.options.tunes_fwd))
         timings = run_interleaved(thunks, runs=runs, warmup=1, deadline=deadline)
-        return {name: (timings.get(f"{name}:fwd"), timings.get(f"{name}:bwd")) for name in candidates}
+        return {name: (timings.get(f"{name}:fwd"), timings.get(f"{name}:bwd"))
+                for name in ("default", *candidates)}
 
     def objective(self, trial: optuna.Trial) -> float:
         start = time.perf_counter()
@@ -371,8 +364,7 @@ class _Search:
             try:
                 compiled, compile_seconds = self._compile(point, deadline)
                 trial.set_user_attr("compile_s", compile_seconds)
-                timings = self.measure({"candidate": compiled, "default": self.baseline[0]},
-                                       self.options.runs, deadline)
+                timings = self.measure({"candidate": compiled}, self.options.runs, deadline)
             except TimeoutError as error:
                 raise TrialFailed("timeout", f"{error}, over the {self.options.trial_timeout:.0f} s "
                                              f"trial timeout") from error
@@ -507,7 +499,7 @@ def _retime(state: _Search, trials: list[optuna.trial.FrozenTrial]
         combined = Point(_point_of(best_fwd.params, state.default).fwd,
                          _point_of(best_bwd.params, state.default).bwd)
         points.setdefault(combined, f"fwd of trial {best_fwd.number} + bwd of trial {best_bwd.number}")
-    compiled: dict[str, Compiled] = {"default": state.baseline[0]}
+    compiled: dict[str, Compiled] = {}
     failures = []
     names: dict[str, Point] = {"default": state.default}
     for point, name in points.items():
@@ -519,7 +511,7 @@ def _retime(state: _Search, trials: list[optuna.trial.FrozenTrial]
         except TrialFailed as failure:
             failures.append(f"{name}: {failure}")
     timings = state.measure(compiled, options.final_runs, deadline=None)
-    return {name: Measured(names[name], *timings[name]) for name in compiled}, failures
+    return {name: Measured(names[name], *timings[name]) for name in names}, failures
 
 
 

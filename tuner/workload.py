@@ -52,6 +52,19 @@ class Compiled:
         _, residuals = self.forward_with_residuals(inputs)
         return self.backward(residuals, dout)
 
+    def thunks(self, name: str, sets: list[tuple[Inputs, Any]], *, forward: bool = True
+               ) -> dict[str, Callable[[int], Any]]:
+        """Timing thunks over `(inputs, dout)` sets, run `i` on set `i % len(sets)`: `name:fwd` (unless
+        `forward` is False) and, when the backward was built, `name:bwd` -- whose residuals are
+        computed here, once per set, so the backward runs alone."""
+        thunks: dict[str, Callable[[int], Any]] = {}
+        if forward:
+            thunks[f"{name}:fwd"] = lambda i: self.forward(sets[i % len(sets)][0])
+        if self.backward is not None:
+            residuals = [self.forward_with_residuals(inputs)[1] for inputs, _ in sets]
+            thunks[f"{name}:bwd"] = lambda i: self.backward(residuals[i % len(sets)], sets[i % len(sets)][1])
+        return thunks
+
 
 class Workload:
     """Inputs and ring functions of one problem on this machine's first `ring_size` devices."""
@@ -118,8 +131,6 @@ class Workload:
         start = time.perf_counter()
         if not backward:
             return Compiled(jax.jit(fn).lower(inputs).compile(), time.perf_counter() - start)
-        float_inputs = {n: x for n, x in inputs.items() if n != "segment_ids"}
-        fixed = {n: x for n, x in inputs.items() if n == "segment_ids"}
         tree: dict[str, Any] = {}
 
         def forward_with_residuals(x: Inputs):
@@ -133,7 +144,7 @@ class Workload:
             (grads,) = jax.tree.unflatten(tree["vjp"], leaves)(dout)
             return grads
 
-        with_residuals = jax.jit(forward_with_residuals).lower({**float_inputs, **fixed}).compile()
+        with_residuals = jax.jit(forward_with_residuals).lower(inputs).compile()
         _, leaves = with_residuals(inputs)
         backward_fn = jax.jit(backward_from_residuals).lower(leaves, dout).compile()
         return Compiled(lambda x: with_residuals(x)[0], time.perf_counter() - start, with_residuals,
