@@ -173,6 +173,8 @@ def _search(args: argparse.Namespace) -> int:
         print(f"re-timing skipped {failure}")
     print(f"stored   key {result.key.digest} in {result.db_path}")
     print(f"study    {result.study} in {result.storage}  ({result.seconds:.0f} s)")
+    print(f"next     get_tuned_ring_attention() now runs these params for this problem; `tuner bench` "
+          f"with the same options times them against dense attention; `tuner show {result.key.digest[:8]}`")
     return 0
 
 
