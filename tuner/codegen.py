@@ -26,6 +26,17 @@ from tuner.cache import tuner_home
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
 _LOCK = threading.Lock()
+
+# The feature sets every kernel backend renders as its standard variants (`tuner generate`): full,
+# causal, and causal with each other feature in turn.
+STANDARD_FEATURES: list[dict[str, bool]] = [
+    dict(causal=causal, window=window, chunk=chunk, segments=segments, softcap=softcap)
+    for causal, window, chunk, segments, softcap in (
+        (False, False, False, False, False), (True, False, False, False, False),
+        (True, False, False, True, False), (True, True, False, False, False),
+        (True, False, True, False, False), (True, False, False, False, True),
+    )
+]
 _MODULES: dict[Path, ModuleType] = {}
 
 

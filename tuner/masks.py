@@ -95,3 +95,31 @@ def fully_allowed(q_pos, k_pos, q_seg, k_seg, spec: AttentionSpec):
         (q_s_lo, q_s_hi), (k_s_lo, k_s_hi) = _bounds(q_seg), _bounds(k_seg)
         every &= (q_s_lo == q_s_hi) & (k_s_lo == k_s_hi) & (q_s_lo == k_s_lo)
     return every.all()
+
+
+def _tile_bounds(x, block: int, tiles: int):
+    """Per batch row and tile, (min, max) of `[B, T]` positions or segment ids (the last tile padded
+    with its last value, so padding changes neither)."""
+    padded = jnp.pad(x, ((0, 0), (0, tiles * block - x.shape[1])), mode="edge").reshape(x.shape[0], tiles, block)
+    return padded.min(axis=-1), padded.max(axis=-1)
+
+
+def tile_schedule(q_pos, kv_pos, q_seg, kv_seg, spec: AttentionSpec, block_q: int, block_kv: int, *,
+                  by_key: bool = False):
+    """Which tiles a kernel visits: for every (batch row, query tile) the key tiles that may attend to
+    it, those first, in order (`[B, query tiles, key tiles]` int32), and how many (`[B, query tiles]`).
+    With `by_key`, the same per key tile: its query tiles. The rule is `ranges_may_attend` on the
+    tiles' position and segment ranges, the one the scan backend and the ring driver skip by."""
+    nq, nk = -(-q_pos.shape[1] // block_q), -(-kv_pos.shape[1] // block_kv)
+    q_lo, q_hi = _tile_bounds(q_pos, block_q, nq)
+    k_lo, k_hi = _tile_bounds(kv_pos, block_kv, nk)
+    segments = None
+    if spec.has_segments:
+        (qs_lo, qs_hi), (ks_lo, ks_hi) = _tile_bounds(q_seg, block_q, nq), _tile_bounds(kv_seg, block_kv, nk)
+        segments = (qs_lo[:, :, None], qs_hi[:, :, None], ks_lo[:, None, :], ks_hi[:, None, :])
+    possible = ranges_may_attend(q_lo[:, :, None], q_hi[:, :, None], k_lo[:, None, :], k_hi[:, None, :],
+                                 segments, spec)
+    if by_key:
+        possible = jnp.swapaxes(possible, 1, 2)
+    order = jnp.argsort(~possible, axis=-1, stable=True).astype(jnp.int32)
+    return order, possible.sum(axis=-1, dtype=jnp.int32)

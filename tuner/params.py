@@ -18,20 +18,24 @@ def _check_positive(owner: str, name: str, value: int | None, *, optional: bool)
 class FwdParams:
     """Forward tiles: a `block_q` x `block_kv` tile of logits is live at a time.
 
-    `num_warps` / `num_stages` are GPU launch settings; backends without them (scan) reject them.
-    A tile longer than the local sequence is shortened to the sequence (results are unchanged).
+    `num_warps` / `num_stages` are GPU launch settings; `block_kv_compute` is the slice of a `block_kv`
+    tile that a TPU kernel computes at once (the tile is copied into VMEM whole, then computed in
+    slices). Backends without a setting reject it. A tile longer than the local sequence is shortened
+    to the sequence (results are unchanged).
     """
 
     block_q: int = 128
     block_kv: int = 128
     num_warps: int | None = None
     num_stages: int | None = None
+    block_kv_compute: int | None = None
 
     def __post_init__(self) -> None:
         _check_positive("FwdParams", "block_q", self.block_q, optional=False)
         _check_positive("FwdParams", "block_kv", self.block_kv, optional=False)
         _check_positive("FwdParams", "num_warps", self.num_warps, optional=True)
         _check_positive("FwdParams", "num_stages", self.num_stages, optional=True)
+        _check_positive("FwdParams", "block_kv_compute", self.block_kv_compute, optional=True)
 
     def to_dict(self) -> dict[str, int | None]:
         return dataclasses.asdict(self)

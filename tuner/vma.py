@@ -24,3 +24,11 @@ def like(x, reference):
     """`x`, marked as varying over every axis that `reference` varies over."""
     missing = tuple(sorted(varying_axes(reference) - varying_axes(x), key=str))
     return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def shape_like(shape, dtype, reference) -> jax.ShapeDtypeStruct:
+    """An output type (for `pallas_call`) varying over the manual mesh axes `reference` varies over."""
+    aval = jax.typeof(reference)
+    if hasattr(aval, "manual_axis_type"):
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=aval.manual_axis_type)
+    return jax.ShapeDtypeStruct(shape, dtype, vma=aval.vma)  # jax < 0.10

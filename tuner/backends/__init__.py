@@ -7,13 +7,15 @@ from typing import Any
 import jax
 
 from tuner.backends.base import Backend, available
+from tuner.backends.pallas_tpu import PallasTpuBackend
 from tuner.backends.scan import ScanBackend
 from tuner.backends.triton import TritonBackend
 from tuner.spec import AttentionSpec
 
-BACKENDS: dict[str, Backend] = {"scan": ScanBackend(), "triton": TritonBackend()}
+BACKENDS: dict[str, Backend] = {"scan": ScanBackend(), "triton": TritonBackend(),
+                                 "pallas_tpu": PallasTpuBackend()}
 
-# `backend="auto"` tries these in order on each platform; names not registered yet are passed over.
+# `backend="auto"` tries these in order on each platform.
 PREFERENCE: dict[str, tuple[str, ...]] = {
     "gpu": ("triton", "scan"),
     "tpu": ("pallas_tpu", "scan"),
@@ -46,9 +48,8 @@ def resolve_auto(spec: AttentionSpec, dtype: Any, head_dim: int, platform: str |
     before it was passed over."""
     passed_over = []
     for name in PREFERENCE.get(platform or jax.default_backend(), ("scan",)):
-        backend = BACKENDS.get(name)
-        reason = "is not built in this version" if backend is None else why_not(backend, spec, dtype,
-                                                                                 head_dim, interpret)
+        backend = BACKENDS[name]
+        reason = why_not(backend, spec, dtype, head_dim, interpret)
         if reason is None:
             return backend, passed_over
         passed_over.append(f"{name} {reason}")

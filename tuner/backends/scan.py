@@ -418,6 +418,9 @@ class ScanBackend:
                 if getattr(params, field) is not None:
                     raise ValueError(f"{owner}.{field} is a GPU launch setting that the scan backend "
                                      f"cannot honour; leave it None")
+        if fwd.block_kv_compute is not None:
+            raise ValueError("fwd_params.block_kv_compute is a TPU kernel setting that the scan backend "
+                             "cannot honour; leave it None")
 
     def default_params(self, q_len: int, kv_len: int, head_dim: int) -> tuple[FwdParams, BwdParams]:
         """Tall query tiles, short key tiles, dq fused: the best of a sweep on a 2-core x86 CPU

@@ -62,22 +62,12 @@ def variant(spec: AttentionSpec, dtype: Any, head_dim: int) -> codegen.Variant:
         "head_dim": head_dim, "precision": "ieee" if name == "float32" else "tf32"})
 
 
-STANDARD_FEATURES = [
-    dict(causal=causal, window=window, chunk=chunk, segments=segments, softcap=softcap)
-    for causal, window, chunk, segments, softcap in (
-        (False, False, False, False, False), (True, False, False, False, False),
-        (True, False, False, True, False), (True, True, False, False, False),
-        (True, False, True, False, False), (True, False, False, False, True),
-    )
-]
-
-
 def standard_variants() -> list[codegen.Variant]:
     """The feature sets `tuner generate` renders: full, causal, causal + segments, causal + window,
     causal + chunk, causal + softcap; in bfloat16, float16 and float32; head dims 64 and 128."""
     return [codegen.Variant("triton", TEMPLATE, {**f, "dtype": dtype, "head_dim": d,
                                                  "precision": "ieee" if dtype == "float32" else "tf32"})
-            for f in STANDARD_FEATURES for dtype in ("bfloat16", "float16", "float32") for d in (64, 128)]
+            for f in codegen.STANDARD_FEATURES for dtype in ("bfloat16", "float16", "float32") for d in (64, 128)]
 
 
 def _constants(spec: AttentionSpec, q_len: int, kv_len: int, heads: int, kv_heads: int, head_dim: int,
@@ -88,34 +78,6 @@ def _constants(spec: AttentionSpec, q_len: int, kv_len: int, heads: int, kv_head
                 SCALE=float(spec.scale), SOFTCAP=float(spec.softcap or 0.0), WINDOW_LEFT=left,
                 WINDOW_RIGHT=right, CHUNK=spec.chunk_size or 1, BLOCK_Q=block_q, BLOCK_KV=block_kv,
                 NUM_Q_TILES=-(-q_len // block_q), NUM_KV_TILES=-(-kv_len // block_kv))
-
-
-def _tile_bounds(x, block: int, tiles: int):
-    """Per batch row and tile, (min, max) of `[B, T]` positions or segment ids (the last tile padded
-    with its last value, so padding changes neither)."""
-    padded = jnp.pad(x, ((0, 0), (0, tiles * block - x.shape[1])), mode="edge").reshape(x.shape[0], tiles, block)
-    return padded.min(axis=-1), padded.max(axis=-1)
-
-
-def schedule(q_pos, kv_pos, q_seg, kv_seg, spec: AttentionSpec, constants: dict, *, by_key: bool = False):
-    """Which tiles each program visits: for every (batch, query tile) the key tiles that may attend to
-    it, active first, and how many (`by_key`: for every key tile, its query tiles). The rule is
-    `masks.ranges_may_attend` on the tiles' position and segment ranges, the one the scan backend and
-    the ring driver skip by."""
-    nq, nk = constants["NUM_Q_TILES"], constants["NUM_KV_TILES"]
-    q_lo, q_hi = _tile_bounds(q_pos, constants["BLOCK_Q"], nq)
-    k_lo, k_hi = _tile_bounds(kv_pos, constants["BLOCK_KV"], nk)
-    segments = None
-    if spec.has_segments:
-        (qs_lo, qs_hi), (ks_lo, ks_hi) = (_tile_bounds(q_seg, constants["BLOCK_Q"], nq),
-                                          _tile_bounds(kv_seg, constants["BLOCK_KV"], nk))
-        segments = (qs_lo[:, :, None], qs_hi[:, :, None], ks_lo[:, None, :], ks_hi[:, None, :])
-    possible = masks.ranges_may_attend(q_lo[:, :, None], q_hi[:, :, None], k_lo[:, None, :], k_hi[:, None, :],
-                                       segments, spec)
-    if by_key:
-        possible = jnp.swapaxes(possible, 1, 2)
-    order = jnp.argsort(~possible, axis=-1, stable=True).astype(jnp.int32)
-    return order, possible.sum(axis=-1, dtype=jnp.int32)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -317,6 +279,9 @@ class TritonBackend:
         for name, tile in tiles:
             if tile < 16 or tile & (tile - 1):
                 raise ValueError(f"{name} must be a power of two >= 16 for Triton tiles, got {tile}")
+        if fwd.block_kv_compute is not None:
+            raise ValueError("fwd_params.block_kv_compute is a TPU kernel setting that the triton backend "
+                             "cannot honour; leave it None")
         for owner, params in (("fwd_params", fwd), ("bwd_params", bwd)):
             if params.num_warps is not None and params.num_warps not in WARPS:
                 raise ValueError(f"{owner}.num_warps must be one of {WARPS}, got {params.num_warps}")
@@ -375,7 +340,8 @@ class TritonBackend:
         tk, hkv = k.shape[1], k.shape[2]
         constants = _constants(spec, tq, tk, h, hkv, d, params.block_q, params.block_kv)
         q_seg, kv_seg = (q_pos, kv_pos) if q_seg is None else (q_seg, kv_seg)
-        tiles = schedule(q_pos, kv_pos, q_seg, kv_seg, spec, constants)
+        tiles = masks.tile_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, constants["BLOCK_Q"],
+                                    constants["BLOCK_KV"])
         out_shapes = [jax.ShapeDtypeStruct((b, tq, h, d), jnp.float32), jax.ShapeDtypeStruct((b, h, tq), jnp.float32)]
         grid = (constants["NUM_Q_TILES"], b * h)
         out, lse = _launch("attention_fwd", spec, [q, k, v, q_pos, kv_pos, q_seg, kv_seg, *tiles], out_shapes,
@@ -389,12 +355,14 @@ class TritonBackend:
         q_seg, kv_seg = (q_pos, kv_pos) if q_seg is None else (q_seg, kv_seg)
         inputs = [q, k, v, do.astype(q.dtype), lse, delta, q_pos, kv_pos, q_seg, kv_seg]
         dkv = _constants(spec, tq, tk, h, hkv, d, params.block_q_dkv, params.block_kv_dkv)
-        by_key = schedule(q_pos, kv_pos, q_seg, kv_seg, spec, dkv, by_key=True)
+        by_key = masks.tile_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, dkv["BLOCK_Q"], dkv["BLOCK_KV"],
+                                     by_key=True)
         kv_shape = jax.ShapeDtypeStruct((b, tk, hkv, d), jnp.float32)
         dk, dv = _launch("attention_dkv", spec, [*inputs, *by_key], [kv_shape, kv_shape],
                          (dkv["NUM_KV_TILES"], b * hkv), dkv, params.num_warps, params.num_stages, interpret, q)
         dq_constants = _constants(spec, tq, tk, h, hkv, d, params.block_q_dq, params.block_kv_dq)
-        by_query = schedule(q_pos, kv_pos, q_seg, kv_seg, spec, dq_constants)
+        by_query = masks.tile_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, dq_constants["BLOCK_Q"],
+                                       dq_constants["BLOCK_KV"])
         (dq,) = _launch("attention_dq", spec, [*inputs, *by_query], [jax.ShapeDtypeStruct((b, tq, h, d), jnp.float32)],
                         (dq_constants["NUM_Q_TILES"], b * h), dq_constants, params.num_warps,
                         params.num_stages, interpret, q)

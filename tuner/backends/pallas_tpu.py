@@ -1,0 +1,365 @@
+"""The Pallas TPU backend: generated Pallas/Mosaic kernels (`templates/pallas_tpu/attention.py.j2`).
+
+On a TPU the kernels compile with Mosaic. With `interpret=True` the same rendered kernels -- grid,
+block specs, scalar-prefetched schedules and all -- run in Pallas's interpreter on the CPU, and `lower`
+exports them for the TPU platform without one (`jax.export(..., platforms=["tpu"])`), which runs
+Pallas's Mosaic lowering and its TPU tiling checks. Neither proves speed, and Mosaic's own compile in
+libtpu only happens on a TPU. (Pallas's more faithful TPU interpret mode, `pltpu.InterpretParams`,
+simulates each device's memories; under `shard_map` on simulated CPU devices it did not finish a
+2-device ring in 300 s, so the plain interpreter is used.)
+
+Layout: TPU blocks need their last two dims to be multiples of (8, 128) or whole, so the block
+functions here transpose q/k/v to heads-major `[B, H, T, D]` (a copy in HBM, in the input dtype) and
+pad local lengths to whole tiles when a tile does not divide them. dq is a kernel of its own (a fused
+dq would need atomics), and bias and float16 are not supported (`backend="auto"` takes scan for them).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from tuner import codegen, masks, vma
+from tuner.backends.base import SearchSpace, source_hash
+from tuner.params import BwdParams, FwdParams
+from tuner.problem import Problem
+from tuner.spec import AttentionSpec
+
+TEMPLATE = "attention.py.j2"
+DTYPES = ("bfloat16", "float32")
+Q_ALIGN, KV_ALIGN = 8, 128  # a tile shorter than the sequence: sublane multiple (queries), lane multiple (keys)
+Q_TILES = (128, 256, 512, 1024)
+KV_TILES = (128, 256, 512, 1024, 2048)
+COMPUTE_TILES = (128, 256, 512)
+LANES, SUBLANES = 128, 8
+DEFAULT_CHIP = "v5e"  # what the constraints assume without a TPU; TUNER_TPU_CHIP overrides
+
+
+def _dtype_name(dtype: Any) -> str:
+    return jnp.dtype(dtype).name
+
+
+def variant(spec: AttentionSpec, dtype: Any, head_dim: int) -> codegen.Variant:
+    """The rendered module for these features (window / cap values and tiles are trace-time arguments)."""
+    return codegen.Variant("pallas_tpu", TEMPLATE, {
+        "causal": spec.causal, "window": spec.window is not None, "chunk": spec.chunk_size is not None,
+        "segments": spec.has_segments, "softcap": spec.softcap is not None, "dtype": _dtype_name(dtype),
+        "head_dim": head_dim})
+
+
+def standard_variants() -> list[codegen.Variant]:
+    """`codegen.STANDARD_FEATURES` in bfloat16 and float32, head dims 64 and 128."""
+    return [codegen.Variant("pallas_tpu", TEMPLATE, {**f, "dtype": dtype, "head_dim": d})
+            for f in codegen.STANDARD_FEATURES for dtype in DTYPES for d in (64, 128)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Tiles and the chip's memory.
+# --------------------------------------------------------------------------------------------------
+
+
+def _tile(name: str, requested: int, length: int, align: int) -> int:
+    """The tile used for a sequence of `length`: the request, cut to the length. A tile shorter than
+    the sequence must be a multiple of `align` (TPU tiling); the sequence is padded to whole tiles."""
+    tile = min(requested, length)
+    if tile < length and tile % align:
+        raise ValueError(f"{name}={requested} must be a multiple of {align} (TPU tiling) or at least the "
+                         f"local length {length}")
+    return tile
+
+
+def fwd_tiles(params: FwdParams, q_len: int, kv_len: int) -> tuple[int, int, int]:
+    """(block_q, block_kv, block_kv_compute) as run for these local lengths; `ValueError` naming the field."""
+    block_q = _tile("fwd_params.block_q", params.block_q, q_len, Q_ALIGN)
+    block_kv = _tile("fwd_params.block_kv", params.block_kv, kv_len, KV_ALIGN)
+    compute = min(params.block_kv_compute or block_kv, block_kv)
+    if block_kv % compute or (compute < block_kv and compute % LANES):
+        raise ValueError(f"fwd_params.block_kv_compute={params.block_kv_compute} must divide the key tile "
+                         f"{block_kv} and be a multiple of {LANES}")
+    return block_q, block_kv, compute
+
+
+def bwd_tiles(params: BwdParams, q_len: int, kv_len: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((block_q, block_kv) of dk/dv, (block_q, block_kv) of dq) as run for these local lengths."""
+    return ((_tile("bwd_params.block_q_dkv", params.block_q_dkv, q_len, Q_ALIGN),
+             _tile("bwd_params.block_kv_dkv", params.block_kv_dkv, kv_len, KV_ALIGN)),
+            (_tile("bwd_params.block_q_dq", params.block_q_dq, q_len, Q_ALIGN),
+             _tile("bwd_params.block_kv_dq", params.block_kv_dq, kv_len, KV_ALIGN)))
+
+
+def chip() -> Any:
+    """`pltpu.TpuInfo` of this TPU, or of `$TUNER_TPU_CHIP` (default v5e) without one."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    if any(d.platform == "tpu" for d in jax.devices()):
+        return pltpu.get_tpu_info()
+    name = os.environ.get("TUNER_TPU_CHIP", DEFAULT_CHIP)
+    try:
+        version = pltpu.ChipVersion(name)
+    except ValueError:
+        known = ", ".join(v.value for v in pltpu.ChipVersion)
+        raise ValueError(f"TUNER_TPU_CHIP must be one of {known}, got {name!r}") from None
+    return pltpu.get_tpu_info_for_chip(version, 1)
+
+
+def vmem_limit_bytes() -> int:
+    """The scoped VMEM the kernels ask Mosaic for: half the chip's VMEM (the rest stays for Mosaic's
+    own scratch and what this estimate leaves out)."""
+    return chip().vmem_capacity_bytes // 2
+
+
+def _rows(n: int, width: int, itemsize: int) -> int:
+    """VMEM bytes of an `[n, width]` buffer: the minor dim pads to 128 lanes, the other to 8 sublanes."""
+    return -(-n // SUBLANES) * SUBLANES * -(-width // LANES) * LANES * itemsize
+
+
+def vmem_bytes(kernel: str, block_q: int, block_kv: int, head_dim: int, dtype: Any, ids: int,
+               block_kv_compute: int | None = None) -> int:
+    """An estimate of one kernel's VMEM: double-buffered input and output blocks, scratch, and the
+    float32 `[block_q, block_kv]` temporaries (s, p and the mask; dp and ds in the backward)."""
+    item = jnp.dtype(dtype).itemsize
+    q_rows, kv_rows = _rows(block_q, head_dim, item), _rows(block_kv, head_dim, item)
+    ids_bytes = _rows(block_q, ids, 4) + _rows(ids, block_kv, 4)
+    stats = _rows(block_q, 1, 4)
+    if kernel == "fwd":
+        inputs = q_rows + 2 * kv_rows + ids_bytes
+        outputs = _rows(block_q, head_dim, 4) + stats
+        scratch = _rows(block_q, head_dim, 4) + 2 * stats
+        return 2 * (inputs + outputs) + scratch + 3 * _rows(block_q, block_kv_compute or block_kv, 4)
+    inputs = 2 * q_rows + 2 * kv_rows + 2 * stats + ids_bytes
+    outputs = 2 * _rows(block_kv, head_dim, 4) if kernel == "dkv" else _rows(block_q, head_dim, 4)
+    return 2 * (inputs + outputs) + 4 * _rows(block_q, block_kv, 4)
+
+
+# --------------------------------------------------------------------------------------------------
+# Calling the kernels: heads-major padded arrays, id arrays, schedules.
+# --------------------------------------------------------------------------------------------------
+
+
+def _interpret_mode(interpret: bool, q) -> bool:
+    """Pallas's `interpret` for these kernels; with it, refuse what Pallas's interpreter cannot run."""
+    if interpret and vma.varying_axes(q):
+        raise ValueError("interpret=True with backend='pallas_tpu' cannot run under shard_map's varying-axes "
+                         "check (Pallas's interpreter evaluates the scalar-prefetch index maps without it): "
+                         "pass check_vma=False to jax.shard_map, or run the kernels on a TPU")
+    return interpret
+
+
+def _heads_major(x, length: int):
+    """`[B, T, H, D]` -> `[B, H, length, D]`, zero-padded along T."""
+    x = jnp.swapaxes(x, 1, 2)
+    return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, 0)))
+
+
+def _padded(length: int, tile: int) -> int:
+    return -(-length // tile) * tile
+
+
+def _ids(spec: AttentionSpec, pos, seg, length: int, *, keys: bool):
+    """Per-token ids the kernels compare -- position, chunk id (position // chunk), segment id --
+    padded to `length`: `[B, length, IDS]` for queries, `[B, IDS, length]` for keys."""
+    columns = [pos]
+    if spec.chunk_size is not None:
+        columns.append(jnp.floor_divide(pos, spec.chunk_size))
+    if spec.has_segments:
+        columns.append(seg)
+    ids = jnp.stack(columns, axis=1).astype(jnp.int32)
+    ids = jnp.pad(ids, ((0, 0), (0, 0), (0, length - pos.shape[1])))
+    return ids if keys else jnp.swapaxes(ids, 1, 2)
+
+
+def _row_stats(x, length: int, fill: float):
+    """`[B, H, Tq]` lse or delta -> `[B, H, length, 1]`, padded with `fill`."""
+    return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2])), constant_values=fill)[..., None]
+
+
+def _flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec: AttentionSpec, block_q: int, block_kv: int, by_key=False):
+    order, count = masks.tile_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, block_q, block_kv, by_key=by_key)
+    return order.reshape(-1), count.reshape(-1)
+
+
+def _mask_values(spec: AttentionSpec) -> dict[str, Any]:
+    left, right = spec.window if spec.window is not None else (0, 0)
+    return dict(scale=float(spec.scale), softcap=float(spec.softcap or 1.0), window_left=left, window_right=right)
+
+
+# --------------------------------------------------------------------------------------------------
+# The backend.
+# --------------------------------------------------------------------------------------------------
+
+
+class PallasTpuBackend:
+    """Generated Pallas kernels for TPUs (or Pallas's TPU interpret mode on the CPU for checks)."""
+
+    name = "pallas_tpu"
+
+    def unavailable_reason(self, interpret: bool = False) -> str | None:
+        if interpret:
+            return None
+        if not any(d.platform == "tpu" for d in jax.devices()):
+            return "no TPU visible to jax (interpret=True runs the kernels on the CPU)"
+        return None
+
+    def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int) -> str | None:
+        if spec.has_bias:
+            return "bias (the scan backend supports it)"
+        if _dtype_name(dtype) not in DTYPES:
+            return f"dtype {_dtype_name(dtype)} (TPU kernels take {' or '.join(DTYPES)})"
+        return None
+
+    def check_params(self, fwd: FwdParams, bwd: BwdParams) -> None:
+        for owner, params in (("fwd_params", fwd), ("bwd_params", bwd)):
+            for field in ("num_warps", "num_stages"):
+                if getattr(params, field) is not None:
+                    raise ValueError(f"{owner}.{field} is a GPU launch setting that the pallas_tpu backend "
+                                     f"cannot honour; leave it None")
+        if bwd.fused_dq:
+            raise ValueError("bwd_params.block_q_dq and block_kv_dq must be set: the pallas_tpu backend "
+                             "computes dq in its own kernel")
+
+    def default_params(self, q_len: int, kv_len: int, head_dim: int) -> tuple[FwdParams, BwdParams]:
+        """512-query tiles against 1024-key tiles computed 512 at a time, and 512x512 backward tiles:
+        a starting point in the range TPU flash kernels use, not yet measured on a TPU. Tiles are cut
+        to the local lengths."""
+        fwd = FwdParams(block_q=min(512, q_len), block_kv=min(1024, kv_len),
+                        block_kv_compute=min(512, kv_len))
+        bwd = BwdParams(block_q_dkv=min(512, q_len), block_kv_dkv=min(512, kv_len),
+                        block_q_dq=min(512, q_len), block_kv_dq=min(512, kv_len))
+        return fwd, bwd
+
+    def search_space(self, problem: Problem) -> SearchSpace:
+        """Tiles shorter than the local length from the lists above, and the whole length when it is
+        not longer than the longest; `violation` removes what does not fit."""
+        local = problem.local_len
+
+        def tiles(options: tuple[int, ...]) -> tuple[int, ...]:
+            return tuple(t for t in options if t < local) + ((local,) if local <= options[-1] else ())
+
+        q_tiles, kv_tiles = tiles(Q_TILES), tiles(KV_TILES)
+        compute = tuple(sorted({t for t in COMPUTE_TILES if t < local} | ({local} if local <= 512 else set())))
+        return SearchSpace(fwd={"block_q": q_tiles, "block_kv": kv_tiles, "block_kv_compute": compute},
+                           bwd={"block_q_dkv": q_tiles, "block_kv_dkv": tiles(Q_TILES)},
+                           dq_tiles=tiles(Q_TILES), dq_passes=("separate",))
+
+    def violation(self, problem: Problem, fwd: FwdParams | None, bwd: BwdParams | None) -> str | None:
+        """TPU tiling of each tile, the VMEM estimate of each kernel against the scoped limit the
+        kernels request, and the scalar-prefetched schedules against SMEM."""
+        local, head_dim = problem.local_len, problem.head_dim
+        info = chip()
+        limit = info.vmem_capacity_bytes // 2
+        ids = 1 + (problem.chunk_size is not None) + (problem.segments > 0)
+        kernels = []
+        try:
+            if fwd is not None:
+                block_q, block_kv, compute = fwd_tiles(fwd, local, local)
+                kernels.append(("fwd", block_q, block_kv, compute))
+            if bwd is not None:
+                (dkv_q, dkv_kv), (dq_q, dq_kv) = bwd_tiles(bwd, local, local)
+                kernels += [("dkv", dkv_q, dkv_kv, None), ("dq", dq_q, dq_kv, None)]
+        except ValueError as error:
+            return str(error)
+        for kernel, block_q, block_kv, compute in kernels:
+            used = vmem_bytes(kernel, block_q, block_kv, head_dim, problem.dtype, ids, compute)
+            if used > limit:
+                return (f"{kernel} kernel needs about {used / 2**20:.1f} MiB of VMEM with {block_q}x{block_kv} "
+                        f"tiles, over the {limit / 2**20:.0f} MiB scoped limit on TPU {info.chip_version.value}")
+            schedule = 4 * problem.batch * _padded(local, block_q) // block_q * (_padded(local, block_kv) // block_kv + 1)
+            if schedule > info.smem_capacity_bytes // 2:
+                return (f"{kernel} kernel's tile schedule needs {schedule // 1024} KiB of SMEM, over half the "
+                        f"{info.smem_capacity_bytes // 1024} KiB of TPU {info.chip_version.value}")
+        return None
+
+    def code_hash(self) -> str:
+        return source_hash(codegen.template_path("pallas_tpu", TEMPLATE), Path(__file__))
+
+    def block_fwd(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec,
+                  params: FwdParams, interpret: bool = False):
+        tq, tk = q.shape[1], k.shape[1]
+        block_q, block_kv, compute = fwd_tiles(params, tq, tk)
+        q_len, kv_len = _padded(tq, block_q), _padded(tk, block_kv)
+        module = codegen.load(variant(spec, q.dtype, q.shape[3]))
+        out, lse = module.attention_fwd(
+            *_flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, block_q, block_kv),
+            _heads_major(q, q_len), _heads_major(k, kv_len), _heads_major(v, kv_len),
+            _ids(spec, q_pos, q_seg, q_len, keys=False), _ids(spec, kv_pos, kv_seg, kv_len, keys=True),
+            kv_len=tk, block_q=block_q, block_kv=block_kv, block_kv_compute=compute, **_mask_values(spec),
+            vmem_limit_bytes=vmem_limit_bytes(), interpret=_interpret_mode(interpret, q))
+        return jnp.swapaxes(out[:, :, :tq], 1, 2), lse[:, :, :tq, 0]
+
+    def block_bwd(self, q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *,
+                  spec: AttentionSpec, params: BwdParams, interpret: bool = False):
+        tq, tk = q.shape[1], k.shape[1]
+        module = codegen.load(variant(spec, q.dtype, q.shape[3]))
+        lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # a row that read nothing: p = exp(s - inf) = 0
+        common = dict(kv_len=tk, **_mask_values(spec), vmem_limit_bytes=vmem_limit_bytes(),
+                      interpret=_interpret_mode(interpret, q))
+
+        def operands(block_q: int, block_kv: int):
+            q_len, kv_len = _padded(tq, block_q), _padded(tk, block_kv)
+            return (_heads_major(q, q_len), _heads_major(k, kv_len), _heads_major(v, kv_len),
+                    _heads_major(do.astype(q.dtype), q_len), _row_stats(lse, q_len, jnp.inf),
+                    _row_stats(delta, q_len, 0.0), _ids(spec, q_pos, q_seg, q_len, keys=False),
+                    _ids(spec, kv_pos, kv_seg, kv_len, keys=True))
+
+        (dkv_q, dkv_kv), (dq_q, dq_kv) = bwd_tiles(params, tq, tk)
+        dk, dv = module.attention_dkv(
+            *_flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, dkv_q, dkv_kv, by_key=True),
+            *operands(dkv_q, dkv_kv), block_q=dkv_q, block_kv=dkv_kv, **common)
+        dq = module.attention_dq(*_flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, dq_q, dq_kv),
+                                 *operands(dq_q, dq_kv), block_q=dq_q, block_kv=dq_kv, **common)
+        return (jnp.swapaxes(dq[:, :, :tq], 1, 2), jnp.swapaxes(dk[:, :, :tk], 1, 2),
+                jnp.swapaxes(dv[:, :, :tk], 1, 2), None)
+
+
+# --------------------------------------------------------------------------------------------------
+# Lowering for TPU without one.
+# --------------------------------------------------------------------------------------------------
+
+
+def _local_shapes(problem: Problem, dtype: Any) -> dict[str, jax.ShapeDtypeStruct]:
+    b, t, h, hkv, d = problem.batch, problem.local_len, problem.heads, problem.kv_heads, problem.head_dim
+    i32, f32 = jnp.int32, jnp.float32
+    return {"q": jax.ShapeDtypeStruct((b, t, h, d), dtype), "k": jax.ShapeDtypeStruct((b, t, hkv, d), dtype),
+            "o": jax.ShapeDtypeStruct((b, t, h, d), dtype), "lse": jax.ShapeDtypeStruct((b, h, t), f32),
+            "do": jax.ShapeDtypeStruct((b, t, h, d), f32), "pos": jax.ShapeDtypeStruct((b, t), i32)}
+
+
+def lower(problem: Problem, fwd: FwdParams | None = None, bwd: BwdParams | None = None) -> int:
+    """Export the block kernels of `problem` (one ring step on local shards) for the TPU platform with
+    `jax.export(..., platforms=["tpu"])`, which runs the Mosaic lowering of every kernel; returns how
+    many Mosaic kernels the exported modules hold. Raises what the lowering raises."""
+    backend = PallasTpuBackend()
+    spec, dtype = problem.spec, jnp.dtype(problem.dtype)
+    s = _local_shapes(problem, dtype)
+    seg = s["pos"] if spec.has_segments else None
+    kernels = 0
+    if fwd is not None:
+        def forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+            return backend.block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, None, spec=spec, params=fwd)
+
+        exported = jax.export.export(jax.jit(forward), platforms=["tpu"])(
+            s["q"], s["k"], s["k"], s["pos"], s["pos"], seg, seg)
+        kernels += exported.mlir_module().count("tpu_custom_call")
+    if bwd is not None:
+        def backward(q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg):
+            return backend.block_bwd(q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, None, spec=spec,
+                                     params=bwd)
+
+        exported = jax.export.export(jax.jit(backward), platforms=["tpu"])(
+            s["q"], s["k"], s["k"], s["o"], s["lse"], s["do"], s["lse"], s["pos"], s["pos"], seg, seg)
+        kernels += exported.mlir_module().count("tpu_custom_call")
+    return kernels
+
+
+def standard_problem(source: codegen.Variant, local_len: int = 4096, heads: int = 16, kv_heads: int = 4
+                     ) -> Problem:
+    """A one-device problem with a standard variant's features, for lowering it at the defaults."""
+    f = source.features
+    return Problem(batch=1, seq_len=local_len, heads=heads, kv_heads=kv_heads, head_dim=f["head_dim"],
+                   dtype=f["dtype"], causal=f["causal"], window=(256, 0) if f["window"] else None,
+                   chunk_size=1024 if f["chunk"] else None, segments=2 if f["segments"] else 0,
+                   softcap=30.0 if f["softcap"] else None, ring_size=1)
