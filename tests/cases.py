@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from tuner import BwdParams, FwdParams, layouts, ring_attention
+from tuner.backends import check_vma
 from tuner.reference import dense_attention
 
 GRAD_NAMES = ("dq", "dk", "dv", "dbias", "dsinks")
@@ -213,8 +214,7 @@ def run_ring(case: Case, a: Arrays, *, use_axis: bool = True):
         local, mesh=mesh,
         in_specs=(seq, seq, seq, bias_spec, P(), seq, seq, seq, seq, P(None, None, "sp")),
         out_specs=(seq, P(None, None, "sp")),
-        # Pallas's interpreter (jax 0.10) cannot evaluate scalar-prefetch index maps on varying values.
-        check_vma=case.backend != "pallas_tpu") if use_axis else local
+        check_vma=check_vma(case.backend, case.backend != "scan")) if use_axis else local
 
     def loss(q, k, v, bias, sinks, q_seg, kv_seg, pos, w, u):
         out, lse = sharded(q, k, v, bias, sinks, q_seg, kv_seg, pos, w, u)

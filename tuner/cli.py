@@ -1,6 +1,7 @@
 """The `tuner` command line.
 
     tuner search --device cpu [problem] [--trials N] ...   tune a problem, store the winner in the cache
+    tuner search --device tpu --dry-run [problem]          check the TPU kernels without a TPU
     tuner list | show KEY | export FILE | import FILE | clear   the cache
     tuner bench --device cpu [problem]                      tuned vs default vs scan vs dense, one run
     tuner generate --backend triton [--compile sm_80,sm_90] render (and compile) the standard variants
@@ -122,6 +123,10 @@ def _prepare_device(args: argparse.Namespace) -> None:
 
 
 def _search(args: argparse.Namespace) -> int:
+    if args.dry_run:
+        return _dry_run(args)
+    if args.samples is not None:
+        raise UsageError("--samples goes with --dry-run (how many variants to run in the interpreter)")
     from tuner.search import SearchOptions, check_device, resolve_backend, search
 
     _prepare_device(args)
@@ -176,6 +181,75 @@ def _search(args: argparse.Namespace) -> int:
     print(f"next     get_tuned_ring_attention() now runs these params for this problem; `tuner bench` "
           f"with the same options times them against dense attention; `tuner show {result.key.digest[:8]}`")
     return 0
+
+
+def _dry_run(args: argparse.Namespace) -> int:
+    if args.device != "tpu":
+        raise UsageError(f"--dry-run checks the TPU kernels without a TPU; use it with --device tpu (a "
+                         f"--device {args.device} search runs for real here)")
+    if args.backend not in ("auto", "pallas_tpu"):
+        raise UsageError(f"--dry-run checks the pallas_tpu backend, got --backend {args.backend}")
+    args.ring_size = args.ring_size or Problem().ring_size
+    _simulate_cpu_devices(args.ring_size)
+    problem = _problem(args)
+    samples = 3 if args.samples is None else args.samples
+    if samples < 0:
+        raise UsageError(f"--samples must be zero or more, got {samples}")
+
+    from tqdm import tqdm
+
+    from tuner.backends import pallas_tpu
+    from tuner.dryrun import dry_run
+
+    try:
+        chip = pallas_tpu.chip()
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    print(f"dry run of the pallas_tpu search space for {problem.describe()}\n  constraints for TPU "
+          f"{chip.chip_version.value} ({chip.vmem_capacity_bytes // 2**20} MiB VMEM, kernels ask for half; "
+          f"TUNER_TPU_CHIP picks another); samples run on {problem.ring_size} simulated CPU devices",
+          file=sys.stderr)
+    bars: dict[str, Any] = {}
+
+    def progress(stage: str, done: int, total: int) -> None:
+        if stage not in bars:
+            for bar in bars.values():
+                bar.close()
+            label = "lower for TPU" if stage == "lower" else "interpret"
+            bars[stage] = tqdm(total=total, desc=label, unit="variant" if stage == "lower" else "sample",
+                               file=sys.stderr, dynamic_ncols=True)
+        bars[stage].update(done - bars[stage].n)
+
+    try:
+        report = dry_run(problem, samples=samples, seed=args.seed, progress=progress)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    finally:
+        for bar in bars.values():
+            bar.close()
+    print(table(["pass", "points", "ruled out", "lower for TPU", "failed to lower"], [
+        ["forward", report.fwd_points, report.fwd_points - report.lowered_fwd - report.failed_fwd,
+         report.lowered_fwd, report.failed_fwd],
+        ["backward", report.bwd_points, report.bwd_points - report.lowered_bwd - report.failed_bwd,
+         report.lowered_bwd, report.failed_bwd]]))
+    for reason, count in report.ruled_out.most_common():
+        print(f"ruled out  {count} x {reason}")
+    for failure in report.lowering_failures:
+        print(f"failed to lower  {failure}")
+    if report.samples:
+        print(table(["sample", "params", "vs scan reference", "s"],
+                    [["default" if i == 0 else f"random {i}",
+                      f"fwd({short_params(s.point.fwd)}) bwd({short_params(s.point.bwd)})",
+                      "match" if s.mismatch is None else s.mismatch, f"{s.seconds:.1f}"]
+                     for i, s in enumerate(report.samples)]))
+    matched = sum(s.mismatch is None for s in report.samples)
+    print(f"checked {report.checked} variants: {report.lowered} lower for TPU ({report.kernels} Mosaic kernels), "
+          f"{sum(report.ruled_out.values())} ruled out by the constraints, {len(report.lowering_failures)} failed "
+          f"to lower; {matched} of {len(report.samples)} samples match the scan reference in the interpreter "
+          f"({report.seconds:.0f} s)")
+    if report.ok:
+        print("next     on a TPU host, the same command without --dry-run is the real search")
+    return 0 if report.ok else 1
 
 
 def _cache(args: argparse.Namespace):
@@ -397,6 +471,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "a SQLite file beside the cache)")
     tuning.add_argument("--interpret", action="store_true", help="run kernel backends in their "
                                                                  "interpreter (CPU checks)")
+    tuning.add_argument("--dry-run", action="store_true",
+                        help="with --device tpu, without a TPU: enumerate and constrain the search space, "
+                             "lower every variant for TPU, run --samples of them in the interpreter")
+    tuning.add_argument("--samples", type=int, default=None, help="with --dry-run: variants to run in the "
+                                                                  "interpreter against scan (default 3)")
     search.set_defaults(run=_search)
 
     for name, helptext, run in (("list", "the tuned entries (stale ones marked)", _list),

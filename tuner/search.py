@@ -166,7 +166,8 @@ def check_device(device: str) -> str:
     except RuntimeError:
         present = sorted({d.platform for d in jax.devices()})
         hint = {"gpu": "install jax with CUDA (pip install 'jax[cuda12]') on a machine with an NVIDIA GPU",
-                "tpu": "run on a TPU host with jax[tpu] installed"}.get(device, "")
+                "tpu": "run on a TPU host with jax[tpu] installed, check the TPU kernels here with "
+                       "--dry-run,"}.get(device, "")
         raise ValueError(f"--device {device}: no {device} device here (this machine has: "
                          f"{', '.join(present)}); {hint} or use --device {present[0]}") from None
     if jax.default_backend() != device:
@@ -278,6 +279,38 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0][:300] if text else ''}"
 
 
+class Reference:
+    """The scan backend's output (and, with `backward`, gradients) on fixed random float32 inputs: what
+    every candidate must reproduce, within `FWD_TOLERANCE` forward and `GRAD_TOLERANCE` gradients."""
+
+    def __init__(self, workload: Workload, *, seed: int, backward: bool):
+        self.backward = backward
+        self.inputs, self.dout = workload.draw(seed=seed, dtype="float32")
+        local, head_dim = workload.problem.local_len, workload.problem.head_dim
+        fwd, bwd = get_backend("scan").default_params(local, local, head_dim)
+        self.outputs = self.run(workload.compile(workload.ring("scan", fwd, bwd), self.inputs, self.dout,
+                                                 backward=backward))
+
+    def run(self, compiled: Compiled) -> dict[str, Any]:
+        """`compiled`'s output (and gradients) on the reference inputs."""
+        outputs = {"out": compiled.forward(self.inputs)}
+        if self.backward:
+            grads = compiled.gradients(self.inputs, self.dout)
+            outputs.update({f"d{name}": g for name, g in grads.items()})
+        return outputs
+
+    def mismatch(self, compiled: Compiled) -> str | None:
+        """Which result of `compiled` differs from the reference beyond tolerance, and by how much."""
+        got = self.run(compiled)
+        for name, want in self.outputs.items():
+            tolerance = FWD_TOLERANCE if name == "out" else GRAD_TOLERANCE
+            error = relative_error(got[name], want)
+            if not error <= tolerance:
+                return (f"{name} differs from the scan reference by {error:.2e} (relative), over the "
+                        f"{tolerance:.0e} tolerance")
+        return None
+
+
 class _Search:
     """State shared by the trials of one search process."""
 
@@ -287,12 +320,8 @@ class _Search:
         self.space = backend.search_space(problem)
         local = problem.local_len
         self.default = Point(*backend.default_params(local, local, problem.head_dim))
-        self.check_inputs, self.check_dout = self.workload.draw(seed=10_000 + options.seed, dtype="float32")
+        self.reference = Reference(self.workload, seed=10_000 + options.seed, backward=options.tunes_bwd)
         self.time_sets = [self.workload.draw(seed=options.seed + i) for i in range(3)]
-        scan_fwd, scan_bwd = get_backend("scan").default_params(local, local, problem.head_dim)
-        reference = self.workload.compile(self.workload.ring("scan", scan_fwd, scan_bwd), self.check_inputs,
-                                          self.check_dout, backward=options.tunes_bwd)
-        self.reference = self._outputs(reference)
         self.built: dict[Point, tuple[Compiled, float]] = {}
         try:
             self.baseline = self._compile(self.default, deadline=None)
@@ -301,13 +330,6 @@ class _Search:
                                f"on this problem, so there is nothing to measure against: {failure}") from None
         # Every measurement runs the default beside its candidates: its backward residuals are kept.
         self.default_thunks = self.baseline[0].thunks("default", self.time_sets, forward=options.tunes_fwd)
-
-    def _outputs(self, compiled: Compiled) -> dict[str, Any]:
-        outputs = {"out": compiled.forward(self.check_inputs)}
-        if self.options.tunes_bwd:
-            grads = compiled.gradients(self.check_inputs, self.check_dout)
-            outputs.update({f"d{name}": g for name, g in grads.items()})
-        return outputs
 
     def _compile(self, point: Point, deadline: float | None) -> tuple[Compiled, float]:
         """Compile `point` for timing, checked first (at float32) against the reference; a point
@@ -322,7 +344,7 @@ class _Search:
         try:
             timed = self.workload.compile(fn, inputs, dout, backward=self.options.tunes_bwd)
             checked = timed if self.problem.dtype == "float32" else self.workload.compile(
-                fn, self.check_inputs, self.check_dout, backward=self.options.tunes_bwd)
+                fn, self.reference.inputs, self.reference.dout, backward=self.options.tunes_bwd)
         except Exception as error:  # noqa: BLE001 - any build failure is a failed trial, with its reason
             raise TrialFailed(_reason(error, "compile"), _first_line(error)) from error
         compile_seconds = timed.compile_seconds + (0.0 if checked is timed else checked.compile_seconds)
@@ -330,15 +352,11 @@ class _Search:
             raise TrialFailed("timeout", f"compiling took {compile_seconds:.1f} s, over the "
                                          f"{self.options.trial_timeout:.0f} s trial timeout")
         try:
-            got = self._outputs(checked)
+            mismatch = self.reference.mismatch(checked)
         except Exception as error:  # noqa: BLE001
             raise TrialFailed(_reason(error, "runtime"), _first_line(error)) from error
-        for name, want in self.reference.items():
-            tolerance = FWD_TOLERANCE if name == "out" else GRAD_TOLERANCE
-            error = relative_error(got[name], want)
-            if not error <= tolerance:
-                raise TrialFailed("wrong", f"{name} differs from the scan reference by {error:.2e} "
-                                           f"(relative), over the {tolerance:.0e} tolerance")
+        if mismatch is not None:
+            raise TrialFailed("wrong", mismatch)
         return timed, compile_seconds
 
     def measure(self, candidates: dict[str, Compiled], runs: int, deadline: float | None

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tuner import layouts
+from tuner.backends import check_vma
 from tuner.params import BwdParams, FwdParams
 from tuner.problem import Problem
 from tuner.ring import ring_attention
@@ -123,7 +124,8 @@ class Workload:
                 chunk_size=p.chunk_size, logits_soft_cap=p.softcap, axis_name=AXIS, layout=p.layout,
                 backend=backend, fwd_params=fwd, bwd_params=bwd, interpret=interpret)
 
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(self.specs,), out_specs=self.specs["q"])
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(self.specs,), out_specs=self.specs["q"],
+                             check_vma=check_vma(backend, interpret))
 
     def compile(self, fn: Callable[[Inputs], Any], inputs: Inputs, dout, *, backward: bool) -> Compiled:
         """AOT-compile `fn`, or with `backward` its residual-saving forward and its backward (so the

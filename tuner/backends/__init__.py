@@ -56,6 +56,13 @@ def resolve_auto(spec: AttentionSpec, dtype: Any, head_dim: int, platform: str |
     return BACKENDS["scan"], passed_over
 
 
+def check_vma(name: str, interpret: bool) -> bool:
+    """Whether a `shard_map` around a ring of backend `name` can keep its varying-axes check: Pallas's
+    interpreter (jax 0.10) evaluates scalar-prefetch index maps without it, so interpreted pallas_tpu
+    kernels need `check_vma=False`."""
+    return not (interpret and name == "pallas_tpu")
+
+
 def choose_backend(name: str, spec: AttentionSpec, dtype: Any, head_dim: int, platform: str | None = None,
                    interpret: bool = False) -> Backend:
     """Resolve `name` ("auto" or a backend name) for this problem.
@@ -72,5 +79,5 @@ def choose_backend(name: str, spec: AttentionSpec, dtype: Any, head_dim: int, pl
     return backend
 
 
-__all__ = ["BACKENDS", "PREFERENCE", "Backend", "available", "choose_backend", "get_backend", "resolve_auto",
+__all__ = ["BACKENDS", "PREFERENCE", "Backend", "available", "check_vma", "choose_backend", "get_backend", "resolve_auto",
            "why_not"]

@@ -253,6 +253,9 @@ class PallasTpuBackend:
         limit = info.vmem_capacity_bytes // 2
         ids = 1 + (problem.chunk_size is not None) + (problem.segments > 0)
         kernels = []
+        if fwd is not None and fwd.block_kv_compute is not None and fwd.block_kv_compute > min(fwd.block_kv, local):
+            return (f"block_kv_compute={fwd.block_kv_compute} is longer than the key tile, so it is cut to it: "
+                    f"the point with block_kv_compute={min(fwd.block_kv, local)}")
         try:
             if fwd is not None:
                 block_q, block_kv, compute = fwd_tiles(fwd, local, local)

@@ -1,0 +1,142 @@
+"""`tuner search --device tpu --dry-run`: everything a TPU search checks that can be checked without a TPU.
+
+1. enumerate the pallas_tpu search space of the problem (forward and backward points);
+2. remove the points the backend's constraints rule out (TPU tiling, VMEM, SMEM), with their reasons;
+3. lower every remaining point's kernels for TPU (`jax.export(..., platforms=["tpu"])`);
+4. run a sample of them -- the default first, then points drawn at random -- through the whole ring in
+   Pallas's interpreter on simulated CPU devices, checked against the scan backend like a search
+   trial (float32, forward and every gradient).
+
+It measures nothing: timing needs the TPU. On a TPU host the same command without `--dry-run` is the
+real search.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import jax.numpy as jnp
+
+from tuner.backends import pallas_tpu
+from tuner.params import BwdParams, FwdParams
+from tuner.problem import Problem
+from tuner.search import Point, Reference
+from tuner.workload import Workload
+
+
+@dataclass
+class Sample:
+    """One point run in the interpreter: None when it matched the reference, else what differed."""
+
+    point: Point
+    mismatch: str | None
+    seconds: float
+
+
+@dataclass
+class DryRunReport:
+    problem: Problem
+    fwd_points: int
+    bwd_points: int
+    ruled_out: Counter = field(default_factory=Counter)  # reason -> points
+    lowered_fwd: int = 0
+    lowered_bwd: int = 0
+    kernels: int = 0
+    lowering_failures: list[str] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+    seconds: float = 0.0
+
+    failed_fwd: int = 0
+    failed_bwd: int = 0
+
+    @property
+    def checked(self) -> int:
+        return self.fwd_points + self.bwd_points
+
+    @property
+    def lowered(self) -> int:
+        return self.lowered_fwd + self.lowered_bwd
+
+    @property
+    def ok(self) -> bool:
+        return not self.lowering_failures and all(s.mismatch is None for s in self.samples)
+
+
+def _reason_kind(reason: str) -> str:
+    """A violation reason without its numbers, to count alike reasons together."""
+    if "VMEM" in reason:
+        return "VMEM over the scoped limit"
+    if "SMEM" in reason:
+        return "tile schedule over SMEM"
+    if "must divide" in reason:
+        return "block_kv_compute does not divide block_kv"
+    if "is cut to it" in reason:
+        return "block_kv_compute longer than block_kv (a duplicate point)"
+    return reason
+
+
+def dry_run(problem: Problem, *, samples: int = 3, seed: int = 0,
+            progress: Callable[[str, int, int], None] | None = None) -> DryRunReport:
+    """Check the pallas_tpu variants of `problem` without a TPU (module docstring). `progress(stage,
+    done, total)` is called as points are lowered and samples run. `ValueError` when the backend
+    cannot take the problem."""
+    started = time.perf_counter()
+    backend = pallas_tpu.PallasTpuBackend()
+    reason = backend.supports(problem.spec, jnp.dtype(problem.dtype), problem.head_dim)
+    if reason is not None:
+        raise ValueError(f"the pallas_tpu backend does not support {reason}; a TPU search would use scan")
+    space = backend.search_space(problem)
+    fwd_points, bwd_points = list(space.fwd_points()), list(space.bwd_points())
+    report = DryRunReport(problem, len(fwd_points), len(bwd_points))
+
+    candidates: list[tuple[FwdParams | None, BwdParams | None]] = [(p, None) for p in fwd_points]
+    candidates += [(None, p) for p in bwd_points]
+    good_fwd, good_bwd = [], []
+    for done, (fwd, bwd) in enumerate(candidates, 1):
+        violation = backend.violation(problem, fwd, bwd)
+        if violation is not None:
+            report.ruled_out[_reason_kind(violation)] += 1
+        else:
+            try:
+                report.kernels += pallas_tpu.lower(problem, fwd, bwd)
+            except Exception as error:  # noqa: BLE001 - every lowering failure is reported, not raised
+                first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+                if fwd is not None:
+                    report.failed_fwd += 1
+                else:
+                    report.failed_bwd += 1
+                report.lowering_failures.append(f"{Point(fwd or FwdParams(), bwd or BwdParams()).describe()}: "
+                                                f"{type(error).__name__}: {first}")
+            else:
+                if fwd is not None:
+                    report.lowered_fwd += 1
+                    good_fwd.append(fwd)
+                else:
+                    report.lowered_bwd += 1
+                    good_bwd.append(bwd)
+        if progress is not None:
+            progress("lower", done, len(candidates))
+
+    default = Point(*backend.default_params(problem.local_len, problem.local_len, problem.head_dim))
+    pool = [Point(f, b) for f in good_fwd for b in good_bwd if Point(f, b) != default]
+    chosen = [default, *random.Random(seed).sample(pool, min(max(samples - 1, 0), len(pool)))][:samples]
+    if chosen:
+        workload = Workload(problem)
+        reference = Reference(workload, seed=10_000 + seed, backward=True)
+        for done, point in enumerate(chosen, 1):
+            start = time.perf_counter()
+            fn = workload.ring(backend.name, point.fwd, point.bwd, interpret=True)
+            try:
+                compiled = workload.compile(fn, reference.inputs, reference.dout, backward=True)
+                mismatch = reference.mismatch(compiled)
+            except Exception as error:  # noqa: BLE001 - a sample that fails to run is a failed sample
+                mismatch = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
+            report.samples.append(Sample(point, mismatch, time.perf_counter() - start))
+            if progress is not None:
+                progress("interpret", done, len(chosen))
+    report.seconds = time.perf_counter() - started
+    return report
