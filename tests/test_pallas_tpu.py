@@ -1,13 +1,28 @@
-"""The Pallas TPU backend without a TPU: the rendered kernels run in Pallas's TPU interpret mode inside
-the whole ring (every feature but bias, forward and every gradient, rings of 1, 2 and 4 simulated
-devices, float32 at DESIGN tolerances and bf16 within twice dense's error), and every standard variant
-lowers for the TPU platform."""
+"""The Pallas TPU backend without a TPU: the rendered kernels run in Pallas's interpreter inside the
+whole ring (every feature but bias, forward and every gradient, rings of 1, 2 and 4 simulated devices,
+float32 at DESIGN tolerances and bf16 within twice dense's error); masked tiles are never read; every
+standard variant lowers for the TPU platform; the constraints, the contract and `tuner search --device
+tpu [--dry-run]`."""
 
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 from hypothesis import given, settings
 
 from tests.cases import check_case, check_low_precision, pallas_tpu_cases
+from tests.test_cli import tuner
+from tuner import BwdParams, FwdParams, codegen, ring_attention
+from tuner.backends import pallas_tpu, resolve_auto
+from tuner.problem import Problem
+from tuner.reference import dense_attention
+from tuner.search import SearchOptions, search
+from tuner.spec import AttentionSpec
 
 FEW = max(4, settings.default.max_examples // 2)
+BACKEND = pallas_tpu.PallasTpuBackend()
 
 
 @given(pallas_tpu_cases(ring_sizes=(1, 2, 4)))
@@ -20,3 +35,186 @@ def test_interpreted_kernels_in_the_ring_match_dense(case):
 @settings(max_examples=max(2, FEW // 2))
 def test_interpreted_bfloat16_within_twice_dense_error(case):
     check_low_precision(case)
+
+
+def test_masked_tiles_are_never_read():
+    """Causal, 256 queries at positions 0..255 against 512 keys at 0..511: the two key tiles of 128 at
+    256..511 are wholly in the future. Filled with NaN, they would poison any product that read them;
+    skipped, the outputs match dense attention over the first 256 keys and their gradients are 0."""
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((1, 256, 2, 16)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((1, 512, 1, 16)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((1, 512, 1, 16)), jnp.float32)
+    poisoned_k, poisoned_v = k.at[:, 256:].set(jnp.nan), v.at[:, 256:].set(jnp.nan)
+    q_pos = jnp.arange(256, dtype=jnp.int32)[None]
+    kv_pos = jnp.arange(512, dtype=jnp.int32)[None]
+    spec = AttentionSpec(scale=0.25, causal=True)
+    fwd = FwdParams(block_q=64, block_kv=128)
+    bwd = BwdParams(block_q_dkv=64, block_kv_dkv=128, block_q_dq=64, block_kv_dq=128)
+
+    out, lse = BACKEND.block_fwd(q, poisoned_k, poisoned_v, q_pos, kv_pos, None, None, None, spec=spec,
+                                 params=fwd, interpret=True)
+    want, want_lse = dense_attention(q, k[:, :256], v[:, :256], causal=True, softmax_scale=0.25)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5)
+
+    do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    delta = jnp.einsum("bqhd,bqhd->bhq", do, out)
+    dq, dk, dv, _ = BACKEND.block_bwd(q, poisoned_k, poisoned_v, out, lse, do, delta, q_pos, kv_pos, None, None,
+                                      None, spec=spec, params=bwd, interpret=True)
+    _, pullback = jax.vjp(lambda q, k, v: dense_attention(q, k, v, causal=True, softmax_scale=0.25)[0],
+                          q, k[:, :256], v[:, :256])
+    want_dq, want_dk, want_dv = pullback(do)
+    np.testing.assert_allclose(dq, want_dq, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(dk[:, :256], want_dk, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(dv[:, :256], want_dv, rtol=1e-4, atol=1e-5)
+    assert np.all(dk[:, 256:] == 0) and np.all(dv[:, 256:] == 0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Lowering for TPU without a TPU.
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", pallas_tpu.standard_variants(), ids=lambda v: v.filename)
+def test_every_standard_variant_lowers_for_tpu(variant):
+    """The forward and both backward kernels of each standard variant, at the default tiles of a
+    4096-token shard, go through Pallas's Mosaic lowering for the TPU platform."""
+    problem = pallas_tpu.standard_problem(variant)
+    fwd, bwd = BACKEND.default_params(problem.local_len, problem.local_len, problem.head_dim)
+    assert pallas_tpu.variant(problem.spec, problem.dtype, problem.head_dim) == variant
+    assert pallas_tpu.lower(problem, fwd, bwd) == 3
+
+
+def test_the_lowering_rejects_what_a_tpu_cannot_tile():
+    """The check is real: a 12-row query block of a 24-row array (neither a multiple of 8 nor whole)
+    fails the Mosaic lowering."""
+    module = codegen.load(pallas_tpu.standard_variants()[0])
+    s = jax.ShapeDtypeStruct
+
+    def forward(schedule, count, q, k, q_ids, kv_ids):
+        return module.attention_fwd(schedule, count, q, k, k, q_ids, kv_ids, kv_len=128, block_q=12, block_kv=128,
+                                    block_kv_compute=128, scale=0.1, softcap=1.0, window_left=0, window_right=0,
+                                    vmem_limit_bytes=2**24)
+
+    args = (s((2,), jnp.int32), s((2,), jnp.int32), s((1, 1, 24, 64), jnp.bfloat16),
+            s((1, 1, 128, 64), jnp.bfloat16), s((1, 24, 1), jnp.int32), s((1, 1, 128), jnp.int32))
+    with pytest.raises(Exception, match="divisible by 8 and 128"):
+        jax.export.export(jax.jit(forward), platforms=["tpu"])(*args)
+
+
+# --------------------------------------------------------------------------------------------------
+# The backend's contract and constraints.
+# --------------------------------------------------------------------------------------------------
+
+
+def test_what_the_backend_supports_and_rejects():
+    spec = AttentionSpec(scale=0.125, causal=True)
+    assert BACKEND.supports(spec, jnp.bfloat16, 128) is None
+    assert "bias" in BACKEND.supports(AttentionSpec(scale=0.1, has_bias=True), jnp.float32, 64)
+    assert "dtype float16" in BACKEND.supports(spec, jnp.float16, 64)
+    with pytest.raises(ValueError, match="block_q_dq and block_kv_dq must be set"):
+        BACKEND.check_params(FwdParams(128, 128), BwdParams(128, 128))
+    with pytest.raises(ValueError, match="fwd_params.num_warps is a GPU launch setting"):
+        BACKEND.check_params(FwdParams(128, 128, num_warps=4), BwdParams(128, 128, 128, 128))
+    assert BACKEND.unavailable_reason(interpret=True) is None
+    assert "no TPU visible" in BACKEND.unavailable_reason()
+
+    q = jnp.ones((1, 256, 2, 16))
+    with pytest.raises(ValueError, match="backend 'pallas_tpu' cannot run here: no TPU"):
+        ring_attention(q, q, q, backend="pallas_tpu")
+    with pytest.raises(ValueError, match="does not support bias"):
+        ring_attention(q, q, q, backend="pallas_tpu", interpret=True, bias=jnp.zeros((1, 2, 256, 256)))
+    with pytest.raises(ValueError, match=r"fwd_params.block_kv=100 must be a multiple of 128 \(TPU tiling\)"):
+        ring_attention(q, q, q, backend="pallas_tpu", interpret=True, fwd_params=FwdParams(128, 100),
+                       bwd_params=BwdParams(128, 128, 128, 128))
+    with pytest.raises(ValueError, match="fwd_params.block_kv_compute=96 must divide the key tile 256"):
+        ring_attention(q, q, q, backend="pallas_tpu", interpret=True,
+                       fwd_params=FwdParams(128, 256, block_kv_compute=96), bwd_params=BwdParams(128, 128, 128, 128))
+    with pytest.raises(ValueError, match="fwd_params.block_kv_compute is a TPU kernel setting"):
+        ring_attention(q, q, q, backend="scan", fwd_params=FwdParams(128, 128, block_kv_compute=128))
+
+
+def test_auto_on_a_tpu_platform_says_why_it_passed_pallas_over():
+    spec = AttentionSpec(scale=0.125, causal=True)
+    chosen, passed_over = resolve_auto(spec, jnp.bfloat16, 128, platform="tpu")
+    assert chosen.name == "scan" and passed_over == ["pallas_tpu cannot run here: no TPU visible to jax "
+                                                     "(interpret=True runs the kernels on the CPU)"]
+    chosen, passed_over = resolve_auto(spec, jnp.float16, 128, platform="tpu", interpret=True)
+    assert chosen.name == "scan" and "does not support dtype float16" in passed_over[0]
+    assert resolve_auto(spec, jnp.bfloat16, 128, platform="tpu", interpret=True)[0].name == "pallas_tpu"
+
+
+def test_interpreting_under_a_varying_axes_check_is_a_clear_error():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("sp",))
+    q = np.ones((1, 512, 2, 16), np.float32)
+
+    def local(q):
+        return ring_attention(q, q, q, axis_name="sp", backend="pallas_tpu", interpret=True)
+
+    seq = jax.sharding.PartitionSpec(None, "sp")
+    with pytest.raises(ValueError, match="pass check_vma=False to jax.shard_map"):
+        jax.shard_map(local, mesh=mesh, in_specs=seq, out_specs=seq)(q)
+
+
+def test_vmem_and_smem_constraints(monkeypatch):
+    problem = Problem(seq_len=32768, heads=16, kv_heads=4, head_dim=128, dtype="bfloat16", ring_size=2)
+    fwd = FwdParams(block_q=1024, block_kv=2048, block_kv_compute=512)
+    bwd = BwdParams(block_q_dkv=1024, block_kv_dkv=1024, block_q_dq=1024, block_kv_dq=1024)
+    assert BACKEND.violation(problem, fwd, bwd) is None  # v5e: 64 MiB asked for
+    monkeypatch.setenv("TUNER_TPU_CHIP", "v4")
+    reason = BACKEND.violation(problem, None, bwd)
+    assert re.fullmatch(r"dkv kernel needs about \d+\.\d MiB of VMEM with 1024x1024 tiles, over the 8 MiB "
+                        r"scoped limit on TPU v4", reason), reason
+    assert BACKEND.violation(problem, FwdParams(block_q=256, block_kv=512), None) is None
+    monkeypatch.setenv("TUNER_TPU_CHIP", "v3")  # 16 KiB of SMEM: a 128x128-tile schedule of 16k tokens is 64 KiB
+    reason = BACKEND.violation(problem, FwdParams(block_q=128, block_kv=128, block_kv_compute=128), None)
+    assert "tile schedule needs" in reason and "SMEM" in reason, reason
+    monkeypatch.setenv("TUNER_TPU_CHIP", "v99")
+    with pytest.raises(ValueError, match="TUNER_TPU_CHIP must be one of"):
+        BACKEND.violation(problem, fwd, None)
+
+
+def test_search_space_and_duplicate_points():
+    problem = Problem(seq_len=2048, ring_size=4)  # 512-token shards
+    space = BACKEND.search_space(problem)
+    assert space.fwd["block_q"] == (128, 256, 512) and space.fwd["block_kv"] == (128, 256, 512)
+    assert space.dq_passes == ("separate",)
+    assert "a duplicate" not in (BACKEND.violation(problem, FwdParams(512, 256, block_kv_compute=256), None) or "")
+    assert "block_kv_compute=512 is longer than the key tile" in BACKEND.violation(
+        problem, FwdParams(512, 256, block_kv_compute=512), None)
+
+
+def test_search_runs_the_pallas_backend_in_the_interpreter(tmp_path):
+    tiny = Problem(batch=1, seq_len=512, heads=2, kv_heads=1, head_dim=16, causal=True, ring_size=2)
+    options = SearchOptions(objective="fwd+bwd", trials=2, runs=1, final_runs=1, interpret=True, sampler="random")
+    result = search(tiny, device="cpu", backend="pallas_tpu", options=options, db=tmp_path / "t.sqlite")
+    assert result.backend == "pallas_tpu" and result.trials_run == 2 and result.failed == {}
+    assert result.best.point.fwd.block_kv_compute is not None and not result.best.point.bwd.fused_dq
+
+
+# --------------------------------------------------------------------------------------------------
+# tuner search --device tpu.
+# --------------------------------------------------------------------------------------------------
+
+
+def test_search_on_tpu_without_one_exits_at_once_saying_what_to_do(tmp_path):
+    proc = tuner("search", "--device", "tpu", home=tmp_path)
+    assert proc.returncode == 2
+    assert re.search(r"no tpu device here \(this machine has: cpu\).*--dry-run", proc.stderr), proc.stderr
+    proc = tuner("search", "--device", "cpu", "--dry-run", home=tmp_path)
+    assert proc.returncode == 2 and "use it with --device tpu" in proc.stderr
+
+
+def test_dry_run_lowers_the_space_and_checks_samples(tmp_path):
+    proc = tuner("search", "--device", "tpu", "--dry-run", "--seq-len", "512", "--heads", "2", "--kv-heads", "1",
+                 "--head-dim", "16", "--ring-size", "2", "--samples", "2", home=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    summary = re.search(r"checked (\d+) variants: (\d+) lower for TPU \((\d+) Mosaic kernels\), (\d+) ruled out "
+                        r"by the constraints, 0 failed to lower; 2 of 2 samples match", proc.stdout)
+    assert summary, proc.stdout
+    checked, lowered, kernels, ruled_out = map(int, summary.groups())
+    # 256-token shards: tiles (128, 256) -> forward 2 x 2 x 2, backward 2 x 2 x 2 x 2 points; compute
+    # tiles longer than the key tile are duplicates.
+    assert (checked, ruled_out, lowered) == (8 + 16, 2, 22)
+    assert kernels == 6 + 2 * 16

@@ -13,6 +13,7 @@ several `tuner search` processes can write to it at once.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import importlib.metadata
 import json
@@ -144,6 +145,20 @@ class Lookup:
     reason: str
 
 
+@contextlib.contextmanager
+def _immediate(db: sqlite_utils.Database) -> Iterator[None]:
+    """A write transaction that takes the write lock when it begins: waiting for another writer then
+    honours the busy timeout, where a read transaction upgraded to a write would fail at once with
+    "database is locked" if another process wrote in between."""
+    db.conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        db.conn.execute("ROLLBACK")
+        raise
+    db.conn.execute("COMMIT")
+
+
 class Cache:
     """The tuning database at `path` (created on first write)."""
 
@@ -161,7 +176,8 @@ class Cache:
             conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S)
             db = sqlite_utils.Database(conn)
             db.enable_wal()
-            db[TABLE].create(COLUMNS, pk="key", if_not_exists=True)
+            with _immediate(db):
+                db[TABLE].create(COLUMNS, pk="key", if_not_exists=True)
             missing = set(COLUMNS) - set(db[TABLE].columns_dict)
             if missing:
                 raise CacheError(f"the cache at {self.path} has no column(s) {', '.join(sorted(missing))}: "
@@ -189,7 +205,7 @@ class Cache:
         check_row(row)
 
         def write(db):
-            with db.conn:
+            with _immediate(db):
                 db[TABLE].upsert(row, pk="key")
         self._run(write, create=True)
 
@@ -200,7 +216,7 @@ class Cache:
             check_row(row, where=f"row {i + 1}")
 
         def write(db):
-            with db.conn:
+            with _immediate(db):
                 db[TABLE].upsert_all(rows, pk="key")
         self._run(write, create=True)
         return len(rows)
@@ -220,7 +236,7 @@ class Cache:
         keys = list(keys)
 
         def remove(db):
-            with db.conn:
+            with _immediate(db):
                 for key in keys:
                     db.conn.execute(f"DELETE FROM {TABLE} WHERE key = ?", [key])
             return len(keys)

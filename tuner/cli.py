@@ -5,6 +5,7 @@
     tuner list | show KEY | export FILE | import FILE | clear   the cache
     tuner bench --device cpu [problem]                      tuned vs default vs scan vs dense, one run
     tuner generate --backend triton [--compile sm_80,sm_90] render (and compile) the standard variants
+    tuner generate --backend pallas_tpu [--lower]           render (and lower for TPU) the standard variants
     tuner report KEY --out FILE                             HTML report of the study behind an entry
     tuner info                                              devices, backends, versions, cache
     tuner demo                                              a ring on simulated CPU devices, checked, timed
@@ -376,10 +377,17 @@ def _report(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from tuner import codegen
+    from tuner.backends import pallas_tpu
     from tuner.backends import triton as triton_backend
 
-    if args.backend != "triton":
-        raise UsageError(f"--backend {args.backend}: only triton has templates in this version")
+    modules = {"triton": triton_backend, "pallas_tpu": pallas_tpu}
+    if args.backend not in modules:
+        raise UsageError(f"--backend must be one of {', '.join(modules)} (the backends with templates), "
+                         f"got {args.backend!r}")
+    if args.compile and args.backend != "triton":
+        raise UsageError("--compile builds Triton kernels for GPU targets; use it with --backend triton")
+    if args.lower and args.backend != "pallas_tpu":
+        raise UsageError("--lower exports Pallas kernels for TPU; use it with --backend pallas_tpu")
     targets = []
     for target in filter(None, (args.compile or "").split(",")):
         if not re.fullmatch(r"sm_\d{2,3}", target):
@@ -387,7 +395,7 @@ def _generate(args: argparse.Namespace) -> int:
         targets.append(int(target[3:]))
     rows, report = [], []
     dtypes = args.dtypes.split(",") if args.dtypes else None
-    for variant in triton_backend.standard_variants():
+    for variant in modules[args.backend].standard_variants():
         if dtypes is not None and variant.features["dtype"] not in dtypes:
             continue
         path = codegen.render(variant, args.out)
@@ -396,13 +404,23 @@ def _generate(args: argparse.Namespace) -> int:
         for capability in targets:
             for entry in triton_backend.standard_resources(variant, capability):
                 report.append({"file": path.name, **variant.features, **entry})
+        if args.lower:
+            problem = pallas_tpu.standard_problem(variant)
+            fwd, bwd = pallas_tpu.PallasTpuBackend().default_params(problem.local_len, problem.local_len,
+                                                                     problem.head_dim)
+            report.append({"file": path.name, **variant.features, "local_len": problem.local_len,
+                           "fwd_params": fwd.to_dict(), "bwd_params": bwd.to_dict(),
+                           "mosaic_kernels": pallas_tpu.lower(problem, fwd, bwd)})
     print(table(["file", "dtype", "D", "features"], rows))
     print(f"rendered {len(rows)} variants into {args.out or codegen.generated_dir()}")
-    if report:
+    if targets:
         print(table(["file", "kernel", "target", "tiles", "warps", "stages", "smem KiB", "regs", "stack B", "mma"],
                     [[r["file"], r["kernel"], r["target"], f"{r['block_q']}x{r['block_kv']}", r["num_warps"],
                       r["num_stages"], f"{r['shared'] / 1024:.0f}", r["registers"], r["spill_bytes"], r["mma"]]
                      for r in report]))
+    if args.lower:
+        print(f"lowered {len(report)} variants for TPU at their default tiles for a {report[0]['local_len']}-token "
+              f"shard: {sum(r['mosaic_kernels'] for r in report)} Mosaic kernels" if report else "nothing to lower")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as out:
             json.dump(report, out, indent=1)
@@ -509,15 +527,18 @@ def build_parser() -> argparse.ArgumentParser:
     report.set_defaults(run=_report)
 
     generate = verbs.add_parser("generate", help="render the standard kernel variants (and compile them)")
-    generate.add_argument("--backend", default="triton", help="whose templates (triton)")
+    generate.add_argument("--backend", default="triton", help="whose templates: triton or pallas_tpu")
     generate.add_argument("--out", default=None, help="folder (default: kernels_generated/ of the checkout, "
                                                       "else $TUNER_HOME/kernels_generated)")
     generate.add_argument("--compile", default=None, metavar="sm_80,sm_90",
                           help="also compile every kernel for these targets (no GPU needed) and report "
                                "shared memory, registers, spills and the MMA instructions")
+    generate.add_argument("--lower", action="store_true",
+                          help="pallas_tpu: also export every variant for TPU (no TPU needed), which runs "
+                               "the Mosaic lowering of its kernels")
     generate.add_argument("--dtypes", default=None, metavar="bfloat16,float16",
                           help="only these dtypes (float32 kernels take ptxas about a minute each)")
-    generate.add_argument("--json", default=None, help="write the compile report as JSON")
+    generate.add_argument("--json", default=None, help="write the compile or lowering report as JSON")
     generate.set_defaults(run=_generate)
 
     info = verbs.add_parser("info", help="devices, backends, versions, cache")

@@ -38,6 +38,7 @@ from typing import Any
 
 import jax
 import optuna
+import sqlalchemy
 
 import tuner
 from tuner.backends import Backend, choose_backend, get_backend
@@ -191,10 +192,18 @@ def _storage(url: str) -> optuna.storages.BaseStorage:
     engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
     if url.startswith("sqlite:///"):
         Path(url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
-    with warnings.catch_warnings():  # heartbeats fail the trials of a killed worker
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=30,
-                                          grace_period=120)
+    for attempt in range(5):
+        try:
+            with warnings.catch_warnings():  # heartbeats fail the trials of a killed worker
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=30,
+                                                  grace_period=120)
+        except sqlalchemy.exc.SQLAlchemyError:
+            # Workers that start together race to create a new storage's tables; the loser retries and
+            # finds them made.
+            if attempt == 4:
+                raise
+            time.sleep(0.5 * (attempt + 1))
 
 
 def _sampler(options: SearchOptions, trials: int) -> optuna.samplers.BaseSampler:
