@@ -128,8 +128,9 @@ def test_what_the_backend_supports_and_rejects():
     with pytest.raises(ValueError, match=r"fwd_params.block_kv=100 must be a multiple of 128 \(TPU tiling\)"):
         ring_attention(q, q, q, backend="pallas_tpu", interpret=True, fwd_params=FwdParams(128, 100),
                        bwd_params=BwdParams(128, 128, 128, 128))
+    longer = jnp.ones((1, 512, 2, 16))
     with pytest.raises(ValueError, match="fwd_params.block_kv_compute=96 must divide the key tile 256"):
-        ring_attention(q, q, q, backend="pallas_tpu", interpret=True,
+        ring_attention(longer, longer, longer, backend="pallas_tpu", interpret=True,
                        fwd_params=FwdParams(128, 256, block_kv_compute=96), bwd_params=BwdParams(128, 128, 128, 128))
     with pytest.raises(ValueError, match="fwd_params.block_kv_compute is a TPU kernel setting"):
         ring_attention(q, q, q, backend="scan", fwd_params=FwdParams(128, 128, block_kv_compute=128))

@@ -4,16 +4,27 @@ side by side in one interleaved run (DESIGN section 11: ratios against reference
 The tuned variant is what `get_tuned_ring_attention` would run for the problem (its `explain`
 decision). Dense attention is `jax.nn.dot_product_attention` on one device over the whole sequence
 (`xla`; also `cudnn` on a GPU): the same size and work, with only the causal mask.
+
+`tuner bench --mechanisms` (`bench_mechanisms`) instead times every mechanism of `tuner.mechanisms`
+on the ring -- each ring backend that runs here, and gathered dense attention -- checked against the
+scan ring first, and records the fastest correct one for the problem in the cache.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
+from typing import Any
+
 import jax
 
-from tuner.backends import get_backend
+import tuner
+from tuner.backends import BACKENDS, get_backend, why_not
+from tuner.cache import Cache, current_versions
 from tuner.dispatch import get_tuned_ring_attention
+from tuner.mechanisms import GATHERED, gathered_unsupported
 from tuner.problem import Problem
-from tuner.search import resolve_backend
+from tuner.search import Reference, resolve_backend
 from tuner.tables import short_params, table
 from tuner.timing import attention_flops, run_interleaved
 from tuner.workload import Compiled, Workload
@@ -25,11 +36,7 @@ def bench(problem: Problem, *, device: str, backend: str = "auto", objective: st
     workload = Workload(problem)
     chosen = resolve_backend(backend, problem, device)
     local = problem.local_len
-    explained = get_tuned_ring_attention(
-        axis_name="sp", causal=problem.causal, sliding_window=problem.window,
-        chunk_size=problem.chunk_size, logits_soft_cap=problem.softcap, layout=problem.layout,
-        backend=chosen.name, db=db,
-    ).explain(*_local_structs(problem), ring_size=problem.ring_size, **_call_structs(problem))
+    explained = _explain(problem, chosen.name, db)
     default = chosen.default_params(local, local, problem.head_dim)
     scan_default = get_backend("scan").default_params(local, local, problem.head_dim)
     rings = {
@@ -80,6 +87,93 @@ def bench(problem: Problem, *, device: str, backend: str = "auto", objective: st
     note = ("GFLOP/s counts exact attention work (DESIGN section 11). Dense attention gets the causal mask "
             "only (no window, chunk, segments, sinks or softcap) and runs on one device.")
     return f"{header}\n{text}\n{note}"
+
+
+def _explain(problem: Problem, backend: str, db: str | None):
+    return get_tuned_ring_attention(
+        axis_name="sp", causal=problem.causal, sliding_window=problem.window, chunk_size=problem.chunk_size,
+        logits_soft_cap=problem.softcap, layout=problem.layout, backend=backend, db=db,
+    ).explain(*_local_structs(problem), ring_size=problem.ring_size, **_call_structs(problem))
+
+
+def bench_mechanisms(problem: Problem, *, device: str, objective: str = "fwd+bwd", runs: int = 5,
+                     db: str | None = None) -> tuple[str, dict[str, Any]]:
+    """Time every mechanism that can run `problem` here (module docstring), each checked against the
+    scan ring first; record the fastest correct one in the cache. Returns the printed report and the
+    recorded row."""
+    workload = Workload(problem)
+    spec, dtype = problem.spec, jax.numpy.dtype(problem.dtype)
+    backward = objective != "fwd"
+    candidates, labels, skipped = {}, {}, []
+    for name, backend in BACKENDS.items():
+        reason = why_not(backend, spec, dtype, problem.head_dim)
+        if reason is not None:
+            skipped.append(f"ring/{name} {reason}")
+            continue
+        decision = _explain(problem, name, db)
+        candidates[f"ring/{name}"] = workload.ring(name, decision.fwd_params, decision.bwd_params)
+        labels[f"ring/{name}"] = (f"fwd({short_params(decision.fwd_params)}) bwd({short_params(decision.bwd_params)})"
+                                  f" [{decision.source}]")
+    for mechanism in GATHERED:
+        reason = gathered_unsupported(mechanism, spec)
+        if reason is not None:
+            skipped.append(f"{mechanism}: {reason}")
+            continue
+        candidates[mechanism] = workload.gathered(mechanism)
+        labels[mechanism] = ("all-gather K/V, tuner.reference.dense_attention" if mechanism == "dense" else
+                             "all-gather K/V, jax.nn.dot_product_attention")
+
+    reference = Reference(workload, seed=10_000, backward=backward)
+    sets = [workload.draw(seed=i) for i in range(3)]
+    compiled: dict[str, Compiled] = {}
+    failed: dict[str, str] = {}
+    for name, fn in candidates.items():
+        try:
+            checked = workload.compile(fn, reference.inputs, reference.dout, backward=backward)
+            mismatch = reference.mismatch(checked)
+            if mismatch is not None:
+                failed[name] = f"wrong: {mismatch}"
+                continue
+            compiled[name] = checked if problem.dtype == "float32" else workload.compile(
+                fn, *sets[0], backward=backward)
+        except Exception as error:  # noqa: BLE001 - a mechanism that cannot run is reported, not fatal
+            failed[name] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"
+    if not compiled:
+        raise RuntimeError(f"no mechanism ran correctly: {failed}")
+    thunks = {}
+    for name, fn in compiled.items():
+        thunks.update(fn.thunks(name, sets))
+    timings = run_interleaved(thunks, runs=runs, warmup=2)
+    totals = {name: sum(t.median for key, t in timings.items() if key.split(":")[0] == name) for name in compiled}
+    winner = min(totals, key=totals.get)
+
+    device_kind = jax.devices()[0].device_kind
+    key = problem.key("auto", device_kind)
+    versions = current_versions("-")
+    row = {"key": key.digest, "device_kind": device_kind, "problem": problem.describe(), "objective": objective,
+           "winner": winner, "seconds": json.dumps(totals, sort_keys=True),
+           "jax_version": versions["jax_version"], "jaxlib_version": versions["jaxlib_version"],
+           "tool_version": tuner.__version__,
+           "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    cache = Cache(db)
+    cache.put_mechanism(row)
+
+    rows = []
+    for name in candidates:
+        if name in failed:
+            rows.append([name, labels[name], "-", "-", "-", "-", failed[name]])
+            continue
+        fwd, bwd = timings.get(f"{name}:fwd"), timings.get(f"{name}:bwd")
+        rows.append([name, labels[name], f"{fwd.median * 1e3:.1f}", f"{bwd.median * 1e3:.1f}" if bwd else "-",
+                     f"{totals[name] * 1e3:.1f}", f"{totals[name] / totals[winner]:.2f}x",
+                     "winner" if name == winner else "ok"])
+    header = (f"{problem.describe()} on {device_kind}, objective {objective}, medians of {runs} interleaved "
+              f"runs, every mechanism on the same {problem.ring_size}-device ring, checked against the scan ring")
+    lines = [header, table(["mechanism", "how", "fwd ms", "bwd ms", "total ms", "vs winner", "check"], rows)]
+    lines += [f"skipped  {note}" for note in skipped]
+    lines.append(f"recorded {winner} for key {key.digest} in {cache.path}: get_tuned_ring_attention(backend='auto') "
+                 f"now runs it for this problem")
+    return "\n".join(lines), row
 
 
 def _local_structs(problem: Problem):

@@ -9,6 +9,10 @@ Lookup order: exact key -> nearest tuned shape of the same family (device kind, 
 dtype, features) -> entries shipped in the repository's `cache_db/*.jsonl` (exact, then nearest) ->
 the backend's heuristic default. The database is opened in WAL mode with a generous busy timeout, so
 several `tuner search` processes can write to it at once.
+
+A second table, `mechanisms`, holds what `tuner bench --mechanisms` measured per problem (the ring
+backends against gathered dense attention): the winner and every mechanism's seconds, with the
+jax / jaxlib versions; the runtime loader with `backend="auto"` follows a current winner.
 """
 
 from __future__ import annotations
@@ -43,6 +47,11 @@ COLUMNS: dict[str, type] = {
     **{f: str for f in VERSION_FIELDS},
 }
 BUSY_TIMEOUT_S = 60.0
+MECHANISM_TABLE = "mechanisms"
+MECHANISM_COLUMNS: dict[str, type] = {
+    "key": str, "device_kind": str, "problem": str, "objective": str, "winner": str, "seconds": str,
+    "jax_version": str, "jaxlib_version": str, "tool_version": str, "measured_at": str,
+}
 
 
 class CacheError(RuntimeError):
@@ -241,6 +250,26 @@ class Cache:
                     db.conn.execute(f"DELETE FROM {TABLE} WHERE key = ?", [key])
             return len(keys)
         return self._run(remove, create=False, empty=0)
+
+    def put_mechanism(self, row: dict[str, Any]) -> None:
+        """Record a `tuner bench --mechanisms` result (replacing the one of the same key)."""
+        missing = set(MECHANISM_COLUMNS) - set(row)
+        if missing:
+            raise ValueError(f"mechanism row lacks {', '.join(sorted(missing))}")
+
+        def write(db):
+            with _immediate(db):
+                db[MECHANISM_TABLE].upsert(row, pk="key", columns=MECHANISM_COLUMNS)
+        self._run(write, create=True)
+
+    def mechanism(self, key: str) -> dict[str, Any] | None:
+        """The recorded mechanism measurement of problem key digest `key` (see `ProblemKey`), if any."""
+        def read(db):
+            if MECHANISM_TABLE not in db.table_names():
+                return None
+            rows = list(db[MECHANISM_TABLE].rows_where("key = ?", [key]))
+            return rows[0] if rows else None
+        return self._run(read, create=False)
 
     def lookup(self, key: ProblemKey, versions: dict[str, str],
                accept: Callable[[dict[str, Any]], str | None] | None = None) -> Lookup:

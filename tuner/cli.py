@@ -4,6 +4,7 @@
     tuner search --device tpu --dry-run [problem]          check the TPU kernels without a TPU
     tuner list | show KEY | export FILE | import FILE | clear   the cache
     tuner bench --device cpu [problem]                      tuned vs default vs scan vs dense, one run
+    tuner bench --device cpu --mechanisms [problem]         ring vs gathered dense: record the fastest
     tuner generate --backend triton [--compile sm_80,sm_90] render (and compile) the standard variants
     tuner generate --backend pallas_tpu [--lower]           render (and lower for TPU) the standard variants
     tuner report KEY --out FILE                             HTML report of the study behind an entry
@@ -346,18 +347,26 @@ def _clear(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from tuner.bench import bench
+    from tuner.bench import bench, bench_mechanisms
 
     _prepare_device(args)
     problem = _problem(args)
+    if args.mechanisms and args.backend != "auto":
+        raise UsageError("--mechanisms times every mechanism that runs here; leave --backend at auto")
     try:
         from tuner.search import check_device
 
         check_device(args.device)
-        report = bench(problem, device=args.device, backend=args.backend, objective=args.objective,
-                       runs=args.runs, db=args.db)
+        if args.mechanisms:
+            report = bench_mechanisms(problem, device=args.device, objective=args.objective, runs=args.runs,
+                                      db=args.db)[0]
+        else:
+            report = bench(problem, device=args.device, backend=args.backend, objective=args.objective,
+                           runs=args.runs, db=args.db)
     except ValueError as error:
         raise UsageError(str(error)) from None
+    except RuntimeError as error:  # no mechanism ran correctly
+        return _fail(str(error), status=1)
     print(report)
     return 0
 
@@ -517,6 +526,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_problem(bench)
     bench.add_argument("--objective", choices=OBJECTIVES, default="fwd+bwd")
     bench.add_argument("--runs", type=int, default=7)
+    bench.add_argument("--mechanisms", action="store_true",
+                       help="time the ring backends against gathered dense attention on this ring and record "
+                            "the fastest for the problem: get_tuned_ring_attention(backend='auto') follows it")
     bench.set_defaults(run=_bench)
 
     report = verbs.add_parser("report", help="HTML report of the study behind a cache entry")

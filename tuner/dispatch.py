@@ -13,6 +13,8 @@ never a failed training step.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -24,8 +26,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from tuner import layouts
-from tuner.backends import Backend, choose_backend, get_backend, resolve_auto
+from tuner.backends import BACKENDS, Backend, choose_backend, get_backend, resolve_auto, why_not
 from tuner.cache import Cache, CacheError, current_versions, row_params
+from tuner.mechanisms import GATHERED, gathered_attention, gathered_unsupported
 from tuner.params import BwdParams, FwdParams
 from tuner.problem import ProblemKey
 from tuner.ring import ring_attention, ring_geometry
@@ -35,16 +38,18 @@ log = logging.getLogger("tuner.dispatch")
 
 CALL_OPTIONS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions", "softmax_aux", "bias",
                 "return_lse", "interpret")
-SOURCES = ("exact", "nearest", "shipped", "default", "fallback")
+SOURCES = ("exact", "nearest", "shipped", "default", "fallback", "measured")
 
 
 @dataclass(frozen=True)
 class Decision:
-    """What the loader runs for one problem, and why."""
+    """What the loader runs for one problem, and why. `backend` is a ring backend, or a gathered
+    mechanism of `tuner.mechanisms` ("dense", "jax_nn"; no params) that `tuner bench --mechanisms`
+    measured faster for this problem (source "measured")."""
 
     backend: str
-    fwd_params: FwdParams
-    bwd_params: BwdParams
+    fwd_params: FwdParams | None
+    bwd_params: BwdParams | None
     source: str  # one of SOURCES
     reason: str
     key: ProblemKey
@@ -125,6 +130,11 @@ class TunedRingAttention:
         size, _ = ring_geometry(self.axis_name)
         decision = self._decide(query, key, value, size, options)
         call = dict(**self.options, **options, axis_name=self.axis_name, layout=self.layout)
+        if decision.backend in GATHERED:
+            spec = build_spec(query, has_segments=options.get("q_segment_ids") is not None,
+                              bias=options.get("bias"), softmax_aux=options.get("softmax_aux"), **self.options)
+            return gathered_attention(query, key, value, mechanism=decision.backend, spec=spec,
+                                      **{n: v for n, v in call.items() if n != "interpret"})
         try:
             return ring_attention(query, key, value, backend=decision.backend,
                                   fwd_params=decision.fwd_params, bwd_params=decision.bwd_params, **call)
@@ -147,9 +157,23 @@ class TunedRingAttention:
         problem = ProblemKey(backend=backend.name, device_kind=device_kind, ring_size=ring_size,
                              layout=self.layout, batch=b, q_len=tq, kv_len=key.shape[1], heads=h,
                              kv_heads=key.shape[2], head_dim=d, dtype=dtype.name, features=spec.features())
-        memo = (problem.digest, fallback)
+        memo = (problem.digest, fallback, bool(options.get("return_lse")))
         if memo not in self._decisions:
-            self._decisions[memo] = decision = self._lookup(problem, backend, fallback)
+            measured = None
+            if self.backend == "auto" and not options.get("interpret"):
+                measured = self._measured(dataclasses.replace(problem, backend="auto"), spec,
+                                          bool(options.get("return_lse")), dtype)
+            if measured is not None and measured[0] in GATHERED:
+                decision = Decision(measured[0], None, None, "measured", measured[1], problem)
+            else:
+                if measured is not None:
+                    backend, fallback = BACKENDS[measured[0].removeprefix("ring/")], None
+                    problem = dataclasses.replace(problem, backend=backend.name)
+                decision = self._lookup(problem, backend, fallback)
+                if measured is not None:
+                    decision = dataclasses.replace(decision, reason=f"{measured[1]}; params: {decision.source} "
+                                                                    f"({decision.reason})")
+            self._decisions[memo] = decision
             log.info("ring attention %s: backend %s, params from %s (%s)", problem.digest, decision.backend,
                      decision.source, decision.reason)
         return self._decisions[memo]
@@ -160,6 +184,34 @@ class TunedRingAttention:
             return choose_backend(self.backend, spec, dtype, head_dim, platform, interpret), None
         backend, passed_over = resolve_auto(spec, dtype, head_dim, platform, interpret)
         return backend, "; ".join(passed_over) or None
+
+    def _measured(self, key: ProblemKey, spec, return_lse: bool, dtype) -> tuple[str, str] | None:
+        """The mechanism `tuner bench --mechanisms` measured fastest for `key` (a current measurement
+        that can honour this call), and the reason to give; None to decide as usual."""
+        try:
+            row = Cache(self.db).mechanism(key.digest)
+        except (CacheError, OSError) as error:
+            log.warning("ring attention: tuning cache unusable, not reading mechanisms: %s", error)
+            return None
+        if row is None:
+            return None
+        versions = current_versions("-")
+        if (row["jax_version"], row["jaxlib_version"]) != (versions["jax_version"], versions["jaxlib_version"]):
+            log.info("ring attention %s: mechanism measurement is stale (jax %s, jaxlib %s)", key.digest,
+                     row["jax_version"], row["jaxlib_version"])
+            return None
+        winner = row["winner"]
+        if winner in GATHERED:
+            if gathered_unsupported(winner, spec, return_lse=return_lse) is not None:
+                return None
+        elif why_not(BACKENDS[winner.removeprefix("ring/")], spec, dtype, key.head_dim) is not None:
+            return None
+        seconds = json.loads(row["seconds"])
+        others = ", ".join(f"{name} {s * 1e3:.1f} ms" for name, s in sorted(seconds.items(), key=lambda i: i[1])
+                           if name != winner)
+        return winner, (f"tuner bench --mechanisms measured {winner} fastest for this problem "
+                        f"({seconds[winner] * 1e3:.1f} ms; {others or 'nothing else ran'}) on "
+                        f"{row['measured_at'][:10]}")
 
     def _lookup(self, problem: ProblemKey, backend: Backend, fallback: str | None) -> Decision:
         def accept(row: dict[str, Any]) -> str | None:

@@ -73,10 +73,13 @@ def _tile(name: str, requested: int, length: int, align: int) -> int:
 
 
 def fwd_tiles(params: FwdParams, q_len: int, kv_len: int) -> tuple[int, int, int]:
-    """(block_q, block_kv, block_kv_compute) as run for these local lengths; `ValueError` naming the field."""
+    """(block_q, block_kv, block_kv_compute) as run for these local lengths; `ValueError` naming the field.
+    A compute slice that does not divide a key tile cut to the whole sequence becomes that tile."""
     block_q = _tile("fwd_params.block_q", params.block_q, q_len, Q_ALIGN)
     block_kv = _tile("fwd_params.block_kv", params.block_kv, kv_len, KV_ALIGN)
     compute = min(params.block_kv_compute or block_kv, block_kv)
+    if block_kv == kv_len and block_kv % compute:
+        compute = block_kv  # the key tile was cut to a sequence the slice does not divide: one slice
     if block_kv % compute or (compute < block_kv and compute % LANES):
         raise ValueError(f"fwd_params.block_kv_compute={params.block_kv_compute} must divide the key tile "
                          f"{block_kv} and be a multiple of {LANES}")

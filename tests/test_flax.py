@@ -1,0 +1,109 @@
+"""`tuner.flax.RingSelfAttention`: on a ring of simulated devices (zigzag, inside `shard_map`) and on
+one device it equals the same layer with dense attention and the same weights, forward and the
+gradients of every weight; bad arguments name themselves; the example language model learns its
+long-range task in a short CI run."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from tests.cases import rel_err
+from tuner import layouts
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("flax") is None,
+                                reason="needs flax (pip install -e '.[flax]')")
+
+RING = 4
+
+
+def layers(**options):
+    from flax import nnx
+
+    from tuner.flax import RingSelfAttention
+
+    ring = RingSelfAttention(64, 4, num_kv_heads=2, rngs=nnx.Rngs(0), **options)
+    dense_options = {k: v for k, v in options.items() if k not in ("axis_name", "layout")}
+    dense = RingSelfAttention(64, 4, num_kv_heads=2, attention="dense", rngs=nnx.Rngs(0), **dense_options)
+    return ring, dense
+
+
+def compare(got_out, want_out, got_grads, want_grads):
+    assert rel_err(np.asarray(got_out), np.asarray(want_out)) <= 1e-5
+    flat_got, flat_want = jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)
+    assert len(flat_got) == len(flat_want) == 4  # query, key, value, out kernels
+    for g, w in zip(flat_got, flat_want):
+        assert np.linalg.norm(np.asarray(w)) > 0
+        assert rel_err(np.asarray(g), np.asarray(w)) <= 1e-4
+
+
+@pytest.mark.parametrize("options", [dict(causal=True), dict(causal=True, sliding_window=24, logits_soft_cap=20.0),
+                                     dict(causal=False, chunk_size=16)], ids=["causal", "window-softcap", "chunk"])
+def test_layer_on_a_zigzag_ring_equals_the_dense_layer(options):
+    from flax import nnx
+
+    ring, dense = layers(axis_name="sp", layout="zigzag", **options)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 128, 64)), jnp.float32)
+    graphdef, state = nnx.split(ring)
+    mesh = Mesh(np.array(jax.devices()[:RING]), ("sp",))
+    seq = P(None, "sp")
+    apply = jax.shard_map(lambda s, x: nnx.merge(graphdef, s)(x), mesh=mesh, in_specs=(P(), seq), out_specs=seq)
+
+    def ring_loss(state):
+        out = layouts.restore(apply(state, layouts.lay_out(x, "zigzag", RING)), "zigzag", RING)
+        return (jnp.sin(out) * out).sum(), out
+
+    (_, got), got_grads = jax.jit(jax.value_and_grad(ring_loss, has_aux=True))(state)
+    (_, want), want_grads = nnx.value_and_grad(lambda m: ((lambda o: (jnp.sin(o) * o).sum())(m(x)), m(x)),
+                                               has_aux=True)(dense)
+    compare(got, want, got_grads, nnx.state(want_grads, nnx.Param))
+
+
+def test_layer_on_one_device_with_packed_documents_equals_the_dense_layer():
+    from flax import nnx
+
+    ring, dense = layers(causal=True)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 96, 64)), jnp.float32)
+    segments = jnp.asarray(np.repeat([[0, 1, 2]], 2, axis=0).repeat(32, axis=1), jnp.int32)
+    positions = jnp.tile(jnp.arange(32, dtype=jnp.int32), 3)[None].repeat(2, axis=0)  # each document from 0
+
+    def loss(model):
+        out = model(x, positions=positions, segment_ids=segments)
+        return (out**2).sum(), out
+
+    (_, got), got_grads = nnx.value_and_grad(loss, has_aux=True)(ring)
+    (_, want), want_grads = nnx.value_and_grad(loss, has_aux=True)(dense)
+    compare(got, want, nnx.state(got_grads, nnx.Param), nnx.state(want_grads, nnx.Param))
+
+
+def test_bad_arguments_name_themselves():
+    from flax import nnx
+
+    from tuner.flax import RingSelfAttention
+
+    with pytest.raises(ValueError, match="num_heads=6 must be a multiple of num_kv_heads=4"):
+        RingSelfAttention(48, 6, num_kv_heads=4, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="rotary embeddings need an even head_dim, got 5"):
+        RingSelfAttention(10, 2, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="attention must be one of ring, dense"):
+        RingSelfAttention(16, 2, attention="flash", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="layout must be one of"):
+        RingSelfAttention(16, 2, layout="spiral", rngs=nnx.Rngs(0))
+
+
+def test_example_language_model_learns_the_long_range_task():
+    """A short run of examples/long_context_lm.py on 8 simulated devices (the full one is in the README):
+    the needle sits up to 256 positions before the questions, across devices, and chance is ln(8)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import long_context_lm
+
+    config = long_context_lm.Config(seq_len=1024, batch=4, steps=120, devices=8)
+    losses = long_context_lm.train(config, progress=False)
+    assert losses[0] > 1.5
+    assert np.mean(losses[-10:]) < 0.1, losses[-20:]

@@ -1,0 +1,122 @@
+"""Mechanism selection by measurement: the gathered mechanisms equal the scan ring (forward and
+gradients) on every feature they take; `tuner bench --mechanisms` records the fastest correct one;
+`get_tuned_ring_attention(backend="auto")` follows a current record -- a gathered winner ("dense is
+faster at this length") or a ring backend -- and says so in `explain`, and ignores stale ones."""
+
+import dataclasses
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from tests.test_cli import tuner
+from tests.test_dispatch import PROBLEM, RING, arrays
+from tuner import get_tuned_ring_attention, layouts
+from tuner.cache import Cache, current_versions
+from tuner.mechanisms import gathered_attention
+from tuner.problem import Problem
+from tuner.reference import dense_attention
+from tuner.search import Reference
+from tuner.spec import AttentionSpec
+from tuner.workload import Workload
+
+SMALL = dict(batch=1, seq_len=64, heads=4, kv_heads=2, head_dim=8, ring_size=RING)
+
+
+@pytest.mark.parametrize("mechanism, problem", [
+    ("dense", Problem(**SMALL, causal=True, layout="zigzag", segments=3, softcap=5.0, sinks=2)),
+    ("dense", Problem(**SMALL, causal=False, window=(5, 3), chunk_size=24, layout="striped")),
+    ("jax_nn", Problem(**SMALL, causal=True, layout="zigzag", segments=2)),
+    ("jax_nn", Problem(**SMALL, causal=True, window=(7, 0), layout="contiguous")),
+], ids=["dense-segments-softcap-sinks", "dense-window-chunk", "jax_nn-segments", "jax_nn-window"])
+def test_gathered_mechanisms_equal_the_scan_ring(mechanism, problem):
+    workload = Workload(problem)
+    reference = Reference(workload, seed=3, backward=True)
+    compiled = workload.compile(workload.gathered(mechanism), reference.inputs, reference.dout, backward=True)
+    assert reference.mismatch(compiled) is None
+    assert set(reference.outputs) >= {"out", "dq", "dk", "dv"}
+
+
+def test_jax_nn_rows_with_no_readable_key_are_zero():
+    q = jnp.ones((1, 4, 2, 8))
+    spec = AttentionSpec(scale=0.3, causal=True)
+    late = jnp.arange(10, 14, dtype=jnp.int32)[None]
+    out = gathered_attention(q, q, q, mechanism="jax_nn", spec=spec, axis_name=None, layout="contiguous",
+                             q_positions=jnp.arange(4, dtype=jnp.int32)[None], kv_positions=late, causal=True)
+    assert np.all(np.asarray(out) == 0.0)
+    with pytest.raises(ValueError, match="jax.nn.dot_product_attention has no a logits soft cap"):
+        gathered_attention(q, q, q, mechanism="jax_nn", spec=dataclasses.replace(spec, softcap=3.0),
+                           axis_name=None, layout="contiguous")
+
+
+def record(db, problem: Problem, winner: str, seconds: dict, jax_version: str | None = None) -> None:
+    versions = current_versions("-")
+    Cache(db).put_mechanism({
+        "key": problem.key("auto", jax.devices()[0].device_kind).digest, "device_kind": "test",
+        "problem": problem.describe(), "objective": "fwd+bwd", "winner": winner, "seconds": json.dumps(seconds),
+        "jax_version": jax_version or versions["jax_version"], "jaxlib_version": versions["jaxlib_version"],
+        "tool_version": "test", "measured_at": "2026-11-22T00:00:00+00:00"})
+
+
+def test_the_loader_follows_a_measured_dense_winner(tmp_path):
+    db = tmp_path / "tuning.sqlite"
+    record(db, PROBLEM, "dense", {"dense": 0.001, "ring/scan": 0.004})
+    mesh = Mesh(np.array(jax.devices()[:RING]), ("sp",))
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, layout="zigzag", db=str(db), mesh=mesh)
+    q, k, v = arrays(PROBLEM)
+    decision = attn.explain(q, k, v)
+    assert (decision.backend, decision.source, decision.fwd_params) == ("dense", "measured", None)
+    assert decision.reason.startswith("tuner bench --mechanisms measured dense fastest for this problem (1.0 ms; "
+                                      "ring/scan 4.0 ms)")
+
+    laid = [layouts.lay_out(x, "zigzag", RING) for x in (q, k, v)]
+    out, grads = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(jnp.sin(attn(*a))), argnums=(0, 1, 2)))(*laid)
+    want, want_grads = jax.value_and_grad(lambda *a: jnp.sum(jnp.sin(dense_attention(*a, causal=True)[0])),
+                                          argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(out, want, rtol=1e-5)
+    for got, expected in zip(grads, want_grads):
+        got = layouts.restore(got, "zigzag", RING)
+        assert np.linalg.norm(got - expected) / np.linalg.norm(expected) < 1e-4
+
+    # jax_nn has no lse: a call that wants it runs the ring; a named backend never reads measurements.
+    record(db, PROBLEM, "jax_nn", {"jax_nn": 0.001, "ring/scan": 0.004})
+    fresh = get_tuned_ring_attention(axis_name="sp", causal=True, layout="zigzag", db=str(db), mesh=mesh)
+    assert fresh.explain(q, k, v).backend == "jax_nn"
+    assert fresh.explain(q, k, v, return_lse=True).backend == "scan"
+    named = get_tuned_ring_attention(axis_name="sp", causal=True, layout="zigzag", db=str(db), mesh=mesh,
+                                     backend="scan")
+    assert named.explain(q, k, v).source == "default"
+
+
+def test_a_stale_measurement_is_ignored(tmp_path):
+    db = tmp_path / "tuning.sqlite"
+    record(db, PROBLEM, "dense", {"dense": 0.001}, jax_version="0.0.1")
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, layout="zigzag", db=str(db),
+                                    mesh=Mesh(np.array(jax.devices()[:RING]), ("sp",)))
+    decision = attn.explain(*arrays(PROBLEM))
+    assert (decision.backend, decision.source) == ("scan", "default")
+
+
+def test_bench_mechanisms_records_the_winner_and_the_loader_uses_it(tmp_path):
+    args = ["--seq-len", "128", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--ring-size", "2"]
+    proc = tuner("bench", "--device", "cpu", "--mechanisms", "--runs", "2", *args, home=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line for line in proc.stdout.splitlines() if line.split()
+            and line.split()[0] in ("ring/scan", "dense", "jax_nn")}
+    assert set(rows) == {"ring/scan", "dense", "jax_nn"}, proc.stdout
+    winner = re.search(r"recorded (\S+) for key ([0-9a-f]{16})", proc.stdout)
+    assert winner and "winner" in rows[winner.group(1)], proc.stdout
+    assert "ring/triton cannot run here" in proc.stdout and "ring/pallas_tpu cannot run here" in proc.stdout
+
+    problem = Problem(seq_len=128, heads=4, kv_heads=2, head_dim=16, ring_size=2)
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, layout="zigzag", db=str(tmp_path / "tuning.sqlite"))
+    local = jax.ShapeDtypeStruct((1, 64, 4, 16), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, 64, 2, 16), jnp.float32)
+    decision = attn.explain(local, kv, kv, ring_size=2)
+    assert decision.key.digest == problem.key("scan", jax.devices()[0].device_kind).digest or \
+        decision.backend in ("dense", "jax_nn")
+    assert decision.reason.startswith(f"tuner bench --mechanisms measured {winner.group(1)} fastest")

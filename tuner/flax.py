@@ -1,0 +1,110 @@
+"""Flax NNX layers built on tuned ring attention (`pip install 'ring-tuner[flax]'`).
+
+`RingSelfAttention` is a drop-in self-attention layer: query / key / value projections (grouped-query
+heads), rotary position embeddings on the **global** positions of the tokens (from the ring layout,
+so a token gets the same rotation whichever device holds it), the tuned ring attention of
+`get_tuned_ring_attention`, and an output projection. Inside `shard_map` over `axis_name` it takes
+each device's shard of the sequence; with `axis_name=None` it is ordinary attention on one device.
+`attention="dense"` swaps the ring for dense attention over the same inputs (one device): the
+reference the layer is tested against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+
+from tuner import layouts
+from tuner.dispatch import get_tuned_ring_attention
+from tuner.reference import dense_attention
+from tuner.ring import ring_geometry
+
+ATTENTIONS = ("ring", "dense")
+
+
+def rotary(x, positions, base: float = 10_000.0):
+    """Rotary position embedding of `x [B, T, H, D]` (D even) at integer `positions [B, T]`: each pair
+    of channels (i, i + D/2) is rotated by `position * base ** (-2i / D)`, in float32."""
+    half = x.shape[-1] // 2
+    frequencies = base ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / x.shape[-1])
+    angles = positions.astype(jnp.float32)[..., None, None] * frequencies  # [B, T, 1, D/2]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class RingSelfAttention(nnx.Module):
+    """Multi-head self-attention over a sequence sharded around a ring (module docstring).
+
+    `x [B, T_local, embed_dim]` -> `[B, T_local, embed_dim]`. `positions` default to the layout's
+    global positions of this device's tokens; pass them (int `[B, T_local]`) for packed or shifted
+    sequences, with `segment_ids` for packed documents.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, axis_name: Hashable | None = None, layout: str = "contiguous",
+                 causal: bool = True, sliding_window: int | tuple[int, int] | None = None,
+                 chunk_size: int | None = None, logits_soft_cap: float | None = None, use_rope: bool = True,
+                 rope_base: float = 10_000.0, backend: str = "auto", attention: str = "ring",
+                 dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, db=None, rngs: nnx.Rngs):
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        if head_dim is None:
+            if embed_dim % num_heads:
+                raise ValueError(f"embed_dim={embed_dim} must be a multiple of num_heads={num_heads}, or pass "
+                                 f"head_dim")
+            head_dim = embed_dim // num_heads
+        if use_rope and head_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
+        if attention == "dense" and axis_name is not None:
+            raise ValueError("attention='dense' is the one-device reference; use it with axis_name=None")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.axis_name, self.layout, self.use_rope, self.rope_base = axis_name, layout, use_rope, rope_base
+        self.attention_kind = attention
+        self.options = dict(causal=causal, sliding_window=sliding_window, chunk_size=chunk_size,
+                            logits_soft_cap=logits_soft_cap)
+
+        def linear(n_in: int, n_out: int) -> nnx.Linear:
+            return nnx.Linear(n_in, n_out, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+        self.query = linear(embed_dim, num_heads * head_dim)
+        self.key = linear(embed_dim, num_kv_heads * head_dim)
+        self.value = linear(embed_dim, num_kv_heads * head_dim)
+        self.out = linear(num_heads * head_dim, embed_dim)
+        self.ring = get_tuned_ring_attention(axis_name=axis_name, layout=layout, backend=backend, db=db,
+                                             **self.options)
+
+    def positions(self, batch: int, length: int):
+        """Global positions `[batch, length]` of this device's tokens under the layout."""
+        size, rank = ring_geometry(self.axis_name)
+        layouts.check_layout(self.layout, length)
+        return jnp.broadcast_to(layouts.local_positions(self.layout, length, size, rank), (batch, length))
+
+    def __call__(self, x, *, positions=None, segment_ids=None):
+        b, t, _ = x.shape
+        if positions is None:
+            positions = self.positions(b, t)
+        q = self.query(x).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.key(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.value(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.use_rope:
+            q, k = rotary(q, positions, self.rope_base), rotary(k, positions, self.rope_base)
+        tokens = dict(q_positions=positions, kv_positions=positions, q_segment_ids=segment_ids,
+                      kv_segment_ids=segment_ids)
+        if self.attention_kind == "dense":
+            attended = dense_attention(q, k, v, **tokens, **self.options)[0]
+        else:
+            attended = self.ring(q, k, v, **{n: a for n, a in tokens.items() if a is not None})
+        return self.out(attended.reshape(b, t, self.num_heads * self.head_dim))
+
+
+__all__ = ["RingSelfAttention", "rotary"]
