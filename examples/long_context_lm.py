@@ -1,7 +1,7 @@
 """A small decoder-only language model on ring attention, trained on a long-range retrieval task.
 
 Every sequence hides one *needle* token (one of `needles` ids) at a random position in its first
-quarter, among noise tokens (ids the needles never use), and ends with `queries` copies of a QUERY
+quarter, among random noise tokens (`noise` other ids), and ends with `queries` copies of a QUERY
 token; at every QUERY position the model must output the needle. The needle sits thousands of positions
 before the questions, on another device of the ring, so the loss can only fall if attention -- and its
 gradients -- reach across the ring. Nothing else in the model can see that far.
@@ -10,8 +10,8 @@ The sequence is laid out zigzag over `devices` simulated CPU devices (`shard_map
 layer is RMSNorm -> `tuner.flax.RingSelfAttention` (rotary embeddings on global positions, tuned ring
 attention) -> residual, RMSNorm -> MLP -> residual.
 
-    python examples/long_context_lm.py                  # 8 devices, 4096 tokens, ~ a few minutes on 2 cores
-    python examples/long_context_lm.py --steps 50 --seq-len 1024
+    python examples/long_context_lm.py                  # 8 devices, 1024 tokens, 300 steps
+    python examples/long_context_lm.py --seq-len 512 --steps 250
 """
 
 from __future__ import annotations
@@ -30,16 +30,17 @@ class Config:
     vocab_size: int = 64
     embed_dim: int = 64
     hidden_size: int = 128
-    num_heads: int = 4
-    num_kv_heads: int = 2
+    num_heads: int = 2
+    num_kv_heads: int = 1
     num_layers: int = 2
     dropout: float = 0.0
-    max_seq_len: int = 4096
+    max_seq_len: int = 8192
     rope_base: float = 500_000.0
     needles: int = 8
+    noise: int = 4
     queries: int = 8
-    batch: int = 4
-    seq_len: int = 4096
+    batch: int = 8
+    seq_len: int = 1024
     devices: int = 8
     layout: str = "zigzag"
     steps: int = 300
@@ -52,9 +53,9 @@ class Config:
         if self.seq_len % (2 * self.devices):
             raise ValueError(f"seq_len={self.seq_len} must be a multiple of 2 x devices={2 * self.devices} "
                              f"(the zigzag layout gives each device two chunks)")
-        if self.needles + 2 > self.vocab_size:
-            raise ValueError(f"vocab_size={self.vocab_size} must leave room for {self.needles} needles, "
-                             f"noise and the QUERY token")
+        if self.needles + self.noise + 1 > self.vocab_size:
+            raise ValueError(f"vocab_size={self.vocab_size} must hold {self.needles} needles, {self.noise} "
+                             f"noise tokens and the QUERY token")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
@@ -134,7 +135,7 @@ def build(config: Config):
         """Tokens, targets and loss weights of one batch, laid out for the ring."""
         b, t = config.batch, config.seq_len
         query = config.vocab_size - 1
-        tokens = rng.integers(config.needles, query, size=(b, t))
+        tokens = rng.integers(config.needles, config.needles + config.noise, size=(b, t))
         needles = rng.integers(0, config.needles, size=b)
         where = rng.integers(0, t // 4, size=b)
         tokens[np.arange(b), where] = needles
@@ -173,8 +174,8 @@ def train(config: Config, progress: bool = True) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     defaults = Config()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name in ("embed_dim", "hidden_size", "num_heads", "num_kv_heads", "num_layers", "max_seq_len", "batch",
-                 "seq_len", "devices", "steps", "seed"):
+    for name in ("embed_dim", "hidden_size", "num_heads", "num_kv_heads", "num_layers", "max_seq_len", "needles",
+                 "noise", "queries", "batch", "seq_len", "devices", "steps", "seed"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
     for name in ("dropout", "learning_rate", "rope_base"):
         parser.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))

@@ -5,9 +5,10 @@
     attn.explain(q, k, v, ring_size=8)                             # what it would run, and why
 
 At trace time the callable builds the problem key from the shapes it sees, picks the backend
-(`auto`: the platform's fast backend, else scan when that one is missing, does not support the
-features, or fails to build) and the params (cache lookup: exact, nearest, shipped, else the
-backend's default). It never tunes; a missing or unreadable cache means defaults and a logged warning,
+(`auto`: the mechanism `tuner bench --mechanisms` measured fastest for this problem -- a ring backend,
+or gathered dense attention when that is faster at this length -- else the platform's fast backend,
+else scan when that one is missing, does not support the features, or fails to build) and the params
+(cache lookup: exact, nearest, shipped, else the backend's default). It never tunes; a missing or unreadable cache means defaults and a logged warning,
 never a failed training step.
 """
 
@@ -204,8 +205,10 @@ class TunedRingAttention:
         if winner in GATHERED:
             if gathered_unsupported(winner, spec, return_lse=return_lse) is not None:
                 return None
-        elif why_not(BACKENDS[winner.removeprefix("ring/")], spec, dtype, key.head_dim) is not None:
-            return None
+        else:
+            backend = BACKENDS.get(winner.removeprefix("ring/"))
+            if backend is None or why_not(backend, spec, dtype, key.head_dim) is not None:
+                return None
         seconds = json.loads(row["seconds"])
         others = ", ".join(f"{name} {s * 1e3:.1f} ms" for name, s in sorted(seconds.items(), key=lambda i: i[1])
                            if name != winner)
