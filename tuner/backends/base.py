@@ -99,6 +99,21 @@ class Backend(Protocol):
                   spec: AttentionSpec, params: BwdParams, interpret: bool): ...
 
 
+def reject_settings(backend: str, fwd: FwdParams, bwd: BwdParams, *, launch: bool, compute_slice: bool) -> None:
+    """`ValueError` naming a setting that `backend` cannot honour: the GPU launch settings
+    (`num_warps`, `num_stages`) unless it has `launch` ones, `block_kv_compute` unless it computes a
+    key tile in slices (`compute_slice`)."""
+    if not launch:
+        for owner, params in (("fwd_params", fwd), ("bwd_params", bwd)):
+            for field in ("num_warps", "num_stages"):
+                if getattr(params, field) is not None:
+                    raise ValueError(f"{owner}.{field} is a GPU launch setting that the {backend} backend "
+                                     f"cannot honour; leave it None")
+    if not compute_slice and fwd.block_kv_compute is not None:
+        raise ValueError(f"fwd_params.block_kv_compute is a TPU kernel setting that the {backend} backend "
+                         f"cannot honour; leave it None")
+
+
 def available(backend: Backend) -> bool:
     """True when `backend` can run on this machine."""
     return backend.unavailable_reason(False) is None

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from tuner import codegen, masks, vma
-from tuner.backends.base import SearchSpace, source_hash
+from tuner.backends.base import SearchSpace, reject_settings, source_hash
 from tuner.params import BwdParams, FwdParams
 from tuner.problem import Problem
 from tuner.spec import AttentionSpec
@@ -215,11 +215,7 @@ class PallasTpuBackend:
         return None
 
     def check_params(self, fwd: FwdParams, bwd: BwdParams) -> None:
-        for owner, params in (("fwd_params", fwd), ("bwd_params", bwd)):
-            for field in ("num_warps", "num_stages"):
-                if getattr(params, field) is not None:
-                    raise ValueError(f"{owner}.{field} is a GPU launch setting that the pallas_tpu backend "
-                                     f"cannot honour; leave it None")
+        reject_settings(self.name, fwd, bwd, launch=False, compute_slice=True)
         if bwd.fused_dq:
             raise ValueError("bwd_params.block_q_dq and block_kv_dq must be set: the pallas_tpu backend "
                              "computes dq in its own kernel")

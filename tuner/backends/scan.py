@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from tuner import masks, vma, work
-from tuner.backends.base import SearchSpace, source_hash
+from tuner.backends.base import SearchSpace, reject_settings, source_hash
 from tuner.params import BwdParams, FwdParams
 from tuner.problem import Problem
 from tuner.spec import AttentionSpec
@@ -413,14 +413,7 @@ class ScanBackend:
         return None
 
     def check_params(self, fwd: FwdParams, bwd: BwdParams) -> None:
-        for owner, params in (("fwd_params", fwd), ("bwd_params", bwd)):
-            for field in ("num_warps", "num_stages"):
-                if getattr(params, field) is not None:
-                    raise ValueError(f"{owner}.{field} is a GPU launch setting that the scan backend "
-                                     f"cannot honour; leave it None")
-        if fwd.block_kv_compute is not None:
-            raise ValueError("fwd_params.block_kv_compute is a TPU kernel setting that the scan backend "
-                             "cannot honour; leave it None")
+        reject_settings(self.name, fwd, bwd, launch=False, compute_slice=False)
 
     def default_params(self, q_len: int, kv_len: int, head_dim: int) -> tuple[FwdParams, BwdParams]:
         """Tall query tiles, short key tiles, dq fused: the best of a sweep on a 2-core x86 CPU

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tuner import codegen, masks
-from tuner.backends.base import SearchSpace, source_hash
+from tuner.backends.base import SearchSpace, reject_settings, source_hash
 from tuner.params import BwdParams, FwdParams
 from tuner.problem import Problem
 from tuner.spec import AttentionSpec
@@ -279,9 +279,7 @@ class TritonBackend:
         for name, tile in tiles:
             if tile < 16 or tile & (tile - 1):
                 raise ValueError(f"{name} must be a power of two >= 16 for Triton tiles, got {tile}")
-        if fwd.block_kv_compute is not None:
-            raise ValueError("fwd_params.block_kv_compute is a TPU kernel setting that the triton backend "
-                             "cannot honour; leave it None")
+        reject_settings(self.name, fwd, bwd, launch=True, compute_slice=False)
         for owner, params in (("fwd_params", fwd), ("bwd_params", bwd)):
             if params.num_warps is not None and params.num_warps not in WARPS:
                 raise ValueError(f"{owner}.num_warps must be one of {WARPS}, got {params.num_warps}")
