@@ -114,8 +114,10 @@ def test_interrupted_search_resumes(tmp_path):
     args = ["search", "--device", "cpu", *PROBLEM, "--trials", "4", "--runs", "1", "--objective", "fwd"]
     env = {**os.environ, "TUNER_HOME": str(tmp_path)}
     env.pop("XLA_FLAGS", None)
+    # A shell's background job ignores SIGINT, and children inherit that: give the search the default.
     proc = subprocess.Popen([sys.executable, "-m", "tuner.cli", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     studies = tmp_path / "tuning.studies.sqlite"
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
