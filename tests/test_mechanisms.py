@@ -3,7 +3,6 @@ gradients) on every feature they take; `tuner bench --mechanisms` records the fa
 `get_tuned_ring_attention(backend="auto")` follows a current record -- a gathered winner ("dense is
 faster at this length") or a ring backend -- and says so in `explain`, and ignores stale ones."""
 
-import dataclasses
 import json
 import re
 
@@ -21,7 +20,6 @@ from tuner.mechanisms import gathered_attention
 from tuner.problem import Problem
 from tuner.reference import dense_attention
 from tuner.search import Reference
-from tuner.spec import AttentionSpec
 from tuner.workload import Workload
 
 SMALL = dict(batch=1, seq_len=64, heads=4, kv_heads=2, head_dim=8, ring_size=RING)
@@ -43,14 +41,13 @@ def test_gathered_mechanisms_equal_the_scan_ring(mechanism, problem):
 
 def test_jax_nn_rows_with_no_readable_key_are_zero():
     q = jnp.ones((1, 4, 2, 8))
-    spec = AttentionSpec(scale=0.3, causal=True)
     late = jnp.arange(10, 14, dtype=jnp.int32)[None]
-    out = gathered_attention(q, q, q, mechanism="jax_nn", spec=spec, axis_name=None, layout="contiguous",
+    out = gathered_attention(q, q, q, mechanism="jax_nn", axis_name=None, layout="contiguous", softmax_scale=0.3,
                              q_positions=jnp.arange(4, dtype=jnp.int32)[None], kv_positions=late, causal=True)
     assert np.all(np.asarray(out) == 0.0)
     with pytest.raises(ValueError, match="jax.nn.dot_product_attention has no a logits soft cap"):
-        gathered_attention(q, q, q, mechanism="jax_nn", spec=dataclasses.replace(spec, softcap=3.0),
-                           axis_name=None, layout="contiguous")
+        gathered_attention(q, q, q, mechanism="jax_nn", axis_name=None, layout="contiguous", softmax_scale=0.3,
+                           causal=True, logits_soft_cap=3.0)
 
 
 def record(db, problem: Problem, winner: str, seconds: dict, jax_version: str | None = None) -> None:

@@ -132,9 +132,7 @@ class TunedRingAttention:
         decision = self._decide(query, key, value, size, options)
         call = dict(**self.options, **options, axis_name=self.axis_name, layout=self.layout)
         if decision.backend in GATHERED:
-            spec = build_spec(query, has_segments=options.get("q_segment_ids") is not None,
-                              bias=options.get("bias"), softmax_aux=options.get("softmax_aux"), **self.options)
-            return gathered_attention(query, key, value, mechanism=decision.backend, spec=spec,
+            return gathered_attention(query, key, value, mechanism=decision.backend,
                                       **{n: v for n, v in call.items() if n != "interpret"})
         try:
             return ring_attention(query, key, value, backend=decision.backend,

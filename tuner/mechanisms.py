@@ -27,7 +27,7 @@ from jax import lax
 from tuner import layouts, masks
 from tuner.reference import dense_attention
 from tuner.ring import ring_geometry
-from tuner.spec import AttentionSpec
+from tuner.spec import AttentionSpec, build_spec
 
 GATHERED = ("dense", "jax_nn")
 
@@ -42,13 +42,16 @@ def gathered_unsupported(mechanism: str, spec: AttentionSpec, *, return_lse: boo
     return None
 
 
-def gathered_attention(query, key, value, *, mechanism: str, spec: AttentionSpec, axis_name: Hashable | None,
-                       layout: str, q_positions=None, kv_positions=None, q_segment_ids=None,
-                       kv_segment_ids=None, bias=None, softmax_aux=None, return_lse: bool = False,
-                       implementation: str | None = None, causal: bool = False, sliding_window=None,
+def gathered_attention(query, key, value, *, mechanism: str, axis_name: Hashable | None, layout: str,
+                       q_positions=None, kv_positions=None, q_segment_ids=None, kv_segment_ids=None, bias=None,
+                       softmax_aux=None, return_lse: bool = False, causal: bool = False, sliding_window=None,
                        chunk_size=None, logits_soft_cap=None, softmax_scale=None) -> Any:
     """Attention of this device's queries to the whole ring's keys: K/V (with positions and segment ids)
-    are all-gathered along `axis_name`, in ring order -- the global key order a bias is given in."""
+    are all-gathered along `axis_name`, in ring order -- the global key order a bias is given in.
+    Options as in `tuner.ring_attention`."""
+    spec = build_spec(query, causal=causal, sliding_window=sliding_window, chunk_size=chunk_size,
+                      logits_soft_cap=logits_soft_cap, softmax_scale=softmax_scale,
+                      has_segments=q_segment_ids is not None, bias=bias, softmax_aux=softmax_aux)
     reason = gathered_unsupported(mechanism, spec, return_lse=return_lse)
     if reason is not None:
         raise ValueError(f"mechanism {mechanism!r}: {reason}")
@@ -73,10 +76,9 @@ def gathered_attention(query, key, value, *, mechanism: str, spec: AttentionSpec
         return (out, lse) if return_lse else out
     allowed = masks.allowed(q_positions, kv_positions, q_segment_ids, kv_segment_ids, spec)
     if allowed is None:
-        return jax.nn.dot_product_attention(query, key, value, bias=bias, scale=float(spec.scale),
-                                            implementation=implementation)
+        return jax.nn.dot_product_attention(query, key, value, bias=bias, scale=float(spec.scale))
     out = jax.nn.dot_product_attention(query, key, value, bias=bias, mask=allowed[:, None],
-                                       scale=float(spec.scale), implementation=implementation)
+                                       scale=float(spec.scale))
     # A row with no readable key outputs exactly 0 (DESIGN section 2), not jax.nn's average.
     return jnp.where(allowed.any(axis=-1)[:, :, None, None], out, 0.0).astype(out.dtype)
 

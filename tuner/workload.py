@@ -27,7 +27,6 @@ from tuner.mechanisms import gathered_attention
 from tuner.params import BwdParams, FwdParams
 from tuner.problem import Problem
 from tuner.ring import ring_attention
-from tuner.spec import build_spec
 
 AXIS = "sp"
 Inputs = dict[str, Any]
@@ -129,21 +128,17 @@ class Workload:
         return jax.shard_map(local, mesh=self.mesh, in_specs=(self.specs,), out_specs=self.specs["q"],
                              check_vma=check_vma(backend, interpret))
 
-    def gathered(self, mechanism: str, implementation: str | None = None) -> Callable[[Inputs], Any]:
+    def gathered(self, mechanism: str) -> Callable[[Inputs], Any]:
         """The global function `inputs -> output` of a gathered mechanism (`tuner.mechanisms`) on the
         same ring: every device all-gathers K/V and attends densely."""
         p = self.problem
 
         def local(x: Inputs):
             segments = x.get("segment_ids")
-            spec = build_spec(x["q"], causal=p.causal, sliding_window=p.window, chunk_size=p.chunk_size,
-                              logits_soft_cap=p.softcap, softmax_scale=None, has_segments=segments is not None,
-                              bias=None, softmax_aux=x.get("sinks"))
             return gathered_attention(
-                x["q"], x["k"], x["v"], mechanism=mechanism, spec=spec, axis_name=AXIS, layout=p.layout,
-                q_segment_ids=segments, kv_segment_ids=segments, softmax_aux=x.get("sinks"),
-                implementation=implementation, causal=p.causal, sliding_window=p.window,
-                chunk_size=p.chunk_size, logits_soft_cap=p.softcap)
+                x["q"], x["k"], x["v"], mechanism=mechanism, axis_name=AXIS, layout=p.layout,
+                q_segment_ids=segments, kv_segment_ids=segments, softmax_aux=x.get("sinks"), causal=p.causal,
+                sliding_window=p.window, chunk_size=p.chunk_size, logits_soft_cap=p.softcap)
 
         return jax.shard_map(local, mesh=self.mesh, in_specs=(self.specs,), out_specs=self.specs["q"])
 

@@ -109,10 +109,10 @@ def chip() -> Any:
     return pltpu.get_tpu_info_for_chip(version, 1)
 
 
-def vmem_limit_bytes() -> int:
-    """The scoped VMEM the kernels ask Mosaic for: half the chip's VMEM (the rest stays for Mosaic's
-    own scratch and what this estimate leaves out)."""
-    return chip().vmem_capacity_bytes // 2
+def vmem_limit_bytes(info: Any = None) -> int:
+    """The scoped VMEM the kernels ask Mosaic for: half the VMEM of the chip (`info`, default `chip()`);
+    the rest stays for Mosaic's own scratch and what the estimate leaves out."""
+    return (info or chip()).vmem_capacity_bytes // 2
 
 
 def _rows(n: int, width: int, itemsize: int) -> int:
@@ -249,7 +249,7 @@ class PallasTpuBackend:
         kernels request, and the scalar-prefetched schedules against SMEM."""
         local, head_dim = problem.local_len, problem.head_dim
         info = chip()
-        limit = info.vmem_capacity_bytes // 2
+        limit = vmem_limit_bytes(info)
         ids = 1 + (problem.chunk_size is not None) + (problem.segments > 0)
         kernels = []
         if fwd is not None and fwd.block_kv_compute is not None and fwd.block_kv_compute > min(fwd.block_kv, local):
