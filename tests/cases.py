@@ -47,7 +47,8 @@ class Case:
     bwd: BwdParams = BwdParams()
     dtype: str = "float32"
     seed: int = 0
-    backend: str = "scan"  # kernel backends run in their interpreter
+    backend: str = "scan"
+    interpret: bool = True  # kernel backends run in their interpreter unless this is False (on their hardware)
 
     @property
     def options(self) -> dict:
@@ -186,6 +187,7 @@ def run_ring(case: Case, a: Arrays, *, use_axis: bool = True):
     assert use_axis or case.ring == 1
     ring, layout = case.ring, case.layout
     dtype = jnp.dtype(case.dtype)
+    interpret = case.interpret and case.backend != "scan"
 
     def lay(x, axis=1):
         return None if x is None else np.asarray(layouts.lay_out(jnp.asarray(x), layout, ring, axis=axis))
@@ -206,7 +208,7 @@ def run_ring(case: Case, a: Arrays, *, use_axis: bool = True):
         out, lse = ring_attention(
             q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_positions=pos, kv_positions=pos,
             softmax_aux=sinks, bias=bias, axis_name="sp" if use_axis else None, layout=layout, fwd_params=case.fwd,
-            bwd_params=case.bwd, return_lse=True, backend=case.backend, interpret=case.backend != "scan",
+            bwd_params=case.bwd, return_lse=True, backend=case.backend, interpret=interpret,
             **case.options)
         return out, lse
 
@@ -214,7 +216,7 @@ def run_ring(case: Case, a: Arrays, *, use_axis: bool = True):
         local, mesh=mesh,
         in_specs=(seq, seq, seq, bias_spec, P(), seq, seq, seq, seq, P(None, None, "sp")),
         out_specs=(seq, P(None, None, "sp")),
-        check_vma=check_vma(case.backend, case.backend != "scan")) if use_axis else local
+        check_vma=check_vma(case.backend, interpret)) if use_axis else local
 
     def loss(q, k, v, bias, sinks, q_seg, kv_seg, pos, w, u):
         out, lse = sharded(q, k, v, bias, sinks, q_seg, kv_seg, pos, w, u)

@@ -48,27 +48,32 @@ def run_interleaved(
     *,
     runs: int = 7,
     warmup: int = 2,
+    calls: int = 1,
     compile_seconds: dict[str, float] | None = None,
     deadline: float | None = None,
 ) -> dict[str, Timing]:
-    """Median seconds per call of each already-compiled `thunk(i)` (run `i` picks its own input set),
+    """Median seconds per call of each already-compiled `thunk(i)` (call `i` picks its own input set),
     warmed up, then run interleaved.
 
-    With `deadline` (a `time.perf_counter()` value), raises `TimeoutError` as soon as the measured
-    runs show that the remaining ones cannot finish before it.
+    A run issues `calls` calls back to back and waits for them all, so its time per call leaves out
+    the host's dispatch gap between calls (JAX dispatches asynchronously): what a sub-millisecond GPU
+    kernel needs. With `deadline` (a `time.perf_counter()` value), raises `TimeoutError` as soon as
+    the measured runs show that the remaining ones cannot finish before it.
     """
     if runs < 1:
         raise ValueError(f"runs must be >= 1, got {runs}")
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
+    if calls < 1:
+        raise ValueError(f"calls must be >= 1, got {calls}")
     samples: dict[str, list[float]] = {name: [] for name in thunks}
     for i in range(-warmup, runs):
         round_start = time.perf_counter()
         for name, thunk in thunks.items():
             start = time.perf_counter()
-            jax.block_until_ready(thunk(i))
+            jax.block_until_ready([thunk(i * calls + j) for j in range(calls)])
             if i >= 0:
-                samples[name].append(time.perf_counter() - start)
+                samples[name].append((time.perf_counter() - start) / calls)
         now = time.perf_counter()
         if deadline is not None and now + (runs - 1 - i) * (now - round_start) > deadline:
             raise TimeoutError(f"{runs} timed runs of {len(thunks)} function(s) would take "

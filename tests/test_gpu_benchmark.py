@@ -1,0 +1,99 @@
+"""The GPU benchmark's harness, run on the CPU: the Triton kernels in the interpreter against XLA at a
+tiny point (cuDNN recorded as unavailable), its FLOP accounting, target checks and argument errors;
+and the per-call timing it relies on."""
+
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from tuner.timing import attention_flops, run_interleaved
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location("gpu_attention", ROOT / "benchmarks" / "gpu_attention.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_back_to_back_calls_are_timed_per_call_on_distinct_inputs():
+    seen = []
+
+    def thunk(i):
+        seen.append(i)
+        time.sleep(0.02)
+
+    timing = run_interleaved({"sleep": thunk}, runs=3, warmup=1, calls=4)["sleep"]
+    assert seen == list(range(-4, 12)), "each call of each run gets its own input index"
+    assert 0.02 <= timing.median < 0.04, f"{timing.median:.3f} s is not the time of one call"
+    with pytest.raises(ValueError, match="calls must be >= 1"):
+        run_interleaved({"sleep": thunk}, calls=0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None,
+                    reason="needs triton and torch for the interpreter (pip install -e '.[test]')")
+def test_harness_checks_and_times_every_objective_on_the_cpu(tmp_path, capsys):
+    bench = load_benchmark()
+    out = tmp_path / "result.json"
+    status = bench.main(["--interpret", "--tokens", "64", "--hidden", "32", "--head-dims", "16", "--seq-lens",
+                         "32", "--runs", "1", "--calls", "2", "--warmup", "0", "--out", str(out)])
+    assert status == 0, capsys.readouterr().err
+    result = json.loads(out.read_text())
+    assert result["device"].startswith("cpu") and result["interpret"] is True
+    assert result["unavailable"] == {"cudnn": "cuDNN needs a CUDA GPU"}
+    assert len(result["checks"]) == 2
+    for check in result["checks"]:
+        assert set(check["errors"]) == {"ring", "xla"}
+        for errors in check["errors"].values():
+            assert set(errors) == {"out", "dq", "dk", "dv"} and max(errors.values()) < 2e-2
+    rows = result["rows"]
+    assert [(r["causal"], r["objective"]) for r in rows] == [
+        (c, o) for c in (False, True) for o in ("fwd", "bwd", "fwd+bwd")]
+    for row in rows:
+        assert (row["batch"], row["seq_len"], row["heads"], row["head_dim"]) == (2, 32, 2, 16)
+        assert row["flops"] == attention_flops(2, 2, 32, 32, 16, causal=row["causal"], objective=row["objective"])
+        for name in ("ring", "xla"):
+            assert row[name]["median_s"] > 0 and row[name]["runs"] == 1
+            assert row[name]["tflops"] == pytest.approx(row["flops"] / row[name]["median_s"] / 1e12)
+        assert "cudnn" not in row and "ratio_vs_cudnn" not in row
+    assert "ring ms" in capsys.readouterr().out
+
+
+def test_targets_are_checked_at_d128_from_4k_tokens():
+    bench = load_benchmark()
+    base = {"batch": 4, "heads": 16, "head_dim": 128, "causal": True}
+    rows = [{**base, "seq_len": 4096, "objective": "fwd", "ratio_vs_cudnn": 0.7},
+            {**base, "seq_len": 8192, "objective": "bwd", "ratio_vs_cudnn": 0.4},
+            {**base, "seq_len": 8192, "objective": "fwd+bwd", "ratio_vs_cudnn": 0.9},
+            {**base, "seq_len": 2048, "objective": "fwd", "ratio_vs_cudnn": 0.1},
+            {**base, "head_dim": 64, "seq_len": 4096, "objective": "fwd", "ratio_vs_cudnn": 0.1},
+            {**base, "seq_len": 16384, "objective": "fwd"}]
+    checks = bench.target_checks(rows)
+    assert [(c["objective"], c["seq_len"], c["target"], c["met"]) for c in checks] == [
+        ("fwd", 4096, 0.6, True), ("bwd", 8192, 0.5, False)]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--objectives", "fwd,sideways"], "--objectives: unknown sideways"),
+    (["--calls", "0"], "--calls must be >= 1"),
+    (["--tokens", "100", "--seq-lens", "32"], "--tokens 100 is not a multiple of sequence length 32"),
+    (["--hidden", "96", "--head-dims", "64"], "--hidden 96 is not a multiple of head dim 64"),
+    (["--seq-lens", "1k"], "--seq-lens must be comma-separated integers"),
+])
+def test_bad_arguments_name_the_argument(args, message, capsys):
+    bench = load_benchmark()
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--interpret", *args])
+    said = capsys.readouterr().err + str(exit_info.value.code)
+    assert message in said
+
+
+def test_without_a_gpu_it_says_what_to_do(capsys):
+    bench = load_benchmark()
+    assert bench.main([]) == 2
+    assert "no CUDA GPU visible to jax" in capsys.readouterr().err
