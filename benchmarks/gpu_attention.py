@@ -236,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     out_path = Path(args.out or f"benchmarks/results/gpu_attention-{re.sub(r'[^A-Za-z0-9]+', '-', device).strip('-')}"
                                 f"-{date}.json")
     result = {"device": device, "date": date, "jax": jax.__version__, "tuner": tuner.__version__,
-              "triton": _version("triton"), "command": " ".join(["python", *sys.argv]) if argv is None else
-              " ".join(["python", "benchmarks/gpu_attention.py", *argv]),
+              "triton": _version("triton"),
+              "command": " ".join(["python", "benchmarks/gpu_attention.py", *(sys.argv[1:] if argv is None else argv)]),
               "dtype": "bfloat16", "interpret": args.interpret, "runs": args.runs, "calls": args.calls,
               "unavailable": skipped, "rows": [], "checks": []}
     header = (f"{'D':>4} {'S':>6} {'B':>3} {'H':>3} {'causal':>6} {'objective':>8} "
