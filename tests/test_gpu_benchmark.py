@@ -64,6 +64,20 @@ def test_harness_checks_and_times_every_objective_on_the_cpu(tmp_path, capsys):
     assert "ring ms" in capsys.readouterr().out
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None,
+                    reason="needs triton and torch for the interpreter (pip install -e '.[test]')")
+def test_a_failed_check_stops_the_point_and_the_exit_status_says_so(tmp_path, capsys):
+    """bf16 is never within 1e-9 of float32: every point must fail its check and time nothing."""
+    bench = load_benchmark()
+    out = tmp_path / "result.json"
+    status = bench.main(["--interpret", "--tokens", "32", "--hidden", "16", "--head-dims", "16", "--seq-lens",
+                         "32", "--causal", "true", "--max-error", "1e-9", "--out", str(out)])
+    assert status == 1
+    assert "FAILED check at D=16 S=32 causal=True" in capsys.readouterr().err
+    result = json.loads(out.read_text())
+    assert result["rows"] == [] and len(result["checks"]) == 1
+
+
 def test_targets_are_checked_at_d128_from_4k_tokens():
     bench = load_benchmark()
     base = {"batch": 4, "heads": 16, "head_dim": 128, "causal": True}
