@@ -104,7 +104,7 @@ def test_report_writes_html(searched, tmp_path):
 
 def test_bench_times_tuned_default_scan_and_dense(searched):
     home, _ = searched
-    result = tuner("bench", "--device", "cpu", *PROBLEM, "--runs", "2", home=home)
+    result = tuner("bench", "--device", "cpu", *PROBLEM, "--runs", "2", "--calls", "2", home=home)
     assert result.returncode == 0, result.stderr
     assert "tuned (exact)" in result.stdout and "dense xla" in result.stdout
     assert re.search(r"dense xla .* 1\.00x", result.stdout)
@@ -172,6 +172,7 @@ def test_corrupt_cache_file_is_one_line_with_what_to_do(tmp_path):
     (("search", "--device", "cpu", "--heads", "6", "--kv-heads", "4"), "--heads 6 must be a multiple of --kv-heads 4"),
     (("search", "--device", "cpu", "--seq-len", "1001"), "--seq-len 1001 must be divisible by --ring-size 4"),
     (("search", "--device", "cpu", "--trials", "0"), "--trials must be positive"),
+    (("bench", "--device", "cpu", "--calls", "0"), "--calls must be positive"),
     (("search", "--device", "tpu"), "no tpu device here"),
     (("search", "--device", "cpu", "--backend", "cuda"), "backend must be one of"),
     (("search",), "required: --device"),
@@ -202,3 +203,12 @@ def test_info_lists_backends_versions_and_the_cache(searched):
     assert re.search(r"^scan\s+yes", result.stdout, re.M)
     assert "versions: jax" in result.stdout
     assert re.search(r"cache: .*tuning.sqlite \(1 tuned, 0 stale\)", result.stdout)
+
+
+def test_gpu_timing_issues_several_calls_per_run_unless_told():
+    from tuner.cli import build_parser, _calls
+
+    parser = build_parser()
+    assert _calls(parser.parse_args(["search", "--device", "gpu"])) == 5
+    assert _calls(parser.parse_args(["bench", "--device", "cpu"])) == 1
+    assert _calls(parser.parse_args(["bench", "--device", "gpu", "--calls", "2"])) == 2

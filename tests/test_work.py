@@ -63,3 +63,42 @@ def test_sliding_window_skips_far_blocks():
     counts = _count(8, "contiguous", causal=False, sliding_window=4)
     # a window of 4 tokens on shards of 16 reaches only the neighbouring shards
     assert dict(counts["blocks"]) == {r: 3 - (r in (0, 7)) for r in range(8)}
+
+
+@pytest.mark.parametrize("by_key", [False, True])
+@pytest.mark.parametrize("features", [
+    dict(causal=True), dict(window=(30, 20)), dict(causal=True, chunk_size=40), dict(causal=True, has_segments=True),
+    dict(window=(0, 60), has_segments=True), {}])
+def test_tile_schedule_lists_every_allowed_tile_and_unmasks_only_whole_allowed_ones(features, by_key):
+    """Against the token-level rule: every tile with an allowed pair is among the first `count`; the
+    first `full` ones are allowed pair by pair and lie inside the lengths; and a tile that is whole and
+    allowed everywhere is unmasked whenever its position and segment ranges show it."""
+    from tuner import masks
+    from tuner.spec import AttentionSpec
+
+    spec = AttentionSpec(scale=1.0, **features)
+    q_len, kv_len, block_q, block_kv = 44, 52, 8, 16  # both ends with a partial tile
+    q_pos = np.stack([np.arange(q_len) + 8, 2 * np.arange(q_len) + 3]).astype(np.int32)  # row 1 with gaps
+    kv_pos = np.stack([np.arange(kv_len), np.arange(kv_len) + 5]).astype(np.int32)
+    q_seg, kv_seg = q_pos // 40, kv_pos // 40  # packed segments
+    order, count, full = (np.asarray(x) for x in masks.tile_schedule(
+        jnp.asarray(q_pos), jnp.asarray(kv_pos), jnp.asarray(q_seg), jnp.asarray(kv_seg), spec, block_q, block_kv,
+        by_key=by_key))
+    pairs = masks.allowed(q_pos, kv_pos, q_seg, kv_seg, spec)
+    pairs = np.ones((2, q_len, kv_len), bool) if pairs is None else np.asarray(pairs)
+    unmasked = 0
+    for b in range(2):
+        for qt in range(-(-q_len // block_q)):
+            for kt in range(-(-kv_len // block_kv)):
+                tile = pairs[b, qt * block_q:(qt + 1) * block_q, kt * block_kv:(kt + 1) * block_kv]
+                mine, other = (kt, qt) if by_key else (qt, kt)
+                listed = list(order[b, mine, :count[b, mine]])
+                whole = (qt + 1) * block_q <= q_len and (kt + 1) * block_kv <= kv_len
+                if tile.any():
+                    assert other in listed
+                if other in listed[:full[b, mine]]:
+                    assert whole and tile.all()
+                    unmasked += 1
+                elif whole and tile.all() and not spec.has_segments and spec.window is None:
+                    raise AssertionError(f"whole allowed tile {(b, qt, kt)} is masked")
+    assert unmasked > 0

@@ -31,7 +31,7 @@ from tuner.workload import Compiled, Workload
 
 
 def bench(problem: Problem, *, device: str, backend: str = "auto", objective: str = "fwd+bwd",
-          runs: int = 7, db: str | None = None) -> str:
+          runs: int = 7, calls: int = 1, db: str | None = None) -> str:
     """Time the candidates of the module docstring on `problem`; returns the printed table."""
     workload = Workload(problem)
     chosen = resolve_backend(backend, problem, device)
@@ -67,7 +67,7 @@ def bench(problem: Problem, *, device: str, backend: str = "auto", objective: st
     thunks = {}
     for name, fn in compiled.items():
         thunks.update(fn.thunks(name, dense_sets if name.startswith("dense") else sets))
-    timings = run_interleaved(thunks, runs=runs, warmup=2)
+    timings = run_interleaved(thunks, runs=runs, warmup=2, calls=calls)
 
     flops = attention_flops(problem.batch, problem.heads, problem.seq_len, problem.seq_len, problem.head_dim,
                             causal=problem.causal, objective=objective)
@@ -97,7 +97,7 @@ def _explain(problem: Problem, backend: str, db: str | None):
 
 
 def bench_mechanisms(problem: Problem, *, device: str, objective: str = "fwd+bwd", runs: int = 5,
-                     db: str | None = None) -> tuple[str, dict[str, Any]]:
+                     calls: int = 1, db: str | None = None) -> tuple[str, dict[str, Any]]:
     """Time every mechanism that can run `problem` here (module docstring), each checked against the
     scan ring first; record the fastest correct one in the cache. Returns the printed report and the
     recorded row."""
@@ -143,7 +143,7 @@ def bench_mechanisms(problem: Problem, *, device: str, objective: str = "fwd+bwd
     thunks = {}
     for name, fn in compiled.items():
         thunks.update(fn.thunks(name, sets))
-    timings = run_interleaved(thunks, runs=runs, warmup=2)
+    timings = run_interleaved(thunks, runs=runs, warmup=2, calls=calls)
     totals = {name: sum(t.median for key, t in timings.items() if key.split(":")[0] == name) for name in compiled}
     winner = min(totals, key=totals.get)
 

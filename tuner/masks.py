@@ -77,12 +77,11 @@ def ranges_may_attend(q_lo, q_hi, k_lo, k_hi, segments, spec: AttentionSpec):
     return possible
 
 
-def fully_allowed(q_pos, k_pos, q_seg, k_seg, spec: AttentionSpec):
-    """Scalar bool: every query of `q_pos [B, Tq]` may read every key of `k_pos [B, Tk]`."""
-    if not spec.has_mask:
-        return jnp.bool_(True)
-    (q_lo, q_hi), (k_lo, k_hi) = _bounds(q_pos), _bounds(k_pos)
-    every = jnp.ones(q_lo.shape, bool)
+def ranges_fully_allowed(q_lo, q_hi, k_lo, k_hi, segments, spec: AttentionSpec):
+    """Elementwise bool: every query with a position in [q_lo, q_hi] may read every key in [k_lo, k_hi]
+    (with `segments = (q_seg_lo, q_seg_hi, k_seg_lo, k_seg_hi)`: all of them in one and the same
+    segment). Arguments broadcast like `ranges_may_attend`'s."""
+    every = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_lo), jnp.shape(k_lo)), bool)
     if spec.causal:
         every &= k_hi <= q_lo
     if spec.window is not None:
@@ -92,9 +91,17 @@ def fully_allowed(q_pos, k_pos, q_seg, k_seg, spec: AttentionSpec):
         c = spec.chunk_size
         every &= (q_lo // c == q_hi // c) & (k_lo // c == k_hi // c) & (q_lo // c == k_lo // c)
     if spec.has_segments:
-        (q_s_lo, q_s_hi), (k_s_lo, k_s_hi) = _bounds(q_seg), _bounds(k_seg)
+        q_s_lo, q_s_hi, k_s_lo, k_s_hi = segments
         every &= (q_s_lo == q_s_hi) & (k_s_lo == k_s_hi) & (q_s_lo == k_s_lo)
-    return every.all()
+    return every
+
+
+def fully_allowed(q_pos, k_pos, q_seg, k_seg, spec: AttentionSpec):
+    """Scalar bool: every query of `q_pos [B, Tq]` may read every key of `k_pos [B, Tk]`."""
+    if not spec.has_mask:
+        return jnp.bool_(True)
+    segments = (*_bounds(q_seg), *_bounds(k_seg)) if spec.has_segments else None
+    return ranges_fully_allowed(*_bounds(q_pos), *_bounds(k_pos), segments, spec).all()
 
 
 def _tile_bounds(x, block: int, tiles: int):
@@ -107,19 +114,26 @@ def _tile_bounds(x, block: int, tiles: int):
 def tile_schedule(q_pos, kv_pos, q_seg, kv_seg, spec: AttentionSpec, block_q: int, block_kv: int, *,
                   by_key: bool = False):
     """Which tiles a kernel visits: for every (batch row, query tile) the key tiles that may attend to
-    it, those first, in order (`[B, query tiles, key tiles]` int32), and how many (`[B, query tiles]`).
-    With `by_key`, the same per key tile: its query tiles. The rule is `ranges_may_attend` on the
-    tiles' position and segment ranges, the one the scan backend and the ring driver skip by."""
-    nq, nk = -(-q_pos.shape[1] // block_q), -(-kv_pos.shape[1] // block_kv)
+    it, in order (`[B, query tiles, key tiles]` int32), how many (`[B, query tiles]`), and how many of
+    them, listed first, need no mask (`[B, query tiles]`): every pair allowed and both tiles whole,
+    inside the lengths. With `by_key`, the same per key tile: its query tiles. The rules are
+    `ranges_may_attend` and `ranges_fully_allowed` on the tiles' position and segment ranges, the ones
+    the scan backend and the ring driver skip and drop masks by."""
+    q_len, kv_len = q_pos.shape[1], kv_pos.shape[1]
+    nq, nk = -(-q_len // block_q), -(-kv_len // block_kv)
     q_lo, q_hi = _tile_bounds(q_pos, block_q, nq)
     k_lo, k_hi = _tile_bounds(kv_pos, block_kv, nk)
     segments = None
     if spec.has_segments:
         (qs_lo, qs_hi), (ks_lo, ks_hi) = _tile_bounds(q_seg, block_q, nq), _tile_bounds(kv_seg, block_kv, nk)
         segments = (qs_lo[:, :, None], qs_hi[:, :, None], ks_lo[:, None, :], ks_hi[:, None, :])
-    possible = ranges_may_attend(q_lo[:, :, None], q_hi[:, :, None], k_lo[:, None, :], k_hi[:, None, :],
-                                 segments, spec)
+    ranges = (q_lo[:, :, None], q_hi[:, :, None], k_lo[:, None, :], k_hi[:, None, :], segments, spec)
+    possible = ranges_may_attend(*ranges)
+    whole = (((jnp.arange(nq) + 1) * block_q <= q_len)[:, None]
+             & ((jnp.arange(nk) + 1) * block_kv <= kv_len)[None, :])
+    full = possible & ranges_fully_allowed(*ranges) & whole
     if by_key:
-        possible = jnp.swapaxes(possible, 1, 2)
-    order = jnp.argsort(~possible, axis=-1, stable=True).astype(jnp.int32)
-    return order, possible.sum(axis=-1, dtype=jnp.int32)
+        possible, full = jnp.swapaxes(possible, 1, 2), jnp.swapaxes(full, 1, 2)
+    rank = jnp.where(full, 0, jnp.where(possible, 1, 2))
+    order = jnp.argsort(rank, axis=-1, stable=True).astype(jnp.int32)
+    return order, possible.sum(axis=-1, dtype=jnp.int32), full.sum(axis=-1, dtype=jnp.int32)

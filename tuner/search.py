@@ -71,6 +71,7 @@ class SearchOptions:
     storage: str | None = None
     runs: int = 3
     final_runs: int = 5
+    calls: int = 1
     top: int = 3
     interpret: bool = False
 
@@ -79,7 +80,7 @@ class SearchOptions:
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         if self.sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
-        for name in ("trials", "runs", "final_runs", "top"):
+        for name in ("trials", "runs", "final_runs", "top", "calls"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -374,7 +375,7 @@ class _Search:
         thunks = dict(self.default_thunks)
         for name, compiled in candidates.items():
             thunks.update(compiled.thunks(name, self.time_sets, forward=self.options.tunes_fwd))
-        timings = run_interleaved(thunks, runs=runs, warmup=1, deadline=deadline)
+        timings = run_interleaved(thunks, runs=runs, warmup=1, calls=self.options.calls, deadline=deadline)
         return {name: (timings.get(f"{name}:fwd"), timings.get(f"{name}:bwd"))
                 for name in ("default", *candidates)}
 

@@ -181,7 +181,7 @@ def _row_stats(x, length: int, fill: float):
 
 
 def _flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec: AttentionSpec, block_q: int, block_kv: int, by_key=False):
-    order, count = masks.tile_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, block_q, block_kv, by_key=by_key)
+    order, count, _ = masks.tile_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, block_q, block_kv, by_key=by_key)
     return order.reshape(-1), count.reshape(-1)
 
 

@@ -154,16 +154,16 @@ def _launch(kernel_name: str, spec: AttentionSpec, inputs: list, out_shapes: lis
 
 
 KERNEL_ARGS = {
-    "attention_fwd": ("Q", "K", "V", "QPos", "KPos", "QSeg", "KSeg", "Schedule", "Count", "Out", "Lse"),
+    "attention_fwd": ("Q", "K", "V", "QPos", "KPos", "QSeg", "KSeg", "Schedule", "Count", "Full", "Out", "Lse"),
     "attention_dkv": ("Q", "K", "V", "DO", "Lse", "Delta", "QPos", "KPos", "QSeg", "KSeg", "Schedule", "Count",
-                      "DK", "DV"),
+                      "Full", "DK", "DV"),
     "attention_dq": ("Q", "K", "V", "DO", "Lse", "Delta", "QPos", "KPos", "QSeg", "KSeg", "Schedule", "Count",
-                     "DQ"),
+                     "Full", "DQ"),
 }
 
 
 def _pointer_type(arg: str, dtype: str) -> str:
-    if arg in ("QPos", "KPos", "QSeg", "KSeg", "Schedule", "Count"):
+    if arg in ("QPos", "KPos", "QSeg", "KSeg", "Schedule", "Count", "Full"):
         return "*i32"
     if arg in ("Q", "K", "V", "DO"):
         return {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}[dtype]
@@ -288,8 +288,8 @@ class TritonBackend:
         """Forward: the fused-attention tutorial's 128x64 tiles and 3 stages, with 8 warps. Backward, 8
         warps and 2 stages: 64x128 dk/dv tiles at head dim <= 64 and 64x64 at 128; 128x64 dq tiles.
         Chosen from sm_90 compiler reports (`tuner generate --compile`), not from GPU timings: among
-        the tutorial-like shapes, those that spill the fewest registers (none but 144 B of stack in
-        dk/dv at head dim 128, where 4 warps and 64x128 tiles spill 2.4 KB). Tiles are cut to the
+        the tutorial-like shapes, those that spill the fewest registers (none but 88-160 B of stack
+        in dk/dv at head dim 128, where 4 warps and 64x128 tiles spilled 2.4 KB). Tiles are cut to the
         (power-of-two-rounded) local lengths."""
         q = _pow2_at_least(q_len)
         kv = _pow2_at_least(kv_len)
