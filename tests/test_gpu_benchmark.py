@@ -21,6 +21,18 @@ def load_benchmark():
     return module
 
 
+INTERPRETER = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None,
+    reason="needs triton and torch for the interpreter (pip install -e '.[test]')")
+
+
+def run_interpreted(tmp_path, *args: str) -> tuple[int, dict]:
+    """The benchmark with the kernels interpreted, at a tiny point: exit status and its JSON."""
+    out = tmp_path / "result.json"
+    status = load_benchmark().main(["--interpret", "--head-dims", "16", "--seq-lens", "32", *args, "--out", str(out)])
+    return status, json.loads(out.read_text())
+
+
 def test_back_to_back_calls_are_timed_per_call_on_distinct_inputs():
     seen = []
 
@@ -35,15 +47,11 @@ def test_back_to_back_calls_are_timed_per_call_on_distinct_inputs():
         run_interleaved({"sleep": thunk}, calls=0)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None,
-                    reason="needs triton and torch for the interpreter (pip install -e '.[test]')")
+@INTERPRETER
 def test_harness_checks_and_times_every_objective_on_the_cpu(tmp_path, capsys):
-    bench = load_benchmark()
-    out = tmp_path / "result.json"
-    status = bench.main(["--interpret", "--tokens", "64", "--hidden", "32", "--head-dims", "16", "--seq-lens",
-                         "32", "--runs", "1", "--calls", "2", "--warmup", "0", "--out", str(out)])
+    status, result = run_interpreted(tmp_path, "--tokens", "64", "--hidden", "32", "--runs", "1", "--calls", "2",
+                                     "--warmup", "0")
     assert status == 0, capsys.readouterr().err
-    result = json.loads(out.read_text())
     assert result["device"].startswith("cpu") and result["interpret"] is True
     assert result["unavailable"] == {"cudnn": "cuDNN needs a CUDA GPU"}
     assert len(result["checks"]) == 2
@@ -64,17 +72,13 @@ def test_harness_checks_and_times_every_objective_on_the_cpu(tmp_path, capsys):
     assert "ring ms" in capsys.readouterr().out
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None,
-                    reason="needs triton and torch for the interpreter (pip install -e '.[test]')")
+@INTERPRETER
 def test_a_failed_check_stops_the_point_and_the_exit_status_says_so(tmp_path, capsys):
     """bf16 is never within 1e-9 of float32: every point must fail its check and time nothing."""
-    bench = load_benchmark()
-    out = tmp_path / "result.json"
-    status = bench.main(["--interpret", "--tokens", "32", "--hidden", "16", "--head-dims", "16", "--seq-lens",
-                         "32", "--causal", "true", "--max-error", "1e-9", "--out", str(out)])
+    status, result = run_interpreted(tmp_path, "--tokens", "32", "--hidden", "16", "--causal", "true",
+                                     "--max-error", "1e-9")
     assert status == 1
     assert "FAILED check at D=16 S=32 causal=True" in capsys.readouterr().err
-    result = json.loads(out.read_text())
     assert result["rows"] == [] and len(result["checks"]) == 1
 
 
