@@ -46,6 +46,7 @@ import numpy as np
 import tuner
 from tuner import ring_attention
 from tuner.backends import BACKENDS
+from tuner.tables import error_line
 from tuner.timing import Timing, attention_flops, compile_timed, run_interleaved
 
 OBJECTIVES = ("fwd", "bwd", "fwd+bwd")
@@ -114,15 +115,10 @@ def check(fns: dict[str, Callable], causal: bool, q, k, v, g) -> dict[str, dict[
         try:
             got = jax.jit(lambda *a, fn=fn: value_and_grads(fn, *a))(q, k, v, g)
         except Exception as error:  # noqa: BLE001 - recorded; the caller decides what it means
-            errors[name] = short_error(error)
+            errors[name] = error_line(error)
             continue
         errors[name] = {label: rel_err(x, w) for label, x, w in zip(("out", "dq", "dk", "dv"), got, want)}
     return errors
-
-
-def short_error(error: BaseException) -> str:
-    text = f"{type(error).__name__}: {error}"
-    return text.splitlines()[0][:300]
 
 
 def time_point(fns: dict[str, Callable], sets: list[tuple], objective: str, *, runs: int, calls: int,
@@ -137,7 +133,7 @@ def time_point(fns: dict[str, Callable], sets: list[tuple], objective: str, *, r
             jax.block_until_ready(compiled(*args[0]))
             thunks[name] = lambda i, c=compiled, a=args: c(*a[i % len(a)])
         except Exception as error:  # noqa: BLE001 - recorded per implementation; the others go on
-            errors[name] = short_error(error)
+            errors[name] = error_line(error)
     timings = run_interleaved(thunks, runs=runs, warmup=warmup, calls=calls,
                               compile_seconds=compile_seconds) if thunks else {}
     return timings, errors

@@ -212,3 +212,11 @@ def test_gpu_timing_issues_several_calls_per_run_unless_told():
     assert _calls(parser.parse_args(["search", "--device", "gpu"])) == 5
     assert _calls(parser.parse_args(["bench", "--device", "cpu"])) == 1
     assert _calls(parser.parse_args(["bench", "--device", "gpu", "--calls", "2"])) == 2
+
+
+def test_a_reported_error_is_one_line_even_without_a_message():
+    from tuner.tables import error_line
+
+    assert error_line(ValueError("first\nsecond")) == "ValueError: first"
+    assert error_line(AssertionError()) == "AssertionError: "
+    assert error_line(RuntimeError("x" * 500), limit=200) == "RuntimeError: " + "x" * 200

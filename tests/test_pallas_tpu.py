@@ -80,7 +80,7 @@ def test_masked_tiles_are_never_read():
 def test_every_standard_variant_lowers_for_tpu(variant):
     """The forward and both backward kernels of each standard variant, at the default tiles of a
     4096-token shard, go through Pallas's Mosaic lowering for the TPU platform."""
-    problem = pallas_tpu.standard_problem(variant)
+    problem = codegen.standard_problem(variant)
     fwd, bwd = BACKEND.default_params(problem.local_len, problem.local_len, problem.head_dim)
     assert pallas_tpu.variant(problem.spec, problem.dtype, problem.head_dim) == variant
     assert pallas_tpu.lower(problem, fwd, bwd) == 3

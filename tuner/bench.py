@@ -25,7 +25,7 @@ from tuner.dispatch import get_tuned_ring_attention
 from tuner.mechanisms import GATHERED, gathered_unsupported
 from tuner.problem import Problem
 from tuner.search import Reference, resolve_backend
-from tuner.tables import short_params, table
+from tuner.tables import error_line, short_params, table
 from tuner.timing import attention_flops, run_interleaved
 from tuner.workload import Compiled, Workload
 
@@ -137,7 +137,7 @@ def bench_mechanisms(problem: Problem, *, device: str, objective: str = "fwd+bwd
             compiled[name] = checked if problem.dtype == "float32" else workload.compile(
                 fn, *sets[0], backward=backward)
         except Exception as error:  # noqa: BLE001 - a mechanism that cannot run is reported, not fatal
-            failed[name] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"
+            failed[name] = error_line(error, limit=200)
     if not compiled:
         raise RuntimeError(f"no mechanism ran correctly: {failed}")
     thunks = {}

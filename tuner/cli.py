@@ -425,7 +425,7 @@ def _generate(args: argparse.Namespace) -> int:
             for entry in triton_backend.standard_resources(variant, capability):
                 report.append({"file": path.name, **variant.features, **entry})
         if args.lower:
-            problem = pallas_tpu.standard_problem(variant)
+            problem = codegen.standard_problem(variant)
             fwd, bwd = pallas_tpu.PallasTpuBackend().default_params(problem.local_len, problem.local_len,
                                                                      problem.head_dim)
             report.append({"file": path.name, **variant.features, "local_len": problem.local_len,

@@ -23,6 +23,7 @@ from typing import Any
 import jinja2
 
 from tuner.cache import tuner_home
+from tuner.problem import Problem
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
 _LOCK = threading.Lock()
@@ -70,6 +71,16 @@ class Variant:
     def filename(self) -> str:
         stem = self.template.split(".")[0]
         return f"{self.backend}_{stem}_{self.digest}.py"
+
+
+def standard_problem(source: Variant, local_len: int = 4096, heads: int = 16, kv_heads: int = 4) -> Problem:
+    """A one-device problem with a rendered variant's features, at representative values (a 256-token
+    window, 1024-token chunks, two segments, a cap of 30): what compile and lowering reports run."""
+    f = source.features
+    return Problem(batch=1, seq_len=local_len, heads=heads, kv_heads=kv_heads, head_dim=f["head_dim"],
+                   dtype=f["dtype"], causal=f["causal"], window=(256, 0) if f["window"] else None,
+                   chunk_size=1024 if f["chunk"] else None, segments=2 if f["segments"] else 0,
+                   softcap=30.0 if f["softcap"] else None, ring_size=1)
 
 
 def generated_dir() -> Path:

@@ -8,8 +8,8 @@ At trace time the callable builds the problem key from the shapes it sees, picks
 (`auto`: the mechanism `tuner bench --mechanisms` measured fastest for this problem -- a ring backend,
 or gathered dense attention when that is faster at this length -- else the platform's fast backend,
 else scan when that one is missing, does not support the features, or fails to build) and the params
-(cache lookup: exact, nearest, shipped, else the backend's default). It never tunes; a missing or unreadable cache means defaults and a logged warning,
-never a failed training step.
+(cache lookup: exact, nearest, shipped, else the backend's default). It never tunes; a missing or
+unreadable cache means defaults and a logged warning, never a failed training step.
 """
 
 from __future__ import annotations

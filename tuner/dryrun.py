@@ -25,6 +25,7 @@ from tuner.backends import pallas_tpu
 from tuner.params import BwdParams, FwdParams
 from tuner.problem import Problem
 from tuner.search import Point, Reference
+from tuner.tables import error_line
 from tuner.workload import Workload
 
 
@@ -104,13 +105,12 @@ def dry_run(problem: Problem, *, samples: int = 3, seed: int = 0,
             try:
                 report.kernels += pallas_tpu.lower(problem, fwd, bwd)
             except Exception as error:  # noqa: BLE001 - every lowering failure is reported, not raised
-                first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
                 if fwd is not None:
                     report.failed_fwd += 1
                 else:
                     report.failed_bwd += 1
                 report.lowering_failures.append(f"{Point(fwd or FwdParams(), bwd or BwdParams()).describe()}: "
-                                                f"{type(error).__name__}: {first}")
+                                                f"{error_line(error)}")
             else:
                 if fwd is not None:
                     report.lowered_fwd += 1
@@ -134,7 +134,7 @@ def dry_run(problem: Problem, *, samples: int = 3, seed: int = 0,
                 compiled = workload.compile(fn, reference.inputs, reference.dout, backward=True)
                 mismatch = reference.mismatch(compiled)
             except Exception as error:  # noqa: BLE001 - a sample that fails to run is a failed sample
-                mismatch = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
+                mismatch = error_line(error)
             report.samples.append(Sample(point, mismatch, time.perf_counter() - start))
             if progress is not None:
                 progress("interpret", done, len(chosen))

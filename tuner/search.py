@@ -46,6 +46,7 @@ from tuner.backends.base import SearchSpace
 from tuner.cache import Cache, current_versions, make_row
 from tuner.params import BwdParams, FwdParams
 from tuner.problem import DEVICES, OBJECTIVES, SAMPLERS, Problem, ProblemKey
+from tuner.tables import error_line
 from tuner.timing import Timing, run_interleaved
 from tuner.workload import Compiled, Workload, relative_error
 
@@ -284,11 +285,6 @@ def _reason(error: BaseException, otherwise: str) -> str:
     return otherwise
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:300] if text else ''}"
-
-
 class Reference:
     """The scan backend's output (and, with `backward`, gradients) on fixed random float32 inputs: what
     every candidate must reproduce, within `FWD_TOLERANCE` forward and `GRAD_TOLERANCE` gradients."""
@@ -356,7 +352,7 @@ class _Search:
             checked = timed if self.problem.dtype == "float32" else self.workload.compile(
                 fn, self.reference.inputs, self.reference.dout, backward=self.options.tunes_bwd)
         except Exception as error:  # noqa: BLE001 - any build failure is a failed trial, with its reason
-            raise TrialFailed(_reason(error, "compile"), _first_line(error)) from error
+            raise TrialFailed(_reason(error, "compile"), error_line(error)) from error
         compile_seconds = timed.compile_seconds + (0.0 if checked is timed else checked.compile_seconds)
         if deadline is not None and time.perf_counter() > deadline:
             raise TrialFailed("timeout", f"compiling took {compile_seconds:.1f} s, over the "
@@ -364,7 +360,7 @@ class _Search:
         try:
             mismatch = self.reference.mismatch(checked)
         except Exception as error:  # noqa: BLE001
-            raise TrialFailed(_reason(error, "runtime"), _first_line(error)) from error
+            raise TrialFailed(_reason(error, "runtime"), error_line(error)) from error
         if mismatch is not None:
             raise TrialFailed("wrong", mismatch)
         return timed, compile_seconds
@@ -399,7 +395,7 @@ class _Search:
             except TrialFailed:
                 raise
             except Exception as error:  # noqa: BLE001
-                raise TrialFailed(_reason(error, "runtime"), _first_line(error)) from error
+                raise TrialFailed(_reason(error, "runtime"), error_line(error)) from error
         except TrialFailed as failure:
             trial.set_user_attr("failure", failure.reason)
             trial.set_user_attr("detail", failure.detail)

@@ -1,4 +1,4 @@
-"""Plain-text tables and one-line params, shared by the CLI's verbs."""
+"""Plain-text tables, one-line params and one-line errors, shared by the CLI's verbs and reports."""
 
 from __future__ import annotations
 
@@ -21,6 +21,13 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
                          for i, (c, w) in enumerate(zip(row, widths))).rstrip()
 
     return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths), *(line(r) for r in cells[1:])])
+
+
+def error_line(error: BaseException, limit: int = 300) -> str:
+    """`Type: first line of the message` (at most `limit` characters of it): how a failure that is
+    reported rather than raised is shown; an empty message gives just the type."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:limit] if text else ''}"
 
 
 def short_params(params: Any) -> str:

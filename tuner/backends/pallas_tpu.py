@@ -356,12 +356,3 @@ def lower(problem: Problem, fwd: FwdParams | None = None, bwd: BwdParams | None 
         kernels += exported.mlir_module().count("tpu_custom_call")
     return kernels
 
-
-def standard_problem(source: codegen.Variant, local_len: int = 4096, heads: int = 16, kv_heads: int = 4
-                     ) -> Problem:
-    """A one-device problem with a standard variant's features, for lowering it at the defaults."""
-    f = source.features
-    return Problem(batch=1, seq_len=local_len, heads=heads, kv_heads=kv_heads, head_dim=f["head_dim"],
-                   dtype=f["dtype"], causal=f["causal"], window=(256, 0) if f["window"] else None,
-                   chunk_size=1024 if f["chunk"] else None, segments=2 if f["segments"] else 0,
-                   softcap=30.0 if f["softcap"] else None, ring_size=1)

@@ -37,6 +37,7 @@ from tuner.backends.base import SearchSpace, reject_settings, source_hash
 from tuner.params import BwdParams, FwdParams
 from tuner.problem import Problem
 from tuner.spec import AttentionSpec
+from tuner.tables import error_line
 
 TEMPLATE = "attention.py.j2"
 TILES = (16, 32, 64, 128)
@@ -216,12 +217,8 @@ def standard_resources(source_variant: codegen.Variant, capability: int, local_l
                        heads: int = 16) -> list[dict[str, Any]]:
     """Resources of the three kernels of a variant at the backend's default params for a local length,
     compiled for `sm_<capability>` (what `tuner generate --compile` reports)."""
-    features = source_variant.features
-    head_dim = features["head_dim"]
-    spec = AttentionSpec(scale=head_dim**-0.5, causal=features["causal"],
-                         window=(256, 0) if features["window"] else None,
-                         chunk_size=1024 if features["chunk"] else None,
-                         softcap=30.0 if features["softcap"] else None, has_segments=features["segments"])
+    head_dim = source_variant.features["head_dim"]
+    spec = codegen.standard_problem(source_variant, local_len, heads, kv_heads=heads).spec
     fwd, bwd = TritonBackend().default_params(local_len, local_len, head_dim)
     rows = []
     for kernel, block_q, block_kv, params in (("attention_fwd", fwd.block_q, fwd.block_kv, fwd),
@@ -325,7 +322,7 @@ class TritonBackend:
                 used = resources(source, kernel, constants, num_warps=params.num_warps or 4,
                                  num_stages=params.num_stages or 2, capability=capability)["shared"]
             except Exception as error:  # noqa: BLE001 - a point the compiler rejects cannot run
-                return f"{kernel} does not compile for sm_{capability}: {str(error).splitlines()[0][:200]}"
+                return f"{kernel} does not compile for sm_{capability}: {error_line(error, limit=200)}"
             if used > limit:
                 return (f"{kernel} needs {used // 1024} KiB of shared memory with {params.num_stages} stages, "
                         f"over the {limit // 1024} KiB of sm_{capability}")
