@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from tuner import BwdParams, FwdParams, get_tuned_ring_attention, layouts, ring_attention
+from tuner import BwdParams, FwdParams, get_tuned_ring_attention, ring_attention
 from tuner import dispatch as dispatch_module
 from tuner.backends import BACKENDS
 from tuner.backends.scan import ScanBackend
@@ -83,10 +83,8 @@ def test_tuned_call_with_mesh_equals_dense_forward_and_gradients(tmp_path, monke
     def loss(fn, q, k, v):
         return jnp.sum(jnp.sin(fn(q, k, v)))
 
-    laid = [layouts.lay_out(x, "zigzag", RING) for x in (q, k, v)]
-    out = layouts.restore(jax.jit(attn)(*laid), "zigzag", RING)
-    grads = [layouts.restore(g, "zigzag", RING) for g in jax.jit(jax.grad(
-        lambda *a: loss(attn, *a), argnums=(0, 1, 2)))(*laid)]
+    out = jax.jit(attn)(q, k, v)  # global arrays in token order: the loader lays them out itself
+    grads = jax.jit(jax.grad(lambda *a: loss(attn, *a), argnums=(0, 1, 2)))(q, k, v)
     with jax.enable_x64(True):
         q64, k64, v64 = (x.astype(jnp.float64) for x in (q, k, v))
         want = dense_attention(q64, k64, v64, causal=True)[0]
@@ -102,7 +100,8 @@ def test_tuned_call_with_mesh_equals_dense_forward_and_gradients(tmp_path, monke
 def test_inside_callers_shard_map_with_segments(tmp_path):
     """Without mesh=: called on local shards inside the caller's shard_map, per-call segment ids."""
     problem = Problem(**{**PROBLEM.__dict__, "segments": 3, "layout": "contiguous"})
-    attn = get_tuned_ring_attention(axis_name="sp", causal=True, db=str(tmp_path / "none.sqlite"))
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, layout="contiguous",
+                                    db=str(tmp_path / "none.sqlite"))
     mesh = Mesh(np.array(jax.devices()[:RING]), ("sp",))
     q, k, v = arrays(problem)
     seg = jnp.asarray(np.repeat(np.arange(3), [20, 30, 14])[None].astype(np.int32))
@@ -117,6 +116,46 @@ def test_inside_callers_shard_map_with_segments(tmp_path):
     decision = attn.explain(*(x[:, :16] for x in (q, k, v)), ring_size=RING,
                             q_segment_ids=seg[:, :16], kv_segment_ids=seg[:, :16])
     assert decision.key.features["segments"] is True and decision.source == "default"
+
+
+def test_with_mesh_every_per_call_array_is_in_token_order(tmp_path):
+    """mesh= takes segment ids, bias and the lse in token order, whatever the layout."""
+    mesh = Mesh(np.array(jax.devices()[:RING]), ("sp",))
+    q, k, v = arrays(PROBLEM, seed=3)
+    rng = np.random.default_rng(4)
+    seg = jnp.asarray(np.repeat(np.arange(3), [20, 30, 14])[None].astype(np.int32))
+    bias = jnp.asarray(rng.standard_normal((1, 1, 64, 64), np.float32))
+    with jax.enable_x64(True):
+        want, want_lse = dense_attention(*(x.astype(jnp.float64) for x in (q, k, v)), causal=True,
+                                         q_segment_ids=seg, kv_segment_ids=seg, bias=bias.astype(jnp.float64))
+    for layout in ("zigzag", "striped", "contiguous"):
+        attn = get_tuned_ring_attention(axis_name="sp", causal=True, layout=layout, mesh=mesh,
+                                        db=str(tmp_path / "none.sqlite"))
+        out, lse = jax.jit(lambda *a: attn(*a, q_segment_ids=seg, kv_segment_ids=seg, bias=bias,
+                                           return_lse=True))(q, k, v)
+        np.testing.assert_allclose(out, want, rtol=0, atol=2e-5, err_msg=layout)
+        np.testing.assert_allclose(lse, want_lse, rtol=0, atol=2e-5, err_msg=layout)
+
+
+def test_local_shards_of_a_ring_need_the_layout(tmp_path):
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, db=str(tmp_path / "none.sqlite"))
+    local = jax.ShapeDtypeStruct((1, 16, 4, 8), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, 16, 2, 8), jnp.float32)
+    with pytest.raises(ValueError, match="layout= is needed when attn is called on local shards"):
+        attn.explain(local, kv, kv, ring_size=RING)
+    assert attn.explain(local, kv, kv, ring_size=1).key.layout == "contiguous"  # one device: any layout
+    assert get_tuned_ring_attention(axis_name="sp", mesh=Mesh(np.array(jax.devices()[:2]), ("sp",))).layout \
+        == "zigzag"
+
+
+def test_explain_names_a_tuned_entry_of_another_layout(tmp_path):
+    db = tmp_path / "tuning.sqlite"
+    key = store(db, PROBLEM, FwdParams(8, 4), BwdParams(4, 8, 8, 8))  # tuned for zigzag
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, layout="striped", db=str(db),
+                                    mesh=Mesh(np.array(jax.devices()[:RING]), ("sp",)))
+    decision = explain(attn, PROBLEM)
+    assert decision.source == "nearest"
+    assert f"a tuned entry exists for this problem with layout zigzag (local entry {key})" in decision.reason
 
 
 def test_auto_on_a_gpu_without_triton_falls_back_to_scan_with_the_reason(tmp_path, monkeypatch):
@@ -140,7 +179,8 @@ def test_a_backend_that_fails_to_build_falls_back_to_scan(monkeypatch, caplog, t
     q, k, v = arrays(PROBLEM)
     with caplog.at_level(logging.WARNING, logger="tuner.dispatch"):
         out = jax.jit(attn)(q, k, v)
-    assert "unbuildable failed to build" in caplog.text and "kernel does not compile" in caplog.text
+    assert "backend unbuildable with params from default failed to build" in caplog.text
+    assert "kernel does not compile" in caplog.text
     with jax.enable_x64(True):
         want = dense_attention(*(x.astype(jnp.float64) for x in (q, k, v)), causal=True)[0]
     np.testing.assert_allclose(out, want, rtol=0, atol=2e-5)
@@ -151,9 +191,9 @@ def test_a_corrupt_cache_means_defaults_and_a_warning(tmp_path, caplog):
     db.write_bytes(b"garbage" * 1000)
     attn = get_tuned_ring_attention(causal=True, db=str(db))
     q, k, v = arrays(PROBLEM)
-    with caplog.at_level(logging.WARNING, logger="tuner.dispatch"):
+    with caplog.at_level(logging.WARNING, logger="tuner.cache"):
         out = jax.jit(attn)(q, k, v)
-    assert "tuning cache unusable" in caplog.text
+    assert f"tuning cache {db}: unusable, using default params" in caplog.text
     assert bool(jnp.all(jnp.isfinite(out)))
     decision = attn.explain(q, k, v)
     assert decision.source == "default" and "cache unusable" in decision.reason

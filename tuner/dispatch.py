@@ -1,15 +1,21 @@
 """The runtime loader (DESIGN section 9): tuned ring attention, decided at trace time from the cache.
 
-    attn = get_tuned_ring_attention(axis_name="sp", causal=True)
-    out = attn(q, k, v, q_segment_ids=seg, kv_segment_ids=seg)   # inside shard_map over "sp"
-    attn.explain(q, k, v, ring_size=8)                             # what it would run, and why
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh)  # zigzag, laid out for you
+    out = attn(q, k, v)                                 # global arrays in token order
+    attn.explain(q, k, v)                               # what it would run, and why
+
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, layout="contiguous")
+    out = attn(q, k, v, q_segment_ids=seg, kv_segment_ids=seg)   # local shards, inside shard_map over "sp"
 
 At trace time the callable builds the problem key from the shapes it sees, picks the backend
 (`auto`: the mechanism `tuner bench --mechanisms` measured fastest for this problem -- a ring backend,
 or gathered dense attention when that is faster at this length -- else the platform's fast backend,
 else scan when that one is missing, does not support the features, or fails to build) and the params
-(cache lookup: exact, nearest, shipped, else the backend's default). It never tunes; a missing or
-unreadable cache means defaults and a logged warning, never a failed training step.
+(cache lookup: exact, nearest, shipped, else the backend's default). It never tunes. Whatever the
+cache holds, a training step traces, runs and is exact: a missing, unreadable, corrupt or locked
+cache file (waited for at most `tuner.cache.LOADER_BUSY_TIMEOUT_S`) and every invalid row cost
+speed only, with one WARNING naming the file, the row and what is wrong; a tuned variant that fails
+to build falls back to the scan backend's defaults.
 """
 
 from __future__ import annotations
@@ -28,10 +34,10 @@ from jax.sharding import PartitionSpec as P
 
 from tuner import layouts
 from tuner.backends import BACKENDS, Backend, choose_backend, get_backend, resolve_auto, why_not
-from tuner.cache import Cache, CacheError, current_versions, row_params
+from tuner.cache import LOADER_BUSY_TIMEOUT_S, Cache, CacheError, current_versions, row_params, warn_once
 from tuner.mechanisms import GATHERED, gathered_attention, gathered_unsupported
 from tuner.params import BwdParams, FwdParams
-from tuner.problem import ProblemKey
+from tuner.problem import ProblemKey, key_layout
 from tuner.ring import ring_attention, ring_geometry
 from tuner.spec import build_spec, check_inputs, normalize_window
 
@@ -40,6 +46,8 @@ log = logging.getLogger("tuner.dispatch")
 CALL_OPTIONS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions", "softmax_aux", "bias",
                 "return_lse", "interpret")
 SOURCES = ("exact", "nearest", "shipped", "default", "fallback", "measured")
+DEFAULT_LAYOUT = "zigzag"  # what `tuner search` tunes by default, and the loader uses with mesh=
+SEQUENCE_OPTIONS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")
 
 
 @dataclass(frozen=True)
@@ -63,8 +71,8 @@ class TunedRingAttention:
 
     def __init__(self, *, axis_name: Hashable | None, causal: bool, sliding_window, chunk_size,
                  logits_soft_cap, softmax_scale, layout: str, backend: str, db, mesh: Mesh | None):
-        if not isinstance(layout, str) or layout not in layouts.LAYOUTS:
-            raise ValueError(f"layout must be one of {', '.join(layouts.LAYOUTS)}, got {layout!r}")
+        if layout is not None and (not isinstance(layout, str) or layout not in layouts.LAYOUTS):
+            raise ValueError(f"layout must be one of {', '.join(layouts.LAYOUTS)} or None, got {layout!r}")
         if backend != "auto":
             get_backend(backend)
         if mesh is not None:
@@ -73,6 +81,8 @@ class TunedRingAttention:
             if axis_name is None or axis_name not in mesh.shape:
                 raise ValueError(f"with mesh=, axis_name must name one of its axes {tuple(mesh.shape)}, "
                                  f"got {axis_name!r}")
+        if layout is None and mesh is not None:
+            layout = DEFAULT_LAYOUT
         self.axis_name, self.layout, self.backend, self.mesh = axis_name, layout, backend, mesh
         self.options = dict(causal=causal, sliding_window=normalize_window(sliding_window),
                             chunk_size=chunk_size, logits_soft_cap=logits_soft_cap,
@@ -88,18 +98,32 @@ class TunedRingAttention:
         options = _check_call_options(per_call_options)
         if self.mesh is None:
             return self._local(query, key, value, options)
+        size = self.mesh.shape[self.axis_name]
+        for x, name in ((query, "query"), (key, "key"), (value, "value")):
+            _local_shape(x, size, name)
+
+        def lay_out(x, axis: int = 1):
+            return x if x.shape[axis] == 1 else layouts.lay_out(x, self.layout, size, axis=axis)
+
         seq = P(None, self.axis_name)
-        specs = {name: seq for name in ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")}
+        specs = {name: seq for name in SEQUENCE_OPTIONS}
         specs["softmax_aux"] = P()
-        if options.get("bias") is not None:  # the query axis is sharded, the global key axis is not
-            specs["bias"] = P(None, None, self.axis_name if options["bias"].shape[2] > 1 else None, None)
         arrays = {n: x for n, x in options.items() if n in specs and x is not None}
+        arrays.update({n: lay_out(x) for n, x in arrays.items() if n in SEQUENCE_OPTIONS})
+        if options.get("bias") is not None:  # queries are sharded, the (laid-out) global key axis is not
+            bias = lay_out(lay_out(options["bias"], axis=2), axis=3)
+            arrays["bias"] = bias
+            specs["bias"] = P(None, None, self.axis_name if bias.shape[2] > 1 else None, None)
         flags = {n: x for n, x in options.items() if n not in specs}
         out_specs = (seq, P(None, None, self.axis_name)) if flags.get("return_lse") else seq
         sharded = jax.shard_map(lambda q, k, v, x: self._local(q, k, v, {**x, **flags}), mesh=self.mesh,
                                 in_specs=(seq, seq, seq, {n: specs[n] for n in arrays}),
                                 out_specs=out_specs)
-        return sharded(query, key, value, arrays)
+        result = sharded(*(lay_out(x) for x in (query, key, value)), arrays)
+        if flags.get("return_lse"):
+            out, lse = result
+            return layouts.restore(out, self.layout, size), layouts.restore(lse, self.layout, size, axis=2)
+        return layouts.restore(result, self.layout, size)
 
     def explain(self, query, key, value, *, ring_size: int | None = None, **per_call_options) -> Decision:
         """The decision `attn(query, key, value, **per_call_options)` would take, without running it.
@@ -130,18 +154,19 @@ class TunedRingAttention:
     def _local(self, query, key, value, options: dict[str, Any]):
         size, _ = ring_geometry(self.axis_name)
         decision = self._decide(query, key, value, size, options)
-        call = dict(**self.options, **options, axis_name=self.axis_name, layout=self.layout)
+        call = dict(**self.options, **options, axis_name=self.axis_name, layout=self._layout(size))
         if decision.backend in GATHERED:
             return gathered_attention(query, key, value, mechanism=decision.backend,
                                       **{n: v for n, v in call.items() if n != "interpret"})
         try:
             return ring_attention(query, key, value, backend=decision.backend,
                                   fwd_params=decision.fwd_params, bwd_params=decision.bwd_params, **call)
-        except Exception as error:  # noqa: BLE001 - a kernel that fails to build falls back to scan
-            if decision.backend == "scan":
+        except Exception as error:  # noqa: BLE001 - a variant that fails to build falls back to scan defaults
+            if decision.backend == "scan" and decision.source in ("default", "fallback"):
                 raise
-            log.warning("ring attention: backend %s failed to build (%s: %s); falling back to scan",
-                        decision.backend, type(error).__name__, error)
+            log.warning("ring attention %s: backend %s with params from %s failed to build (%s: %s); falling "
+                        "back to scan with its default params", decision.key.digest, decision.backend,
+                        decision.source, type(error).__name__, error)
             return ring_attention(query, key, value, backend="scan", **call)
 
     def _decide(self, query, key, value, ring_size: int, options: dict[str, Any]) -> Decision:
@@ -154,7 +179,7 @@ class TunedRingAttention:
         backend, fallback = self._choose(spec, dtype, query.shape[3], platform, bool(options.get("interpret")))
         b, tq, h, d = query.shape
         problem = ProblemKey(backend=backend.name, device_kind=device_kind, ring_size=ring_size,
-                             layout=self.layout, batch=b, q_len=tq, kv_len=key.shape[1], heads=h,
+                             layout=key_layout(self._layout(ring_size), ring_size), batch=b, q_len=tq, kv_len=key.shape[1], heads=h,
                              kv_heads=key.shape[2], head_dim=d, dtype=dtype.name, features=spec.features())
         memo = (problem.digest, fallback, bool(options.get("return_lse")))
         if memo not in self._decisions:
@@ -177,6 +202,19 @@ class TunedRingAttention:
                      decision.source, decision.reason)
         return self._decisions[memo]
 
+    def _layout(self, ring_size: int) -> str:
+        """The layout of the shards: as given, else any on one device (they all hold the tokens in
+        order); on local shards of a larger ring it must be given, since only the caller knows how
+        their `shard_map` split the sequence."""
+        if self.layout is not None:
+            return self.layout
+        if ring_size == 1:
+            return DEFAULT_LAYOUT
+        raise ValueError(f"layout= is needed when attn is called on local shards of a ring of {ring_size} devices: "
+                         f"pass the layout the shards are in ('contiguous' for an even split of the sequence, "
+                         f"'zigzag' or 'striped' after tuner.layouts.lay_out), or pass mesh= and global arrays "
+                         f"in token order, which the loader lays out itself ({DEFAULT_LAYOUT} by default)")
+
     def _choose(self, spec, dtype, head_dim: int, platform: str, interpret: bool) -> tuple[Backend, str | None]:
         """The backend, and why it is a fallback (None when it is the platform's first choice)."""
         if self.backend != "auto":
@@ -187,10 +225,11 @@ class TunedRingAttention:
     def _measured(self, key: ProblemKey, spec, return_lse: bool, dtype) -> tuple[str, str] | None:
         """The mechanism `tuner bench --mechanisms` measured fastest for `key` (a current measurement
         that can honour this call), and the reason to give; None to decide as usual."""
+        cache = Cache(self.db, busy_timeout=LOADER_BUSY_TIMEOUT_S)
         try:
-            row = Cache(self.db).mechanism(key.digest)
+            row = cache.mechanism(key.digest)
         except (CacheError, OSError) as error:
-            log.warning("ring attention: tuning cache unusable, not reading mechanisms: %s", error)
+            warn_once(cache.path, "unusable, mechanism measurements not read", str(error))
             return None
         if row is None:
             return None
@@ -205,7 +244,11 @@ class TunedRingAttention:
                 return None
         else:
             backend = BACKENDS.get(winner.removeprefix("ring/"))
-            if backend is None or why_not(backend, spec, dtype, key.head_dim) is not None:
+            if backend is None:
+                warn_once(cache.path, f"mechanisms row {key.digest} skipped", f"winner {winner} is not a backend "
+                                                                             f"of this version ({', '.join(BACKENDS)})")
+                return None
+            if why_not(backend, spec, dtype, key.head_dim) is not None:
                 return None
         seconds = json.loads(row["seconds"])
         others = ", ".join(f"{name} {s * 1e3:.1f} ms" for name, s in sorted(seconds.items(), key=lambda i: i[1])
@@ -223,10 +266,12 @@ class TunedRingAttention:
             return None
 
         defaults = backend.default_params(problem.q_len, problem.kv_len, problem.head_dim)
+        cache = Cache(self.db, busy_timeout=LOADER_BUSY_TIMEOUT_S)
+        versions = current_versions(backend.code_hash(), triton=backend.name == "triton")
         try:
-            found = Cache(self.db).lookup(problem, current_versions(backend.code_hash(), triton=backend.name == "triton"), accept)
-        except (CacheError, ValueError, OSError) as error:
-            log.warning("ring attention: tuning cache unusable, using default params: %s", error)
+            found = cache.lookup(problem, versions, accept)
+        except (CacheError, OSError) as error:
+            warn_once(cache.path, "unusable, using default params", str(error))
             return Decision(backend.name, *defaults, "fallback" if fallback else "default",
                             f"{fallback + '; ' if fallback else ''}cache unusable: {error}", problem)
         fwd, bwd = row_params(found.row) if found.row is not None else defaults
@@ -263,17 +308,21 @@ def get_tuned_ring_attention(
     chunk_size: int | None = None,
     logits_soft_cap: float | None = None,
     softmax_scale: float | None = None,
-    layout: str = "contiguous",
+    layout: str | None = None,
     backend: str = "auto",
     db: str | None = None,
     mesh: Mesh | None = None,
 ) -> TunedRingAttention:
     """Ring attention that runs the tuned variant for each problem it is traced with.
 
-    Without `mesh`, call it on local shards inside `shard_map` over `axis_name` (or, without
-    `axis_name`, on one device). With `mesh`, call it on global arrays (sequence axis in the layout's
-    order, see `tuner.layouts.lay_out`) and it applies `shard_map` over `axis_name` itself. `db` is the
-    cache file (default `$TUNER_DB`, else `$TUNER_HOME/tuning.sqlite`).
+    With `mesh`, call it on global arrays in token order (and per-call segment ids, positions and bias
+    in token order too): it lays the sequence out in `layout` (default "zigzag", which balances causal
+    work and is what `tuner search` tunes by default), applies `shard_map` over `axis_name`, and puts
+    the output (and lse) back in token order; the permutation costs one exchange of the arrays, so a
+    data pipeline that already yields laid-out shards should call it on local shards instead. Without
+    `mesh`, call it on local shards inside your `shard_map` over `axis_name`, with `layout` saying how
+    your shards hold the sequence (required on a ring of more than one device); without `axis_name`,
+    on one device. `db` is the cache file (default `$TUNER_DB`, else `$TUNER_HOME/tuning.sqlite`).
     """
     return TunedRingAttention(axis_name=axis_name, causal=causal, sliding_window=sliding_window,
                               chunk_size=chunk_size, logits_soft_cap=logits_soft_cap,
