@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from tuner import get_tuned_ring_attention, layouts
+from tuner import get_tuned_ring_attention
 from tuner.reference import dense_attention
 
 PROBLEM = ["--seq-len", "128", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--ring-size", "2"]
@@ -53,18 +53,25 @@ def test_search_prints_the_summary_table(searched):
     assert "search" in result.stderr  # the progress bar
 
 
-def test_the_loader_picks_the_searched_entry_and_matches_dense(searched):
+def test_the_call_search_prints_hits_the_searched_entry_and_matches_dense(searched, monkeypatch):
+    """`tuner search` with its defaults, then the loader call it prints (the loader's defaults and the
+    default cache path): the exact entry, and dense attention's result."""
     home, result = searched
     key = stored_key(result.stdout)
-    mesh = Mesh(np.array(jax.devices()[:2]), ("sp",))
-    attn = get_tuned_ring_attention(axis_name="sp", causal=True, layout="zigzag", mesh=mesh,
-                                    db=str(home / "tuning.sqlite"))
+    lines = [line.removeprefix("use").strip() for line in result.stdout.splitlines() if line.startswith("use ")]
+    assert lines[1] == 'attn = get_tuned_ring_attention(axis_name="sp", causal=True, layout="zigzag", mesh=mesh)'
+    monkeypatch.setenv("TUNER_HOME", str(home))
+    monkeypatch.delenv("TUNER_DB", raising=False)
     rng = np.random.default_rng(1)
     q = jnp.asarray(rng.standard_normal((1, 128, 4, 16), np.float32))
     k, v = (jnp.asarray(rng.standard_normal((1, 128, 2, 16), np.float32)) for _ in range(2))
+    scope = {"jax": jax, "np": np, "Mesh": Mesh, "get_tuned_ring_attention": get_tuned_ring_attention,
+             "q": q, "k": k, "v": v}
+    exec("\n".join(lines[:2]), scope)
+    attn = scope["attn"]
     decision = attn.explain(q, k, v)
     assert (decision.source, decision.key.digest) == ("exact", key)
-    out = layouts.restore(jax.jit(attn)(*(layouts.lay_out(x, "zigzag", 2) for x in (q, k, v))), "zigzag", 2)
+    out = jax.jit(attn)(q, k, v)
     with jax.enable_x64(True):
         want = np.asarray(dense_attention(*(x.astype(jnp.float64) for x in (q, k, v)), causal=True)[0])
     assert np.linalg.norm(np.asarray(out, np.float64) - want) / np.linalg.norm(want) < 1e-5

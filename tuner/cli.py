@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -67,6 +68,26 @@ def _window(text: str) -> int | tuple[int, int]:
     return parts[0] if len(parts) == 1 else (parts[0], parts[1])
 
 
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"expected an integer from 0 to 2**32 - 1, got {text!r}")
+    return value
+
+
 def _add_problem(parser: argparse.ArgumentParser) -> None:
     d = Problem()
     group = parser.add_argument_group("problem (global shapes; defaults: a small problem)")
@@ -82,7 +103,7 @@ def _add_problem(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--chunk", type=int, default=None, help="chunked attention: chunk size")
     group.add_argument("--segments", type=int, default=0, metavar="N",
                        help="pack N documents per row (segment ids); 0: none")
-    group.add_argument("--softcap", type=float, default=None, help="logits soft cap")
+    group.add_argument("--softcap", type=_finite, default=None, help="logits soft cap")
     group.add_argument("--sinks", type=int, default=0, metavar="N", help="sink logits per head; 0: none")
     group.add_argument("--ring-size", type=int, default=None,
                        help=f"devices on the ring (CPU: simulated; default {d.ring_size} on the CPU, "
@@ -152,6 +173,9 @@ def _search(args: argparse.Namespace) -> int:
         resolve_backend(args.backend, problem, args.device, args.interpret)
     except ValueError as error:
         raise UsageError(str(error)) from None
+    _check_writable_cache(args)
+    if args.storage is not None:
+        _check_storage(args.storage)
 
     from tqdm import tqdm
 
@@ -191,9 +215,39 @@ def _search(args: argparse.Namespace) -> int:
         print(f"re-timing skipped {failure}")
     print(f"stored   key {result.key.digest} in {result.db_path}")
     print(f"study    {result.study} in {result.storage}  ({result.seconds:.0f} s)")
-    print(f"next     get_tuned_ring_attention() now runs these params for this problem; `tuner bench` "
-          f"with the same options times them against dense attention; `tuner show {result.key.digest[:8]}`")
+    for line in loader_call(problem):
+        print(f"use      {line}")
+    print(f"next     `tuner bench` with the same options times them against dense attention; "
+          f"`tuner show {result.key.digest[:8]}` prints the entry")
     return 0
+
+
+def loader_call(problem: Problem) -> list[str]:
+    """The runtime loader call that meets `problem`'s cache entry exactly, as lines of Python: the
+    mesh, the arrays it takes and the call."""
+    ring = problem.ring_size > 1
+    options = ['axis_name="sp"'] if ring else []
+    options += [text for on, text in ((problem.causal, "causal=True"),
+                                      (problem.window is not None, f"sliding_window={problem.window}"),
+                                      (problem.chunk_size is not None, f"chunk_size={problem.chunk_size}"),
+                                      (problem.softcap is not None, f"logits_soft_cap={problem.softcap}")) if on]
+    if ring:
+        options += [f'layout="{problem.layout}"', "mesh=mesh"]
+    extras, shapes = "", ""
+    if problem.segments:
+        extras += ", q_segment_ids=segment_ids, kv_segment_ids=segment_ids"
+        shapes += f", segment_ids [{problem.batch}, {problem.seq_len}]"
+    if problem.sinks:
+        extras += ", softmax_aux=sinks"
+        shapes += f", sinks [{problem.heads}{'' if problem.sinks == 1 else f', {problem.sinks}'}]"
+    lines = []
+    if ring:
+        lines.append(f'mesh = Mesh(np.array(jax.devices()[:{problem.ring_size}]), ("sp",))')
+    lines += [f"attn = get_tuned_ring_attention({', '.join(options)})",
+              f"out = attn(q, k, v{extras})  # {problem.dtype} q [{problem.batch}, {problem.seq_len}, {problem.heads}, "
+              f"{problem.head_dim}], k/v [{problem.batch}, {problem.seq_len}, {problem.kv_heads}, {problem.head_dim}]"
+              f"{shapes}{', global, in token order' if ring else ''}"]
+    return lines
 
 
 def _dry_run(args: argparse.Namespace) -> int:
@@ -265,6 +319,45 @@ def _dry_run(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _check_writable_cache(args: argparse.Namespace) -> None:
+    """Before the first trial: the cache (and the default study storage beside it) can be written."""
+    from tuner.cache import CacheError
+
+    cache = _cache(args)
+    source = "--db" if args.db else ("TUNER_DB" if os.environ.get("TUNER_DB") else "TUNER_HOME")
+    try:
+        cache.check_writable()
+    except CacheError as error:
+        raise UsageError(f"{source}: {error}") from None
+
+
+def _check_storage(url: str) -> None:
+    """`--storage` names a database optuna can use: a well-formed URL with an installed driver, and
+    for SQLite a file that can be created."""
+    import sqlalchemy
+
+    try:
+        parsed = sqlalchemy.engine.make_url(url)
+        parsed.get_dialect()
+    except sqlalchemy.exc.ArgumentError:
+        raise UsageError(f"--storage {url!r} is not a database URL; use e.g. sqlite:///studies.sqlite or "
+                         f"postgresql://user@host/db") from None
+    except sqlalchemy.exc.NoSuchModuleError:
+        raise UsageError(f"--storage {url!r}: no SQLAlchemy driver for {url.split(':')[0]!r}; install it "
+                         f"or use sqlite:///PATH") from None
+    if parsed.get_backend_name() == "sqlite":
+        if not parsed.database or parsed.database == ":memory:":
+            raise UsageError(f"--storage {url!r}: an in-memory study cannot be shared or resumed; give a file, "
+                             f"e.g. sqlite:///studies.sqlite")
+        folder = os.path.dirname(os.path.abspath(parsed.database)) or "."
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as error:
+            raise UsageError(f"--storage {url!r}: cannot create {folder} ({error.strerror or error})") from None
+        if not os.access(folder, os.W_OK):
+            raise UsageError(f"--storage {url!r}: {folder} is not writable")
+
+
 def _cache(args: argparse.Namespace):
     from tuner.cache import Cache
 
@@ -272,9 +365,13 @@ def _cache(args: argparse.Namespace):
 
 
 def _status(row: dict[str, Any]) -> str:
+    """ok, invalid (why: the loader skips it), or stale (which version changed: never used)."""
     from tuner.backends import BACKENDS
-    from tuner.cache import current_versions, stale_reason
+    from tuner.cache import current_versions, row_problem, stale_reason
 
+    problem = row_problem(row)
+    if problem is not None:
+        return f"invalid ({problem})"
     backend = BACKENDS.get(row["backend"])
     if backend is None:
         return f"stale (backend {row['backend']} not in this version)"
@@ -283,22 +380,52 @@ def _status(row: dict[str, Any]) -> str:
 
 
 def _features(row: dict[str, Any]) -> str:
-    features = json.loads(row["features"])
-    on = [k if v is True else f"{k}={v}" for k, v in features.items() if v not in (None, False, 0)]
+    try:
+        features = json.loads(row["features"])
+        on = [k if v is True else f"{k}={v}" for k, v in features.items() if v not in (None, False, 0)]
+    except (TypeError, ValueError, AttributeError):
+        return str(row.get("features"))
     return ",".join(on) or "full"
 
 
+def _cell(row: dict[str, Any], render) -> str:
+    """A table cell of a row that may be invalid: `render(row)`, else the raw value's text."""
+    try:
+        return render(row)
+    except (TypeError, ValueError, KeyError, AttributeError):
+        return "?"
+
+
+LIST_FILTERS = {"backend": str, "device_kind": str, "layout": str, "dtype": str, "head_dim": int, "ring_size": int}
+
+
 def _list(args: argparse.Namespace) -> int:
-    rows = _cache(args).rows()
-    if not rows:
-        print(f"no tuned entries in {_cache(args).path}; run `tuner search --device cpu` to add one")
+    cache = _cache(args)
+    where = {name: getattr(args, name) for name in LIST_FILTERS if getattr(args, name) is not None}
+    limit = None if args.all else args.limit
+    offset = 0 if args.all else (args.page - 1) * args.limit
+    listing = cache.listing(limit=limit, offset=offset, where=where)
+    if not listing.rows:
+        if listing.total:
+            raise UsageError(f"--page {args.page} is past the last page ({listing.total} entries, "
+                             f"{args.limit} a page)")
+        what = "matching " + " ".join(f"--{n.replace('_', '-')} {v}" for n, v in where.items()) if where else ""
+        print(f"no tuned entries {what + ' ' if what else ''}in {cache.path}; run `tuner search --device cpu` "
+              f"to add one")
         return 0
-    entries = [[r["key"], r["backend"], r["device_kind"], r["ring_size"], r["layout"], r["batch"],
-              r["q_len"], f"{r['heads']}/{r['kv_heads']}", r["head_dim"], r["dtype"], _features(r),
-              r["objective"], f"{r['best_s'] * 1e3:.1f}", f"{r['speedup']:.2f}x", r["measured_at"][:10],
-              _status(r)] for r in rows]
+    entries = [[_cell(r, lambda r: r["key"]), _cell(r, lambda r: r["backend"]), _cell(r, lambda r: r["device_kind"]),
+                _cell(r, lambda r: str(r["ring_size"])), _cell(r, lambda r: r["layout"]),
+                _cell(r, lambda r: str(r["batch"])), _cell(r, lambda r: str(r["q_len"])),
+                _cell(r, lambda r: f"{r['heads']}/{r['kv_heads']}"), _cell(r, lambda r: str(r["head_dim"])),
+                _cell(r, lambda r: r["dtype"]), _features(r), _cell(r, lambda r: r["objective"]),
+                _cell(r, lambda r: f"{r['best_s'] * 1e3:.1f}"), _cell(r, lambda r: f"{r['speedup']:.2f}x"),
+                _cell(r, lambda r: r["measured_at"][:10]), _status(r)] for r in listing.rows]
     print(table(["key", "backend", "device", "ring", "layout", "B", "Tq", "H/Hkv", "D", "dtype", "features",
-                  "objective", "best ms", "speedup", "measured", "status"], entries))
+                 "objective", "best ms", "speedup", "measured", "status"], entries))
+    if limit is not None and listing.total > len(listing.rows):
+        last = offset + len(listing.rows)
+        more = f"; `tuner list --page {args.page + 1}` for more" if last < listing.total else ""
+        print(f"entries {offset + 1}-{last} of {listing.total}{more}, `--all` for every one")
     return 0
 
 
@@ -307,8 +434,8 @@ def _find_one(args: argparse.Namespace) -> dict[str, Any]:
     if not rows:
         raise UsageError(f"no cache entry with a key starting {args.key!r}; `tuner list` shows the keys")
     if len(rows) > 1:
-        raise UsageError(f"{len(rows)} entries start with {args.key!r} ({', '.join(r['key'] for r in rows)}); "
-                         f"give more of the key")
+        raise UsageError(f"{len(rows)} entries start with {args.key!r} ({', '.join(str(r['key']) for r in rows[:5])}"
+                         f"{', ...' if len(rows) > 5 else ''}); give more of the key")
     return rows[0]
 
 
@@ -324,26 +451,32 @@ def _show(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from tuner.cache import write_jsonl
 
-    rows = _cache(args).rows()
-    if args.key:
-        rows = [r for r in rows if r["key"].startswith(args.key)]
-    count = write_jsonl(args.file, rows)
+    rows = _cache(args).find(args.key) if args.key else _cache(args).rows()
+    try:
+        count = write_jsonl(args.file, rows)
+    except OSError as error:
+        raise UsageError(f"cannot write {args.file} ({error.strerror or error}); give a writable path") from None
     print(f"exported {count} entr{'y' if count == 1 else 'ies'} to {args.file}")
     return 0
 
 
 def _import(args: argparse.Namespace) -> int:
-    from tuner.cache import read_jsonl
+    from tuner.cache import parse_jsonl
 
-    if not os.path.isfile(args.file):
-        raise UsageError(f"{args.file}: no such file")
     try:
-        rows = list(read_jsonl(args.file))
-    except ValueError as error:
-        raise UsageError(str(error)) from None
+        rows, rejected = parse_jsonl(args.file)
+    except OSError as error:
+        raise UsageError(f"cannot read {args.file} ({error.strerror or error})") from None
+    for bad in rejected:
+        print(f"{args.file}:{bad.line}: rejected: {bad.reason}", file=sys.stderr)
+    if rejected and not args.skip_invalid:
+        raise UsageError(f"{len(rejected)} of {len(rows) + len(rejected)} rows of {args.file} are invalid (listed "
+                         f"above); nothing was imported; fix them, or pass --skip-invalid to import the "
+                         f"{len(rows)} valid rows")
     cache = _cache(args)
     count = cache.put_many(rows)
-    print(f"imported {count} entr{'y' if count == 1 else 'ies'} into {cache.path}")
+    skipped = f", skipped {len(rejected)} invalid" if rejected else ""
+    print(f"imported {count} entr{'y' if count == 1 else 'ies'} into {cache.path}{skipped}")
     return 0
 
 
@@ -452,7 +585,7 @@ def _info(args: argparse.Namespace) -> int:
 
     import tuner
     from tuner.backends import BACKENDS
-    from tuner.cache import current_versions, read_shipped, shipped_dir
+    from tuner.cache import CacheError, current_versions, read_shipped, shipped_dir
 
     devices = jax.devices()
     print(f"ring-tuner {tuner.__version__}, platform {jax.default_backend()}, {len(devices)} device(s): "
@@ -468,14 +601,13 @@ def _info(args: argparse.Namespace) -> int:
     cache = _cache(args)
     try:
         entries = cache.rows()
-        stale = sum(_status(r) != "ok" for r in entries)
-        print(f"cache: {cache.path} ({len(entries)} tuned, {stale} stale)")
-    except Exception as error:  # noqa: BLE001 - info reports the problem instead of failing
-        print(f"cache: {cache.path} is unusable: {error}")
-    try:
-        print(f"shipped: {shipped_dir()} ({sum(1 for _ in read_shipped())} tuned)")
-    except ValueError as error:
-        print(f"shipped: {shipped_dir()} has a bad entry: {error}")
+        statuses = [_status(r).split(" ")[0] for r in entries]
+        print(f"cache: {cache.path} ({len(entries)} tuned, {statuses.count('stale')} stale, "
+              f"{statuses.count('invalid')} invalid)")
+    except CacheError as error:
+        print(f"cache: unusable: {error}")
+    shipped = list(read_shipped())
+    print(f"shipped: {shipped_dir()} ({len(shipped)} tuned)")
     return 0
 
 
@@ -500,10 +632,10 @@ def build_parser() -> argparse.ArgumentParser:
     tuning.add_argument("--objective", choices=OBJECTIVES, default="fwd+bwd")
     tuning.add_argument("--trials", type=int, default=12, help="trials the study should reach (a re-run "
                                                                "resumes and runs the rest)")
-    tuning.add_argument("--timeout", type=float, default=None, help="seconds for this run's trials")
-    tuning.add_argument("--trial-timeout", type=float, default=120.0, help="seconds per trial")
+    tuning.add_argument("--timeout", type=_finite, default=None, help="seconds for this run's trials")
+    tuning.add_argument("--trial-timeout", type=_finite, default=120.0, help="seconds per trial")
     tuning.add_argument("--sampler", choices=SAMPLERS, default="tpe")
-    tuning.add_argument("--seed", type=int, default=0)
+    tuning.add_argument("--seed", type=_seed, default=0)
     tuning.add_argument("--runs", type=int, default=3, help="timed runs per trial")
     tuning.add_argument("--calls", type=int, default=None, help=CALLS_HELP)
     tuning.add_argument("--storage", default=None, help="optuna storage URL shared by workers (default: "
@@ -517,7 +649,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                                   "interpreter against scan (default 3)")
     search.set_defaults(run=_search)
 
-    for name, helptext, run in (("list", "the tuned entries (stale ones marked)", _list),
+    for name, helptext, run in (("list", "the tuned entries, a page at a time (stale and invalid ones marked)",
+                                 _list),
                                 ("show", "one entry, every field", _show),
                                 ("export", "write entries as JSON lines", _export),
                                 ("import", "read entries from JSON lines", _import),
@@ -530,7 +663,17 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "export":
             verb.add_argument("--key", default=None, help="only entries whose key starts with this")
         if name == "clear":
-            verb.add_argument("--stale", action="store_true", help="only the stale entries")
+            verb.add_argument("--stale", action="store_true", help="only the stale and invalid entries")
+        if name == "import":
+            verb.add_argument("--skip-invalid", action="store_true",
+                              help="import the valid rows when some are invalid (default: import nothing)")
+        if name == "list":
+            verb.add_argument("--limit", type=int, default=50, help="entries a page (default 50)")
+            verb.add_argument("--page", type=int, default=1, help="which page (from 1)")
+            verb.add_argument("--all", action="store_true", help="every entry, no paging")
+            for field, kind in LIST_FILTERS.items():
+                verb.add_argument(f"--{field.replace('_', '-')}", type=kind, default=None,
+                                  help=f"only entries with this {field.replace('_', ' ')}")
         verb.add_argument("--db", default=None, help="cache file")
         verb.set_defaults(run=run)
 
@@ -585,7 +728,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 POSITIVE = ("devices", "batch", "seq_len", "heads", "kv_heads", "head_dim", "runs", "calls", "trials",
-            "ring_size", "chunk", "timeout", "trial_timeout")
+            "ring_size", "chunk", "timeout", "trial_timeout", "limit", "page")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -89,7 +89,7 @@ class Problem:
 
     def key(self, backend: str, device_kind: str) -> ProblemKey:
         return ProblemKey(backend=backend, device_kind=device_kind, ring_size=self.ring_size,
-                          layout=self.layout, batch=self.batch, q_len=self.local_len,
+                          layout=key_layout(self.layout, self.ring_size), batch=self.batch, q_len=self.local_len,
                           kv_len=self.local_len, heads=self.heads, kv_heads=self.kv_heads,
                           head_dim=self.head_dim, dtype=self.dtype, features=self.spec.features())
 
@@ -103,6 +103,12 @@ class Problem:
         return (f"B={self.batch} T={self.seq_len} H={self.heads} Hkv={self.kv_heads} D={self.head_dim} "
                 f"{self.dtype} {' '.join(extras) or 'full'} | ring {self.ring_size} x {self.local_len} "
                 f"tokens, {self.layout}")
+
+
+def key_layout(layout: str, ring_size: int) -> str:
+    """The layout a cache key records: every layout of a one-device ring holds the tokens in order, so
+    such a key says "contiguous" whatever the layout asked for."""
+    return layout if ring_size > 1 else "contiguous"
 
 
 @dataclass(frozen=True)
