@@ -403,9 +403,10 @@ class Cache:
     def _writer(self) -> sqlite_utils.Database:
         if self._db is not None:
             return self._db
+        if self.path.is_dir():
+            raise CacheError(f"the cache path {self.path} is a folder, not a file; point --db or TUNER_DB at a "
+                             f"file (the default is $TUNER_HOME/tuning.sqlite)")
         try:
-            if self.path.is_dir():
-                raise IsADirectoryError(f"{self.path} is a folder")
             self.path.parent.mkdir(parents=True, exist_ok=True)
             conn = sqlite3.connect(self.path, timeout=WRITE_BUSY_TIMEOUT_S)
             db = sqlite_utils.Database(conn)
@@ -443,6 +444,9 @@ class Cache:
         if not self.path.exists():
             yield None
             return
+        if self.path.is_dir():
+            raise CacheError(f"the cache path {self.path} is a folder, not a file; point --db or TUNER_DB at a "
+                             f"file (the default is $TUNER_HOME/tuning.sqlite)")
         conn = None
         try:
             try:
@@ -609,40 +613,65 @@ class Cache:
                 notes.add(f"{where} entry {row['key']} passed over ({reason})")
             return reason is None
 
-        def search(exact: list[dict[str, Any]], family: list[dict[str, Any]], where: str,
+        def search(exact: list[dict[str, Any]], family: Callable[[], list[dict[str, Any]]],
+                   full: Callable[[dict[str, Any]], dict[str, Any] | None], where: str,
                    origin: Path | str) -> tuple[dict[str, Any] | None, str]:
+            """The exact row if usable, else the nearest usable row of `family()` (rows that may hold
+            only the key, size, layout and version fields; `full` reads the whole row)."""
             if exact and usable(exact[0], where, origin):
                 return exact[0], "exact"
             ranked = []
-            for row in family:
-                distance = _distance(row, key)
-                if distance is None:
-                    usable(row, where, origin)  # reports it invalid
+            for partial in family():
+                distance = _distance(partial, key)
+                if distance is None:  # a size field is not a positive int: report it invalid
+                    row = full(partial)
+                    if row is not None:
+                        usable(row, where, origin)
                     continue
-                ranked.append((distance, row))
+                ranked.append((distance, partial))
             ranked.sort(key=lambda item: item[0])
             found = None
-            for distance, row in ranked:
-                if distance == 0.5 and row["layout"] != key.layout and row_problem(row) is None \
-                        and stale_reason(row, versions) is None:
+            for distance, partial in ranked:
+                if found is not None and distance > 0.5:
+                    break
+                stale = stale_reason(partial, versions)
+                if stale:
+                    notes.add(f"{where} entry {partial['key']} passed over ({stale})")
+                    continue
+                row = full(partial)
+                if row is None:
+                    continue
+                if row["layout"] != key.layout and distance == 0.5 and row_problem(row) is None:
                     other_layouts.append(f"{row['layout']} ({where} entry {row['key']})")
                 if found is None and usable(row, where, origin):
                     found = row
             return found, ("nearest" if found is not None else "")
 
+        def local_row(partial: dict[str, Any]) -> dict[str, Any] | None:
+            rows = self._select(f"SELECT * FROM {TABLE} WHERE rowid = ?", [partial["rowid"]])
+            return rows[0] if rows else None
+
+        matches = " AND ".join(f"{f} = ?" for f in FAMILY_FIELDS)
         family_values = [key.op, key.backend, key.device_kind, key.head_dim, key.dtype, _features_text(key.features)]
+        brief = ", ".join(("rowid", "key", "layout", *SIZE_FIELDS, *VERSION_FIELDS))
         exact = self._select(f"SELECT * FROM {TABLE} WHERE key = ?", [key.digest])
-        family = self._select(f"SELECT * FROM {TABLE} WHERE {' AND '.join(f'{f} = ?' for f in FAMILY_FIELDS)} "
-                              f"AND key != ?", [*family_values, key.digest])
-        row, kind = search(exact, family, "local", self.path)
+        current = " AND ".join(f"{f} = ?" for f in VERSION_FIELDS)
+        version_values = [versions[f] for f in VERSION_FIELDS]
+        row, kind = search(exact, lambda: self._select(
+            f"SELECT {brief} FROM {TABLE} WHERE {matches} AND {current} AND key != ?",
+            [*family_values, *version_values, key.digest]), local_row, "local", self.path)
+        if row is None or kind != "exact":
+            stale = self._select(f"SELECT count(*) AS n FROM {TABLE} WHERE {matches} AND NOT ({current})",
+                                 [*family_values, *version_values])
+            if stale and stale[0]["n"]:
+                notes.add(f"{stale[0]['n']} local entr{'y' if stale[0]['n'] == 1 else 'ies'} of this family "
+                          f"passed over (measured with other versions)")
         origin, source = f"in {self.path}", kind
         if row is None:
-            shipped = [(r, p) for r, p in read_shipped() if r.get("key") is not None]
-            exact = [r for r, _ in shipped if r.get("key") == key.digest]
-            family = [r for r, _ in shipped if r.get("key") != key.digest and all(
-                r.get(f) == v for f, v in zip(FAMILY_FIELDS, family_values[:-1]))
-                and _same_features(r.get("features"), key.features)]
-            row, kind = search(exact, family, "shipped", shipped_dir())
+            shipped = [r for r, _ in read_shipped()]
+            row, kind = search([r for r in shipped if r["key"] == key.digest], lambda: [
+                r for r in shipped if r["key"] != key.digest and row_key(r).family == key.family],
+                lambda r: r, "shipped", shipped_dir())
             origin, source = f"from {shipped_dir()}", "shipped"
         parts = notes.parts()
         if row is not None:
@@ -654,13 +683,6 @@ class Cache:
             parts.append(f"a tuned entry exists for this problem with layout {other_layouts[0]}: pass that "
                          f"layout to use it")
         return Lookup(row, source, "; ".join(parts))
-
-
-def _same_features(text: Any, features: dict[str, Any]) -> bool:
-    try:
-        return json.loads(text) == features
-    except (TypeError, ValueError):
-        return False
 
 
 # --------------------------------------------------------------------------------------------------

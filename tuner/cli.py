@@ -331,6 +331,22 @@ def _check_writable_cache(args: argparse.Namespace) -> None:
         raise UsageError(f"{source}: {error}") from None
 
 
+def _check_output(path: str, flag: str, *, folder: bool = False) -> None:
+    """Before the work: `path` (a file, or with `folder` a folder) can be written; else one line
+    naming `flag`."""
+    target = os.path.abspath(path)
+    parent = target if folder else os.path.dirname(target)
+    if not folder and os.path.isdir(target):
+        raise UsageError(f"{flag} {path} is a folder; give a file path")
+    probe = parent
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise UsageError(f"{flag} {path}: {probe} is a file, not a folder; give a path in a folder")
+    if not os.access(probe, os.W_OK) or (os.path.exists(target) and not os.access(target, os.W_OK)):
+        raise UsageError(f"{flag} {path} is not writable; give a writable path")
+
+
 def _check_storage(url: str) -> None:
     """`--storage` names a database optuna can use: a well-formed URL with an installed driver, and
     for SQLite a file that can be created."""
@@ -451,6 +467,7 @@ def _show(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from tuner.cache import write_jsonl
 
+    _check_output(args.file, "export to")
     rows = _cache(args).find(args.key) if args.key else _cache(args).rows()
     try:
         count = write_jsonl(args.file, rows)
@@ -518,6 +535,9 @@ def _bench(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from tuner.search import default_storage, write_report
 
+    _check_output(args.out, "--out")
+    if args.storage is not None:
+        _check_storage(args.storage)
     row = _find_one(args)
     storage = args.storage or default_storage(_cache(args).path)
     try:
@@ -541,6 +561,10 @@ def _generate(args: argparse.Namespace) -> int:
         raise UsageError("--compile builds Triton kernels for GPU targets; use it with --backend triton")
     if args.lower and args.backend != "pallas_tpu":
         raise UsageError("--lower exports Pallas kernels for TPU; use it with --backend pallas_tpu")
+    _check_output(str(args.out or codegen.generated_dir()), "--out" if args.out else "TUNER_HOME: the folder",
+                  folder=True)
+    if args.json:
+        _check_output(args.json, "--json")
     targets = []
     for target in filter(None, (args.compile or "").split(",")):
         if not re.fullmatch(r"sm_\d{2,3}", target):
@@ -750,6 +774,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if isinstance(error, CacheError):
             return _fail(str(error), status=1)
+        if isinstance(error, RuntimeError) and "Unable to initialize backend" in str(error):
+            return _fail(f"JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r}: {str(error).splitlines()[0]}; "
+                         f"unset JAX_PLATFORMS or name a platform this machine has")
         raise
 
 
