@@ -2,6 +2,8 @@
 never used, exports round-trip, concurrent writers lose nothing, a corrupt file is reported."""
 
 import json
+import logging
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -10,7 +12,8 @@ import pytest
 
 from tuner import BwdParams, FwdParams
 from tuner.backends import get_backend
-from tuner.cache import Cache, CacheError, current_versions, make_row, read_jsonl, row_params, write_jsonl
+from tuner.cache import (Cache, CacheError, current_versions, make_row, read_jsonl, row_params, row_problem,
+                         write_jsonl)
 from tuner.problem import Problem
 
 SCAN = get_backend("scan")
@@ -149,3 +152,64 @@ def test_triton_version_only_matters_to_triton_entries():
     except importlib.metadata.PackageNotFoundError:
         installed = "-"
     assert current_versions("abc", triton=True)["triton_version"] == installed
+
+
+def test_invalid_rows_are_skipped_with_one_warning_each(cache, caplog):
+    """A row the loader would pick, with a params JSON it cannot use: skipped, warned about once (not at
+    every lookup), and the next usable row wins."""
+    problem = Problem(seq_len=2048)
+    good = row_for(Problem(seq_len=4096), block_q=128)
+    cache.put(good)
+    bad = row_for(problem)
+    bad["fwd_params"] = json.dumps({"block_q": 64, "block_kv": 128, "tile": 3})
+    with sqlite3.connect(cache.path) as conn:  # written behind the cache's back, as a foreign tool could
+        conn.execute(f"INSERT INTO tuned ({', '.join(bad)}) VALUES ({', '.join('?' * len(bad))})", list(bad.values()))
+    with caplog.at_level(logging.WARNING, logger="tuner.cache"):
+        for _ in range(3):
+            found = cache.lookup(problem.key("scan", "cpu"), versions())
+    assert (found.source, found.row["key"]) == ("nearest", good["key"])
+    assert "unknown key(s) tile" in found.reason
+    warnings = [r.getMessage() for r in caplog.records if bad["key"] in r.getMessage()]
+    assert len(warnings) == 1 and str(cache.path) in warnings[0] and "unknown key(s) tile" in warnings[0]
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("best_s", float("nan"), "finite positive"), ("speedup", -1.0, "finite positive"), ("batch", 0, "positive integer"),
+    ("measured_at", "yesterday", "ISO date"), ("bwd_params", "null", "JSON object"), ("fwd_params", "[64, 64]", "JSON object"),
+    ("features", json.dumps({"causal": "yes"}), "features"), ("trials_failed", "{\"wrong\": -1}", "counts"),
+])
+def test_row_validation_names_what_is_wrong(field, value, message):
+    row = row_for(Problem())
+    assert row_problem(row) is None
+    assert message in row_problem({**row, field: value})
+
+
+def test_put_best_keeps_the_better_of_two_results(cache):
+    problem = Problem()
+    first = row_for(problem, block_q=64, speedup=1.5)
+    assert cache.put_best(first)["speedup"] == 1.5
+    assert cache.put_best(row_for(problem, block_q=128, speedup=1.2))["fwd_params"] == first["fwd_params"]
+    assert cache.put_best(row_for(problem, block_q=256, speedup=1.8))["speedup"] == 1.8
+    other = row_for(problem, block_q=32, speedup=1.1, objective="fwd")  # another question: replaces
+    assert cache.put_best(other)["objective"] == "fwd"
+    (stored,) = cache.rows()
+    assert stored["objective"] == "fwd"
+
+
+def test_listing_pages_and_filters(cache, capsys):
+    from tuner.cli import main
+
+    cache.put_many([row_for(Problem(batch=b)) for b in range(1, 8)] +
+                   [row_for(Problem(batch=1, head_dim=128))])
+    page = cache.listing(limit=3, offset=3)
+    assert (len(page.rows), page.total) == (3, 8)
+    assert cache.listing(where={"head_dim": 128}).total == 1
+    with pytest.raises(ValueError, match="cannot filter on best_s"):
+        cache.listing(where={"best_s": 1.0})
+    assert main(["list", "--db", str(cache.path), "--limit", "3", "--page", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "entries 7-8 of 8" in out and len(out.strip().splitlines()) == 2 + 2 + 1
+    assert main(["list", "--db", str(cache.path), "--head-dim", "128"]) == 0
+    assert len(capsys.readouterr().out.strip().splitlines()) == 3
+    assert main(["list", "--db", str(cache.path), "--page", "9"]) == 2
+    assert "past the last page" in capsys.readouterr().err
