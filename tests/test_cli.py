@@ -31,7 +31,7 @@ def tuner(*args: str, home, **kwargs) -> subprocess.CompletedProcess:
 
 
 def stored_key(stdout: str) -> str:
-    match = re.search(r"stored\s+key ([0-9a-f]{16})", stdout)
+    match = re.search(r"(?:stored|kept)\s+key ([0-9a-f]{16})", stdout)
     assert match, stdout
     return match.group(1)
 
@@ -95,9 +95,14 @@ def test_list_show_export_clear_import(searched, tmp_path):
     assert "deleted 1 entry" in cleared.stdout
     assert "no tuned entries" in tuner("list", home=other).stdout
 
-    export.write_text("{broken\n")
+    good = export.read_text()
+    export.write_text("{broken\n" + good)
     bad = tuner("import", str(export), home=other)
-    assert bad.returncode == 2 and "entries.jsonl:1: not JSON" in bad.stderr
+    assert bad.returncode == 2 and "entries.jsonl:1: rejected: not JSON" in bad.stderr
+    assert "nothing was imported" in bad.stderr and "Traceback" not in bad.stderr
+    assert "no tuned entries" in tuner("list", home=other).stdout
+    skipping = tuner("import", str(export), "--skip-invalid", home=other)
+    assert skipping.returncode == 0 and "imported 1 entry" in skipping.stdout and "skipped 1 invalid" in skipping.stdout
 
 
 def test_report_writes_html(searched, tmp_path):
@@ -148,6 +153,8 @@ def test_interrupted_search_resumes(tmp_path):
 
 
 def test_two_workers_share_one_study(tmp_path):
+    """Two workers on one study run `--trials` between them (a trial started once the study had its
+    total is surplus: it counts nowhere and is no failure), and the cache keeps the better winner."""
     args = ["search", "--device", "cpu", *PROBLEM, "--trials", "4", "--runs", "1", "--objective", "fwd",
             "--storage", f"sqlite:///{tmp_path / 'shared.sqlite'}"]
     env = {**os.environ, "TUNER_HOME": str(tmp_path)}
@@ -157,12 +164,21 @@ def test_two_workers_share_one_study(tmp_path):
     outputs = [w.communicate(timeout=600) for w in workers]
     for worker, (out, err) in zip(workers, outputs):
         assert worker.returncode == 0, err
+        assert "failed: none" in out and "surplus" not in out, out
     runs = [int(re.search(r"\((\d+) run now\)", out).group(1)) for out, _ in outputs]
-    totals = {int(re.search(r"(\d+) in the study", out).group(1)) for out, _ in outputs}
-    assert min(totals) >= 4 and sum(runs) >= 4
+    totals = [int(re.search(r"(\d+) in the study", out).group(1)) for out, _ in outputs]
+    assert sum(runs) == 4 and max(totals) == 4, outputs
     with sqlite3.connect(tmp_path / "shared.sqlite") as conn:
-        states = dict(conn.execute("SELECT state, count(*) FROM trials GROUP BY state").fetchall())
-    assert states.get("COMPLETE", 0) >= 4 and "RUNNING" not in states
+        trials = conn.execute("SELECT t.state, a.value_json FROM trials t LEFT JOIN trial_user_attributes a "
+                              "ON a.trial_id = t.trial_id AND a.key = 'failure'").fetchall()
+    assert {state for state, _ in trials} <= {"COMPLETE", "PRUNED", "FAIL"}  # none running or waiting
+    assert sum(state != "FAIL" for state, _ in trials) == 4
+    assert {failure for state, failure in trials if state == "FAIL"} <= {'"surplus"'}
+
+    measured = [float(re.search(r"^best\s.*?(\d+\.\d+)x", out, re.M).group(1)) for out, _ in outputs]
+    with sqlite3.connect(tmp_path / "tuning.sqlite") as conn:
+        (speedup,) = conn.execute("SELECT speedup FROM tuned").fetchone()
+    assert float(f"{speedup:.2f}") == max(measured), outputs
     assert len(tuner("list", home=tmp_path).stdout.strip().splitlines()) == 3  # header, rule, one row
 
 
@@ -209,7 +225,7 @@ def test_info_lists_backends_versions_and_the_cache(searched):
     assert result.returncode == 0, result.stderr
     assert re.search(r"^scan\s+yes", result.stdout, re.M)
     assert "versions: jax" in result.stdout
-    assert re.search(r"cache: .*tuning.sqlite \(1 tuned, 0 stale\)", result.stdout)
+    assert re.search(r"cache: .*tuning.sqlite \(1 tuned, 0 stale, 0 invalid\)", result.stdout)
 
 
 def test_gpu_timing_issues_several_calls_per_run_unless_told():

@@ -3,6 +3,7 @@ constrained points are pruned before compiling, wrong and unbuildable candidates
 their reasons, the search goes on, and the winner lands in the cache."""
 
 import json
+import sqlite3
 
 import optuna
 import pytest
@@ -147,3 +148,84 @@ def test_bad_options_name_the_field():
         Problem(heads=6, kv_heads=4)
     with pytest.raises(ValueError, match="ring_size"):
         Problem(seq_len=1001, ring_size=4)
+
+
+def _competitor(db, name: str) -> optuna.Study:
+    """Another worker's handle on the study (no heartbeat: its trials stay running until told)."""
+    return optuna.load_study(study_name=name, storage=default_storage(db))
+
+
+def test_workers_sharing_a_study_run_its_total_between_them(faulty, tmp_path, monkeypatch):
+    """Another worker starts two trials just before this worker's second: that one is surplus (counted
+    nowhere, no failure) and stops this worker while the other's trials run; when they end interrupted,
+    this worker goes on and runs the study up to its total."""
+    db = tmp_path / "tuning.sqlite"
+    fail_stale = optuna.storages.fail_stale_trials  # optuna calls it right before each trial starts
+    competing: list[optuna.Trial] = []
+
+    def other_worker(study: optuna.Study) -> None:
+        fail_stale(study)
+        trials = study.get_trials(deepcopy=False)
+        running = {t.number for t in trials if t.state == optuna.trial.TrialState.RUNNING}
+        other = _competitor(db, study.study_name)
+        if not competing and any(t.state.is_finished() for t in trials):
+            competing.extend(other.ask() for _ in range(2))
+        elif any(t.user_attrs.get("failure") == "surplus" for t in trials) and competing[0].number in running:
+            for trial in competing:
+                trial.set_user_attr("failure", "interrupted")
+                other.tell(trial, state=optuna.trial.TrialState.FAIL)
+
+    monkeypatch.setattr(optuna.storages, "fail_stale_trials", other_worker)
+    result = search(TINY, device="cpu", backend="faulty", db=db,
+                    options=SearchOptions(objective="fwd", trials=3, runs=1, final_runs=1))
+    assert (result.new_trials, result.trials_run, result.failed) == (3, 3, {})
+
+    trials = optuna.load_study(study_name=result.study, storage=default_storage(db)).trials
+    (surplus,) = [t for t in trials if t.user_attrs.get("failure") == "surplus"]
+    assert surplus.number == 3  # after the default and the other worker's two
+    assert [t.user_attrs.get("failure") for t in trials if t.number in (1, 2)] == ["interrupted"] * 2
+    assert len(trials) == 1 + 2 + 1 + 2
+    assert optuna.trial.TrialState.RUNNING not in {t.state for t in trials}
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning",
+                            "ignore:Heartbeat of storage is supposed to be used with Study.optimize")
+def test_a_dead_workers_trial_does_not_hold_its_place(faulty, tmp_path):
+    """A running trial whose heartbeat is stale (its worker was killed) is failed by optuna and counts
+    nowhere: the search runs the study's total without it."""
+    db = tmp_path / "tuning.sqlite"
+    first = search(TINY, device="cpu", backend="faulty", db=db,
+                   options=SearchOptions(objective="fwd", trials=1, runs=1, final_runs=1))
+    url = default_storage(db)
+    storage = optuna.storages.RDBStorage(url, heartbeat_interval=30, grace_period=120)
+    dead = optuna.load_study(study_name=first.study, storage=storage).ask()
+    storage.record_heartbeat(dead._trial_id)
+    with sqlite3.connect(url.removeprefix("sqlite:///")) as conn:
+        conn.execute("UPDATE trial_heartbeats SET heartbeat = datetime('now', '-1 hour')")
+
+    second = search(TINY, device="cpu", backend="faulty", db=db,
+                    options=SearchOptions(objective="fwd", trials=2, runs=1, final_runs=1))
+    assert (second.new_trials, second.trials_run, second.failed) == (1, 2, {})
+    stale = optuna.load_study(study_name=first.study, storage=url).trials[dead.number]
+    assert stale.state == optuna.trial.TrialState.FAIL and "failure" not in stale.user_attrs
+
+
+def test_the_cache_keeps_the_best_result_of_the_workers(faulty, tmp_path):
+    """A search stores its winner unless the cache holds a row of the same objective and versions with a
+    higher or equal speedup (another worker's): then it keeps that row and says so."""
+    db = tmp_path / "tuning.sqlite"
+    options = SearchOptions(objective="fwd", trials=1, runs=1, final_runs=1)
+    first = search(TINY, device="cpu", backend="faulty", options=options, db=db)
+    assert first.stored and first.stored_speedup == first.speedup
+    cache = Cache(db)
+    (row,) = cache.rows()
+
+    cache.put({**row, "speedup": 1e6})  # a better result from another worker
+    kept = search(TINY, device="cpu", backend="faulty", options=options, db=db)
+    assert (kept.new_trials, kept.stored, kept.stored_speedup) == (0, False, 1e6)
+    assert [r["speedup"] for r in cache.rows()] == [1e6]
+
+    cache.put({**row, "speedup": 1e-6})  # a worse one
+    replaced = search(TINY, device="cpu", backend="faulty", options=options, db=db)
+    assert replaced.stored and replaced.stored_speedup == replaced.speedup
+    assert [r["speedup"] for r in cache.rows()] == [replaced.speedup]

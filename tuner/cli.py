@@ -213,7 +213,11 @@ def _search(args: argparse.Namespace) -> int:
           f"{result.trials_pruned} pruned, failed: {failed}")
     for failure in result.failures:
         print(f"re-timing skipped {failure}")
-    print(f"stored   key {result.key.digest} in {result.db_path}")
+    if result.stored:
+        print(f"stored   key {result.key.digest} in {result.db_path}")
+    else:
+        print(f"kept     key {result.key.digest} in {result.db_path}: an earlier result of this study's workers "
+              f"({result.stored_speedup:.2f}x) beats this run's ({result.speedup:.2f}x)")
     print(f"study    {result.study} in {result.storage}  ({result.seconds:.0f} s)")
     for line in loader_call(problem):
         print(f"use      {line}")

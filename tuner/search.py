@@ -18,7 +18,9 @@ forward of any trial and the best backward of any trial are also combined into o
 end the best few candidates, the combination and the default are re-timed interleaved and the winner
 is written to the cache. Studies live in an optuna storage (by default a SQLite file beside the
 cache): run the same search again and it resumes; point several processes or hosts at one storage
-and they share the study.
+and they share the study. `trials` is then the study's total, not each worker's: a trial that starts
+once the trials numbered below it reach the total is surplus (it stops its worker and is counted
+nowhere), and every worker stores its winner only if it beats the row an earlier worker stored.
 """
 
 from __future__ import annotations
@@ -55,13 +57,15 @@ log = logging.getLogger("tuner.search")
 FWD_TOLERANCE = 1e-5
 GRAD_TOLERANCE = 1e-4
 INTERRUPTED = "interrupted"
+SURPLUS = "surplus"
 
 
 @dataclass(frozen=True)
 class SearchOptions:
-    """How to search. `trials` is the total the study should reach (a resumed study runs the rest);
-    `timeout` bounds this run in seconds; `trial_timeout` bounds one trial (checked between its
-    compile, check and timed runs: a single compile that runs longer is not interrupted)."""
+    """How to search. `trials` is the total the study should reach (a resumed study runs the rest,
+    workers sharing the study run it between them); `timeout` bounds this run in seconds;
+    `trial_timeout` bounds one trial (checked between its compile, check and timed runs: a single
+    compile that runs longer is not interrupted)."""
 
     objective: str = "fwd+bwd"
     trials: int = 12
@@ -127,7 +131,10 @@ class Measured:
 
 @dataclass
 class SearchResult:
-    """What a search found, measured and stored."""
+    """What a search found, measured and stored. `stored` is False when the cache kept the row it
+    already held for the key (same objective and versions, an equal or higher speedup over the
+    default: typically another worker's of the same study); `stored_speedup` is the speedup of the row
+    the cache holds afterwards, this search's or that one."""
 
     problem: Problem
     backend: str
@@ -144,6 +151,8 @@ class SearchResult:
     db_path: Path
     seconds: float
     new_trials: int
+    stored: bool
+    stored_speedup: float
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -376,6 +385,10 @@ class _Search:
                 for name in ("default", *candidates)}
 
     def objective(self, trial: optuna.Trial) -> float:
+        if _surplus(trial, self.options.trials):
+            trial.set_user_attr("failure", SURPLUS)
+            trial.study.stop()
+            raise TrialFailed(SURPLUS, f"the study had its {self.options.trials} trials when this one began")
         start = time.perf_counter()
         deadline = start + self.options.trial_timeout
         point = _suggest(trial, self.space, self.default, self.options)
@@ -415,10 +428,53 @@ class _Search:
         return total / base_total
 
 
+def _counts(trial: optuna.trial.FrozenTrial) -> bool:
+    """Whether a finished trial counts towards `--trials`: complete, pruned or failed, but not
+    interrupted, not surplus and not killed (optuna's heartbeat fails the trial of a worker that died
+    mid-trial once another worker starts one; that, or a crash of the search itself, is the one
+    failure without a reason, and its point is run again)."""
+    if trial.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED):
+        return True
+    return trial.state == optuna.trial.TrialState.FAIL and trial.user_attrs.get("failure") not in (
+        None, INTERRUPTED, SURPLUS)
+
+
 def _finished(trials: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
-    """Trials that count towards `--trials`: complete, pruned or failed, but not interrupted."""
-    done = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.FAIL)
-    return [t for t in trials if t.state in done and t.user_attrs.get("failure") != INTERRUPTED]
+    """The finished trials that count towards `--trials`."""
+    return [t for t in trials if _counts(t)]
+
+
+def _taken(trials: list[optuna.trial.FrozenTrial]) -> int:
+    """How many of the study's trials count towards `--trials` or are running (and may yet count)."""
+    return sum(t.state == optuna.trial.TrialState.RUNNING or _counts(t) for t in trials)
+
+
+def _surplus(trial: optuna.Trial, total: int) -> bool:
+    """Whether `trial`, just started, is one too many: the trials numbered below it (optuna numbers a
+    study's trials in the order they are created, atomically across workers) that count, run or wait to
+    run already reach `total`. Running trials of a dead worker are not among them: optuna fails the
+    trials whose heartbeat is stale before each trial starts."""
+    below = [t for t in trial.study.get_trials(deepcopy=False) if t.number < trial.number]
+    return sum(not t.state.is_finished() or _counts(t) for t in below) >= total
+
+
+def _fail_stale(study: optuna.Study) -> None:
+    """Fail the running trials whose heartbeat is stale (their worker died), so they count nowhere."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
+
+
+def _enqueue(study: optuna.Study, points: list[Point], options: SearchOptions) -> None:
+    """Queue `points` as the study's next trials, except those a trial already holds that waits, runs
+    or counts (an interrupted, surplus or killed trial gives its point back)."""
+    held = [t.system_attrs.get("fixed_params", t.params) for t in study.get_trials(deepcopy=False)
+            if not t.state.is_finished() or _counts(t)]
+    for point in points:
+        params = _params_of(point, options)
+        if params not in held:
+            study.enqueue_trial(params)
+            held.append(params)
 
 
 def study_name(key: ProblemKey, objective: str, versions: dict[str, str]) -> str:
@@ -438,8 +494,10 @@ def search(
 ) -> SearchResult:
     """Tune `problem` on `device` and write the winner to the cache at `db` (DESIGN section 7).
 
-    `progress(done, total, status)` is called after every trial. Raises `ValueError` for a device or
-    backend that cannot run here, `KeyboardInterrupt` (after saving the study) when interrupted.
+    `progress(done, total, status)` is called after every trial. Workers sharing the study run
+    `options.trials` between them; each stores its winner unless the cache holds a better one (see
+    `SearchResult.stored`). Raises `ValueError` for a device or backend that cannot run here,
+    `KeyboardInterrupt` (after saving the study) when interrupted.
     """
     started = time.perf_counter()
     device_kind = check_device(device)
@@ -461,32 +519,36 @@ def search(
     points = [state.default]
     if options.sampler == "grid":
         points += [p for p in grid_points(state.space, state.default, options) if p != state.default]
-    for point in points[:options.trials]:
-        study.enqueue_trial(_params_of(point, options), skip_if_exists=True)
-
-    already = len(_finished(study.get_trials(deepcopy=False)))
-    remaining = max(0, options.trials - already)
+    _enqueue(study, points[:options.trials], options)
     new_trials = 0
 
     def after_trial(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         nonlocal new_trials
-        new_trials += 1
-        finished = _finished(study.get_trials(deepcopy=False))
+        new_trials += _counts(trial)
+        trials = study.get_trials(deepcopy=False)
         if progress is not None:
+            finished = _finished(trials)
             best = [t for t in finished if t.state == optuna.trial.TrialState.COMPLETE]
             status = (f"best {min(t.value for t in best):.2f}x default time" if best else "no result yet")
             failed = sum(t.state == optuna.trial.TrialState.FAIL for t in finished)
             progress(min(len(finished), options.trials), options.trials,
                      f"{status}, {failed} failed" if failed else status)
-        if len(finished) >= options.trials:
+        if _taken(trials) >= options.trials:
             study.stop()
 
-    if remaining:
-        study.optimize(state.objective, n_trials=remaining, timeout=options.timeout,
-                       catch=(TrialFailed,), callbacks=[after_trial], gc_after_trial=False)
+    # Another worker's trial counted as running may end interrupted, or a dead worker's be failed as
+    # stale: while the study is short of its total, this worker goes on.
+    deadline = None if options.timeout is None else started + options.timeout
+    while True:
+        _fail_stale(study)
+        left = None if deadline is None else deadline - time.perf_counter()
+        if _taken(study.get_trials(deepcopy=False)) >= options.trials or (left is not None and left <= 0):
+            break
+        study.optimize(state.objective, timeout=left, catch=(TrialFailed,), callbacks=[after_trial],
+                       gc_after_trial=False)
 
     trials = _finished(study.get_trials(deepcopy=False))
-    counts = Counter(t.user_attrs.get("failure", "error") for t in trials
+    counts = Counter(t.user_attrs["failure"] for t in trials
                      if t.state == optuna.trial.TrialState.FAIL)
     pruned = sum(t.state == optuna.trial.TrialState.PRUNED for t in trials)
     if not any(t.state == optuna.trial.TrialState.COMPLETE for t in trials):
@@ -499,10 +561,12 @@ def search(
                    objective=options.objective, best_s=winner.seconds, default_s=default.seconds,
                    speedup=default.seconds / winner.seconds, trials_run=len(trials), trials_pruned=pruned,
                    trials_failed=dict(counts), study=name)
-    cache.put(row)
+    held = cache.put_best(row)
+    stored = all(held[f] == row[f] for f in ("measured_at", "speedup", "best_s", "fwd_params", "bwd_params"))
     return SearchResult(problem, chosen.name, device_kind, key, options.objective, name, storage_url,
                         default, winner, len(trials), pruned, dict(counts), cache.path,
-                        time.perf_counter() - started, new_trials, failures)
+                        time.perf_counter() - started, new_trials, stored=stored,
+                        stored_speedup=held["speedup"], failures=failures)
 
 
 def _retime(state: _Search, trials: list[optuna.trial.FrozenTrial]
@@ -559,7 +623,7 @@ def write_report(study: str, storage: str, out: str | Path) -> int:
         raise KeyError(f"no study {study!r} in {storage} (it has {len(names)}); pass the storage the "
                        f"search used with --storage")
     loaded = optuna.load_study(study_name=study, storage=_storage(storage))
-    trials = loaded.get_trials(deepcopy=False)
+    trials = [t for t in loaded.get_trials(deepcopy=False) if t.user_attrs.get("failure") != SURPLUS]
     complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
     figures: list[tuple[str, Any]] = [("Optimization history (time relative to the default)",
                                        visualization.plot_optimization_history(loaded))]
@@ -573,7 +637,8 @@ def write_report(study: str, storage: str, out: str | Path) -> int:
     else:
         notes.append("parallel coordinates and importances need at least two complete trials")
     states = Counter(t.state.name.lower() for t in trials)
-    failures = Counter(t.user_attrs.get("failure") for t in trials if t.state == optuna.trial.TrialState.FAIL)
+    failures = Counter(t.user_attrs.get("failure", "killed") for t in trials
+                       if t.state == optuna.trial.TrialState.FAIL)
     summary = ", ".join(f"{n} {s}" for s, n in states.items())
     if failures:
         summary += " (failed: " + ", ".join(f"{r} {n}" for r, n in failures.items()) + ")"
