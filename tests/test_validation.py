@@ -42,7 +42,7 @@ def test_dtypes():
 
 
 def test_masks_and_scalars():
-    _raises(ValueError, "sliding_window left must be a non-negative int", sliding_window=-1)
+    _raises(ValueError, r"sliding_window must have sides that are ints from 0 to 2\*\*31 - 1", sliding_window=-1)
     _raises(ValueError, "sliding_window must be an int or a", sliding_window=(1, 2, 3))
     _raises(ValueError, "chunk_size must be a positive int", chunk_size=0)
     _raises(ValueError, "logits_soft_cap must be a positive float", logits_soft_cap=-1.0)

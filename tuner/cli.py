@@ -129,7 +129,7 @@ def _problem(args: argparse.Namespace) -> Problem:
     except ValueError as error:  # name the flag, not the field
         message = str(error)
         for field in ("seq_len", "kv_heads", "head_dim", "ring_size", "chunk_size", "batch", "heads",
-                      "segments", "sinks", "softcap", "dtype", "layout"):
+                      "segments", "sinks", "softcap", "dtype", "layout", "window"):
             flag = "--chunk" if field == "chunk_size" else "--" + field.replace("_", "-")
             message = message.replace(f"{field}=", f"{flag} ").replace(f"{field} must", f"{flag} must")
         raise UsageError(message) from None

@@ -39,7 +39,7 @@ from tuner.mechanisms import GATHERED, gathered_attention, gathered_unsupported
 from tuner.params import BwdParams, FwdParams
 from tuner.problem import ProblemKey, key_layout
 from tuner.ring import ring_attention, ring_geometry
-from tuner.spec import build_spec, check_inputs, normalize_window
+from tuner.spec import build_spec, check_inputs, layout_span, normalize_window
 
 log = logging.getLogger("tuner.dispatch")
 
@@ -173,7 +173,9 @@ class TunedRingAttention:
         check_inputs(query, key, value, ring_size=ring_size,
                      **{n: options.get(n) for n in CALL_OPTIONS if n not in ("return_lse", "interpret")})
         spec = build_spec(query, has_segments=options.get("q_segment_ids") is not None,
-                          bias=options.get("bias"), softmax_aux=options.get("softmax_aux"), **self.options)
+                          bias=options.get("bias"), softmax_aux=options.get("softmax_aux"), **self.options,
+                          position_span=layout_span(ring_size, query.shape[1], key.shape[1],
+                                                    options.get("q_positions"), options.get("kv_positions")))
         dtype = jnp.dtype(query.dtype)
         platform, device_kind = _platform()
         backend, fallback = self._choose(spec, dtype, query.shape[3], platform, bool(options.get("interpret")))

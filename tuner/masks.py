@@ -5,13 +5,24 @@ segment ranges of a group of queries and a group of keys, whether *any* pair in 
 when it says no, the whole tile (or ring step) is skipped. `fully_allowed` decides whether *every*
 pair is allowed; when it says yes, the tile is computed without building a mask. Both are
 conservative: they may fail to skip, or fail to drop the mask, but never give a wrong result.
+
+Positions are int32 and may lie anywhere in its range: no bound computed here can wrap around.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from tuner.spec import AttentionSpec
+from tuner.spec import INT32_MAX, INT32_MIN, AttentionSpec
+
+
+def window_bounds(q_lo, q_hi, window: tuple[int, int]):
+    """`(q_lo - left, q_hi + right)` for a `(left, right)` window: the keys some query in [q_lo, q_hi]
+    may read (with `(q, q)`, query q; with `(q_hi, q_lo)`, the keys every query of the range may read).
+    Clamped to the int32 range before they are formed, so neither bound can wrap: exact for any int32
+    positions and sides from 0 to 2**31 - 1, as no key lies outside that range."""
+    left, right = window
+    return jnp.maximum(q_lo, INT32_MIN + left) - left, jnp.minimum(q_hi, INT32_MAX - right) + right
 
 
 def allowed(q_pos, k_pos, q_seg, k_seg, spec: AttentionSpec):
@@ -25,8 +36,8 @@ def allowed(q_pos, k_pos, q_seg, k_seg, spec: AttentionSpec):
     if spec.causal:
         conditions.append(kp <= qp)
     if spec.window is not None:
-        left, right = spec.window
-        conditions.append((kp >= qp - left) & (kp <= qp + right))
+        first, last = window_bounds(qp, qp, spec.window)
+        conditions.append((kp >= first) & (kp <= last))
     if spec.chunk_size is not None:
         conditions.append(qp // spec.chunk_size == kp // spec.chunk_size)
     if spec.has_segments:
@@ -67,8 +78,7 @@ def ranges_may_attend(q_lo, q_hi, k_lo, k_hi, segments, spec: AttentionSpec):
     if spec.causal:
         possible &= k_lo <= q_hi
     if spec.window is not None:
-        left, right = spec.window
-        possible &= _ranges_overlap(q_lo - left, q_hi + right, k_lo, k_hi)
+        possible &= _ranges_overlap(*window_bounds(q_lo, q_hi, spec.window), k_lo, k_hi)
     if spec.chunk_size is not None:
         c = spec.chunk_size
         possible &= _ranges_overlap(q_lo // c, q_hi // c, k_lo // c, k_hi // c)
@@ -85,8 +95,8 @@ def ranges_fully_allowed(q_lo, q_hi, k_lo, k_hi, segments, spec: AttentionSpec):
     if spec.causal:
         every &= k_hi <= q_lo
     if spec.window is not None:
-        left, right = spec.window
-        every &= (k_lo >= q_hi - left) & (k_hi <= q_lo + right)
+        first, last = window_bounds(q_hi, q_lo, spec.window)
+        every &= (k_lo >= first) & (k_hi <= last)
     if spec.chunk_size is not None:
         c = spec.chunk_size
         every &= (q_lo // c == q_hi // c) & (k_lo // c == k_hi // c) & (q_lo // c == k_lo // c)

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tuner import layouts
-from tuner.spec import LAYOUTS, AttentionSpec, normalize_window
+from tuner.spec import INT32_MAX, LAYOUTS, AttentionSpec, clip_window, normalize_window
 
 DTYPES = ("float32", "bfloat16", "float16")
 OBJECTIVES = ("fwd", "bwd", "fwd+bwd")
@@ -33,7 +33,10 @@ class Problem:
     """One attention problem over a ring: global shapes, dtype, features, ring size and layout.
 
     `segments` is the number of packed documents per batch row (0: no segment ids); `sinks` the number
-    of sink logits per head (0: none); `window` is `(left, right)` or None.
+    of sink logits per head (0: none); `window` is `(left, right)` or None, kept as `clip_window` leaves
+    it for a `seq_len`-token sequence (a window at least that long is None, and so is a chunk), as
+    `ring_attention` does with positions from the layout -- so a search and the runtime build the same
+    key.
     """
 
     batch: int = 1
@@ -63,9 +66,16 @@ class Problem:
         if self.seq_len % self.ring_size:
             raise ValueError(f"seq_len={self.seq_len} must be divisible by ring_size={self.ring_size}")
         layouts.check_layout(self.layout, self.local_len)
-        object.__setattr__(self, "window", normalize_window(self.window))
+        if self.seq_len > INT32_MAX + 1:
+            raise ValueError(f"seq_len must be at most 2**31 (int32 positions), got {self.seq_len}")
+        window = normalize_window(self.window, name="window")
+        object.__setattr__(self, "window", clip_window(window, self.seq_len - 1, causal=bool(self.causal)))
         if self.chunk_size is not None:
             _positive("chunk_size", self.chunk_size)
+            if self.chunk_size > INT32_MAX:
+                raise ValueError(f"chunk_size must be at most 2**31 - 1 (int32 positions), got {self.chunk_size}")
+            if self.chunk_size >= self.seq_len:  # one chunk holds the whole sequence: no chunk mask
+                object.__setattr__(self, "chunk_size", None)
         if self.softcap is not None and not self.softcap > 0:
             raise ValueError(f"softcap must be a positive number, got {self.softcap!r}")
         for name in ("segments", "sinks"):

@@ -9,6 +9,22 @@ get the float64 oracle of the tests.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
+
+
+def _in_window(qp, kp, left: int, right: int):
+    """`qp - left <= kp <= qp + right`, exact for positions anywhere in their integer dtype's range.
+
+    Nothing is added to a position: the distance between two of them is taken in the unsigned type of
+    the same width, where it is exact whenever it is non-negative (|q - k| < 2**bits).
+    """
+    dtype = jnp.promote_types(qp.dtype, kp.dtype)
+    unsigned = np.dtype(f"uint{jnp.iinfo(dtype).bits}")
+    qu, ku = qp.astype(dtype).astype(unsigned), kp.astype(dtype).astype(unsigned)
+    reach = np.iinfo(unsigned).max
+    behind_ok = (kp >= qp) | (qu - ku <= unsigned.type(min(left, reach)))
+    ahead_ok = (kp <= qp) | (ku - qu <= unsigned.type(min(right, reach)))
+    return behind_ok & ahead_ok
 
 
 def dense_attention(
@@ -58,7 +74,7 @@ def dense_attention(
         keep = keep & (kp <= qp)
     if sliding_window is not None:
         left, right = (sliding_window, sliding_window) if isinstance(sliding_window, int) else sliding_window
-        keep = keep & (kp >= qp - left) & (kp <= qp + right)
+        keep = keep & _in_window(qp, kp, left, right)
     if chunk_size is not None:
         keep = keep & (qp // chunk_size == kp // chunk_size)
     if q_segment_ids is not None:

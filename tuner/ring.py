@@ -27,7 +27,7 @@ from jax import lax
 from tuner import layouts, masks, vma, work
 from tuner.backends import choose_backend, get_backend
 from tuner.params import BwdParams, FwdParams
-from tuner.spec import AttentionSpec, build_spec, check_inputs
+from tuner.spec import AttentionSpec, build_spec, check_inputs, layout_span
 
 F32 = jnp.float32
 
@@ -249,8 +249,11 @@ def ring_attention(
     that axis (only the `Hkv` heads travel) and each device gets the exact attention of its queries
     over the whole sequence. Token positions come from `layout` and the device's ring index unless
     `q_positions`/`kv_positions` `[B, T]` are given; masks (causal, sliding window, chunk, segment ids)
-    are decided from them. `bias` is `[B, H, Tq, ring_size*Tk]` (or broadcastable) over the laid-out
-    global key axis; `softmax_aux` (`[H]` or `[H, n]`) adds sink terms to every softmax denominator.
+    are decided from them. Positions are int32, anywhere in its range; window sides and `chunk_size`
+    are at most 2**31 - 1. With positions from the layout, a window at least as long as the sequence
+    is no window (the same spec, kernel and cache key). `bias` is `[B, H, Tq, ring_size*Tk]` (or
+    broadcastable) over the laid-out global key axis; `softmax_aux` (`[H]` or `[H, n]`) adds sink terms
+    to every softmax denominator.
 
     `backend="auto"` picks the fastest backend that can run here and honours every option;
     `fwd_params`/`bwd_params` override its tiles. `interpret=True` runs kernel backends in their
@@ -274,7 +277,9 @@ def ring_attention(
         layouts.check_layout(layout, key.shape[1])
     spec = build_spec(query, causal=causal, sliding_window=sliding_window, chunk_size=chunk_size,
                       logits_soft_cap=logits_soft_cap, softmax_scale=softmax_scale,
-                      has_segments=q_segment_ids is not None, bias=bias, softmax_aux=softmax_aux)
+                      has_segments=q_segment_ids is not None, bias=bias, softmax_aux=softmax_aux,
+                      position_span=layout_span(size, query.shape[1], key.shape[1], q_positions,
+                                                kv_positions))
     chosen = choose_backend(backend, spec, query.dtype, query.shape[3], interpret=bool(interpret))
     default_fwd, default_bwd = chosen.default_params(query.shape[1], key.shape[1], query.shape[3])
     fwd_params = fwd_params or default_fwd

@@ -6,11 +6,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 LAYOUTS = ("contiguous", "zigzag", "striped")
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1  # token positions are int32
 
 
 @dataclass(frozen=True)
@@ -52,22 +54,55 @@ class AttentionSpec:
         }
 
 
-def normalize_window(sliding_window: int | tuple[int, int] | None) -> tuple[int, int] | None:
-    """`w` means `(w, w)`; both sides must be non-negative ints."""
+def normalize_window(sliding_window: int | tuple[int, int] | None, *,
+                     name: str = "sliding_window") -> tuple[int, int] | None:
+    """`w` means `(w, w)`; both sides must be ints from 0 to 2**31 - 1, as the window bounds are int32
+    arithmetic on int32 positions. `name` is the argument named in errors."""
     if sliding_window is None:
         return None
     if isinstance(sliding_window, (int, np.integer)) and not isinstance(sliding_window, bool):
-        left = right = int(sliding_window)
+        sides = (sliding_window, sliding_window)
     elif isinstance(sliding_window, (tuple, list)) and len(sliding_window) == 2:
-        left, right = sliding_window
+        sides = tuple(sliding_window)
     else:
-        raise ValueError(
-            f"sliding_window must be an int or a (left, right) pair of ints, got {sliding_window!r}"
-        )
-    for side, value in (("left", left), ("right", right)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-            raise ValueError(f"sliding_window {side} must be a non-negative int, got {value!r}")
-    return int(left), int(right)
+        raise ValueError(f"{name} must be an int or a (left, right) pair of ints, got {sliding_window!r}")
+    for side in sides:
+        if isinstance(side, bool) or not isinstance(side, (int, np.integer)) or not 0 <= side <= INT32_MAX:
+            raise ValueError(f"{name} must have sides that are ints from 0 to 2**31 - 1 (int32 positions), "
+                             f"got {sliding_window!r}")
+    return int(sides[0]), int(sides[1])
+
+
+def clip_window(window: tuple[int, int] | None, span: int, *, causal: bool) -> tuple[int, int] | None:
+    """The same window for positions no two of which are more than `span` apart: each side cut to
+    `span`, and None (no window) when it excludes no such pair -- both sides reach `span`, or, under
+    `causal` (which already excludes every key to the right), the left side does. One problem thus has
+    one spec, one cache key and one compiled kernel however long its window is written."""
+    if window is None:
+        return None
+    left, right = min(window[0], span), min(window[1], span)
+    if left == span and (right == span or causal):
+        return None
+    return left, right
+
+
+def layout_span(ring_size: int, q_len: int, kv_len: int, q_positions: Any = None,
+                kv_positions: Any = None) -> int | None:
+    """The largest distance between a query and a key position when the layout gives both (positions
+    `0 .. ring_size * local length - 1`), for `build_spec(position_span=...)`; None when either side's
+    positions are given explicitly (then nothing bounds the distance)."""
+    if q_positions is not None or kv_positions is not None:
+        return None
+    return ring_size * max(q_len, kv_len) - 1
+
+
+def _check_layout_length(positions: str, ring_size: int, local_len: int) -> None:
+    """Raise `ValueError` when a layout cannot number a global sequence of `ring_size * local_len`
+    tokens with int32 positions (0 .. 2**31 - 1); `positions` names the argument to give instead."""
+    total = ring_size * local_len
+    if total > INT32_MAX + 1:
+        raise ValueError(f"the global sequence length {ring_size} x {local_len} = {total} is over 2**31 "
+                         f"tokens, more than int32 positions can number: pass {positions}")
 
 
 def _check_optional_positive(name: str, value: Any, kind: type) -> None:
@@ -78,6 +113,8 @@ def _check_optional_positive(name: str, value: Any, kind: type) -> None:
         ok = ok and float(value).is_integer()
     if not ok or not math.isfinite(float(value)) or value <= 0:
         raise ValueError(f"{name} must be a positive {kind.__name__}, got {value!r}")
+    if kind is int and value > INT32_MAX:
+        raise ValueError(f"{name} must be at most 2**31 - 1 (int32 positions), got {value!r}")
 
 
 def build_spec(
@@ -91,8 +128,14 @@ def build_spec(
     has_segments: bool,
     bias: Any,
     softmax_aux: Any,
+    position_span: int | None = None,
 ) -> AttentionSpec:
-    """Check the scalar options and turn them into an `AttentionSpec`."""
+    """Check the scalar options and turn them into an `AttentionSpec`.
+
+    `position_span`: the largest distance between any query and any key position, when known (positions
+    laid out by a layout: `layout_span`); the window is then clipped to it (`clip_window`), so a window
+    at least as long as the sequence gives the spec of no window, and so does a chunk that long.
+    """
     if not isinstance(causal, (bool, np.bool_)):
         raise ValueError(f"causal must be a bool, got {causal!r}")
     _check_optional_positive("chunk_size", chunk_size, int)
@@ -103,10 +146,15 @@ def build_spec(
     num_sinks = 0
     if softmax_aux is not None:
         num_sinks = 1 if softmax_aux.ndim == 1 else softmax_aux.shape[1]
+    window = normalize_window(sliding_window)
+    if position_span is not None:
+        window = clip_window(window, position_span, causal=bool(causal))
+        if chunk_size is not None and chunk_size > position_span:  # one chunk holds every position
+            chunk_size = None
     return AttentionSpec(
         scale=scale,
         causal=bool(causal),
-        window=normalize_window(sliding_window),
+        window=window,
         chunk_size=int(chunk_size) if chunk_size is not None else None,
         softcap=float(logits_soft_cap) if logits_soft_cap is not None else None,
         has_segments=has_segments,
@@ -125,6 +173,18 @@ def _check_int(name: str, x: Any) -> None:
         raise TypeError(f"{name} must have an integer dtype, got {x.dtype}")
 
 
+def _check_int32_values(name: str, x: Any) -> None:
+    """Positions are converted to int32: concrete values outside its range raise rather than wrap.
+    (Traced values cannot be looked at; a wider dtype's values must then be in range.)"""
+    info = jnp.iinfo(x.dtype)
+    if isinstance(x, jax.core.Tracer) or (info.min >= INT32_MIN and info.max <= INT32_MAX):
+        return
+    values = np.asarray(x)
+    if values.min() < INT32_MIN or values.max() > INT32_MAX:
+        raise ValueError(f"{name} must be int32 positions, from -2**31 to 2**31 - 1, got values from "
+                         f"{values.min()} to {values.max()}")
+
+
 def check_inputs(
     query: Any,
     key: Any,
@@ -141,7 +201,8 @@ def check_inputs(
     """Raise `ValueError` / `TypeError` naming the argument for every malformed input.
 
     Shapes are the local shards: `query [B, Tq, H, D]`, `key`/`value [B, Tk, Hkv, D]`; `bias` spans the
-    global key axis (`ring_size * Tk`).
+    global key axis (`ring_size * Tk`). Positions not given come from a layout, which numbers at most
+    2**31 tokens.
     """
     for name, x in (("query", query), ("key", key), ("value", value)):
         if getattr(x, "ndim", None) != 4:
@@ -173,6 +234,11 @@ def check_inputs(
         _check_int(name, x)
         if x.shape != (b, t):
             raise ValueError(f"{name} must have shape [batch, length] = {(b, t)}, got {x.shape}")
+    for name, x, t in (("q_positions", q_positions, tq), ("kv_positions", kv_positions, tk)):
+        if x is None:
+            _check_layout_length(name, ring_size, t)
+        else:
+            _check_int32_values(name, x)
 
     if softmax_aux is not None:
         _check_float("softmax_aux", softmax_aux)
