@@ -3,18 +3,25 @@
 A `Variant` is a backend's template plus a feature set (what is compiled in or out, the dtype, the head
 dim). Rendering writes `<backend>_<template stem>_<hash>.py` into the generated-kernel folder -- the
 repository's `kernels_generated/` in a source checkout, else `$TUNER_HOME/kernels_generated` -- where
-the hash covers the template text and the features: the same variant reuses its file, an edited
-template gives a new one. Each module starts with a header naming its template, hashes and features.
+the hash covers the template text and the features: an edited template gives a new file. Each module
+starts with a header naming its template, hashes and features.
+
+Only what this module renders ever runs: `render` rewrites a file whose bytes differ from the
+rendering, and `load` executes the rendered text itself (never the file, which could change after the
+check), registering it in `linecache` so that `inspect.getsource` -- which `@triton.jit` reads --
+sees the same text. The Triton interpreter process checks its files the same way
+(`backends/triton_worker.py`, given `sha256` of the rendering).
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
+import linecache
 import os
 import sys
 import threading
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -22,10 +29,11 @@ from typing import Any
 
 import jinja2
 
-from tuner.cache import tuner_home
 from tuner.problem import Problem
+from tuner.resources import generated_dir, templates_dir
 
-TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
+# The templates' folder; tests point it at a copy to edit templates.
+TEMPLATES: Path = templates_dir()
 _LOCK = threading.Lock()
 
 # The feature sets every kernel backend renders as its standard variants (`tuner generate`): full,
@@ -38,7 +46,9 @@ STANDARD_FEATURES: list[dict[str, bool]] = [
         (True, False, True, False, False), (True, False, False, False, True),
     )
 ]
-_MODULES: dict[Path, ModuleType] = {}
+# Executed modules by (file, sha256 of the text run), and rendered texts by (template, variant digest).
+_MODULES: dict[tuple[Path, str], ModuleType] = {}
+_SOURCES: dict[tuple[Path, str], str] = {}
 
 
 def template_path(backend: str, template: str) -> Path:
@@ -83,49 +93,75 @@ def standard_problem(source: Variant, local_len: int = 4096, heads: int = 16, kv
                    softcap=30.0 if f["softcap"] else None, ring_size=1)
 
 
-def generated_dir() -> Path:
-    """`kernels_generated/` of a source checkout, else `$TUNER_HOME/kernels_generated`."""
-    checkout = Path(__file__).resolve().parents[1] / "kernels_generated"
-    if checkout.is_dir() and os.access(checkout, os.W_OK):
-        return checkout
-    return tuner_home() / "kernels_generated"
+def sha256(data: str | bytes) -> str:
+    """Hex sha256 of a module's bytes (text is taken as UTF-8, the encoding files are written in)."""
+    return hashlib.sha256(data.encode("utf-8") if isinstance(data, str) else data).hexdigest()
 
 
 def render_source(variant: Variant) -> str:
-    """The text of the variant's module (the template rendered with its features)."""
+    """The text of the variant's module (the template rendered with its features; kept in memory per
+    template text and features, so repeated loads do not re-render)."""
     path = template_path(variant.backend, variant.template)
     if not path.is_file():
         raise FileNotFoundError(f"no template {path}")
-    environment = jinja2.Environment(loader=jinja2.FileSystemLoader(path.parent), undefined=jinja2.StrictUndefined,
-                                     keep_trailing_newline=True)
-    features = dict(sorted(variant.features.items()))
-    return environment.get_template(path.name).render(
-        **features, features_json=json.dumps(features, sort_keys=True), features_repr=repr(features),
-        template_hash=template_hash(variant.backend, variant.template), variant_hash=variant.digest)
+    key = (path, variant.digest)
+    if key not in _SOURCES:
+        environment = jinja2.Environment(loader=jinja2.FileSystemLoader(path.parent),
+                                         undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+        features = dict(sorted(variant.features.items()))
+        _SOURCES[key] = environment.get_template(path.name).render(
+            **features, features_json=json.dumps(features, sort_keys=True), features_repr=repr(features),
+            template_hash=template_hash(variant.backend, variant.template), variant_hash=variant.digest)
+    return _SOURCES[key]
 
 
 def render(variant: Variant, out_dir: Path | None = None) -> Path:
-    """Write the variant's module (once: an existing file of the same hash is reused); returns its path."""
+    """Write the variant's module unless the file already holds exactly its rendering (a file whose
+    bytes differ -- edited, truncated or planted -- is replaced); returns its path."""
     folder = Path(out_dir) if out_dir is not None else generated_dir()
     path = folder / variant.filename
-    if path.is_file():
-        return path
-    folder.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-    partial.write_text(render_source(variant), encoding="utf-8")
-    os.replace(partial, path)  # atomic: concurrent renderers never see half a file
+    data = render_source(variant).encode("utf-8")
+    try:
+        if sha256(path.read_bytes()) == sha256(data):
+            return path
+    except FileNotFoundError:
+        folder.mkdir(parents=True, exist_ok=True)
+    # A fresh name, created exclusively (never through a link left in its place), then renamed over the
+    # module: atomic, so concurrent renderers never see half a file.
+    partial = path.with_suffix(f".{uuid.uuid4().hex}.tmp")
+    try:
+        with os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as file:
+            file.write(data)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
     return path
 
 
+def _execute(name: str, path: Path, text: str) -> ModuleType:
+    """Run `text` as module `name` (in `sys.modules`) attributed to the file `path`: compiled from the
+    text, not from the file, and registered in `linecache` with no mtime, so that `inspect` returns this
+    text for its functions and `linecache.checkcache` never swaps in the file's current bytes."""
+    filename = str(path)
+    linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
+    module = ModuleType(name)
+    module.__file__ = filename
+    sys.modules[name] = module
+    try:
+        exec(compile(text, filename, "exec"), module.__dict__)  # noqa: S102 - the text codegen rendered
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
 def load(variant: Variant) -> ModuleType:
-    """Import the rendered module (once per process)."""
-    path = render(variant)
+    """The variant's module, executed (once per process) from the text rendered here; its file in the
+    generated-kernel folder is (re)written to match, for tracebacks and reading."""
+    text = render_source(variant)
+    path = render(variant).absolute()
+    key = (path, sha256(text))
     with _LOCK:
-        if path not in _MODULES:
-            name = f"tuner_generated.{path.stem}"
-            spec = importlib.util.spec_from_file_location(name, path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            spec.loader.exec_module(module)
-            _MODULES[path] = module
-        return _MODULES[path]
+        if key not in _MODULES:
+            _MODULES[key] = _execute(f"tuner_generated.{path.stem}", path, text)
+        return _MODULES[key]

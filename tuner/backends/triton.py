@@ -101,24 +101,36 @@ class _Interpreter:
             atexit.register(self._process.kill)
         return self._process
 
-    def run(self, module: Path, kernel: str, grid: tuple, arrays: list[np.ndarray], out_shapes: list,
-            constants: dict) -> list[np.ndarray]:
+    def _ask(self, request: dict) -> dict:
+        with self._lock:
+            process = self._start()
+            pickle.dump(request, process.stdin)
+            process.stdin.flush()
+            try:
+                return pickle.load(process.stdout)
+            except EOFError:
+                raise RuntimeError(f"the Triton interpreter process exited (status {process.wait()})") from None
+
+    def run(self, source: codegen.Variant, module: Path, kernel: str, grid: tuple, arrays: list[np.ndarray],
+            out_shapes: list, constants: dict) -> list[np.ndarray]:
+        """Run `kernel` of the variant's rendered `module`. The process runs the file only if it holds the
+        variant's rendering (by sha256); one that does not (changed or removed since it was rendered) is
+        rendered again and the request retried once."""
         packed = []
         for a in arrays:
             a = np.ascontiguousarray(a)
             name = a.dtype.name
             packed.append(((a.view(np.int16) if name == "bfloat16" else a).tobytes(), name if name ==
                            "bfloat16" else a.dtype.str, a.shape))
-        request = {"module": str(module), "kernel": kernel, "grid": grid, "args": packed,
-                   "out_shapes": [tuple(s.shape) for s in out_shapes], "constants": constants}
-        with self._lock:
-            process = self._start()
-            pickle.dump(request, process.stdin)
-            process.stdin.flush()
-            try:
-                reply = pickle.load(process.stdout)
-            except EOFError:
-                raise RuntimeError(f"the Triton interpreter process exited (status {process.wait()})") from None
+        request = {"module": str(module.absolute()), "sha256": codegen.sha256(codegen.render_source(source)),
+                   "kernel": kernel, "grid": grid, "args": packed, "out_shapes": [tuple(s.shape) for s in out_shapes],
+                   "constants": constants}
+        reply = self._ask(request)
+        if "mismatch" in reply:
+            codegen.render(source, module.parent)
+            reply = self._ask(request)
+        if "mismatch" in reply:
+            raise RuntimeError(f"Triton's interpreter refused {kernel}: {reply['mismatch']}")
         if "error" in reply:
             raise RuntimeError(f"{kernel} failed in Triton's interpreter:\n{reply['error']}")
         return reply["outputs"]
@@ -127,9 +139,11 @@ class _Interpreter:
 _INTERPRETER = _Interpreter()
 
 
-def _interpret(module: Path, kernel: str, grid, inputs, out_shapes, constants):
+def _interpret(source: codegen.Variant, kernel: str, grid, inputs, out_shapes, constants):
+    module = codegen.render(source)
+
     def host(*arrays):
-        return tuple(_INTERPRETER.run(module, kernel, grid, [np.asarray(a) for a in arrays], out_shapes,
+        return tuple(_INTERPRETER.run(source, module, kernel, grid, [np.asarray(a) for a in arrays], out_shapes,
                                       constants))
 
     return jax.pure_callback(host, tuple(out_shapes), *inputs, vmap_method="sequential")
@@ -139,7 +153,7 @@ def _launch(kernel_name: str, spec: AttentionSpec, inputs: list, out_shapes: lis
             constants: dict, num_warps: int | None, num_stages: int | None, interpret: bool, q):
     source = variant(spec, q.dtype, q.shape[-1])
     if interpret:
-        return _interpret(codegen.render(source), kernel_name, grid, inputs, out_shapes, constants)
+        return _interpret(source, kernel_name, grid, inputs, out_shapes, constants)
     import jax_triton
 
     kernel = getattr(codegen.load(source), kernel_name)

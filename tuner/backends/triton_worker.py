@@ -4,18 +4,48 @@ Triton decides when it is imported whether `@triton.jit` functions (its own libr
 compiled or interpreted, so one process cannot both interpret kernels and compile them for a GPU
 target. The backend therefore starts this file as a separate Python process (`python -P`, so that
 this folder's `triton.py` does not shadow the triton package) with TRITON_INTERPRET=1 and sends it
-requests over stdin: pickled `(module path, kernel name, grid, arrays, output shapes,
-constants)`, answered on stdout with the output arrays or the error text. It imports only numpy,
-torch and triton (not jax, not tuner).
+requests over stdin: pickled `(module path, sha256 of its rendering, kernel name, grid, arrays,
+output shapes, constants)`, answered on stdout with the output arrays or the error text. It imports
+only numpy, torch and triton (not jax, not tuner).
+
+A module runs only if its file's bytes have the sha256 the request names (what `tuner.codegen`
+rendered); those checked bytes are what runs -- compiled from memory and registered in `linecache`,
+where Triton's interpreter reads kernel sources with `inspect` -- so the file is never read again. A
+file that does not match is refused with a `mismatch` reply: the backend rewrites it and asks again.
 """
 
-import importlib.util
+import hashlib
+import linecache
 import os
 import pickle
 import sys
 import traceback
+import types
 
 import numpy as np
+
+
+class Mismatch(Exception):
+    """The module file is not the rendering the request names."""
+
+
+def _verified_module(name: str, path: str, expected: str) -> types.ModuleType:
+    """Execute the file at `path` if its bytes have the sha256 `expected`, from those same bytes."""
+    try:
+        with open(path, "rb") as file:
+            data = file.read()
+    except OSError as error:
+        raise Mismatch(f"cannot read {path}: {error}") from None
+    found = hashlib.sha256(data).hexdigest()
+    if found != expected:
+        raise Mismatch(f"{path} has sha256 {found}, not {expected} of its rendering; not running it")
+    text = data.decode("utf-8")
+    linecache.cache[path] = (len(data), None, text.splitlines(keepends=True), path)
+    module = types.ModuleType(name)
+    module.__file__ = path
+    sys.modules[name] = module
+    exec(compile(text, path, "exec"), module.__dict__)  # noqa: S102 - the bytes just checked
+    return module
 
 
 def _tensor(packed):
@@ -60,16 +90,15 @@ def serve(requests, replies) -> None:
         except EOFError:
             return
         try:
-            path = request["module"]
-            if path not in modules:
-                spec = importlib.util.spec_from_file_location(f"interpreted_{len(modules)}", path)
-                module = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(module)
-                modules[path] = module
-            kernel = getattr(modules[path], request["kernel"])
+            key = (request["module"], request["sha256"])
+            if key not in modules:
+                modules[key] = _verified_module(f"interpreted_{len(modules)}", *key)
+            kernel = getattr(modules[key], request["kernel"])
             outs = [torch.zeros(shape, dtype=torch.float32) for shape in request["out_shapes"]]
             kernel[tuple(request["grid"])](*map(_tensor, request["args"]), *outs, **request["constants"])
             reply = {"outputs": [o.numpy() for o in outs]}
+        except Mismatch as error:
+            reply = {"mismatch": str(error)}
         except Exception:  # noqa: BLE001 - the error travels back to the caller, which raises it
             reply = {"error": traceback.format_exc()}
         pickle.dump(reply, replies)
