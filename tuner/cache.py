@@ -131,6 +131,10 @@ def _json_object(text: Any, name: str) -> dict[str, Any]:
         value = json.loads(text)
     except json.JSONDecodeError as error:
         raise ValueError(f"{name} is not JSON ({error.msg})") from None
+    except RecursionError:
+        raise ValueError(f"{name} is not JSON (nested too deep)") from None
+    except ValueError as error:  # e.g. an integer of more digits than int() converts
+        raise ValueError(f"{name} is not JSON ({str(error).split(';')[0]})") from None
     if not isinstance(value, dict):
         raise ValueError(f"{name} must be a JSON object, got {text[:80]!r}")
     return value
@@ -447,6 +451,8 @@ class Cache:
         if self.path.is_dir():
             raise CacheError(f"the cache path {self.path} is a folder, not a file; point --db or TUNER_DB at a "
                              f"file (the default is $TUNER_HOME/tuning.sqlite)")
+        if 0 < self.path.stat().st_size < 100:  # shorter than the SQLite header: SQLite reads 1 byte as empty
+            raise self._error(sqlite3.DatabaseError("file is not a database"), writing=False)
         conn = None
         try:
             try:
@@ -711,6 +717,12 @@ def parse_jsonl(path: str | os.PathLike) -> tuple[list[dict[str, Any]], list[Rej
             except json.JSONDecodeError as error:
                 rejected.append(Rejected(number, f"not JSON ({error.msg})"))
                 continue
+            except RecursionError:
+                rejected.append(Rejected(number, "not JSON (nested too deep)"))
+                continue
+            except ValueError as error:  # e.g. an integer of more digits than int() converts
+                rejected.append(Rejected(number, f"not JSON ({str(error).split(';')[0]})"))
+                continue
             if not isinstance(row, dict):
                 rejected.append(Rejected(number, "a cache row must be a JSON object"))
                 continue
@@ -732,11 +744,17 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
 
 
 def write_jsonl(path: str | os.PathLike, rows: Iterable[dict[str, Any]]) -> int:
-    """Write rows as JSON lines (sorted keys, one row per line: diffs review well); returns the count."""
+    """Write rows as JSON lines (sorted keys, one row per line: diffs review well); returns the count.
+    Rows are written as stored, invalid ones too; a BLOB (which only a foreign tool writes) as its text."""
+    def blob_text(value: Any) -> str:
+        if isinstance(value, bytes):
+            return value.decode("utf-8", errors="replace")
+        raise TypeError(f"a cache field cannot be {type(value).__name__}")
+
     count = 0
     with open(path, "w", encoding="utf-8") as out:
         for row in rows:
-            out.write(json.dumps(row, sort_keys=True) + "\n")
+            out.write(json.dumps(row, sort_keys=True, default=blob_text) + "\n")
             count += 1
     return count
 

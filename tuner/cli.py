@@ -403,8 +403,8 @@ def _features(row: dict[str, Any]) -> str:
     try:
         features = json.loads(row["features"])
         on = [k if v is True else f"{k}={v}" for k, v in features.items() if v not in (None, False, 0)]
-    except (TypeError, ValueError, AttributeError):
-        return str(row.get("features"))
+    except (TypeError, ValueError, AttributeError, RecursionError):
+        return str(row.get("features"))[:40]
     return ",".join(on) or "full"
 
 

@@ -185,17 +185,20 @@ class TunedRingAttention:
                              kv_heads=key.shape[2], head_dim=d, dtype=dtype.name, features=spec.features())
         memo = (problem.digest, fallback, bool(options.get("return_lse")))
         if memo not in self._decisions:
-            measured = None
+            measured, unusable = None, None
             if self.backend == "auto" and not options.get("interpret"):
-                measured = self._measured(dataclasses.replace(problem, backend="auto"), spec,
-                                          bool(options.get("return_lse")), dtype)
+                try:
+                    measured = self._measured(dataclasses.replace(problem, backend="auto"), spec,
+                                              bool(options.get("return_lse")), dtype)
+                except (CacheError, OSError) as error:  # reported by _lookup, which does not wait again
+                    unusable = error
             if measured is not None and measured[0] in GATHERED:
                 decision = Decision(measured[0], None, None, "measured", measured[1], problem)
             else:
                 if measured is not None:
                     backend, fallback = BACKENDS[measured[0].removeprefix("ring/")], None
                     problem = dataclasses.replace(problem, backend=backend.name)
-                decision = self._lookup(problem, backend, fallback)
+                decision = self._lookup(problem, backend, fallback, unusable)
                 if measured is not None:
                     decision = dataclasses.replace(decision, reason=f"{measured[1]}; params: {decision.source} "
                                                                     f"({decision.reason})")
@@ -226,13 +229,10 @@ class TunedRingAttention:
 
     def _measured(self, key: ProblemKey, spec, return_lse: bool, dtype) -> tuple[str, str] | None:
         """The mechanism `tuner bench --mechanisms` measured fastest for `key` (a current measurement
-        that can honour this call), and the reason to give; None to decide as usual."""
+        that can honour this call), and the reason to give; None to decide as usual. `CacheError` or
+        `OSError` when the cache cannot be read."""
         cache = Cache(self.db, busy_timeout=LOADER_BUSY_TIMEOUT_S)
-        try:
-            row = cache.mechanism(key.digest)
-        except (CacheError, OSError) as error:
-            warn_once(cache.path, "unusable, mechanism measurements not read", str(error))
-            return None
+        row = cache.mechanism(key.digest)
         if row is None:
             return None
         versions = current_versions("-")
@@ -259,7 +259,11 @@ class TunedRingAttention:
                         f"({seconds[winner] * 1e3:.1f} ms; {others or 'nothing else ran'}) on "
                         f"{row['measured_at'][:10]}")
 
-    def _lookup(self, problem: ProblemKey, backend: Backend, fallback: str | None) -> Decision:
+    def _lookup(self, problem: ProblemKey, backend: Backend, fallback: str | None,
+                unusable: CacheError | OSError | None = None) -> Decision:
+        """The params for `problem` from the cache; the defaults, with one warning, when it cannot be
+        read (`unusable`: the error reading its mechanisms already met, so a locked file is waited for
+        once per decision, and a broken one warned about once)."""
         def accept(row: dict[str, Any]) -> str | None:
             try:
                 backend.check_params(*row_params(row))
@@ -271,6 +275,8 @@ class TunedRingAttention:
         cache = Cache(self.db, busy_timeout=LOADER_BUSY_TIMEOUT_S)
         versions = current_versions(backend.code_hash(), triton=backend.name == "triton")
         try:
+            if unusable is not None:
+                raise unusable
             found = cache.lookup(problem, versions, accept)
         except (CacheError, OSError) as error:
             warn_once(cache.path, "unusable, using default params", str(error))
