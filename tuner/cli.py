@@ -324,7 +324,7 @@ def _dry_run(args: argparse.Namespace) -> int:
 
 
 def _check_writable_cache(args: argparse.Namespace) -> None:
-    """Before the first trial: the cache (and the default study storage beside it) can be written."""
+    """Before the first trial: the cache can be written (the default study storage lives in its folder)."""
     from tuner.cache import CacheError
 
     cache = _cache(args)
@@ -409,7 +409,7 @@ def _features(row: dict[str, Any]) -> str:
 
 
 def _cell(row: dict[str, Any], render) -> str:
-    """A table cell of a row that may be invalid: `render(row)`, else the raw value's text."""
+    """A table cell of a row that may be invalid: `render(row)`, else "?" (the status column says why)."""
     try:
         return render(row)
     except (TypeError, ValueError, KeyError, AttributeError):

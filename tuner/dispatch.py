@@ -181,8 +181,9 @@ class TunedRingAttention:
         backend, fallback = self._choose(spec, dtype, query.shape[3], platform, bool(options.get("interpret")))
         b, tq, h, d = query.shape
         problem = ProblemKey(backend=backend.name, device_kind=device_kind, ring_size=ring_size,
-                             layout=key_layout(self._layout(ring_size), ring_size), batch=b, q_len=tq, kv_len=key.shape[1], heads=h,
-                             kv_heads=key.shape[2], head_dim=d, dtype=dtype.name, features=spec.features())
+                             layout=key_layout(self._layout(ring_size), ring_size), batch=b, q_len=tq,
+                             kv_len=key.shape[1], heads=h, kv_heads=key.shape[2], head_dim=d, dtype=dtype.name,
+                             features=spec.features())
         memo = (problem.digest, fallback, bool(options.get("return_lse")))
         if memo not in self._decisions:
             measured, unusable = None, None
