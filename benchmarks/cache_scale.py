@@ -36,13 +36,13 @@ import jax
 import jax.numpy as jnp
 
 from tuner import BwdParams, FwdParams, get_tuned_ring_attention
-from tuner.backends import get_backend
+from tuner.backends import BACKENDS
 from tuner.cache import Cache, current_versions, make_row
 from tuner.problem import ProblemKey
 
 LOOKUP_TARGET_S = 0.050
 LIST_TARGET_S = 2.0
-SCAN = get_backend("scan")
+SCAN = BACKENDS["scan"]
 FEATURE_SETS = [dict(causal=c, window=w, chunk_size=None, softcap=s, segments=g, bias=False, sinks=0)
                 for c, w, s, g in ((True, None, False, False), (False, None, False, False), (True, [128, 0], False, False),
                                    (True, None, True, False), (True, None, False, True))]

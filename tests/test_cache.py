@@ -11,12 +11,12 @@ import textwrap
 import pytest
 
 from tuner import BwdParams, FwdParams
-from tuner.backends import get_backend
+from tuner.backends import BACKENDS
 from tuner.cache import (Cache, CacheError, current_versions, make_row, read_jsonl, row_params, row_problem,
                          write_jsonl)
 from tuner.problem import Problem
 
-SCAN = get_backend("scan")
+SCAN = BACKENDS["scan"]
 
 
 def versions():
@@ -33,7 +33,7 @@ def row_for(problem: Problem, block_q: int = 64, **overrides):
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    monkeypatch.setattr("tuner.cache.shipped_dir", lambda: tmp_path / "shipped")
+    monkeypatch.setattr("tuner.resources.shipped_dir", lambda: tmp_path / "shipped")
     return Cache(tmp_path / "tuning.sqlite")
 
 

@@ -229,12 +229,13 @@ def test_info_lists_backends_versions_and_the_cache(searched):
 
 
 def test_gpu_timing_issues_several_calls_per_run_unless_told():
-    from tuner.cli import build_parser, _calls
+    from tuner.cli import build_parser
+    from tuner.cli.options import calls_of
 
     parser = build_parser()
-    assert _calls(parser.parse_args(["search", "--device", "gpu"])) == 5
-    assert _calls(parser.parse_args(["bench", "--device", "cpu"])) == 1
-    assert _calls(parser.parse_args(["bench", "--device", "gpu", "--calls", "2"])) == 2
+    assert calls_of(parser.parse_args(["search", "--device", "gpu"])) == 5
+    assert calls_of(parser.parse_args(["bench", "--device", "cpu"])) == 1
+    assert calls_of(parser.parse_args(["bench", "--device", "gpu", "--calls", "2"])) == 2
 
 
 def test_a_reported_error_is_one_line_even_without_a_message():

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from tuner import BwdParams, FwdParams, get_tuned_ring_attention, ring_attention
 from tuner import dispatch as dispatch_module
+from tuner import implementations, registry
 from tuner.backends import BACKENDS
 from tuner.backends.scan import ScanBackend
 from tuner.cache import Cache, current_versions, make_row
@@ -75,7 +76,7 @@ def test_tuned_call_with_mesh_equals_dense_forward_and_gradients(tmp_path, monke
         used.append((kwargs["backend"], kwargs["fwd_params"], kwargs["bwd_params"]))
         return ring_attention(*args, **kwargs)
 
-    monkeypatch.setattr(dispatch_module, "ring_attention", spy)
+    monkeypatch.setattr(implementations, "ring_attention", spy)
     mesh = Mesh(np.array(jax.devices()[:RING]), ("sp",))
     attn = get_tuned_ring_attention(axis_name="sp", causal=True, layout="zigzag", db=str(db), mesh=mesh)
     q, k, v = arrays(PROBLEM)
@@ -167,14 +168,19 @@ def test_auto_on_a_gpu_without_triton_falls_back_to_scan_with_the_reason(tmp_pat
     assert decision.key.device_kind == "NVIDIA H100 80GB HBM3"
 
 
-def test_a_backend_that_fails_to_build_falls_back_to_scan(monkeypatch, caplog, tmp_path):
+@pytest.fixture
+def unbuildable():
     class Unbuildable(ScanBackend):
         name = "unbuildable"
 
         def block_fwd(self, *args, **kwargs):
             raise RuntimeError("kernel does not compile")
 
-    monkeypatch.setitem(BACKENDS, "unbuildable", Unbuildable())
+    with registry.registered(implementations.Ring(Unbuildable())):
+        yield
+
+
+def test_a_backend_that_fails_to_build_falls_back_to_scan(unbuildable, caplog, tmp_path):
     attn = get_tuned_ring_attention(causal=True, backend="unbuildable", db=str(tmp_path / "t.sqlite"))
     q, k, v = arrays(PROBLEM)
     with caplog.at_level(logging.WARNING, logger="tuner.dispatch"):

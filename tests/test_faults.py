@@ -136,7 +136,7 @@ def no_shipped_entries(tmp_path_factory):
     """Lookups in this module never fall through to entries shipped with the package."""
     empty = tmp_path_factory.mktemp("shipped")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("tuner.cache.shipped_dir", lambda: empty)
+        patch.setattr("tuner.resources.shipped_dir", lambda: empty)
         yield
 
 
@@ -815,7 +815,7 @@ def test_cli_on_an_unreadable_file_is_one_line(tmp_path, name):
     assert not (tmp_path / "out.jsonl").exists()
     info = tuner("info", home=tmp_path)
     assert info.returncode == 0 and "Traceback" not in info.stderr, info.stderr
-    assert f"cache: unusable: " in info.stdout and str(path) in info.stdout
+    assert "cache: unusable: " in info.stdout and str(path) in info.stdout
 
 
 def test_cli_on_a_locked_file_is_one_line(tmp_path):

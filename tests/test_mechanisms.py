@@ -16,10 +16,11 @@ from tests.test_cli import tuner
 from tests.test_dispatch import PROBLEM, RING, arrays
 from tuner import get_tuned_ring_attention
 from tuner.cache import Cache, current_versions
+from tuner.implementations import NoConfig
 from tuner.mechanisms import gathered_attention
 from tuner.problem import Problem
 from tuner.reference import dense_attention
-from tuner.search import Reference
+from tuner.verify import ReferenceCheck
 from tuner.workload import Workload
 
 SMALL = dict(batch=1, seq_len=64, heads=4, kv_heads=2, head_dim=8, ring_size=RING)
@@ -33,8 +34,8 @@ SMALL = dict(batch=1, seq_len=64, heads=4, kv_heads=2, head_dim=8, ring_size=RIN
 ], ids=["dense-segments-softcap-sinks", "dense-window-chunk", "jax_nn-segments", "jax_nn-window"])
 def test_gathered_mechanisms_equal_the_scan_ring(mechanism, problem):
     workload = Workload(problem)
-    reference = Reference(workload, seed=3, backward=True)
-    compiled = workload.compile(workload.gathered(mechanism), reference.inputs, reference.dout, backward=True)
+    reference = ReferenceCheck(workload, seed=3, backward=True)
+    compiled = workload.compile(workload.attend(mechanism, NoConfig()), reference.inputs, reference.dout, backward=True)
     assert reference.mismatch(compiled) is None
     assert set(reference.outputs) >= {"out", "dq", "dk", "dv"}
 

@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from tests.cases import check_case, check_low_precision, pallas_tpu_cases
 from tests.test_cli import tuner
 from tuner import BwdParams, FwdParams, codegen, ring_attention
-from tuner.backends import pallas_tpu, resolve_auto
+from tuner import registry
+from tuner.backends import pallas_tpu
 from tuner.problem import Problem
 from tuner.reference import dense_attention
 from tuner.search import SearchOptions, search
@@ -80,10 +81,10 @@ def test_masked_tiles_are_never_read():
 def test_every_standard_variant_lowers_for_tpu(variant):
     """The forward and both backward kernels of each standard variant, at the default tiles of a
     4096-token shard, go through Pallas's Mosaic lowering for the TPU platform."""
-    problem = codegen.standard_problem(variant)
-    fwd, bwd = BACKEND.default_params(problem.local_len, problem.local_len, problem.head_dim)
-    assert pallas_tpu.variant(problem.spec, problem.dtype, problem.head_dim) == variant
-    assert pallas_tpu.lower(problem, fwd, bwd) == 3
+    shapes, spec = codegen.standard_shapes(variant)
+    fwd, bwd = BACKEND.default_params(shapes.q_len, shapes.kv_len, shapes.head_dim)
+    assert pallas_tpu.variant(spec, shapes.dtype, shapes.head_dim) == variant
+    assert pallas_tpu.lower(shapes, spec, fwd, bwd) == 3
 
 
 def test_the_lowering_rejects_what_a_tpu_cannot_tile():
@@ -138,12 +139,13 @@ def test_what_the_backend_supports_and_rejects():
 
 def test_auto_on_a_tpu_platform_says_why_it_passed_pallas_over():
     spec = AttentionSpec(scale=0.125, causal=True)
-    chosen, passed_over = resolve_auto(spec, jnp.bfloat16, 128, platform="tpu")
+    chosen, passed_over = registry.resolve_auto(spec, jnp.bfloat16, 128, registry.Target("tpu"))
     assert chosen.name == "scan" and passed_over == ["pallas_tpu cannot run here: no TPU visible to jax "
                                                      "(interpret=True runs the kernels on the CPU)"]
-    chosen, passed_over = resolve_auto(spec, jnp.float16, 128, platform="tpu", interpret=True)
+    chosen, passed_over = registry.resolve_auto(spec, jnp.float16, 128, registry.Target("tpu", interpret=True))
     assert chosen.name == "scan" and "does not support dtype float16" in passed_over[0]
-    assert resolve_auto(spec, jnp.bfloat16, 128, platform="tpu", interpret=True)[0].name == "pallas_tpu"
+    tpu_interpreter = registry.Target("tpu", interpret=True)
+    assert registry.resolve_auto(spec, jnp.bfloat16, 128, tpu_interpreter)[0].name == "pallas_tpu"
 
 
 def test_interpreting_under_a_varying_axes_check_is_a_clear_error():
@@ -162,28 +164,30 @@ def test_vmem_and_smem_constraints(monkeypatch):
     problem = Problem(seq_len=32768, heads=16, kv_heads=4, head_dim=128, dtype="bfloat16", ring_size=2)
     fwd = FwdParams(block_q=1024, block_kv=2048, block_kv_compute=512)
     bwd = BwdParams(block_q_dkv=1024, block_kv_dkv=1024, block_q_dq=1024, block_kv_dq=1024)
-    assert BACKEND.violation(problem, fwd, bwd) is None  # v5e: 64 MiB asked for
+    assert BACKEND.violation(problem.shapes, problem.spec, fwd, bwd) is None  # v5e: 64 MiB asked for
     monkeypatch.setenv("TUNER_TPU_CHIP", "v4")
-    reason = BACKEND.violation(problem, None, bwd)
+    reason = BACKEND.violation(problem.shapes, problem.spec, None, bwd)
     assert re.fullmatch(r"dkv kernel needs about \d+\.\d MiB of VMEM with 1024x1024 tiles, over the 8 MiB "
                         r"scoped limit on TPU v4", reason), reason
-    assert BACKEND.violation(problem, FwdParams(block_q=256, block_kv=512), None) is None
+    assert BACKEND.violation(problem.shapes, problem.spec, FwdParams(block_q=256, block_kv=512), None) is None
     monkeypatch.setenv("TUNER_TPU_CHIP", "v3")  # 16 KiB of SMEM: a 128x128-tile schedule of 16k tokens is 64 KiB
-    reason = BACKEND.violation(problem, FwdParams(block_q=128, block_kv=128, block_kv_compute=128), None)
+    reason = BACKEND.violation(problem.shapes, problem.spec, FwdParams(block_q=128, block_kv=128, block_kv_compute=128),
+                               None)
     assert "tile schedule needs" in reason and "SMEM" in reason, reason
     monkeypatch.setenv("TUNER_TPU_CHIP", "v99")
     with pytest.raises(ValueError, match="TUNER_TPU_CHIP must be one of"):
-        BACKEND.violation(problem, fwd, None)
+        BACKEND.violation(problem.shapes, problem.spec, fwd, None)
 
 
 def test_search_space_and_duplicate_points():
     problem = Problem(seq_len=2048, ring_size=4)  # 512-token shards
-    space = BACKEND.search_space(problem)
+    space = BACKEND.search_space(problem.shapes, problem.spec)
     assert space.fwd["block_q"] == (128, 256, 512) and space.fwd["block_kv"] == (128, 256, 512)
     assert space.dq_passes == ("separate",)
-    assert "a duplicate" not in (BACKEND.violation(problem, FwdParams(512, 256, block_kv_compute=256), None) or "")
+    assert "a duplicate" not in (BACKEND.violation(problem.shapes, problem.spec, FwdParams(512, 256, block_kv_compute=256),
+                                                   None) or "")
     assert "block_kv_compute=512 is longer than the key tile" in BACKEND.violation(
-        problem, FwdParams(512, 256, block_kv_compute=512), None)
+        problem.shapes, problem.spec, FwdParams(512, 256, block_kv_compute=512), None)
 
 
 def test_search_runs_the_pallas_backend_in_the_interpreter(tmp_path):
@@ -191,7 +195,7 @@ def test_search_runs_the_pallas_backend_in_the_interpreter(tmp_path):
     options = SearchOptions(objective="fwd+bwd", trials=2, runs=1, final_runs=1, interpret=True, sampler="random")
     result = search(tiny, device="cpu", backend="pallas_tpu", options=options, db=tmp_path / "t.sqlite")
     assert result.backend == "pallas_tpu" and result.trials_run == 2 and result.failed == {}
-    assert result.best.point.fwd.block_kv_compute is not None and not result.best.point.bwd.fused_dq
+    assert result.best.config.fwd.block_kv_compute is not None and not result.best.config.bwd.fused_dq
 
 
 # --------------------------------------------------------------------------------------------------

@@ -8,13 +8,14 @@ import sqlite3
 import optuna
 import pytest
 
-from tuner import BwdParams, FwdParams
-from tuner.backends import BACKENDS
+from tuner import BwdParams, FwdParams, registry
 from tuner.backends.base import SearchSpace
 from tuner.backends.scan import ScanBackend
 from tuner.cache import Cache
+from tuner.implementations import Ring, TileConfig, TileSpace
 from tuner.problem import Problem
-from tuner.search import Point, SearchOptions, _point_of, default_storage, grid_points, search, study_name
+from tuner.search import SearchOptions, search
+from tuner.study import default_storage, study_name
 
 TINY = Problem(batch=1, seq_len=64, heads=2, kv_heads=1, head_dim=16, causal=True, ring_size=2,
                layout="zigzag")
@@ -28,11 +29,11 @@ class Faulty(ScanBackend):
     def default_params(self, q_len, kv_len, head_dim):
         return FwdParams(16, 8), BwdParams(16, 8)
 
-    def search_space(self, problem):
+    def search_space(self, shapes, spec):
         return SearchSpace(fwd={"block_q": (8, 16), "block_kv": (8, 16)},
                            bwd={"block_q_dkv": (8, 16), "block_kv_dkv": (8, 16)}, dq_tiles=(8, 16))
 
-    def violation(self, problem, fwd, bwd):
+    def violation(self, shapes, spec, fwd, bwd):
         if fwd is not None and (fwd.block_q, fwd.block_kv) == (16, 16):
             return "16x16 tiles are ruled out"
         return None
@@ -47,8 +48,9 @@ class Faulty(ScanBackend):
 
 
 @pytest.fixture
-def faulty(monkeypatch):
-    monkeypatch.setitem(BACKENDS, "faulty", Faulty())
+def faulty():
+    with registry.registered(Ring(Faulty())):
+        yield
 
 
 def test_every_outcome_is_recorded_and_the_search_goes_on(faulty, tmp_path):
@@ -58,11 +60,12 @@ def test_every_outcome_is_recorded_and_the_search_goes_on(faulty, tmp_path):
 
     assert result.failed == {"wrong": 1, "compile": 1}
     assert (result.trials_run, result.trials_pruned) == (4, 1)
-    assert result.best.point.fwd == FwdParams(16, 8)  # the only correct, buildable point
+    assert result.best.config.fwd == FwdParams(16, 8)  # the only correct, buildable point
 
     study = optuna.load_study(study_name=result.study, storage=default_storage(db))
     trials = sorted(study.trials, key=lambda t: t.number)
-    assert _point_of(trials[0].params, result.default.point).fwd == FwdParams(16, 8)  # default first
+    assert TileSpace(Faulty().search_space(TINY.shapes, TINY.spec)).config(
+        trials[0].params, result.default.config).fwd == FwdParams(16, 8)  # default first
     by_point = {(t.params["fwd.block_q"], t.params["fwd.block_kv"]): t for t in trials}
     assert "differs from the scan reference" in by_point[(8, 8)].user_attrs["detail"]
     assert "does not build" in by_point[(8, 16)].user_attrs["detail"]
@@ -93,7 +96,7 @@ def test_trials_over_the_time_limit_fail_as_timeouts(tmp_path):
         search(TINY, device="cpu", backend="scan", options=options, db=tmp_path / "t.sqlite")
 
 
-def test_backward_objective_checks_gradients(monkeypatch, tmp_path):
+def test_backward_objective_checks_gradients(tmp_path):
     class WrongSeparateDq(ScanBackend):
         name = "wrong_dq"
 
@@ -101,14 +104,14 @@ def test_backward_objective_checks_gradients(monkeypatch, tmp_path):
             dq, dk, dv, dbias = super().block_bwd(*args, params=params, **kwargs)
             return (dq if params.fused_dq else dq * 1.01), dk, dv, dbias
 
-    monkeypatch.setitem(BACKENDS, "wrong_dq", WrongSeparateDq())
     options = SearchOptions(objective="bwd", trials=2, sampler="grid", runs=1, final_runs=1)
-    result = search(TINY, device="cpu", backend="wrong_dq", options=options, db=tmp_path / "t.sqlite")
+    with registry.registered(Ring(WrongSeparateDq())):
+        result = search(TINY, device="cpu", backend="wrong_dq", options=options, db=tmp_path / "t.sqlite")
     assert result.failed == {"wrong": 1}
-    assert result.best.point.bwd.fused_dq
+    assert result.best.config.bwd.fused_dq
 
 
-def test_a_failing_default_stops_the_search_with_a_reason(monkeypatch, tmp_path):
+def test_a_failing_default_stops_the_search_with_a_reason(tmp_path):
     class AlwaysWrong(ScanBackend):
         name = "always_wrong"
 
@@ -116,16 +119,16 @@ def test_a_failing_default_stops_the_search_with_a_reason(monkeypatch, tmp_path)
             out, lse = super().block_fwd(*args, **kwargs)
             return out + 1.0, lse
 
-    monkeypatch.setitem(BACKENDS, "always_wrong", AlwaysWrong())
-    with pytest.raises(RuntimeError, match="default .* fails on this problem.*differs from the scan"):
+    with registry.registered(Ring(AlwaysWrong())), \
+            pytest.raises(RuntimeError, match="default .* fails on this problem.*differs from the scan"):
         search(TINY, device="cpu", backend="always_wrong", db=tmp_path / "t.sqlite",
                options=SearchOptions(objective="fwd", trials=1, runs=1, final_runs=1))
 
 
 def test_grid_covers_forward_and_backward_spaces_side_by_side():
-    space = Faulty().search_space(TINY)
+    space = Faulty().search_space(TINY.shapes, TINY.spec)
     default = Faulty().default_params(32, 32, 16)
-    points = grid_points(space, Point(*default), SearchOptions(objective="fwd+bwd", sampler="grid"))
+    points = TileSpace(space).grid(TileConfig(*default), registry.OBJECTIVE_PARTS["fwd+bwd"])
     assert {p.fwd for p in points} == set(space.fwd_points())
     assert {p.bwd for p in points} == set(space.bwd_points())
     assert len(points) == len(list(space.bwd_points())) == 4 * (1 + 4)

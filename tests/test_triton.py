@@ -129,9 +129,9 @@ def test_shared_memory_constraint_compiles_and_compares(monkeypatch):
     backend = triton_backend.TritonBackend()
     problem = Problem(seq_len=8192, heads=16, kv_heads=16, head_dim=128, dtype="bfloat16", ring_size=2)
     fwd, bwd = backend.default_params(4096, 4096, 128)
-    assert backend.violation(problem, fwd, None) is None
+    assert backend.violation(problem.shapes, problem.spec, fwd, None) is None
     monkeypatch.setitem(triton_backend.SHARED_MEMORY_BYTES, 90, 16 * 1024)
-    reason = backend.violation(problem, fwd, None)
+    reason = backend.violation(problem.shapes, problem.spec, fwd, None)
     assert re.fullmatch(r"attention_fwd needs \d+ KiB of shared memory with 3 stages, over the 16 KiB of sm_90",
                         reason), reason
 
@@ -141,4 +141,4 @@ def test_search_runs_the_triton_backend_in_the_interpreter(tmp_path):
     options = SearchOptions(objective="fwd", trials=2, runs=1, final_runs=1, interpret=True, sampler="random")
     result = search(tiny, device="cpu", backend="triton", options=options, db=tmp_path / "t.sqlite")
     assert result.backend == "triton" and result.trials_run == 2
-    assert result.failed == {} and result.best.point.fwd.num_warps is not None
+    assert result.failed == {} and result.best.config.fwd.num_warps is not None

@@ -19,13 +19,13 @@ from typing import Any
 import jax
 
 import tuner
-from tuner.backends import BACKENDS, get_backend, why_not
+from tuner import registry
 from tuner.cache import Cache, current_versions
 from tuner.dispatch import get_tuned_ring_attention
-from tuner.mechanisms import GATHERED, gathered_unsupported
 from tuner.problem import Problem
-from tuner.search import Reference, resolve_backend
-from tuner.tables import error_line, short_params, table
+from tuner.search import resolve_backend
+from tuner.verify import ReferenceCheck
+from tuner.tables import describe_config, error_line, table
 from tuner.timing import attention_flops, run_interleaved
 from tuner.workload import Compiled, Workload
 
@@ -35,27 +35,25 @@ def bench(problem: Problem, *, device: str, backend: str = "auto", objective: st
     """Time the candidates of the module docstring on `problem`; returns the printed table."""
     workload = Workload(problem)
     chosen = resolve_backend(backend, problem, device)
-    local = problem.local_len
     explained = _explain(problem, chosen.name, db)
-    default = chosen.default_params(local, local, problem.head_dim)
-    scan_default = get_backend("scan").default_params(local, local, problem.head_dim)
+    scan = registry.get(registry.FALLBACK)
     rings = {
-        f"tuned ({explained.source})": (explained.backend, explained.fwd_params, explained.bwd_params),
-        "default": (chosen.name, *default),
-        "scan default": ("scan", *scan_default),
+        f"tuned ({explained.source})": (explained.backend, explained.config),
+        "default": (chosen.name, chosen.default_config(problem.shapes, problem.spec)),
+        "scan default": (scan.name, scan.default_config(problem.shapes, problem.spec)),
     }
     backward = objective != "fwd"
     sets = [workload.draw(seed=i) for i in range(3)]
     compiled: dict[str, Compiled] = {}
     labels: dict[str, list[str]] = {}
     seen = {}
-    for name, (backend_name, fwd, bwd) in rings.items():
-        if (backend_name, fwd, bwd) in seen:
-            labels[seen[(backend_name, fwd, bwd)]][0] += f" = {name}"
+    for name, (backend_name, config) in rings.items():
+        if (backend_name, config) in seen:
+            labels[seen[(backend_name, config)]][0] += f" = {name}"
             continue
-        seen[(backend_name, fwd, bwd)] = name
-        compiled[name] = workload.compile(workload.ring(backend_name, fwd, bwd), *sets[0], backward=backward)
-        labels[name] = [name, backend_name, f"fwd({short_params(fwd)}) bwd({short_params(bwd)})"]
+        seen[(backend_name, config)] = name
+        compiled[name] = workload.compile(workload.attend(backend_name, config), *sets[0], backward=backward)
+        labels[name] = [name, backend_name, describe_config(config)]
 
     one_device = jax.devices()[0]
     dense_sets = [tuple(jax.device_put(x, one_device) for x in s) for s in sets]
@@ -105,25 +103,18 @@ def bench_mechanisms(problem: Problem, *, device: str, objective: str = "fwd+bwd
     spec, dtype = problem.spec, jax.numpy.dtype(problem.dtype)
     backward = objective != "fwd"
     candidates, labels, skipped = {}, {}, []
-    for name, backend in BACKENDS.items():
-        reason = why_not(backend, spec, dtype, problem.head_dim)
+    for name in registry.names():
+        implementation = registry.get(name)
+        label = name if implementation.gathered else f"ring/{name}"
+        reason = registry.why_not(implementation, spec, dtype, problem.head_dim, registry.Target(device))
         if reason is not None:
-            skipped.append(f"ring/{name} {reason}")
+            skipped.append(f"{label} {reason}")
             continue
         decision = _explain(problem, name, db)
-        candidates[f"ring/{name}"] = workload.ring(name, decision.fwd_params, decision.bwd_params)
-        labels[f"ring/{name}"] = (f"fwd({short_params(decision.fwd_params)}) bwd({short_params(decision.bwd_params)})"
-                                  f" [{decision.source}]")
-    for mechanism in GATHERED:
-        reason = gathered_unsupported(mechanism, spec)
-        if reason is not None:
-            skipped.append(f"{mechanism}: {reason}")
-            continue
-        candidates[mechanism] = workload.gathered(mechanism)
-        labels[mechanism] = ("all-gather K/V, tuner.reference.dense_attention" if mechanism == "dense" else
-                             "all-gather K/V, jax.nn.dot_product_attention")
+        candidates[label] = workload.attend(name, decision.config)
+        labels[label] = f"{implementation.summary}: {describe_config(decision.config)} [{decision.source}]"
 
-    reference = Reference(workload, seed=10_000, backward=backward)
+    reference = ReferenceCheck(workload, seed=10_000, backward=backward)
     sets = [workload.draw(seed=i) for i in range(3)]
     compiled: dict[str, Compiled] = {}
     failed: dict[str, str] = {}

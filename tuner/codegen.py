@@ -29,7 +29,7 @@ from typing import Any
 
 import jinja2
 
-from tuner.problem import Problem
+from tuner.spec import AttentionSpec, LocalShapes
 from tuner.resources import generated_dir, templates_dir
 
 # The templates' folder; tests point it at a copy to edit templates.
@@ -83,14 +83,16 @@ class Variant:
         return f"{self.backend}_{stem}_{self.digest}.py"
 
 
-def standard_problem(source: Variant, local_len: int = 4096, heads: int = 16, kv_heads: int = 4) -> Problem:
-    """A one-device problem with a rendered variant's features, at representative values (a 256-token
-    window, 1024-token chunks, two segments, a cap of 30): what compile and lowering reports run."""
+def standard_shapes(source: Variant, local_len: int = 4096, heads: int = 16, kv_heads: int = 4
+                    ) -> tuple[LocalShapes, AttentionSpec]:
+    """One device's shapes and a spec with a rendered variant's features, at representative values (a
+    256-token window, 1024-token chunks, segments, a cap of 30): what compile and lowering reports run."""
     f = source.features
-    return Problem(batch=1, seq_len=local_len, heads=heads, kv_heads=kv_heads, head_dim=f["head_dim"],
-                   dtype=f["dtype"], causal=f["causal"], window=(256, 0) if f["window"] else None,
-                   chunk_size=1024 if f["chunk"] else None, segments=2 if f["segments"] else 0,
-                   softcap=30.0 if f["softcap"] else None, ring_size=1)
+    shapes = LocalShapes(1, local_len, local_len, heads, kv_heads, f["head_dim"], f["dtype"])
+    spec = AttentionSpec(scale=f["head_dim"] ** -0.5, causal=f["causal"], window=(256, 0) if f["window"] else None,
+                         chunk_size=1024 if f["chunk"] else None, softcap=30.0 if f["softcap"] else None,
+                         has_segments=bool(f["segments"]))
+    return shapes, spec
 
 
 def sha256(data: str | bytes) -> str:

@@ -7,11 +7,12 @@
     attn = get_tuned_ring_attention(axis_name="sp", causal=True, layout="contiguous")
     out = attn(q, k, v, q_segment_ids=seg, kv_segment_ids=seg)   # local shards, inside shard_map over "sp"
 
-At trace time the callable builds the problem key from the shapes it sees, picks the backend
-(`auto`: the mechanism `tuner bench --mechanisms` measured fastest for this problem -- a ring backend,
-or gathered dense attention when that is faster at this length -- else the platform's fast backend,
-else scan when that one is missing, does not support the features, or fails to build) and the params
-(cache lookup: exact, nearest, shipped, else the backend's default). It never tunes. Whatever the
+At trace time the callable builds the problem key from the shapes it sees, picks the implementation
+from `tuner.registry` (`auto`: the one `tuner bench --mechanisms` measured fastest for this problem --
+a ring, or gathered dense attention when that is faster at this length -- else the one whose tuned
+entry for this problem is the fastest, else the platform's preferred ring, else scan when that one is
+missing, does not support the features, or fails to build) and its config (cache lookup: exact,
+nearest, shipped, else the implementation's default). It never tunes. Whatever the
 cache holds, a training step traces, runs and is exact: a missing, unreadable, corrupt or locked
 cache file (waited for at most `tuner.cache.LOADER_BUSY_TIMEOUT_S`) and every invalid row cost
 speed only, with one WARNING naming the file, the row and what is wrong; a tuned variant that fails
@@ -32,14 +33,16 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from tuner import layouts
-from tuner.backends import BACKENDS, Backend, choose_backend, get_backend, resolve_auto, why_not
-from tuner.cache import LOADER_BUSY_TIMEOUT_S, Cache, CacheError, current_versions, row_params, warn_once
-from tuner.mechanisms import GATHERED, gathered_attention, gathered_unsupported
+from tuner import layouts, registry
+from tuner.cache import (LOADER_BUSY_TIMEOUT_S, Cache, CacheError, current_versions, row_config, row_problem,
+                         stale_reason, warn_once)
+from tuner.checks import check_int
+from tuner.implementations import TileConfig
 from tuner.params import BwdParams, FwdParams
-from tuner.problem import ProblemKey, key_layout
+from tuner.problem import ProblemKey
+from tuner.registry import Config
 from tuner.ring import ring_attention, ring_geometry
-from tuner.spec import build_spec, check_inputs, layout_span, normalize_window
+from tuner.spec import LocalShapes, build_spec, check_inputs, layout_span, normalize_window
 
 log = logging.getLogger("tuner.dispatch")
 
@@ -52,16 +55,24 @@ SEQUENCE_OPTIONS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positi
 
 @dataclass(frozen=True)
 class Decision:
-    """What the loader runs for one problem, and why. `backend` is a ring backend, or a gathered
-    mechanism of `tuner.mechanisms` ("dense", "jax_nn"; no params) that `tuner bench --mechanisms`
-    measured faster for this problem (source "measured")."""
+    """What the loader runs for one problem, and why: the registered implementation `backend` (a ring
+    over a block kernel, a gathered mechanism, or one a user registered) with `config`."""
 
     backend: str
-    fwd_params: FwdParams | None
-    bwd_params: BwdParams | None
+    config: Config
     source: str  # one of SOURCES
     reason: str
     key: ProblemKey
+
+    @property
+    def fwd_params(self) -> FwdParams | None:
+        """The forward tiles of a ring's config (None for other implementations)."""
+        return self.config.fwd if isinstance(self.config, TileConfig) else None
+
+    @property
+    def bwd_params(self) -> BwdParams | None:
+        """The backward tiles of a ring's config (None for other implementations)."""
+        return self.config.bwd if isinstance(self.config, TileConfig) else None
 
 
 class TunedRingAttention:
@@ -74,7 +85,7 @@ class TunedRingAttention:
         if layout is not None and (not isinstance(layout, str) or layout not in layouts.LAYOUTS):
             raise ValueError(f"layout must be one of {', '.join(layouts.LAYOUTS)} or None, got {layout!r}")
         if backend != "auto":
-            get_backend(backend)
+            registry.get(backend)
         if mesh is not None:
             if not isinstance(mesh, Mesh):
                 raise ValueError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
@@ -145,8 +156,7 @@ class TunedRingAttention:
             size = 1
         else:
             size = ring_size
-        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-            raise ValueError(f"ring_size must be a positive int, got {ring_size!r}")
+        check_int("ring_size", size)
         return self._decide(query, key, value, size, options)
 
     # ----------------------------------------------------------------------------------------------
@@ -154,20 +164,19 @@ class TunedRingAttention:
     def _local(self, query, key, value, options: dict[str, Any]):
         size, _ = ring_geometry(self.axis_name)
         decision = self._decide(query, key, value, size, options)
-        call = dict(**self.options, **options, axis_name=self.axis_name, layout=self._layout(size))
-        if decision.backend in GATHERED:
-            return gathered_attention(query, key, value, mechanism=decision.backend,
-                                      **{n: v for n, v in call.items() if n != "interpret"})
+        interpret = bool(options.get("interpret"))
+        call = dict(**self.options, **{n: v for n, v in options.items() if n != "interpret"},
+                    axis_name=self.axis_name, layout=self._layout(size))
         try:
-            return ring_attention(query, key, value, backend=decision.backend,
-                                  fwd_params=decision.fwd_params, bwd_params=decision.bwd_params, **call)
+            return registry.get(decision.backend).attend(query, key, value, config=decision.config,
+                                                         interpret=interpret, **call)
         except Exception as error:  # noqa: BLE001 - a variant that fails to build falls back to scan defaults
-            if decision.backend == "scan" and decision.source in ("default", "fallback"):
+            if decision.backend == registry.FALLBACK and decision.source in ("default", "fallback"):
                 raise
-            log.warning("ring attention %s: backend %s with params from %s failed to build (%s: %s); falling "
-                        "back to scan with its default params", decision.key.digest, decision.backend,
-                        decision.source, type(error).__name__, error)
-            return ring_attention(query, key, value, backend="scan", **call)
+            log.warning("ring attention %s: backend %s with params from %s failed to build (%s: %s); falling back "
+                        "to %s with its default params", decision.key.digest, decision.backend, decision.source,
+                        type(error).__name__, error, registry.FALLBACK)
+            return ring_attention(query, key, value, backend=registry.FALLBACK, interpret=interpret, **call)
 
     def _decide(self, query, key, value, ring_size: int, options: dict[str, Any]) -> Decision:
         check_inputs(query, key, value, ring_size=ring_size,
@@ -178,33 +187,30 @@ class TunedRingAttention:
                                                     options.get("q_positions"), options.get("kv_positions")))
         dtype = jnp.dtype(query.dtype)
         platform, device_kind = _platform()
-        backend, fallback = self._choose(spec, dtype, query.shape[3], platform, bool(options.get("interpret")))
-        b, tq, h, d = query.shape
-        problem = ProblemKey(backend=backend.name, device_kind=device_kind, ring_size=ring_size,
-                             layout=key_layout(self._layout(ring_size), ring_size), batch=b, q_len=tq,
-                             kv_len=key.shape[1], heads=h, kv_heads=key.shape[2], head_dim=d, dtype=dtype.name,
-                             features=spec.features())
-        memo = (problem.digest, fallback, bool(options.get("return_lse")))
+        target = registry.Target(platform, bool(options.get("interpret")))
+        return_lse = bool(options.get("return_lse"))
+        shapes = LocalShapes.of_shards(query, key)
+        implementation, fallback = self._choose(spec, dtype, shapes.head_dim, target, return_lse)
+        problem = ProblemKey.of(shapes, spec, backend=implementation.name, device_kind=device_kind,
+                                ring_size=ring_size, layout=self._layout(ring_size))
+        memo = (problem.digest, fallback, return_lse)
         if memo not in self._decisions:
             measured, unusable = None, None
-            if self.backend == "auto" and not options.get("interpret"):
+            if self.backend == "auto" and not target.interpret:
                 try:
-                    measured = self._measured(dataclasses.replace(problem, backend="auto"), spec,
-                                              bool(options.get("return_lse")), dtype)
+                    measured = self._measured(problem, spec, dtype, target, return_lse)
                 except (CacheError, OSError) as error:  # reported by _lookup, which does not wait again
                     unusable = error
-            if measured is not None and measured[0] in GATHERED:
-                decision = Decision(measured[0], None, None, "measured", measured[1], problem)
-            else:
-                if measured is not None:
-                    backend, fallback = BACKENDS[measured[0].removeprefix("ring/")], None
-                    problem = dataclasses.replace(problem, backend=backend.name)
-                decision = self._lookup(problem, backend, fallback, unusable)
-                if measured is not None:
-                    decision = dataclasses.replace(decision, reason=f"{measured[1]}; params: {decision.source} "
-                                                                    f"({decision.reason})")
+            if measured is not None:
+                implementation, fallback = registry.get(measured[0]), None
+                problem = dataclasses.replace(problem, backend=implementation.name)
+            decision = self._lookup(problem, shapes, spec, implementation, fallback, unusable)
+            if measured is not None:
+                nothing_tuned = decision.source == "default" and decision.config.to_dict() == {"fwd": {}, "bwd": {}}
+                decision = dataclasses.replace(decision, source="measured" if nothing_tuned else decision.source,
+                                               reason=f"{measured[1]}; config: {decision.source} ({decision.reason})")
             self._decisions[memo] = decision
-            log.info("ring attention %s: backend %s, params from %s (%s)", problem.digest, decision.backend,
+            log.info("ring attention %s: %s, config from %s (%s)", problem.digest, decision.backend,
                      decision.source, decision.reason)
         return self._decisions[memo]
 
@@ -221,18 +227,32 @@ class TunedRingAttention:
                          f"'zigzag' or 'striped' after tuner.layouts.lay_out), or pass mesh= and global arrays "
                          f"in token order, which the loader lays out itself ({DEFAULT_LAYOUT} by default)")
 
-    def _choose(self, spec, dtype, head_dim: int, platform: str, interpret: bool) -> tuple[Backend, str | None]:
-        """The backend, and why it is a fallback (None when it is the platform's first choice)."""
+    def _choose(self, spec, dtype, head_dim: int, target: registry.Target, return_lse: bool
+                ) -> tuple[registry.Implementation, str | None]:
+        """The implementation, and why it is a fallback (None when it is the platform's first choice)."""
         if self.backend != "auto":
-            return choose_backend(self.backend, spec, dtype, head_dim, platform, interpret), None
-        backend, passed_over = resolve_auto(spec, dtype, head_dim, platform, interpret)
-        return backend, "; ".join(passed_over) or None
+            return registry.choose(self.backend, spec, dtype, head_dim, target, return_lse=return_lse), None
+        implementation, passed_over = registry.resolve_auto(spec, dtype, head_dim, target, return_lse=return_lse)
+        return implementation, "; ".join(passed_over) or None
 
-    def _measured(self, key: ProblemKey, spec, return_lse: bool, dtype) -> tuple[str, str] | None:
-        """The mechanism `tuner bench --mechanisms` measured fastest for `key` (a current measurement
-        that can honour this call), and the reason to give; None to decide as usual. `CacheError` or
-        `OSError` when the cache cannot be read."""
+    def _measured(self, key: ProblemKey, spec, dtype, target: registry.Target, return_lse: bool
+                  ) -> tuple[str, str] | None:
+        """What `auto` runs by measurement, and the reason to give: the implementation `tuner bench
+        --mechanisms` measured fastest for `key` (one run times them all), else the one whose tuned
+        entry for `key` is the fastest (`tuner search` of each; entries of the fwd+bwd objective first);
+        only current, valid measurements of implementations that can honour this call count. None to
+        decide by the platform's preference. `CacheError` or `OSError` when the cache cannot be read."""
         cache = Cache(self.db, busy_timeout=LOADER_BUSY_TIMEOUT_S)
+
+        def runnable(name: str) -> bool:
+            implementation = registry.find(name)
+            return implementation is not None and registry.why_not(
+                implementation, spec, dtype, key.head_dim, target, return_lse=return_lse) is None
+
+        return (self._bench_winner(cache, dataclasses.replace(key, backend="auto"), runnable)
+                or self._fastest_tuned(cache, key, runnable))
+
+    def _bench_winner(self, cache: Cache, key: ProblemKey, runnable) -> tuple[str, str] | None:
         row = cache.mechanism(key.digest)
         if row is None:
             return None
@@ -242,52 +262,66 @@ class TunedRingAttention:
                      row["jax_version"], row["jaxlib_version"])
             return None
         winner = row["winner"]
-        if winner in GATHERED:
-            if gathered_unsupported(winner, spec, return_lse=return_lse) is not None:
-                return None
-        else:
-            backend = BACKENDS.get(winner.removeprefix("ring/"))
-            if backend is None:
-                warn_once(cache.path, f"mechanisms row {key.digest} skipped", f"winner {winner} is not a backend "
-                                                                             f"of this version ({', '.join(BACKENDS)})")
-                return None
-            if why_not(backend, spec, dtype, key.head_dim) is not None:
-                return None
+        name = winner.removeprefix("ring/")
+        if registry.find(name) is None:
+            warn_once(cache.path, f"mechanisms row {key.digest} skipped",
+                      f"winner {winner} is not an implementation of this version ({', '.join(registry.names())})")
+            return None
+        if not runnable(name):
+            return None
         seconds = json.loads(row["seconds"])
-        others = ", ".join(f"{name} {s * 1e3:.1f} ms" for name, s in sorted(seconds.items(), key=lambda i: i[1])
-                           if name != winner)
-        return winner, (f"tuner bench --mechanisms measured {winner} fastest for this problem "
-                        f"({seconds[winner] * 1e3:.1f} ms; {others or 'nothing else ran'}) on "
-                        f"{row['measured_at'][:10]}")
+        others = ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in sorted(seconds.items(), key=lambda i: i[1])
+                           if n != winner)
+        return name, (f"tuner bench --mechanisms measured {winner} fastest for this problem "
+                      f"({seconds[winner] * 1e3:.1f} ms; {others or 'nothing else ran'}) on "
+                      f"{row['measured_at'][:10]}")
 
-    def _lookup(self, problem: ProblemKey, backend: Backend, fallback: str | None,
-                unusable: CacheError | OSError | None = None) -> Decision:
-        """The params for `problem` from the cache; the defaults, with one warning, when it cannot be
-        read (`unusable`: the error reading its mechanisms already met, so a locked file is waited for
+    def _fastest_tuned(self, cache: Cache, key: ProblemKey, runnable) -> tuple[str, str] | None:
+        tuned = []
+        for name in registry.names():
+            if not runnable(name):
+                continue
+            entry = dataclasses.replace(key, backend=name)
+            row = cache.entry(entry.digest)
+            if row is not None and row_problem(row) is None \
+                    and stale_reason(row, registry.versions(registry.get(name))) is None:
+                tuned.append((row["objective"] != "fwd+bwd", row["best_s"], name, row))
+        if not tuned or (len(tuned) == 1 and tuned[0][2] == key.backend):
+            return None
+        tuned.sort(key=lambda item: item[:2])
+        _, best_s, name, row = tuned[0]
+        others = ", ".join(f"{n} {s * 1e3:.1f} ms" for _, s, n, _ in tuned[1:])
+        return name, (f"the fastest tuned entry for this problem is {name}'s ({best_s * 1e3:.1f} ms, objective "
+                      f"{row['objective']}; {others or 'no other implementation is tuned for it'})")
+
+    def _lookup(self, problem: ProblemKey, shapes: LocalShapes, spec, implementation: registry.Implementation,
+                fallback: str | None, unusable: CacheError | OSError | None = None) -> Decision:
+        """The config for `problem` from the cache; the default, with one warning, when it cannot be
+        read (`unusable`: the error reading its measurements already met, so a locked file is waited for
         once per decision, and a broken one warned about once)."""
         def accept(row: dict[str, Any]) -> str | None:
             try:
-                backend.check_params(*row_params(row))
+                implementation.check(row_config(row))
             except ValueError as error:
                 return str(error)
             return None
 
-        defaults = backend.default_params(problem.q_len, problem.kv_len, problem.head_dim)
+        default = implementation.default_config(shapes, spec)
         cache = Cache(self.db, busy_timeout=LOADER_BUSY_TIMEOUT_S)
-        versions = current_versions(backend.code_hash(), triton=backend.name == "triton")
+        name = implementation.name
         try:
             if unusable is not None:
                 raise unusable
-            found = cache.lookup(problem, versions, accept)
+            found = cache.lookup(problem, registry.versions(implementation), accept)
         except (CacheError, OSError) as error:
             warn_once(cache.path, "unusable, using default params", str(error))
-            return Decision(backend.name, *defaults, "fallback" if fallback else "default",
+            return Decision(name, default, "fallback" if fallback else "default",
                             f"{fallback + '; ' if fallback else ''}cache unusable: {error}", problem)
-        fwd, bwd = row_params(found.row) if found.row is not None else defaults
+        config = row_config(found.row) if found.row is not None else default
         if fallback:
-            return Decision(backend.name, fwd, bwd, "fallback",
-                            f"{fallback}; {backend.name} params: {found.source} ({found.reason})", problem)
-        return Decision(backend.name, fwd, bwd, found.source, found.reason, problem)
+            return Decision(name, config, "fallback", f"{fallback}; {name} params: {found.source} ({found.reason})",
+                            problem)
+        return Decision(name, config, found.source, found.reason, problem)
 
 
 def _platform() -> tuple[str, str]:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tuner import layouts
+from tuner.checks import check_int
 from tuner.dispatch import get_tuned_ring_attention
 from tuner.reference import dense_attention
 from tuner.ring import ring_geometry
@@ -52,8 +53,7 @@ class RingSelfAttention(nnx.Module):
                  dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, db=None, rngs: nnx.Rngs):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_int(name, value)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
         if head_dim is None:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from tuner.checks import check_int
 from tuner.spec import LAYOUTS
 
 
@@ -34,8 +35,7 @@ def check_layout(layout: str, local_length: int, *, name: str = "layout") -> Non
 
 def global_order(layout: str, global_length: int, ring_size: int) -> np.ndarray:
     """Global token index held at each slot of the laid-out sequence (device-major order)."""
-    if ring_size <= 0:
-        raise ValueError(f"ring_size must be a positive int, got {ring_size!r}")
+    ring_size = check_int("ring_size", ring_size, numeric=True)
     if global_length % ring_size:
         raise ValueError(f"the global length ({global_length}) must be a multiple of ring_size ({ring_size})")
     local = global_length // ring_size

@@ -11,6 +11,8 @@ Positions are int32 and may lie anywhere in its range: no bound computed here ca
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax.numpy as jnp
 
 from tuner.spec import INT32_MAX, INT32_MIN, AttentionSpec
@@ -121,14 +123,24 @@ def _tile_bounds(x, block: int, tiles: int):
     return padded.min(axis=-1), padded.max(axis=-1)
 
 
+class TileSchedule(NamedTuple):
+    """Which tiles a kernel visits, for each batch row and tile it holds (a query tile, or a key tile
+    when scheduled `by_key`) among the tiles it streams past. `order [B, held, streamed]` (int32) lists
+    the streamed tiles: first those that need no mask, then the rest of those that may attend, then the
+    tiles to skip; `count [B, held]` is how many of `order` to visit, `unmasked [B, held]` how many of
+    those (listed first) need no mask."""
+
+    order: Any
+    count: Any
+    unmasked: Any
+
+
 def tile_schedule(q_pos, kv_pos, q_seg, kv_seg, spec: AttentionSpec, block_q: int, block_kv: int, *,
-                  by_key: bool = False):
-    """Which tiles a kernel visits: for every (batch row, query tile) the key tiles that may attend to
-    it, in order (`[B, query tiles, key tiles]` int32), how many (`[B, query tiles]`), and how many of
-    them, listed first, need no mask (`[B, query tiles]`): every pair allowed and both tiles whole,
-    inside the lengths. With `by_key`, the same per key tile: its query tiles. The rules are
-    `ranges_may_attend` and `ranges_fully_allowed` on the tiles' position and segment ranges, the ones
-    the scan backend and the ring driver skip and drop masks by."""
+                  by_key: bool = False) -> TileSchedule:
+    """The `TileSchedule` of query tiles over key tiles (with `by_key`, of key tiles over query tiles). A
+    tile pair is visited when `ranges_may_attend` says so of the tiles' position and segment ranges, and
+    needs no mask when `ranges_fully_allowed` does and both tiles are whole, inside the lengths: the
+    rules the scan backend and the ring driver skip and drop masks by."""
     q_len, kv_len = q_pos.shape[1], kv_pos.shape[1]
     nq, nk = -(-q_len // block_q), -(-kv_len // block_kv)
     q_lo, q_hi = _tile_bounds(q_pos, block_q, nq)
@@ -146,4 +158,4 @@ def tile_schedule(q_pos, kv_pos, q_seg, kv_seg, spec: AttentionSpec, block_q: in
         possible, full = jnp.swapaxes(possible, 1, 2), jnp.swapaxes(full, 1, 2)
     rank = jnp.where(full, 0, jnp.where(possible, 1, 2))
     order = jnp.argsort(rank, axis=-1, stable=True).astype(jnp.int32)
-    return order, possible.sum(axis=-1, dtype=jnp.int32), full.sum(axis=-1, dtype=jnp.int32)
+    return TileSchedule(order, possible.sum(axis=-1, dtype=jnp.int32), full.sum(axis=-1, dtype=jnp.int32))

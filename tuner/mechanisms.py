@@ -1,11 +1,11 @@
-"""Attention mechanisms measured against each other, and the gathered (dense) ones.
+"""The gathered implementations: every device all-gathers the keys and values and attends densely.
 
 A ring is not always the fastest way to attend over a sharded sequence: at short lengths, gathering
-every device's keys and values and attending densely can win. `tuner bench --mechanisms` times, on the
-same ring of devices and the same inputs, every mechanism that can run the problem here:
+every device's keys and values and attending densely can win. `tuner.implementations` registers these
+beside the rings, and `tuner bench --mechanisms` times, on the same ring of devices and the same inputs,
+every registered implementation that can run the problem here (`ring/<kernel>` for the rings, at the
+config the runtime loader would pick):
 
-- `ring/<backend>`: `ring_attention` with each backend that runs here (scan; triton on a GPU;
-  pallas_tpu on a TPU), at the params the runtime loader would pick;
 - `dense`: all-gather K/V (and their positions and segment ids) around the ring, then dense attention
   in XLA (`tuner.reference.dense_attention`, every feature) for this device's queries;
 - `jax_nn`: all-gather, then `jax.nn.dot_product_attention` with the masks as a boolean mask (XLA;
@@ -28,9 +28,6 @@ from tuner import layouts, masks
 from tuner.reference import dense_attention
 from tuner.ring import ring_geometry
 from tuner.spec import AttentionSpec, build_spec
-
-GATHERED = ("dense", "jax_nn")
-
 
 def gathered_unsupported(mechanism: str, spec: AttentionSpec, *, return_lse: bool = False) -> str | None:
     """Why a gathered mechanism cannot honour this call, or None."""
@@ -83,4 +80,4 @@ def gathered_attention(query, key, value, *, mechanism: str, axis_name: Hashable
     return jnp.where(allowed.any(axis=-1)[:, :, None, None], out, 0.0).astype(out.dtype)
 
 
-__all__ = ["GATHERED", "gathered_attention", "gathered_unsupported"]
+__all__ = ["gathered_attention", "gathered_unsupported"]

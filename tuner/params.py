@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from tuner.checks import check_int
 
-def _check_positive(owner: str, name: str, value: int | None, *, optional: bool) -> None:
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        kind = "a positive int or None" if optional else "a positive int"
-        raise ValueError(f"{owner}.{name} must be {kind}, got {value!r}")
+
+def _check_fields(params: FwdParams | BwdParams) -> None:
+    """Every field a positive int; those that default to None may also be None."""
+    for field in dataclasses.fields(params):
+        check_int(f"{type(params).__name__}.{field.name}", getattr(params, field.name), optional=field.default is None)
 
 
 @dataclass(frozen=True)
@@ -31,11 +31,7 @@ class FwdParams:
     block_kv_compute: int | None = None
 
     def __post_init__(self) -> None:
-        _check_positive("FwdParams", "block_q", self.block_q, optional=False)
-        _check_positive("FwdParams", "block_kv", self.block_kv, optional=False)
-        _check_positive("FwdParams", "num_warps", self.num_warps, optional=True)
-        _check_positive("FwdParams", "num_stages", self.num_stages, optional=True)
-        _check_positive("FwdParams", "block_kv_compute", self.block_kv_compute, optional=True)
+        _check_fields(self)
 
     def to_dict(self) -> dict[str, int | None]:
         return dataclasses.asdict(self)
@@ -58,12 +54,7 @@ class BwdParams:
     num_stages: int | None = None
 
     def __post_init__(self) -> None:
-        _check_positive("BwdParams", "block_q_dkv", self.block_q_dkv, optional=False)
-        _check_positive("BwdParams", "block_kv_dkv", self.block_kv_dkv, optional=False)
-        _check_positive("BwdParams", "block_q_dq", self.block_q_dq, optional=True)
-        _check_positive("BwdParams", "block_kv_dq", self.block_kv_dq, optional=True)
-        _check_positive("BwdParams", "num_warps", self.num_warps, optional=True)
-        _check_positive("BwdParams", "num_stages", self.num_stages, optional=True)
+        _check_fields(self)
         if (self.block_q_dq is None) != (self.block_kv_dq is None):
             raise ValueError(
                 "BwdParams.block_q_dq and BwdParams.block_kv_dq must both be set (a separate dq pass) "

@@ -15,17 +15,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tuner import layouts
-from tuner.spec import INT32_MAX, LAYOUTS, AttentionSpec, clip_window, normalize_window
+from tuner.checks import check_int
+from tuner.spec import (INT32_MAX, LAYOUTS, AttentionSpec, LocalShapes, check_int32_length, clip_window,
+                        normalize_window)
 
 DTYPES = ("float32", "bfloat16", "float16")
 OBJECTIVES = ("fwd", "bwd", "fwd+bwd")
 DEVICES = ("cpu", "gpu", "tpu")
 SAMPLERS = ("tpe", "gp", "random", "grid")
-
-
-def _positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -56,7 +53,7 @@ class Problem:
 
     def __post_init__(self) -> None:
         for name in ("batch", "seq_len", "heads", "kv_heads", "head_dim", "ring_size"):
-            _positive(name, getattr(self, name))
+            check_int(name, getattr(self, name))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.layout not in LAYOUTS:
@@ -70,18 +67,12 @@ class Problem:
             raise ValueError(f"seq_len must be at most 2**31 (int32 positions), got {self.seq_len}")
         window = normalize_window(self.window, name="window")
         object.__setattr__(self, "window", clip_window(window, self.seq_len - 1, causal=bool(self.causal)))
-        if self.chunk_size is not None:
-            _positive("chunk_size", self.chunk_size)
-            if self.chunk_size > INT32_MAX:
-                raise ValueError(f"chunk_size must be at most 2**31 - 1 (int32 positions), got {self.chunk_size}")
-            if self.chunk_size >= self.seq_len:  # one chunk holds the whole sequence: no chunk mask
-                object.__setattr__(self, "chunk_size", None)
+        if check_int32_length("chunk_size", self.chunk_size) is not None and self.chunk_size >= self.seq_len:
+            object.__setattr__(self, "chunk_size", None)  # one chunk holds the whole sequence: no chunk mask
         if self.softcap is not None and not self.softcap > 0:
             raise ValueError(f"softcap must be a positive number, got {self.softcap!r}")
         for name in ("segments", "sinks"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+            check_int(name, getattr(self, name), non_negative=True)
         if self.segments > self.seq_len:
             raise ValueError(f"segments={self.segments} cannot exceed seq_len={self.seq_len} "
                              f"(every packed document needs a token)")
@@ -92,16 +83,20 @@ class Problem:
         return self.seq_len // self.ring_size
 
     @property
+    def shapes(self) -> LocalShapes:
+        """What each device's block kernels see."""
+        return LocalShapes(self.batch, self.local_len, self.local_len, self.heads, self.kv_heads, self.head_dim,
+                           self.dtype)
+
+    @property
     def spec(self) -> AttentionSpec:
         return AttentionSpec(scale=self.head_dim**-0.5, causal=self.causal, window=self.window,
                              chunk_size=self.chunk_size, softcap=self.softcap,
                              has_segments=self.segments > 0, num_sinks=self.sinks)
 
     def key(self, backend: str, device_kind: str) -> ProblemKey:
-        return ProblemKey(backend=backend, device_kind=device_kind, ring_size=self.ring_size,
-                          layout=key_layout(self.layout, self.ring_size), batch=self.batch, q_len=self.local_len,
-                          kv_len=self.local_len, heads=self.heads, kv_heads=self.kv_heads,
-                          head_dim=self.head_dim, dtype=self.dtype, features=self.spec.features())
+        return ProblemKey.of(self.shapes, self.spec, backend=backend, device_kind=device_kind,
+                             ring_size=self.ring_size, layout=self.layout)
 
     def describe(self) -> str:
         """One line: shapes, dtype and the features that are on."""
@@ -122,22 +117,24 @@ def key_layout(layout: str, ring_size: int) -> str:
 
 
 @dataclass(frozen=True)
-class ProblemKey:
-    """The cache key of DESIGN section 8, less the versions (those decide staleness, not identity)."""
+class ProblemKey(LocalShapes):
+    """The cache key of DESIGN section 8, less the versions (those decide staleness, not identity): one
+    device's shapes, and the implementation, device kind, ring and features they run with."""
 
     backend: str
     device_kind: str
     ring_size: int
     layout: str
-    batch: int
-    q_len: int
-    kv_len: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    dtype: str
     features: dict[str, Any] = field(default_factory=dict)
     op: str = "ring_attention"
+
+    @classmethod
+    def of(cls, shapes: LocalShapes, spec: AttentionSpec, *, backend: str, device_kind: str, ring_size: int,
+           layout: str) -> ProblemKey:
+        """The key of one device's shapes and the spec on a ring of `ring_size` in `layout`: the one
+        place a key is built, by the search and the loader alike."""
+        return cls(**asdict(shapes), backend=backend, device_kind=device_kind, ring_size=ring_size,
+                   layout=key_layout(layout, ring_size), features=spec.features())
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

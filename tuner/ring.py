@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tuner import layouts, masks, vma, work
-from tuner.backends import choose_backend, get_backend
+from tuner import layouts, masks, registry, vma, work
+from tuner.backends.base import Backend
 from tuner.params import BwdParams, FwdParams
 from tuner.spec import AttentionSpec, build_spec, check_inputs, layout_span
 
@@ -42,6 +42,15 @@ class RingConfig:
     bwd_params: BwdParams
     axis_name: Hashable | None
     interpret: bool
+
+
+def block_kernel(name: str) -> Backend:
+    """The block kernel the ring runs for the implementation called `name`."""
+    kernel = getattr(registry.get(name), "kernel", None)
+    if kernel is None:
+        raise ValueError(f"backend {name!r} is not a ring over a block kernel; run it through "
+                         f"get_tuned_ring_attention(backend={name!r})")
+    return kernel
 
 
 def ring_geometry(axis_name: Hashable | None) -> tuple[int, Any]:
@@ -88,7 +97,7 @@ def _sink_lse(sinks):
 
 
 def _forward(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks):
-    backend = get_backend(cfg.backend)
+    backend = block_kernel(cfg.backend)
     size, rank = ring_geometry(cfg.axis_name)
     b, tq, h, d = q.shape
     kv_len = k.shape[1]
@@ -132,7 +141,7 @@ def _forward(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks
 def _backward(cfg: RingConfig, residuals, cotangents):
     q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks, out, lse = residuals
     dout, dlse = cotangents
-    backend = get_backend(cfg.backend)
+    backend = block_kernel(cfg.backend)
     size, rank = ring_geometry(cfg.axis_name)
     kv_len = k.shape[1]
     # d lse folds into delta: d logits = p * (dp - delta + dlse).
@@ -280,7 +289,8 @@ def ring_attention(
                       has_segments=q_segment_ids is not None, bias=bias, softmax_aux=softmax_aux,
                       position_span=layout_span(size, query.shape[1], key.shape[1], q_positions,
                                                 kv_positions))
-    chosen = choose_backend(backend, spec, query.dtype, query.shape[3], interpret=bool(interpret))
+    chosen = block_kernel(registry.choose(backend, spec, query.dtype, query.shape[3],
+                                          registry.Target.here(bool(interpret))).name)
     default_fwd, default_bwd = chosen.default_params(query.shape[1], key.shape[1], query.shape[3])
     fwd_params = fwd_params or default_fwd
     bwd_params = bwd_params or default_bwd

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tuner.checks import check_int
+
 FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 LAYOUTS = ("contiguous", "zigzag", "striped")
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1  # token positions are int32
@@ -52,6 +54,26 @@ class AttentionSpec:
             "bias": self.has_bias,
             "sinks": self.num_sinks,
         }
+
+
+@dataclass(frozen=True)
+class LocalShapes:
+    """The shapes one device's block kernels see: its query shard `[batch, q_len, heads, head_dim]` and
+    key/value shard `[batch, kv_len, kv_heads, head_dim]`, and their dtype's name."""
+
+    batch: int
+    q_len: int
+    kv_len: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+
+    @classmethod
+    def of_shards(cls, query: Any, key: Any) -> LocalShapes:
+        """The shapes of a query shard and a key shard (arrays or `jax.ShapeDtypeStruct`s)."""
+        b, tq, h, d = query.shape
+        return cls(b, tq, key.shape[1], h, key.shape[2], d, jnp.dtype(query.dtype).name)
 
 
 def normalize_window(sliding_window: int | tuple[int, int] | None, *,
@@ -105,16 +127,21 @@ def _check_layout_length(positions: str, ring_size: int, local_len: int) -> None
                          f"tokens, more than int32 positions can number: pass {positions}")
 
 
-def _check_optional_positive(name: str, value: Any, kind: type) -> None:
+def check_int32_length(name: str, value: Any, *, numeric: bool = False) -> int | None:
+    """`check_int(name, value, optional=True, numeric=numeric)` of a length counted in int32 positions
+    (a chunk), so also at most 2**31 - 1."""
+    length = check_int(name, value, optional=True, numeric=numeric)
+    if length is not None and length > INT32_MAX:
+        raise ValueError(f"{name} must be at most 2**31 - 1 (int32 positions), got {value!r}")
+    return length
+
+
+def _check_optional_positive_float(name: str, value: Any) -> None:
     if value is None:
         return
     ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-    if kind is int:
-        ok = ok and float(value).is_integer()
     if not ok or not math.isfinite(float(value)) or value <= 0:
-        raise ValueError(f"{name} must be a positive {kind.__name__}, got {value!r}")
-    if kind is int and value > INT32_MAX:
-        raise ValueError(f"{name} must be at most 2**31 - 1 (int32 positions), got {value!r}")
+        raise ValueError(f"{name} must be a positive float, got {value!r}")
 
 
 def build_spec(
@@ -138,9 +165,9 @@ def build_spec(
     """
     if not isinstance(causal, (bool, np.bool_)):
         raise ValueError(f"causal must be a bool, got {causal!r}")
-    _check_optional_positive("chunk_size", chunk_size, int)
-    _check_optional_positive("logits_soft_cap", logits_soft_cap, float)
-    _check_optional_positive("softmax_scale", softmax_scale, float)
+    chunk_size = check_int32_length("chunk_size", chunk_size, numeric=True)
+    _check_optional_positive_float("logits_soft_cap", logits_soft_cap)
+    _check_optional_positive_float("softmax_scale", softmax_scale)
     head_dim = query.shape[-1]
     scale = float(softmax_scale) if softmax_scale is not None else head_dim**-0.5
     num_sinks = 0
@@ -155,7 +182,7 @@ def build_spec(
         scale=scale,
         causal=bool(causal),
         window=window,
-        chunk_size=int(chunk_size) if chunk_size is not None else None,
+        chunk_size=chunk_size,
         softcap=float(logits_soft_cap) if logits_soft_cap is not None else None,
         has_segments=has_segments,
         has_bias=bias is not None,

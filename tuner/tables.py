@@ -30,6 +30,12 @@ def error_line(error: BaseException, limit: int = 300) -> str:
     return f"{type(error).__name__}: {text[0][:limit] if text else ''}"
 
 
-def short_params(params: Any) -> str:
-    """`FwdParams`/`BwdParams` as `field=value ...`, unset fields left out."""
-    return " ".join(f"{k}={v}" for k, v in params.to_dict().items() if v is not None)
+def short_params(values: dict[str, Any]) -> str:
+    """Settings as `field=value ...`, unset fields left out."""
+    return " ".join(f"{k}={v}" for k, v in values.items() if v is not None)
+
+
+def describe_config(config: Any) -> str:
+    """An implementation's config as `fwd(field=value ...) bwd(...)`; "-" when it has nothing to tune."""
+    parts = [f"{part}({short_params(values)})" for part, values in config.to_dict().items() if values]
+    return " ".join(parts) or "-"

@@ -21,12 +21,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tuner import layouts
-from tuner.backends import check_vma
-from tuner.mechanisms import gathered_attention
-from tuner.params import BwdParams, FwdParams
+from tuner import layouts, registry
 from tuner.problem import Problem
-from tuner.ring import ring_attention
+from tuner.registry import Config
 
 AXIS = "sp"
 Inputs = dict[str, Any]
@@ -112,35 +109,21 @@ class Workload:
                               NamedSharding(self.mesh, self.specs["q"]))
         return inputs, dout
 
-    def ring(self, backend: str, fwd: FwdParams, bwd: BwdParams, *, interpret: bool = False
-             ) -> Callable[[Inputs], Any]:
-        """The global ring function `inputs -> output` for this backend and these params."""
+    def attend(self, name: str, config: Config, *, interpret: bool = False) -> Callable[[Inputs], Any]:
+        """The global function `inputs -> output` of the registered implementation `name` with `config`,
+        on this problem's ring."""
         p = self.problem
+        implementation = registry.get(name)
 
         def local(x: Inputs):
             segments = x.get("segment_ids")
-            return ring_attention(
-                x["q"], x["k"], x["v"], q_segment_ids=segments, kv_segment_ids=segments,
-                softmax_aux=x.get("sinks"), causal=p.causal, sliding_window=p.window,
-                chunk_size=p.chunk_size, logits_soft_cap=p.softcap, axis_name=AXIS, layout=p.layout,
-                backend=backend, fwd_params=fwd, bwd_params=bwd, interpret=interpret)
-
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(self.specs,), out_specs=self.specs["q"],
-                             check_vma=check_vma(backend, interpret))
-
-    def gathered(self, mechanism: str) -> Callable[[Inputs], Any]:
-        """The global function `inputs -> output` of a gathered mechanism (`tuner.mechanisms`) on the
-        same ring: every device all-gathers K/V and attends densely."""
-        p = self.problem
-
-        def local(x: Inputs):
-            segments = x.get("segment_ids")
-            return gathered_attention(
-                x["q"], x["k"], x["v"], mechanism=mechanism, axis_name=AXIS, layout=p.layout,
+            return implementation.attend(
+                x["q"], x["k"], x["v"], config=config, axis_name=AXIS, layout=p.layout, interpret=interpret,
                 q_segment_ids=segments, kv_segment_ids=segments, softmax_aux=x.get("sinks"), causal=p.causal,
                 sliding_window=p.window, chunk_size=p.chunk_size, logits_soft_cap=p.softcap)
 
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(self.specs,), out_specs=self.specs["q"])
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(self.specs,), out_specs=self.specs["q"],
+                             check_vma=implementation.vma_checked(registry.Target.here(interpret)))
 
     def compile(self, fn: Callable[[Inputs], Any], inputs: Inputs, dout, *, backward: bool) -> Compiled:
         """AOT-compile `fn`, or with `backward` its residual-saving forward and its backward (so the

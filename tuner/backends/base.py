@@ -23,8 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tuner.params import BwdParams, FwdParams
-from tuner.problem import Problem
-from tuner.spec import AttentionSpec
+from tuner.spec import AttentionSpec, LocalShapes
 
 
 @dataclass(frozen=True)
@@ -82,11 +81,12 @@ class Backend(Protocol):
     def default_params(self, q_len: int, kv_len: int, head_dim: int) -> tuple[FwdParams, BwdParams]:
         """The heuristic default for a local problem of these lengths."""
 
-    def search_space(self, problem: Problem) -> SearchSpace:
-        """The candidate tiles (and launch settings) worth trying for `problem`."""
+    def search_space(self, shapes: LocalShapes, spec: AttentionSpec) -> SearchSpace:
+        """The candidate tiles (and launch settings) worth trying for these local shapes."""
 
-    def violation(self, problem: Problem, fwd: FwdParams | None, bwd: BwdParams | None) -> str | None:
-        """Why this point cannot run for `problem` (checked before compiling), or None when it can."""
+    def violation(self, shapes: LocalShapes, spec: AttentionSpec, fwd: FwdParams | None, bwd: BwdParams | None
+                  ) -> str | None:
+        """Why this point cannot run for these shapes (checked before compiling), or None when it can."""
 
     def code_hash(self) -> str:
         """Version of the code that builds this backend's kernels (template text for generated ones):
@@ -112,8 +112,3 @@ def reject_settings(backend: str, fwd: FwdParams, bwd: BwdParams, *, launch: boo
     if not compute_slice and fwd.block_kv_compute is not None:
         raise ValueError(f"fwd_params.block_kv_compute is a TPU kernel setting that the {backend} backend "
                          f"cannot honour; leave it None")
-
-
-def available(backend: Backend) -> bool:
-    """True when `backend` can run on this machine."""
-    return backend.unavailable_reason(False) is None

@@ -26,8 +26,7 @@ import jax.numpy as jnp
 from tuner import codegen, masks, vma
 from tuner.backends.base import SearchSpace, reject_settings, source_hash
 from tuner.params import BwdParams, FwdParams
-from tuner.problem import Problem
-from tuner.spec import AttentionSpec
+from tuner.spec import AttentionSpec, LocalShapes
 
 TEMPLATE = "attention.py.j2"
 DTYPES = ("bfloat16", "float32")
@@ -181,8 +180,8 @@ def _row_stats(x, length: int, fill: float):
 
 
 def _flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec: AttentionSpec, block_q: int, block_kv: int, by_key=False):
-    order, count, _ = masks.tile_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, block_q, block_kv, by_key=by_key)
-    return order.reshape(-1), count.reshape(-1)
+    schedule = masks.tile_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, block_q, block_kv, by_key=by_key)
+    return schedule.order.reshape(-1), schedule.count.reshape(-1)
 
 
 def _mask_values(spec: AttentionSpec) -> dict[str, Any]:
@@ -230,10 +229,10 @@ class PallasTpuBackend:
                         block_q_dq=min(512, q_len), block_kv_dq=min(512, kv_len))
         return fwd, bwd
 
-    def search_space(self, problem: Problem) -> SearchSpace:
+    def search_space(self, shapes: LocalShapes, spec: AttentionSpec) -> SearchSpace:
         """Tiles shorter than the local length from the lists above, and the whole length when it is
         not longer than the longest; `violation` removes what does not fit."""
-        local = problem.local_len
+        local = max(shapes.q_len, shapes.kv_len)
 
         def tiles(options: tuple[int, ...]) -> tuple[int, ...]:
             return tuple(t for t in options if t < local) + ((local,) if local <= options[-1] else ())
@@ -244,32 +243,34 @@ class PallasTpuBackend:
                            bwd={"block_q_dkv": q_tiles, "block_kv_dkv": tiles(Q_TILES)},
                            dq_tiles=tiles(Q_TILES), dq_passes=("separate",))
 
-    def violation(self, problem: Problem, fwd: FwdParams | None, bwd: BwdParams | None) -> str | None:
+    def violation(self, shapes: LocalShapes, spec: AttentionSpec, fwd: FwdParams | None, bwd: BwdParams | None
+                  ) -> str | None:
         """TPU tiling of each tile, the VMEM estimate of each kernel against the scoped limit the
         kernels request, and the scalar-prefetched schedules against SMEM."""
-        local, head_dim = problem.local_len, problem.head_dim
+        q_len, kv_len, head_dim = shapes.q_len, shapes.kv_len, shapes.head_dim
         info = chip()
         limit = vmem_limit_bytes(info)
-        ids = 1 + (problem.chunk_size is not None) + (problem.segments > 0)
+        ids = 1 + (spec.chunk_size is not None) + spec.has_segments
         kernels = []
-        if fwd is not None and fwd.block_kv_compute is not None and fwd.block_kv_compute > min(fwd.block_kv, local):
+        if fwd is not None and fwd.block_kv_compute is not None and fwd.block_kv_compute > min(fwd.block_kv, kv_len):
             return (f"block_kv_compute={fwd.block_kv_compute} is longer than the key tile, so it is cut to it: "
-                    f"the point with block_kv_compute={min(fwd.block_kv, local)}")
+                    f"the point with block_kv_compute={min(fwd.block_kv, kv_len)}")
         try:
             if fwd is not None:
-                block_q, block_kv, compute = fwd_tiles(fwd, local, local)
+                block_q, block_kv, compute = fwd_tiles(fwd, q_len, kv_len)
                 kernels.append(("fwd", block_q, block_kv, compute))
             if bwd is not None:
-                (dkv_q, dkv_kv), (dq_q, dq_kv) = bwd_tiles(bwd, local, local)
+                (dkv_q, dkv_kv), (dq_q, dq_kv) = bwd_tiles(bwd, q_len, kv_len)
                 kernels += [("dkv", dkv_q, dkv_kv, None), ("dq", dq_q, dq_kv, None)]
         except ValueError as error:
             return str(error)
         for kernel, block_q, block_kv, compute in kernels:
-            used = vmem_bytes(kernel, block_q, block_kv, head_dim, problem.dtype, ids, compute)
+            used = vmem_bytes(kernel, block_q, block_kv, head_dim, shapes.dtype, ids, compute)
             if used > limit:
                 return (f"{kernel} kernel needs about {used / 2**20:.1f} MiB of VMEM with {block_q}x{block_kv} "
                         f"tiles, over the {limit / 2**20:.0f} MiB scoped limit on TPU {info.chip_version.value}")
-            schedule = 4 * problem.batch * _padded(local, block_q) // block_q * (_padded(local, block_kv) // block_kv + 1)
+            q_tiles, kv_tiles = _padded(q_len, block_q) // block_q, _padded(kv_len, block_kv) // block_kv
+            schedule = 4 * shapes.batch * q_tiles * (kv_tiles + 1)
             if schedule > info.smem_capacity_bytes // 2:
                 return (f"{kernel} kernel's tile schedule needs {schedule // 1024} KiB of SMEM, over half the "
                         f"{info.smem_capacity_bytes // 1024} KiB of TPU {info.chip_version.value}")
@@ -322,29 +323,30 @@ class PallasTpuBackend:
 # --------------------------------------------------------------------------------------------------
 
 
-def _local_shapes(problem: Problem, dtype: Any) -> dict[str, jax.ShapeDtypeStruct]:
-    b, t, h, hkv, d = problem.batch, problem.local_len, problem.heads, problem.kv_heads, problem.head_dim
-    i32, f32 = jnp.int32, jnp.float32
-    return {"q": jax.ShapeDtypeStruct((b, t, h, d), dtype), "k": jax.ShapeDtypeStruct((b, t, hkv, d), dtype),
-            "o": jax.ShapeDtypeStruct((b, t, h, d), dtype), "lse": jax.ShapeDtypeStruct((b, h, t), f32),
-            "do": jax.ShapeDtypeStruct((b, t, h, d), f32), "pos": jax.ShapeDtypeStruct((b, t), i32)}
+def _structs(shapes: LocalShapes) -> dict[str, jax.ShapeDtypeStruct]:
+    b, tq, tk, h, hkv, d = shapes.batch, shapes.q_len, shapes.kv_len, shapes.heads, shapes.kv_heads, shapes.head_dim
+    dtype, i32, f32 = jnp.dtype(shapes.dtype), jnp.int32, jnp.float32
+    return {"q": jax.ShapeDtypeStruct((b, tq, h, d), dtype), "k": jax.ShapeDtypeStruct((b, tk, hkv, d), dtype),
+            "o": jax.ShapeDtypeStruct((b, tq, h, d), dtype), "lse": jax.ShapeDtypeStruct((b, h, tq), f32),
+            "do": jax.ShapeDtypeStruct((b, tq, h, d), f32), "q_pos": jax.ShapeDtypeStruct((b, tq), i32),
+            "kv_pos": jax.ShapeDtypeStruct((b, tk), i32)}
 
 
-def lower(problem: Problem, fwd: FwdParams | None = None, bwd: BwdParams | None = None) -> int:
-    """Export the block kernels of `problem` (one ring step on local shards) for the TPU platform with
+def lower(shapes: LocalShapes, spec: AttentionSpec, fwd: FwdParams | None = None, bwd: BwdParams | None = None
+          ) -> int:
+    """Export the block kernels for these local shapes (one ring step) for the TPU platform with
     `jax.export(..., platforms=["tpu"])`, which runs the Mosaic lowering of every kernel; returns how
     many Mosaic kernels the exported modules hold. Raises what the lowering raises."""
     backend = PallasTpuBackend()
-    spec, dtype = problem.spec, jnp.dtype(problem.dtype)
-    s = _local_shapes(problem, dtype)
-    seg = s["pos"] if spec.has_segments else None
+    s = _structs(shapes)
+    q_seg, kv_seg = (s["q_pos"], s["kv_pos"]) if spec.has_segments else (None, None)
     kernels = 0
     if fwd is not None:
         def forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg):
             return backend.block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, None, spec=spec, params=fwd)
 
         exported = jax.export.export(jax.jit(forward), platforms=["tpu"])(
-            s["q"], s["k"], s["k"], s["pos"], s["pos"], seg, seg)
+            s["q"], s["k"], s["k"], s["q_pos"], s["kv_pos"], q_seg, kv_seg)
         kernels += exported.mlir_module().count("tpu_custom_call")
     if bwd is not None:
         def backward(q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg):
@@ -352,7 +354,7 @@ def lower(problem: Problem, fwd: FwdParams | None = None, bwd: BwdParams | None 
                                      params=bwd)
 
         exported = jax.export.export(jax.jit(backward), platforms=["tpu"])(
-            s["q"], s["k"], s["k"], s["o"], s["lse"], s["do"], s["lse"], s["pos"], s["pos"], seg, seg)
+            s["q"], s["k"], s["k"], s["o"], s["lse"], s["do"], s["lse"], s["q_pos"], s["kv_pos"], q_seg, kv_seg)
         kernels += exported.mlir_module().count("tpu_custom_call")
     return kernels
 

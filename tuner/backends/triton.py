@@ -35,8 +35,7 @@ import numpy as np
 from tuner import codegen, masks
 from tuner.backends.base import SearchSpace, reject_settings, source_hash
 from tuner.params import BwdParams, FwdParams
-from tuner.problem import Problem
-from tuner.spec import AttentionSpec
+from tuner.spec import AttentionSpec, LocalShapes
 from tuner.tables import error_line
 
 TEMPLATE = "attention.py.j2"
@@ -232,7 +231,7 @@ def standard_resources(source_variant: codegen.Variant, capability: int, local_l
     """Resources of the three kernels of a variant at the backend's default params for a local length,
     compiled for `sm_<capability>` (what `tuner generate --compile` reports)."""
     head_dim = source_variant.features["head_dim"]
-    spec = codegen.standard_problem(source_variant, local_len, heads, kv_heads=heads).spec
+    _, spec = codegen.standard_shapes(source_variant, local_len, heads, kv_heads=heads)
     fwd, bwd = TritonBackend().default_params(local_len, local_len, head_dim)
     rows = []
     for kernel, block_q, block_kv, params in (("attention_fwd", fwd.block_q, fwd.block_kv, fwd),
@@ -312,20 +311,20 @@ class TritonBackend:
                 BwdParams(block_q_dkv=min(64, q), block_kv_dkv=min(128, kv), block_q_dq=min(128, q),
                           block_kv_dq=min(64, kv), num_warps=8, num_stages=2))
 
-    def search_space(self, problem: Problem) -> SearchSpace:
-        tiles = tuple(t for t in TILES if t <= _pow2_at_least(problem.local_len))
+    def search_space(self, shapes: LocalShapes, spec: AttentionSpec) -> SearchSpace:
+        tiles = tuple(t for t in TILES if t <= _pow2_at_least(max(shapes.q_len, shapes.kv_len)))
         return SearchSpace(
             fwd={"block_q": tiles, "block_kv": tiles, "num_warps": (4, 8), "num_stages": (2, 3, 4)},
             bwd={"block_q_dkv": tiles, "block_kv_dkv": tiles, "num_warps": (4, 8), "num_stages": (1, 2, 3)},
             dq_tiles=tiles, dq_passes=("separate",))
 
-    def violation(self, problem: Problem, fwd: FwdParams | None, bwd: BwdParams | None) -> str | None:
+    def violation(self, shapes: LocalShapes, spec: AttentionSpec, fwd: FwdParams | None, bwd: BwdParams | None
+                  ) -> str | None:
         """Shared memory of each kernel, compiled with `triton.compile` for this GPU's architecture
         (sm_90 when there is none), against what one block may use there."""
         capability = _capability()
         limit = SHARED_MEMORY_BYTES.get(capability, 99 * 1024)
-        source = variant(problem.spec, problem.dtype, problem.head_dim)
-        local = problem.local_len
+        source = variant(spec, shapes.dtype, shapes.head_dim)
         launches = []
         if fwd is not None:
             launches.append(("attention_fwd", fwd.block_q, fwd.block_kv, fwd))
@@ -333,8 +332,8 @@ class TritonBackend:
             launches.append(("attention_dkv", bwd.block_q_dkv, bwd.block_kv_dkv, bwd))
             launches.append(("attention_dq", bwd.block_q_dq, bwd.block_kv_dq, bwd))
         for kernel, block_q, block_kv, params in launches:
-            constants = _constants(problem.spec, local, local, problem.heads, problem.kv_heads,
-                                   problem.head_dim, block_q, block_kv)
+            constants = _constants(spec, shapes.q_len, shapes.kv_len, shapes.heads, shapes.kv_heads,
+                                   shapes.head_dim, block_q, block_kv)
             try:
                 used = resources(source, kernel, constants, num_warps=params.num_warps or 4,
                                  num_stages=params.num_stages or 2, capability=capability)["shared"]
@@ -354,11 +353,11 @@ class TritonBackend:
         tk, hkv = k.shape[1], k.shape[2]
         constants = _constants(spec, tq, tk, h, hkv, d, params.block_q, params.block_kv)
         q_seg, kv_seg = (q_pos, kv_pos) if q_seg is None else (q_seg, kv_seg)
-        tiles = masks.tile_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, constants["BLOCK_Q"],
-                                    constants["BLOCK_KV"])
+        schedule = masks.tile_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, constants["BLOCK_Q"],
+                                       constants["BLOCK_KV"])
         out_shapes = [jax.ShapeDtypeStruct((b, tq, h, d), jnp.float32), jax.ShapeDtypeStruct((b, h, tq), jnp.float32)]
         grid = (constants["NUM_Q_TILES"], b * h)
-        out, lse = _launch("attention_fwd", spec, [q, k, v, q_pos, kv_pos, q_seg, kv_seg, *tiles], out_shapes,
+        out, lse = _launch("attention_fwd", spec, [q, k, v, q_pos, kv_pos, q_seg, kv_seg, *schedule], out_shapes,
                            grid, constants, params.num_warps, params.num_stages, interpret, q)
         return out, lse
 

@@ -1,0 +1,189 @@
+"""The registry is open: a toy implementation, defined and registered by this test alone (no module of
+`tuner/` names it), is searched by `tuner search`, stored in the cache, chosen by the loader's `auto`,
+explained, listed, and exact against the dense reference. Also: the built-in implementations' configs
+round-trip through `to_dict` / `from_dict`, and registering checks names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import json
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import Mesh
+
+from tuner import BwdParams, FwdParams, get_tuned_ring_attention, registry
+from tuner.cache import Cache
+from tuner.cli import main
+from tuner.implementations import NoConfig, TileConfig
+from tuner.reference import dense_attention
+
+TOY = "toy_chunked"
+PROBLEM = ["--seq-len", "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--ring-size", "4"]
+
+
+@dataclass(frozen=True)
+class ChunkConfig:
+    """The toy's one setting: how many queries it attends at once."""
+
+    chunk: int = 16
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {"fwd": {"chunk": self.chunk}, "bwd": {}}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ChunkConfig:
+        chunk = data.get("fwd", {}).get("chunk")
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0 or data.get("bwd") != {}:
+            raise ValueError(f"fwd_params.chunk must be a positive int and bwd_params empty, got {data!r}")
+        return cls(chunk)
+
+
+class QueryChunked:
+    """Gathered attention in plain jax.numpy: all-gather K/V, then the queries a chunk at a time."""
+
+    name = TOY
+    summary = "all-gather K/V, jax.numpy attention a query chunk at a time"
+    config_type = ChunkConfig
+    gathered = True
+
+    def available(self, target: registry.Target) -> str | None:
+        return None
+
+    def supports(self, spec, dtype, head_dim: int, *, return_lse: bool = False) -> str | None:
+        extras = (spec.window, spec.chunk_size, spec.softcap, spec.has_segments, spec.has_bias, spec.num_sinks,
+                  return_lse)
+        return "anything but the causal mask" if any(extras) else None
+
+    def default_config(self, shapes, spec) -> ChunkConfig:
+        return ChunkConfig()
+
+    def space(self, shapes, spec) -> registry.Space:
+        return registry.ChoiceSpace(ChunkConfig, fwd={"chunk": (8, 16, 32, 64)})
+
+    def violation(self, shapes, spec, config: ChunkConfig, parts) -> str | None:
+        return None if shapes.q_len % config.chunk == 0 else f"chunk {config.chunk} does not divide {shapes.q_len}"
+
+    def check(self, config: ChunkConfig) -> None:
+        if not isinstance(config, ChunkConfig):
+            raise ValueError(f"{TOY} takes a ChunkConfig, got {config!r}")
+
+    packages = ()
+
+    def code_hash(self) -> str:
+        return "toy-1"
+
+    def vma_checked(self, target: registry.Target) -> bool:
+        return True
+
+    def attend(self, query, key, value, *, config: ChunkConfig, axis_name, layout: str, interpret: bool = False,
+               causal: bool = False, softmax_scale=None, **options):
+        from tuner import layouts
+
+        size, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
+        b, tq, h, d = query.shape
+        q_pos = layouts.local_positions(layout, tq, size, rank)
+        kv_pos = lax.all_gather(layouts.local_positions(layout, key.shape[1], size, rank), axis_name, tiled=True)
+        key, value = (jnp.repeat(lax.all_gather(x, axis_name, axis=1, tiled=True), h // x.shape[2], axis=2)
+                      for x in (key, value))
+        scale = softmax_scale or d**-0.5
+
+        def chunk(start):
+            q = lax.dynamic_slice_in_dim(query, start, config.chunk, axis=1).astype(jnp.float32)
+            logits = jnp.einsum("bqhd,bkhd->bhqk", q, key.astype(jnp.float32)) * scale
+            if causal:
+                pos = lax.dynamic_slice_in_dim(q_pos, start, config.chunk)
+                logits = jnp.where(kv_pos[None, None, None, :] <= pos[None, None, :, None], logits, -jnp.inf)
+            return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), value.astype(jnp.float32))
+
+        out = lax.map(chunk, jnp.arange(0, tq, config.chunk))  # [chunks, B, chunk, H, D]
+        return jnp.moveaxis(out, 0, 1).reshape(b, tq, h, d).astype(query.dtype)
+
+
+@pytest.fixture
+def toy():
+    implementation = registry.register(QueryChunked())
+    yield implementation
+    registry.unregister(TOY)
+
+
+def test_a_toy_registered_here_is_searched_stored_chosen_and_explained(toy, tmp_path, capsys):
+    db = tmp_path / "tuning.sqlite"
+    status = main(["search", "--device", "cpu", "--backend", TOY, *PROBLEM, "--trials", "3", "--runs", "1",
+                   "--db", str(db)])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    rows = Cache(db).rows()
+    assert [r["backend"] for r in rows] == [TOY]
+    stored = ChunkConfig.from_dict({"fwd": json.loads(rows[0]["fwd_params"]), "bwd": {}})
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("sp",))
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, db=db)
+    q = jax.ShapeDtypeStruct((1, 256, 4, 16), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, 256, 2, 16), jnp.float32)
+    decision = attn.explain(q, kv, kv)
+    assert (decision.backend, decision.source, decision.config) == (TOY, "exact", stored)
+    assert TOY in decision.reason
+
+    rng = np.random.default_rng(0)
+    query = jnp.asarray(rng.standard_normal((1, 256, 4, 16)), jnp.float32)
+    key, value = (jnp.asarray(rng.standard_normal((1, 256, 2, 16)), jnp.float32) for _ in range(2))
+    want, _ = dense_attention(query, key, value, causal=True)
+    np.testing.assert_allclose(np.asarray(attn(query, key, value)), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+    assert main(["list", "--db", str(db)]) == 0
+    listed = capsys.readouterr().out
+    assert TOY in listed and "invalid" not in listed
+
+
+def test_without_the_toy_its_rows_are_passed_over_not_fatal(toy, tmp_path, capsys):
+    db = tmp_path / "tuning.sqlite"
+    assert main(["search", "--device", "cpu", "--backend", TOY, *PROBLEM, "--trials", "2", "--runs", "1",
+                 "--db", str(db)]) == 0
+    registry.unregister(TOY)
+    try:
+        mesh = Mesh(np.array(jax.devices()[:4]), ("sp",))
+        attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, db=db)
+        q = jax.ShapeDtypeStruct((1, 256, 4, 16), jnp.float32)
+        kv = jax.ShapeDtypeStruct((1, 256, 2, 16), jnp.float32)
+        assert attn.explain(q, kv, kv).backend == "scan"
+    finally:
+        registry.register(QueryChunked())
+
+
+@pytest.mark.parametrize("config", [
+    TileConfig(FwdParams(64, 32), BwdParams(16, 32)),
+    TileConfig(FwdParams(8, 4, num_warps=4, num_stages=2), BwdParams(4, 8, 8, 8, num_warps=2)),
+    NoConfig(),
+])
+def test_configs_round_trip_and_hash(config):
+    again = type(config).from_dict(config.to_dict())
+    assert again == config and hash(again) == hash(config)
+
+
+def test_tile_config_names_the_bad_field():
+    with pytest.raises(ValueError, match="fwd_params has unknown key"):
+        TileConfig.from_dict({"fwd": {"block_q": 8, "block_kv": 8, "tile": 3}, "bwd": BwdParams().to_dict()})
+    with pytest.raises(ValueError, match="bwd_params: BwdParams.block_q_dkv"):
+        TileConfig.from_dict({"fwd": FwdParams().to_dict(), "bwd": {"block_q_dkv": 0, "block_kv_dkv": 8}})
+
+
+def test_register_checks_the_name_and_refuses_to_shadow():
+    with pytest.raises(ValueError, match="registered already"):
+        registry.register(registry.get("scan"))
+    with pytest.raises(ValueError, match="identifier"):
+        registry.register(type("Bad", (), {"name": "ring/x"})())
+    with pytest.raises(ValueError, match="backend must be one of auto, scan"):
+        registry.get("nope")
+
+
+def test_choice_space_walks_each_part_and_names_its_configs():
+    space = registry.ChoiceSpace(ChunkConfig, fwd={"chunk": (8, 16, 32)})
+    assert space.grid(ChunkConfig(), ("fwd", "bwd")) == [ChunkConfig(8), ChunkConfig(16), ChunkConfig(32)]
+    assert space.grid(ChunkConfig(), ("bwd",)) == [ChunkConfig()]  # nothing to tune in the backward pass
+    params = space.params(ChunkConfig(32), ("fwd",))
+    assert params == {"fwd.chunk": 32} and space.config(params, ChunkConfig()) == ChunkConfig(32)

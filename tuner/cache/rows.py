@@ -1,0 +1,290 @@
+"""One cache row: the schema of the `tuned` and `mechanisms` tables, and everything about a single row.
+
+The cache trusts nothing it reads, so this module says what a row must be before anything uses it
+(`row_problem`, `check_row`, `mechanism_problem`), how a row is built from a measurement (`make_row`),
+what it holds (`row_key`, `row_config`, `row_params`), whether it is current (`stale_reason` against
+`current_versions`), and how a bad row is reported (`warn_once`, logger `tuner.cache`). Nothing here
+opens a file: `tuner.cache.store` stores the rows, `tuner.cache.files` reads and writes them as JSON lines.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata
+import json
+import logging
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from tuner import registry
+from tuner.params import BwdParams, FwdParams
+from tuner.problem import DTYPES, OBJECTIVES, ProblemKey
+from tuner.registry import Config
+from tuner.spec import LAYOUTS
+
+log = logging.getLogger("tuner.cache")
+
+TABLE = "tuned"
+SIZE_FIELDS = ("ring_size", "batch", "q_len", "kv_len", "heads", "kv_heads", "head_dim")
+KEY_FIELDS = ("op", "backend", "device_kind", "ring_size", "layout", "batch", "q_len", "kv_len", "heads",
+              "kv_heads", "head_dim", "dtype", "features")
+FAMILY_FIELDS = ("op", "backend", "device_kind", "head_dim", "dtype", "features")
+VERSION_FIELDS = ("jax_version", "jaxlib_version", "triton_version", "code_hash")
+TIME_FIELDS = ("best_s", "default_s", "speedup")
+COLUMNS: dict[str, type] = {
+    "key": str, **{f: (int if f in SIZE_FIELDS else str) for f in KEY_FIELDS},
+    "fwd_params": str, "bwd_params": str, "objective": str,
+    "best_s": float, "default_s": float, "speedup": float,
+    "trials_run": int, "trials_pruned": int, "trials_failed": str,
+    "measured_at": str, "tool_version": str, "study": str,
+    **{f: str for f in VERSION_FIELDS},
+}
+INDEXES = {"tuned_family": FAMILY_FIELDS, "tuned_measured_at": ("measured_at",)}
+FEATURES: dict[str, str] = {"causal": "bool", "window": "window", "chunk_size": "positive or null",
+                            "softcap": "bool", "segments": "bool", "bias": "bool", "sinks": "count"}
+MECHANISM_TABLE = "mechanisms"
+MECHANISM_COLUMNS: dict[str, type] = {
+    "key": str, "device_kind": str, "problem": str, "objective": str, "winner": str, "seconds": str,
+    "jax_version": str, "jaxlib_version": str, "tool_version": str, "measured_at": str,
+}
+MECHANISM_NAME = re.compile(r"^(ring/)?[a-z][a-z0-9_]*$")  # ring/<kernel>, or a gathered implementation
+HEX_KEY = re.compile(r"^[0-9a-f]{16}$")
+
+
+def current_versions(code_hash: str, *, triton: bool = False) -> dict[str, str]:
+    """The versions an entry measured now would carry, for a backend whose code hash is `code_hash`;
+    the triton version only for a backend built on Triton ("-" otherwise, so that installing or
+    upgrading triton does not make scan entries stale)."""
+    def version(package: str) -> str:
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return "-"
+
+    return {"jax_version": version("jax"), "jaxlib_version": version("jaxlib"),
+            "triton_version": version("triton") if triton else "-", "code_hash": code_hash}
+
+
+def stale_reason(row: dict[str, Any], versions: dict[str, str]) -> str | None:
+    """Which version of `row` differs from `versions`, or None when the row is current."""
+    changed = [f"{f} {row.get(f)} -> {versions[f]}" for f in VERSION_FIELDS if row.get(f) != versions[f]]
+    return ", ".join(changed) or None
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation: what a row must be before anything uses it.
+# --------------------------------------------------------------------------------------------------
+
+
+def is_int(value: Any) -> bool:
+    """Whether `value` is an int (a bool is not: JSON `true` is no size or count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _json_object(text: Any, name: str) -> dict[str, Any]:
+    """`text` parsed as a JSON object; `ValueError` naming `name` otherwise."""
+    if not isinstance(text, str):
+        raise ValueError(f"{name} must be JSON text, got {text!r}")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{name} is not JSON ({error.msg})") from None
+    except RecursionError:
+        raise ValueError(f"{name} is not JSON (nested too deep)") from None
+    except ValueError as error:  # e.g. an integer of more digits than int() converts
+        raise ValueError(f"{name} is not JSON ({str(error).split(';')[0]})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {text[:80]!r}")
+    return value
+
+
+def _check_features(features: dict[str, Any]) -> None:
+    unknown = sorted(set(features) - set(FEATURES))
+    missing = sorted(set(FEATURES) - set(features))
+    if unknown or missing:
+        raise ValueError("features: " + "; ".join(
+            part for part in (f"unknown key(s) {', '.join(unknown)}" if unknown else "",
+                              f"missing key(s) {', '.join(missing)}" if missing else "") if part))
+    for name, kind in FEATURES.items():
+        value = features[name]
+        ok = {"bool": isinstance(value, bool),
+              "count": is_int(value) and value >= 0,
+              "positive or null": value is None or (is_int(value) and value > 0),
+              "window": value is None or (isinstance(value, list) and len(value) == 2
+                                          and all(is_int(v) and v >= 0 for v in value))}[kind]
+        if not ok:
+            raise ValueError(f"features.{name} must be {kind.replace('count', 'a non-negative int')}"
+                             f"{' ([left, right] of non-negative ints, or null)' if kind == 'window' else ''}, "
+                             f"got {value!r}")
+
+
+def _config(row: dict[str, Any]) -> Config | None:
+    """The config of `row` (its `fwd_params` and `bwd_params` JSON objects), built and validated by the
+    config type of the implementation that wrote it; None when no implementation of that name is
+    registered in this process (its rows are then of no use here, but not malformed)."""
+    fwd, bwd = _json_object(row["fwd_params"], "fwd_params"), _json_object(row["bwd_params"], "bwd_params")
+    implementation = registry.find(row["backend"]) if isinstance(row["backend"], str) else None
+    return None if implementation is None else registry.config_from_parts(implementation, fwd, bwd)
+
+
+def _check_date(value: Any, name: str) -> None:
+    try:
+        _dt.datetime.fromisoformat(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be an ISO date and time, got {value!r}") from None
+
+
+def _check_row(row: dict[str, Any]) -> None:
+    missing = [c for c in COLUMNS if c not in row]
+    if missing:
+        raise ValueError(f"missing field(s) {', '.join(missing)}")
+    unknown = [c for c in row if c not in COLUMNS]
+    if unknown:
+        raise ValueError(f"unknown field(s) {', '.join(unknown)}")
+    for column, kind in COLUMNS.items():
+        value = row[column]
+        ok = _is_number(value) if kind is float else isinstance(value, kind) and not isinstance(value, bool)
+        if not ok:
+            raise ValueError(f"field {column!r} must be {kind.__name__}, got {value!r}")
+    for name in SIZE_FIELDS:
+        if row[name] <= 0:
+            raise ValueError(f"field {name!r} must be a positive integer, got {row[name]!r}")
+    if row["heads"] % row["kv_heads"]:
+        raise ValueError(f"heads {row['heads']} is not a multiple of kv_heads {row['kv_heads']}")
+    for name, allowed in (("layout", LAYOUTS), ("dtype", DTYPES), ("objective", OBJECTIVES)):
+        if row[name] not in allowed:
+            raise ValueError(f"field {name!r} must be one of {', '.join(allowed)}, got {row[name]!r}")
+    for name in TIME_FIELDS:
+        if not (math.isfinite(row[name]) and row[name] > 0):
+            raise ValueError(f"field {name!r} must be a finite positive number, got {row[name]!r}")
+    for name in ("trials_run", "trials_pruned"):
+        if row[name] < 0:
+            raise ValueError(f"field {name!r} must be zero or more, got {row[name]!r}")
+    failed = _json_object(row["trials_failed"], "trials_failed")
+    if not all(isinstance(k, str) and is_int(v) and v >= 0 for k, v in failed.items()):
+        raise ValueError(f"trials_failed must map reasons to counts, got {row['trials_failed'][:80]!r}")
+    _check_date(row["measured_at"], "measured_at")
+    _check_features(_json_object(row["features"], "features"))
+    _config(row)
+    digest = row_key(row).digest
+    if digest != row["key"]:
+        raise ValueError(f"field 'key' is {row['key']!r} but the key fields hash to {digest!r}")
+
+
+def row_problem(row: dict[str, Any]) -> str | None:
+    """Why `row` is not a complete, well-formed cache row (None when it is): every field present and
+    of its type, sizes positive, times finite and positive, dates parseable, params and features JSON
+    objects with known keys and valid values, and the key the hash of the key fields."""
+    try:
+        _check_row(row)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def check_row(row: dict[str, Any], where: str = "row") -> None:
+    """Raise `ValueError` (prefixed with `where`) when `row` is not a valid cache row."""
+    problem = row_problem(row)
+    if problem is not None:
+        raise ValueError(f"{where}: {problem}")
+
+
+def mechanism_problem(row: dict[str, Any]) -> str | None:
+    """Why `row` is not a valid `mechanisms` row (None when it is): every field text, the winner a
+    mechanism name that has seconds, every seconds value finite and positive, the date parseable."""
+    missing = [c for c in MECHANISM_COLUMNS if c not in row]
+    if missing:
+        return f"missing field(s) {', '.join(missing)}"
+    unknown = [c for c in row if c not in MECHANISM_COLUMNS]
+    if unknown:
+        return f"unknown field(s) {', '.join(unknown)}"
+    for column in MECHANISM_COLUMNS:
+        if not isinstance(row[column], str):
+            return f"field {column!r} must be str, got {row[column]!r}"
+    if not HEX_KEY.match(row["key"]):
+        return f"field 'key' must be 16 hex digits, got {row['key']!r}"
+    try:
+        seconds = _json_object(row["seconds"], "seconds")
+        _check_date(row["measured_at"], "measured_at")
+    except ValueError as error:
+        return str(error)
+    for name, value in seconds.items():
+        if not MECHANISM_NAME.match(name):
+            return f"seconds has an unknown mechanism {name!r}"
+        if not (_is_number(value) and math.isfinite(value) and value > 0):
+            return f"seconds of {name} must be a finite positive number, got {value!r}"
+    if not MECHANISM_NAME.match(row["winner"]):
+        return (f"winner must be an implementation's name (ring/<kernel> for a ring, else its name), got "
+                f"{row['winner']!r}")
+    if row["winner"] not in seconds:
+        return f"winner {row['winner']} has no seconds"
+    return None
+
+
+_WARNED: set[tuple[str, ...]] = set()
+
+
+def warn_once(path: Path | str, what: str, problem: str) -> None:
+    """One WARNING per (file, what, problem) per process: a bad row or file costs speed, never a
+    training step, and does not flood the log at every trace. `what` names the row (or the part of
+    the cache) and `problem` says what is wrong with it."""
+    token = (str(path), what, problem)
+    if token not in _WARNED:
+        _WARNED.add(token)
+        log.warning("tuning cache %s: %s: %s", path, what, problem)
+
+
+def row_key(row: dict[str, Any]) -> ProblemKey:
+    """The `ProblemKey` of a cache row."""
+    fields_ = {f: row[f] for f in KEY_FIELDS}
+    fields_["features"] = json.loads(fields_["features"]) if isinstance(fields_["features"], str) \
+        else fields_["features"]
+    return ProblemKey(**fields_)
+
+
+def row_config(row: dict[str, Any]) -> Config:
+    """The config of a valid cache row of a registered implementation."""
+    config = _config(row)
+    if config is None:
+        raise ValueError(f"no implementation named {row['backend']!r} is registered")
+    return config
+
+
+def row_params(row: dict[str, Any]) -> tuple[FwdParams, BwdParams]:
+    """The forward and backward tiles of a valid cache row of a ring."""
+    config = row_config(row)
+    return config.fwd, config.bwd
+
+
+def features_text(features: dict[str, Any]) -> str:
+    """The one text form of a features dict, as stored and as the family index is queried by."""
+    return json.dumps(features, sort_keys=True)
+
+
+def make_row(key: ProblemKey, fwd: FwdParams | Config, bwd: BwdParams | None = None, *, versions: dict[str, str],
+             tool_version: str, **measured: Any) -> dict[str, Any]:
+    """A complete cache row: key fields, the config (or a ring's `fwd` and `bwd` tiles) as JSON, versions,
+    timestamp and `measured` fields (objective, best_s, default_s, speedup, trials_run, trials_pruned,
+    trials_failed, study)."""
+    parts = fwd.to_dict() if bwd is None else {"fwd": fwd.to_dict(), "bwd": bwd.to_dict()}
+    fields_ = key.as_dict()
+    fields_["features"] = features_text(fields_["features"])
+    failed = measured.pop("trials_failed", {})
+    row = {"key": key.digest, **fields_, "fwd_params": json.dumps(parts["fwd"]),
+           "bwd_params": json.dumps(parts["bwd"]), "trials_failed": json.dumps(failed, sort_keys=True),
+           "measured_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "tool_version": tool_version, **versions, **measured}
+    check_row(row)
+    return row
+
+
+def canonical(row: dict[str, Any]) -> dict[str, Any]:
+    """`row` with its features in the one text form the family index is queried by."""
+    return {**row, "features": features_text(json.loads(row["features"]))}
+

@@ -1,0 +1,246 @@
+"""The `tuner` verbs: each checks its options, calls the API and prints what it returns; the exit status
+is 0, 1 when the work ran and failed, 2 for a usage error (a `UsageError`, or a cache request that
+cannot be met: `tuner.cache.views.RequestError`), 130 when interrupted.
+
+The modules behind them are imported by the verb that needs them, after its options are checked (on
+the CPU the device count must be set before jax starts its client).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from typing import Any
+
+from tuner.cache import views
+from tuner.cli.options import (UsageError, cache_of, calls_of, check_output, check_storage, check_writable_cache, fail,
+                               prepare_device, problem_of, simulate_cpu_devices)
+from tuner.problem import Problem
+
+
+def run_search(args: argparse.Namespace) -> int:
+    """`tuner search`: tune the problem (or with `--dry-run`, check the TPU kernels) and print the summary."""
+    if args.dry_run:
+        return _dry_run(args)
+    if args.samples is not None:
+        raise UsageError("--samples goes with --dry-run (how many variants to run in the interpreter)")
+    from tuner.search import SearchOptions, check_device, resolve_backend, search
+    from tuner.usage import search_summary
+
+    prepare_device(args)
+    problem = problem_of(args)
+    try:
+        options = SearchOptions(objective=args.objective, trials=args.trials, timeout=args.timeout,
+                                trial_timeout=args.trial_timeout, sampler=args.sampler, seed=args.seed,
+                                storage=args.storage, runs=args.runs, calls=calls_of(args),
+                                interpret=args.interpret)
+        check_device(args.device)
+        resolve_backend(args.backend, problem, args.device, args.interpret)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    check_writable_cache(args)
+    if args.storage is not None:
+        check_storage(args.storage)
+
+    from tqdm import tqdm
+
+    print(f"tuning {problem.describe()}\n  on {args.device}, objective {args.objective}, "
+          f"{args.trials} trials ({args.sampler})", file=sys.stderr)
+    bar = tqdm(total=args.trials, desc="search", unit="trial", file=sys.stderr, dynamic_ncols=True)
+
+    def progress(done: int, total: int, status: str) -> None:
+        bar.set_postfix_str(status, refresh=False)
+        bar.update(done - bar.n)
+
+    try:
+        result = search(problem, device=args.device, backend=args.backend, options=options, db=args.db,
+                        progress=progress)
+    except KeyboardInterrupt:
+        bar.close()
+        print("\ninterrupted: every finished trial is saved in the study; run the same command again "
+              "to resume", file=sys.stderr)
+        return 130
+    except RuntimeError as error:  # no trial completed
+        bar.close()
+        return fail(str(error), status=1)
+    bar.close()
+    print("\n".join(search_summary(result)))
+    return 0
+
+
+def _dry_run(args: argparse.Namespace) -> int:
+    """`tuner search --device tpu --dry-run`: 0 when every variant lowers and every sample matches."""
+    if args.device != "tpu":
+        raise UsageError(f"--dry-run checks the TPU kernels without a TPU; use it with --device tpu (a "
+                         f"--device {args.device} search runs for real here)")
+    if args.backend not in ("auto", "pallas_tpu"):
+        raise UsageError(f"--dry-run checks the pallas_tpu backend, got --backend {args.backend}")
+    args.ring_size = args.ring_size or Problem().ring_size
+    simulate_cpu_devices(args.ring_size)
+    problem = problem_of(args)
+    samples = 3 if args.samples is None else args.samples
+    if samples < 0:
+        raise UsageError(f"--samples must be zero or more, got {samples}")
+
+    from tqdm import tqdm
+
+    from tuner.backends import pallas_tpu
+    from tuner.dryrun import dry_run
+
+    try:
+        chip = pallas_tpu.chip()
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    print(f"dry run of the pallas_tpu search space for {problem.describe()}\n  constraints for TPU "
+          f"{chip.chip_version.value} ({chip.vmem_capacity_bytes // 2**20} MiB VMEM, kernels ask for half; "
+          f"TUNER_TPU_CHIP picks another); samples run on {problem.ring_size} simulated CPU devices",
+          file=sys.stderr)
+    bars: dict[str, Any] = {}
+
+    def progress(stage: str, done: int, total: int) -> None:
+        if stage not in bars:
+            for bar in bars.values():
+                bar.close()
+            label = "lower for TPU" if stage == "lower" else "interpret"
+            bars[stage] = tqdm(total=total, desc=label, unit="variant" if stage == "lower" else "sample",
+                               file=sys.stderr, dynamic_ncols=True)
+        bars[stage].update(done - bars[stage].n)
+
+    try:
+        report = dry_run(problem, samples=samples, seed=args.seed, progress=progress)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    finally:
+        for bar in bars.values():
+            bar.close()
+    print(report.render())
+    return 0 if report.ok else 1
+
+
+def run_list(args: argparse.Namespace) -> int:
+    """`tuner list`: a page of the entries matching the filters, with their status."""
+    where = {name: getattr(args, name) for name in views.LIST_FILTERS if getattr(args, name) is not None}
+    print(views.list_text(cache_of(args), where=where, limit=None if args.all else args.limit, page=args.page))
+    return 0
+
+
+def run_show(args: argparse.Namespace) -> int:
+    """`tuner show KEY`: every field of one entry."""
+    print(views.show_text(views.find_one(cache_of(args), args.key)))
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """`tuner export FILE`: the entries (or those under `--key`) as JSON lines."""
+    check_output(args.file, "export to")
+    print(views.export(cache_of(args), args.file, args.key))
+    return 0
+
+
+def run_import(args: argparse.Namespace) -> int:
+    """`tuner import FILE`: the valid rows of a JSON-lines file into the cache, each rejected line on stderr."""
+    print(views.import_file(cache_of(args), args.file, skip_invalid=args.skip_invalid,
+                            warn=lambda line: print(line, file=sys.stderr)))
+    return 0
+
+
+def run_clear(args: argparse.Namespace) -> int:
+    """`tuner clear`: delete every entry, or the stale and invalid ones."""
+    print(views.clear(cache_of(args), stale=args.stale))
+    return 0
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """`tuner bench`: the tuned, default, scan and dense attention timed side by side (or the mechanisms)."""
+    from tuner.bench import bench, bench_mechanisms
+
+    prepare_device(args)
+    problem = problem_of(args)
+    if args.mechanisms and args.backend != "auto":
+        raise UsageError("--mechanisms times every mechanism that runs here; leave --backend at auto")
+    try:
+        from tuner.search import check_device
+
+        check_device(args.device)
+        if args.mechanisms:
+            report = bench_mechanisms(problem, device=args.device, objective=args.objective, runs=args.runs,
+                                      calls=calls_of(args), db=args.db)[0]
+        else:
+            report = bench(problem, device=args.device, backend=args.backend, objective=args.objective,
+                           runs=args.runs, calls=calls_of(args), db=args.db)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    except RuntimeError as error:  # no mechanism ran correctly
+        return fail(str(error), status=1)
+    print(report)
+    return 0
+
+
+def run_report(args: argparse.Namespace) -> int:
+    """`tuner report KEY`: the HTML report of the study behind an entry."""
+    from tuner.report import write_report
+    from tuner.study import default_storage
+
+    check_output(args.out, "--out")
+    if args.storage is not None:
+        check_storage(args.storage)
+    row = views.find_one(cache_of(args), args.key)
+    storage = args.storage or default_storage(cache_of(args).path)
+    try:
+        count = write_report(row["study"], storage, args.out)
+    except (KeyError, ValueError, ImportError) as error:
+        raise UsageError(str(error)) from None
+    print(f"wrote the report of study {row['study']} ({count} trials) to {args.out}")
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """`tuner generate`: render the standard variants, and compile or lower them."""
+    from tuner import codegen
+    from tuner.generate import TEMPLATED, generate
+
+    if args.backend not in TEMPLATED:
+        raise UsageError(f"--backend must be one of {', '.join(TEMPLATED)} (the backends with templates), "
+                         f"got {args.backend!r}")
+    if args.compile and args.backend != "triton":
+        raise UsageError("--compile builds Triton kernels for GPU targets; use it with --backend triton")
+    if args.lower and args.backend != "pallas_tpu":
+        raise UsageError("--lower exports Pallas kernels for TPU; use it with --backend pallas_tpu")
+    check_output(str(args.out or codegen.generated_dir()), "--out" if args.out else "TUNER_HOME: the folder",
+                 folder=True)
+    if args.json:
+        check_output(args.json, "--json")
+    targets = []
+    for target in filter(None, (args.compile or "").split(",")):
+        if not re.fullmatch(r"sm_\d{2,3}", target):
+            raise UsageError(f"--compile takes targets like sm_80,sm_90, got {target!r}")
+        targets.append(int(target[3:]))
+    generated = generate(args.backend, out=args.out, targets=targets, lower=args.lower,
+                         dtypes=args.dtypes.split(",") if args.dtypes else None)
+    print(generated.render())
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump(generated.report, out, indent=1)
+    return 0
+
+
+def run_info(args: argparse.Namespace) -> int:
+    """`tuner info`: devices, versions, implementations, caches."""
+    from tuner.info import info
+
+    for line in info(cache_of(args)):
+        print(line)
+    return 0
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """`tuner demo`: a ring on simulated CPU devices, checked and timed."""
+    from tuner.demo import demo
+
+    simulate_cpu_devices(args.devices)
+    try:
+        return demo(args)
+    except ValueError as error:
+        raise UsageError(str(error)) from None

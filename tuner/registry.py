@@ -1,0 +1,267 @@
+"""One registry of attention implementations: the ring over each block kernel, the gathered mechanisms,
+and whatever a user registers, as peers behind one contract.
+
+An implementation is one way to compute exact attention of sharded queries over a sharded sequence
+(`tuner.implementations` holds the built-in ones). It publishes its name, a frozen `Config` type of its
+own, and the hooks the tools need; the tuner, the cache, the loader and the CLI reach implementations
+only through this module, and treat configs as opaque data (`to_dict` / `from_dict`), so a new
+implementation is one `register()` call and no change anywhere else.
+
+A config holds the settings of each pass, `{"fwd": {...}, "bwd": {...}}`: the tuner tunes the passes an
+objective times, combines the best forward of one trial with the best backward of another, and the
+cache stores the two parts (its `fwd_params` and `bwd_params` columns).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import jax
+
+from tuner.spec import AttentionSpec, LocalShapes
+
+PARTS = ("fwd", "bwd")
+OBJECTIVE_PARTS = {"fwd": ("fwd",), "bwd": ("bwd",), "fwd+bwd": PARTS}
+
+# `backend="auto"` without a measurement takes the first of these that can run the call.
+PREFERENCE: dict[str, tuple[str, ...]] = {
+    "gpu": ("triton", "scan"),
+    "tpu": ("pallas_tpu", "scan"),
+    "cpu": ("scan",),
+}
+FALLBACK = "scan"  # every platform, every feature
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a program will run: the jax platform, and whether kernels run in their interpreter."""
+
+    platform: str
+    interpret: bool = False
+
+    @classmethod
+    def here(cls, interpret: bool = False) -> Target:
+        """This process's default jax platform."""
+        return cls(jax.default_backend(), bool(interpret))
+
+
+class Config(Protocol):
+    """An implementation's tunable settings: a frozen (hashable) dataclass that validates itself."""
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """`{"fwd": {...}, "bwd": {...}}` of JSON values; `from_dict` of it gives an equal config."""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Config:
+        """The config of `to_dict`'s form; `ValueError` naming the part and the field that is wrong."""
+
+
+class Space(Protocol):
+    """The candidates of one implementation for one problem, as optuna parameters."""
+
+    def suggest(self, trial: Any, default: Config, parts: tuple[str, ...]) -> Config:
+        """A config sampled by an optuna `trial`: the `parts` tuned, the others as in `default`."""
+
+    def params(self, config: Config, parts: tuple[str, ...]) -> dict[str, Any]:
+        """The optuna parameters `suggest` names `config` by (to queue it as a trial)."""
+
+    def config(self, params: dict[str, Any], default: Config) -> Config:
+        """The config of a trial's parameters; parts it did not tune come from `default`."""
+
+    def grid(self, default: Config, parts: tuple[str, ...]) -> list[Config]:
+        """Every candidate of the tuned parts, for a grid search."""
+
+
+@dataclass(frozen=True)
+class ChoiceSpace:
+    """The plain `Space`: each tuned field of each part takes one of its candidates (optuna parameter
+    `"<part>.<field>"`); fields without candidates keep the default's value."""
+
+    config_type: type
+    fwd: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    bwd: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+
+    def choices(self, part: str) -> dict[str, tuple[Any, ...]]:
+        return self.fwd if part == "fwd" else self.bwd
+
+    def suggest(self, trial: Any, default: Config, parts: tuple[str, ...]) -> Config:
+        values = default.to_dict()
+        for part in parts:
+            values[part].update({name: trial.suggest_categorical(f"{part}.{name}", candidates)
+                                 for name, candidates in self.choices(part).items()})
+        return self.config_type.from_dict(values)
+
+    def params(self, config: Config, parts: tuple[str, ...]) -> dict[str, Any]:
+        values = config.to_dict()
+        return {f"{part}.{name}": values[part][name] for part in parts for name in self.choices(part)}
+
+    def config(self, params: dict[str, Any], default: Config) -> Config:
+        values = default.to_dict()
+        for name, value in params.items():
+            part, _, setting = name.partition(".")
+            values[part][setting] = value
+        return self.config_type.from_dict(values)
+
+    def grid(self, default: Config, parts: tuple[str, ...]) -> list[Config]:
+        """Each part's candidates walked side by side (the passes are separate, so covering each part's
+        candidates once covers every combination that can win: the best of each are combined)."""
+        values = default.to_dict()
+        walks = {part: [dict(zip(self.choices(part), combo)) for combo in
+                        itertools.product(*self.choices(part).values())] for part in parts}
+        length = max((len(w) for w in walks.values()), default=1)
+        return [self.config_type.from_dict({part: {**values[part], **(walks[part][i % len(walks[part])]
+                                                                     if part in walks else {})}
+                                            for part in PARTS}) for i in range(length)]
+
+
+class Implementation(Protocol):
+    """What the tools need from an implementation."""
+
+    name: str
+    summary: str  # one line: what it does, for tables
+    config_type: type
+    gathered: bool  # True when it gathers the whole sequence instead of running a ring
+    packages: tuple[str, ...]  # packages besides jax whose version its measurements depend on ("triton")
+
+    def available(self, target: Target) -> str | None:
+        """None when it can run on `target`, else why not."""
+
+    def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int, *, return_lse: bool = False
+                 ) -> str | None:
+        """None when every feature of the call is honoured, else the first one that is not."""
+
+    def default_config(self, shapes: LocalShapes, spec: AttentionSpec) -> Config:
+        """The heuristic default for one device's shapes."""
+
+    def space(self, shapes: LocalShapes, spec: AttentionSpec) -> Space:
+        """The candidates worth trying."""
+
+    def violation(self, shapes: LocalShapes, spec: AttentionSpec, config: Config, parts: tuple[str, ...]
+                  ) -> str | None:
+        """Why the `parts` of `config` cannot run for these shapes (checked before compiling), or None."""
+
+    def check(self, config: Config) -> None:
+        """`ValueError` naming a setting of `config` that this implementation cannot honour."""
+
+    def code_hash(self) -> str:
+        """Version of the code that builds it: part of every cache entry, so entries go stale when it
+        changes (as they do when jax, or a package of `packages`, changes version)."""
+
+    def vma_checked(self, target: Target) -> bool:
+        """Whether a `shard_map` around it may keep its varying-axes check."""
+
+    def attend(self, query: Any, key: Any, value: Any, *, config: Config, axis_name: Hashable | None,
+               layout: str, interpret: bool = False, **options: Any) -> Any:
+        """The local shards' attention under `shard_map` over `axis_name` (options as in
+        `tuner.ring_attention`): the output, and with `return_lse` the lse too."""
+
+
+_REGISTRY: dict[str, Implementation] = {}
+
+
+def register(implementation: Implementation, *, replace: bool = False) -> Implementation:
+    """Add `implementation` under its name; `ValueError` when the name is taken (unless `replace`)."""
+    name = implementation.name
+    if not isinstance(name, str) or not name.isidentifier() or name == "auto":
+        raise ValueError(f"implementation name must be an identifier other than 'auto', got {name!r}")
+    if name in _REGISTRY and not replace:
+        raise ValueError(f"an implementation named {name!r} is registered already; pass replace=True to "
+                         f"replace it")
+    _REGISTRY[name] = implementation
+    return implementation
+
+
+@contextlib.contextmanager
+def registered(implementation: Implementation) -> Iterator[Implementation]:
+    """`implementation` registered for the duration of a `with` block (tests, experiments)."""
+    register(implementation)
+    try:
+        yield implementation
+    finally:
+        unregister(implementation.name)
+
+
+def unregister(name: str) -> None:
+    """Remove the implementation `name` (`KeyError` when none is registered under it)."""
+    del _REGISTRY[name]
+
+
+def names() -> tuple[str, ...]:
+    """The registered implementations' names, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def get(name: str) -> Implementation:
+    """The implementation called `name`; `ValueError` naming the known ones otherwise."""
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"backend must be one of {', '.join(['auto', *_REGISTRY])}, got {name!r}") from None
+
+
+def find(name: str) -> Implementation | None:
+    """The implementation called `name`, or None."""
+    return _REGISTRY.get(name)
+
+
+def why_not(implementation: Implementation, spec: AttentionSpec, dtype: Any, head_dim: int, target: Target,
+            *, return_lse: bool = False) -> str | None:
+    """Why `implementation` cannot run this call on `target` (unavailable, or a feature it lacks)."""
+    reason = implementation.available(target)
+    if reason is not None:
+        return f"cannot run here: {reason}"
+    reason = implementation.supports(spec, dtype, head_dim, return_lse=return_lse)
+    return None if reason is None else f"does not support {reason}"
+
+
+def resolve_auto(spec: AttentionSpec, dtype: Any, head_dim: int, target: Target, *, return_lse: bool = False
+                 ) -> tuple[Implementation, list[str]]:
+    """The first implementation of the platform's preference that can run the call, and why each one
+    before it was passed over."""
+    passed_over = []
+    for name in PREFERENCE.get(target.platform, (FALLBACK,)):
+        implementation = get(name)
+        reason = why_not(implementation, spec, dtype, head_dim, target, return_lse=return_lse)
+        if reason is None:
+            return implementation, passed_over
+        passed_over.append(f"{name} {reason}")
+    return get(FALLBACK), passed_over
+
+
+def choose(name: str, spec: AttentionSpec, dtype: Any, head_dim: int, target: Target, *,
+           return_lse: bool = False) -> Implementation:
+    """Resolve `name` ("auto" or an implementation's name) for this call: a named one that cannot run
+    it raises `ValueError` saying why; "auto" takes the platform's preference."""
+    if name == "auto":
+        return resolve_auto(spec, dtype, head_dim, target, return_lse=return_lse)[0]
+    implementation = get(name)
+    reason = why_not(implementation, spec, dtype, head_dim, target, return_lse=return_lse)
+    if reason is not None:
+        raise ValueError(f"backend {name!r} {reason}; use backend='auto' to fall back to one that can")
+    return implementation
+
+
+def config_from_parts(implementation: Implementation, fwd: dict[str, Any], bwd: dict[str, Any]) -> Config:
+    """`implementation`'s config from its two parts."""
+    return implementation.config_type.from_dict({"fwd": fwd, "bwd": bwd})
+
+
+def versions(implementation: Implementation) -> dict[str, str]:
+    """The versions a measurement of `implementation` taken now carries (`tuner.cache` rows)."""
+    from tuner.cache import current_versions
+
+    return current_versions(implementation.code_hash(), triton="triton" in implementation.packages)
+
+
+def combine(implementation: Implementation, fwd_from: Config, bwd_from: Config) -> Config:
+    """The config running the forward pass of `fwd_from` and the backward pass of `bwd_from`."""
+    return config_from_parts(implementation, fwd_from.to_dict()["fwd"], bwd_from.to_dict()["bwd"])
+
+
+__all__ = ["FALLBACK", "OBJECTIVE_PARTS", "PARTS", "PREFERENCE", "ChoiceSpace", "Config", "Implementation", "Space",
+           "Target", "choose", "combine", "config_from_parts", "find", "get", "names", "register", "registered",
+           "resolve_auto", "unregister", "versions", "why_not"]
