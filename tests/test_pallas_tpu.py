@@ -184,8 +184,8 @@ def test_search_space_and_duplicate_points():
     space = BACKEND.search_space(problem.shapes, problem.spec)
     assert space.fwd["block_q"] == (128, 256, 512) and space.fwd["block_kv"] == (128, 256, 512)
     assert space.dq_passes == ("separate",)
-    assert "a duplicate" not in (BACKEND.violation(problem.shapes, problem.spec, FwdParams(512, 256, block_kv_compute=256),
-                                                   None) or "")
+    shapes, spec = problem.shapes, problem.spec
+    assert "a duplicate" not in (BACKEND.violation(shapes, spec, FwdParams(512, 256, block_kv_compute=256), None) or "")
     assert "block_kv_compute=512 is longer than the key tile" in BACKEND.violation(
         problem.shapes, problem.spec, FwdParams(512, 256, block_kv_compute=512), None)
 
