@@ -9,7 +9,7 @@ nearest-shape search has that many candidates. Then times, as medians:
 
 - `Cache.lookup` of a problem with an exact row, and of one with no exact row (nearest search);
 - the runtime loader's whole decision at trace time (`TunedRingAttention.explain` on a fresh loader,
-  which builds the key, picks the backend, reads mechanisms and looks the params up);
+  which builds the key, reads the decisions of every implementation, picks one and looks its config up);
 - `tuner list` (the first page, as a user runs it) and `tuner list --backend scan --head-dim 64`,
   as subprocesses, wall time including Python's start.
 

@@ -41,8 +41,10 @@ from jax.sharding import Mesh
 
 from tuner import BwdParams, FwdParams, get_tuned_ring_attention
 from tuner.backends import BACKENDS
-from tuner.cache import (COLUMNS, FEATURES, MECHANISM_COLUMNS, MECHANISM_TABLE, TABLE, VERSION_FIELDS, Cache,
-                         current_versions, make_row, parse_jsonl, row_key, row_params, write_jsonl)
+from tuner.cache import (COLUMNS, FEATURES, SOURCES, TABLE, VERSION_FIELDS, Cache, current_versions, make_row,
+                         parse_jsonl, row_digest, row_key, row_params, write_jsonl)
+from tuner.cache.legacy import COLUMNS as MECHANISM_COLUMNS
+from tuner.cache.legacy import TABLE as MECHANISM_TABLE
 from tuner.problem import DTYPES, OBJECTIVES, Problem
 from tuner.reference import dense_attention
 from tuner.spec import LAYOUTS
@@ -396,6 +398,7 @@ class MechanismFault(NamedTuple):
         return f"MechanismFault({self.label})"
 
 
+DENSE_FASTEST = {"winner": "dense", "seconds": json.dumps({"dense": 0.001, "ring/scan": 0.002})}
 MECHANISM_FAULTS = [
     MechanismFault("winner column missing", {}, "invalid", drop=("winner",)),
     MechanismFault("seconds column missing", {}, "invalid", drop=("seconds",)),
@@ -409,9 +412,10 @@ MECHANISM_FAULTS = [
         '{"ring/scan": Infinity}', '{"ring/scan": 0}', b'{"ring/scan": 0.001}')),
     *(MechanismFault(f"measured_at={v!r}", {"measured_at": v}, "invalid") for v in ("yesterday", None, 7, "")),
     *(MechanismFault(f"{f}=None", {f: None}, "invalid") for f in ("device_kind", "jax_version", "problem", "objective")),
-    MechanismFault("dense measured fastest", {"winner": "dense"}, "dense"),
+    MechanismFault("winner not the fastest", {"winner": "dense"}, "invalid"),
+    MechanismFault("dense measured fastest", DENSE_FASTEST, "dense"),
     MechanismFault("ring/scan measured fastest", {}, "scan"),
-    MechanismFault("stale jax version", {"jax_version": "0.0.1", "winner": "dense"}, "scan"),
+    MechanismFault("stale jax version", {"jax_version": "0.0.1", **DENSE_FASTEST}, "scan"),
 ]
 
 
@@ -687,7 +691,7 @@ def test_readers_never_write(tmp_path):
         assert len(cache.rows()) == count and cache.listing(limit=2).total == count
         assert len(cache.find(KEY.digest[:6])) == (count > 0)
         assert cache.lookup(KEY, VERSIONS).source == ("exact" if count else "default")
-        assert (cache.mechanism(MECHANISM_KEY) is not None) == (count > 0)
+        assert (cache.legacy_run(MECHANISM_KEY) is not None) == (count > 0)
     assert {p: _snapshot(p) for p in (path, bare)} == before
 
 
@@ -994,9 +998,11 @@ def tuned_rows(draw) -> dict[str, Any]:
         "trials_run": draw(st.integers(0, 2**62)), "trials_pruned": draw(st.integers(0, 2**62)),
         "trials_failed": json.dumps(draw(st.dictionaries(_text, st.integers(0, 2**40), max_size=3))),
         "measured_at": draw(_dates), "tool_version": draw(_text), "study": draw(_text),
-        **{f: draw(_text) for f in VERSION_FIELDS},
+        **{f: draw(_text) for f in VERSION_FIELDS}, "source": draw(st.sampled_from(SOURCES)),
     }
-    row["key"] = row_key(row).digest
+    if row["source"] != "search":  # one config timed: no default time, no speedup
+        row.update(default_s=None, speedup=None)
+    row["key"] = row_digest(row_key(row), row["source"])
     return row
 
 

@@ -3,7 +3,6 @@ gradients) on every feature they take; `tuner bench --mechanisms` records the fa
 `get_tuned_ring_attention(backend="auto")` follows a current record -- a gathered winner ("dense is
 faster at this length") or a ring backend -- and says so in `explain`, and ignores stale ones."""
 
-import json
 import re
 
 import jax
@@ -15,7 +14,8 @@ from jax.sharding import Mesh
 from tests.test_cli import tuner
 from tests.test_dispatch import PROBLEM, RING, arrays
 from tuner import get_tuned_ring_attention
-from tuner.cache import Cache, current_versions
+from tuner import registry
+from tuner.cache import Cache, make_row
 from tuner.implementations import NoConfig
 from tuner.mechanisms import gathered_attention
 from tuner.problem import Problem
@@ -52,12 +52,18 @@ def test_jax_nn_rows_with_no_readable_key_are_zero():
 
 
 def record(db, problem: Problem, winner: str, seconds: dict, jax_version: str | None = None) -> None:
-    versions = current_versions("-")
-    Cache(db).put_mechanism({
-        "key": problem.key("auto", jax.devices()[0].device_kind).digest, "device_kind": "test",
-        "problem": problem.describe(), "objective": "fwd+bwd", "winner": winner, "seconds": json.dumps(seconds),
-        "jax_version": jax_version or versions["jax_version"], "jaxlib_version": versions["jaxlib_version"],
-        "tool_version": "test", "measured_at": "2026-11-22T00:00:00+00:00"})
+    """A `tuner bench --mechanisms` run of `problem` that timed `seconds` (by bench label)."""
+    assert min(seconds, key=seconds.get) == winner
+    device_kind = jax.devices()[0].device_kind
+    rows = []
+    for label, time in seconds.items():
+        implementation = registry.get(label.removeprefix("ring/"))
+        versions = {**registry.versions(implementation), **({"jax_version": jax_version} if jax_version else {})}
+        rows.append(make_row(problem.key(implementation.name, device_kind),
+                             implementation.default_config(problem.shapes, problem.spec), versions=versions,
+                             tool_version="test", source="bench", objective="fwd+bwd", best_s=time, default_s=None,
+                             speedup=None, trials_run=2, trials_pruned=0, study="bench test"))
+    Cache(db).put_run(rows)
 
 
 def test_the_loader_follows_a_measured_dense_winner(tmp_path):

@@ -5,22 +5,22 @@ The tuned variant is what `get_tuned_ring_attention` would run for the problem (
 decision). Dense attention is `jax.nn.dot_product_attention` on one device over the whole sequence
 (`xla`; also `cudnn` on a GPU): the same size and work, with only the causal mask.
 
-`tuner bench --mechanisms` (`bench_mechanisms`) instead times every mechanism of `tuner.mechanisms`
-on the ring -- each ring backend that runs here, and gathered dense attention -- checked against the
-scan ring first, and records the fastest correct one for the problem in the cache.
+`tuner bench --mechanisms` (`bench_mechanisms`) instead times every registered implementation that
+runs here -- each ring, gathered dense attention, any a user registered -- on the same ring and inputs,
+each checked against the scan ring first, and records the run in the cache: one bench row per
+implementation that ran correctly, in place of the problem's earlier run (`tuner.cache.rows`).
 """
 
 from __future__ import annotations
 
 import datetime
-import json
 from typing import Any
 
 import jax
 
 import tuner
 from tuner import registry
-from tuner.cache import Cache, current_versions
+from tuner.cache import Cache, make_row
 from tuner.dispatch import get_tuned_ring_attention
 from tuner.problem import Problem
 from tuner.search import resolve_backend
@@ -96,13 +96,12 @@ def _explain(problem: Problem, backend: str, db: str | None):
 
 def bench_mechanisms(problem: Problem, *, device: str, objective: str = "fwd+bwd", runs: int = 5,
                      calls: int = 1, db: str | None = None) -> tuple[str, dict[str, Any]]:
-    """Time every mechanism that can run `problem` here (module docstring), each checked against the
-    scan ring first; record the fastest correct one in the cache. Returns the printed report and the
-    recorded row."""
+    """Time every implementation that can run `problem` here (module docstring), each checked against
+    the scan ring first; record the run in the cache. Returns the printed report and the winner's row."""
     workload = Workload(problem)
     spec, dtype = problem.spec, jax.numpy.dtype(problem.dtype)
     backward = objective != "fwd"
-    candidates, labels, skipped = {}, {}, []
+    candidates, labels, configs, skipped = {}, {}, {}, []
     for name in registry.names():
         implementation = registry.get(name)
         label = name if implementation.gathered else f"ring/{name}"
@@ -112,6 +111,7 @@ def bench_mechanisms(problem: Problem, *, device: str, objective: str = "fwd+bwd
             continue
         decision = _explain(problem, name, db)
         candidates[label] = workload.attend(name, decision.config)
+        configs[label] = decision.config
         labels[label] = f"{implementation.summary}: {describe_config(decision.config)} [{decision.source}]"
 
     reference = ReferenceCheck(workload, seed=10_000, backward=backward)
@@ -139,15 +139,16 @@ def bench_mechanisms(problem: Problem, *, device: str, objective: str = "fwd+bwd
     winner = min(totals, key=totals.get)
 
     device_kind = jax.devices()[0].device_kind
-    key = problem.key("auto", device_kind)
-    versions = current_versions("-")
-    row = {"key": key.digest, "device_kind": device_kind, "problem": problem.describe(), "objective": objective,
-           "winner": winner, "seconds": json.dumps(totals, sort_keys=True),
-           "jax_version": versions["jax_version"], "jaxlib_version": versions["jaxlib_version"],
-           "tool_version": tuner.__version__,
-           "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    run = f"bench {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}"
+    recorded = []
+    for name in compiled:
+        implementation = registry.get(name.removeprefix("ring/"))
+        recorded.append(make_row(
+            problem.key(implementation.name, device_kind), configs[name], versions=registry.versions(implementation),
+            tool_version=tuner.__version__, source="bench", objective=objective, best_s=totals[name],
+            default_s=None, speedup=None, trials_run=runs, trials_pruned=0, trials_failed={}, study=run))
     cache = Cache(db)
-    cache.put_mechanism(row)
+    cache.put_run(recorded)
 
     rows = []
     for name in candidates:
@@ -162,9 +163,11 @@ def bench_mechanisms(problem: Problem, *, device: str, objective: str = "fwd+bwd
               f"runs, every mechanism on the same {problem.ring_size}-device ring, checked against the scan ring")
     lines = [header, table(["mechanism", "how", "fwd ms", "bwd ms", "total ms", "vs winner", "check"], rows)]
     lines += [f"skipped  {note}" for note in skipped]
-    lines.append(f"recorded {winner} for key {key.digest} in {cache.path}: get_tuned_ring_attention(backend='auto') "
+    winning = recorded[list(compiled).index(winner)]
+    lines.append(f"recorded {winner} for key {winning['key']} in {cache.path} (and the {len(recorded) - 1} other "
+                 f"time{'' if len(recorded) == 2 else 's'} of this run): get_tuned_ring_attention(backend='auto') "
                  f"now runs it for this problem")
-    return "\n".join(lines), row
+    return "\n".join(lines), winning
 
 
 def _local_structs(problem: Problem):

@@ -7,22 +7,21 @@
     attn = get_tuned_ring_attention(axis_name="sp", causal=True, layout="contiguous")
     out = attn(q, k, v, q_segment_ids=seg, kv_segment_ids=seg)   # local shards, inside shard_map over "sp"
 
-At trace time the callable builds the problem key from the shapes it sees, picks the implementation
-from `tuner.registry` (`auto`: the one `tuner bench --mechanisms` measured fastest for this problem --
-a ring, or gathered dense attention when that is faster at this length -- else the one whose tuned
-entry for this problem is the fastest, else the platform's preferred ring, else scan when that one is
-missing, does not support the features, or fails to build) and its config (cache lookup: exact,
-nearest, shipped, else the implementation's default). It never tunes. Whatever the
-cache holds, a training step traces, runs and is exact: a missing, unreadable, corrupt or locked
-cache file (waited for at most `tuner.cache.LOADER_BUSY_TIMEOUT_S`) and every invalid row cost
-speed only, with one WARNING naming the file, the row and what is wrong; a tuned variant that fails
-to build falls back to the scan backend's defaults.
+At trace time the callable builds the problem key from the shapes it sees, picks the implementation from
+`tuner.registry` (`auto`: by measurement, `tuner.measured` -- the one `tuner bench --mechanisms`
+measured fastest for this problem, a ring or gathered dense attention when that is faster at this
+length, else the one whose tuned entry for this problem is the fastest -- else the platform's preferred
+ring, else scan when that one is missing, does not support the features, or fails to build) and its
+config (cache lookup: exact, nearest, shipped, else the implementation's default). It never tunes.
+Whatever the cache holds, a training step traces, runs and is exact: a missing, unreadable, corrupt or
+locked cache file (waited for at most `tuner.cache.LOADER_BUSY_TIMEOUT_S`) and every invalid row cost
+speed only, with one WARNING naming the file, the row and what is wrong; a tuned variant that fails to
+build falls back to the scan backend's defaults.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -33,9 +32,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from tuner import layouts, registry
-from tuner.cache import (LOADER_BUSY_TIMEOUT_S, Cache, CacheError, current_versions, row_config, row_problem,
-                         stale_reason, warn_once)
+from tuner import layouts, measured, registry
+from tuner.cache import LOADER_BUSY_TIMEOUT_S, Cache, CacheError, row_config, warn_once
 from tuner.checks import check_int
 from tuner.implementations import TileConfig
 from tuner.params import BwdParams, FwdParams
@@ -195,20 +193,20 @@ class TunedRingAttention:
                                 ring_size=ring_size, layout=self._layout(ring_size))
         memo = (problem.digest, fallback, return_lse)
         if memo not in self._decisions:
-            measured, unusable = None, None
+            chosen, unusable = None, None
             if self.backend == "auto" and not target.interpret:
                 try:
-                    measured = self._measured(problem, spec, dtype, target, return_lse)
+                    chosen = self._measured(problem, spec, dtype, target, return_lse)
                 except (CacheError, OSError) as error:  # reported by _lookup, which does not wait again
                     unusable = error
-            if measured is not None:
-                implementation, fallback = registry.get(measured[0]), None
+            if chosen is not None:
+                implementation, fallback = registry.get(chosen[0]), None
                 problem = dataclasses.replace(problem, backend=implementation.name)
             decision = self._lookup(problem, shapes, spec, implementation, fallback, unusable)
-            if measured is not None:
+            if chosen is not None:
                 nothing_tuned = decision.source == "default" and decision.config.to_dict() == {"fwd": {}, "bwd": {}}
                 decision = dataclasses.replace(decision, source="measured" if nothing_tuned else decision.source,
-                                               reason=f"{measured[1]}; config: {decision.source} ({decision.reason})")
+                                               reason=f"{chosen[1]}; config: {decision.source} ({decision.reason})")
             self._decisions[memo] = decision
             log.info("ring attention %s: %s, config from %s (%s)", problem.digest, decision.backend,
                      decision.source, decision.reason)
@@ -237,62 +235,15 @@ class TunedRingAttention:
 
     def _measured(self, key: ProblemKey, spec, dtype, target: registry.Target, return_lse: bool
                   ) -> tuple[str, str] | None:
-        """What `auto` runs by measurement, and the reason to give: the implementation `tuner bench
-        --mechanisms` measured fastest for `key` (one run times them all), else the one whose tuned
-        entry for `key` is the fastest (`tuner search` of each; entries of the fwd+bwd objective first);
-        only current, valid measurements of implementations that can honour this call count. None to
-        decide by the platform's preference. `CacheError` or `OSError` when the cache cannot be read."""
-        cache = Cache(self.db, busy_timeout=LOADER_BUSY_TIMEOUT_S)
-
+        """What `auto` runs by measurement, and the reason to give (`tuner.measured`): only current,
+        valid measurements of implementations that can honour this call count. None to decide by the
+        platform's preference. `CacheError` or `OSError` when the cache cannot be read."""
         def runnable(name: str) -> bool:
             implementation = registry.find(name)
             return implementation is not None and registry.why_not(
                 implementation, spec, dtype, key.head_dim, target, return_lse=return_lse) is None
 
-        return (self._bench_winner(cache, dataclasses.replace(key, backend="auto"), runnable)
-                or self._fastest_tuned(cache, key, runnable))
-
-    def _bench_winner(self, cache: Cache, key: ProblemKey, runnable) -> tuple[str, str] | None:
-        row = cache.mechanism(key.digest)
-        if row is None:
-            return None
-        versions = current_versions("-")
-        if (row["jax_version"], row["jaxlib_version"]) != (versions["jax_version"], versions["jaxlib_version"]):
-            log.info("ring attention %s: mechanism measurement is stale (jax %s, jaxlib %s)", key.digest,
-                     row["jax_version"], row["jaxlib_version"])
-            return None
-        winner = row["winner"]
-        name = winner.removeprefix("ring/")
-        if registry.find(name) is None:
-            warn_once(cache.path, f"mechanisms row {key.digest} skipped",
-                      f"winner {winner} is not an implementation of this version ({', '.join(registry.names())})")
-            return None
-        if not runnable(name):
-            return None
-        seconds = json.loads(row["seconds"])
-        others = ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in sorted(seconds.items(), key=lambda i: i[1])
-                           if n != winner)
-        return name, (f"tuner bench --mechanisms measured {winner} fastest for this problem "
-                      f"({seconds[winner] * 1e3:.1f} ms; {others or 'nothing else ran'}) on "
-                      f"{row['measured_at'][:10]}")
-
-    def _fastest_tuned(self, cache: Cache, key: ProblemKey, runnable) -> tuple[str, str] | None:
-        tuned = []
-        for name in registry.names():
-            if not runnable(name):
-                continue
-            entry = dataclasses.replace(key, backend=name)
-            row = cache.entry(entry.digest)
-            if row is not None and row_problem(row) is None \
-                    and stale_reason(row, registry.versions(registry.get(name))) is None:
-                tuned.append((row["objective"] != "fwd+bwd", row["best_s"], name, row))
-        if not tuned or (len(tuned) == 1 and tuned[0][2] == key.backend):
-            return None
-        tuned.sort(key=lambda item: item[:2])
-        _, best_s, name, row = tuned[0]
-        others = ", ".join(f"{n} {s * 1e3:.1f} ms" for _, s, n, _ in tuned[1:])
-        return name, (f"the fastest tuned entry for this problem is {name}'s ({best_s * 1e3:.1f} ms, objective "
-                      f"{row['objective']}; {others or 'no other implementation is tuned for it'})")
+        return measured.choose(Cache(self.db, busy_timeout=LOADER_BUSY_TIMEOUT_S), key, spec, runnable)
 
     def _lookup(self, problem: ProblemKey, shapes: LocalShapes, spec, implementation: registry.Implementation,
                 fallback: str | None, unusable: CacheError | OSError | None = None) -> Decision:

@@ -38,8 +38,9 @@ def info(cache: Cache) -> Iterator[str]:
                                    if k != "code_hash")
     yield implementations_table()
     try:
-        tuned, stale, invalid = counts(cache)
-        line = f"cache: {cache.path} ({tuned} tuned, {stale} stale, {invalid} invalid)"
+        tuned, stale, invalid, bench = counts(cache)
+        line = (f"cache: {cache.path} ({tuned} tuned, {stale} stale, {invalid} invalid"
+                f"{f', {bench} of them bench times' if bench else ''})")
     except CacheError as error:
         line = f"cache: unusable: {error}"
     yield line

@@ -2,9 +2,10 @@
 
 `allowed` decides whether one query may read one key. `may_attend` decides, from the position and
 segment ranges of a group of queries and a group of keys, whether *any* pair in them may be allowed;
-when it says no, the whole tile (or ring step) is skipped. `fully_allowed` decides whether *every*
-pair is allowed; when it says yes, the tile is computed without building a mask. Both are
-conservative: they may fail to skip, or fail to drop the mask, but never give a wrong result.
+when it says no, the whole tile is skipped, and `ring_mask` resolves it once for every step of a ring.
+`fully_allowed` decides whether *every* pair is allowed; when it says yes, the tile is computed
+without building a mask. Both are conservative: they may fail to skip, or fail to drop the mask, but
+never give a wrong result.
 
 Positions are int32 and may lie anywhere in its range: no bound computed here can wrap around.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
+from jax import lax
 
 from tuner.spec import INT32_MAX, INT32_MIN, AttentionSpec
 
@@ -114,6 +116,28 @@ def fully_allowed(q_pos, k_pos, q_seg, k_seg, spec: AttentionSpec):
         return jnp.bool_(True)
     segments = (*_bounds(q_seg), *_bounds(k_seg)) if spec.has_segments else None
     return ranges_fully_allowed(*_bounds(q_pos), *_bounds(k_pos), segments, spec).all()
+
+
+class RingMask(NamedTuple):
+    """The mask information of every step of a ring, resolved once before the ring turns: `visits [P]`
+    (bool) says whether some query of this device may read some key of the shard that visits at step
+    s -- the shard of ring position `(rank - s) mod P`; the ring driver skips the steps it says no to."""
+
+    visits: Any
+
+
+def ring_mask(q_pos, kv_pos, q_seg, kv_seg, spec: AttentionSpec, axis_name, size: int, rank) -> RingMask:
+    """The `RingMask` of this device's queries over the key shards of a ring of `size` along
+    `axis_name`: every device's key position (and segment) bounds, `[B]` each, are all-gathered once,
+    and `ranges_may_attend` decides every step from them -- the same rule as `may_attend` on the
+    visiting shard, without waiting for it."""
+    if not spec.has_mask:
+        return RingMask(jnp.ones((size,), bool))
+    local = jnp.stack([*_bounds(kv_pos), *(_bounds(kv_seg) if spec.has_segments else ())])  # [2 or 4, B]
+    every = lax.all_gather(local, axis_name) if size > 1 else local[None]  # [P, 2 or 4, B], by ring position
+    shard = every[(rank - jnp.arange(size)) % size]  # by step
+    segments = (*_bounds(q_seg), shard[:, 2], shard[:, 3]) if spec.has_segments else None
+    return RingMask(ranges_may_attend(*_bounds(q_pos), shard[:, 0], shard[:, 1], segments, spec).any(axis=-1))
 
 
 def _tile_bounds(x, block: int, tiles: int):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -108,6 +109,39 @@ class Problem:
         return (f"B={self.batch} T={self.seq_len} H={self.heads} Hkv={self.kv_heads} D={self.head_dim} "
                 f"{self.dtype} {' '.join(extras) or 'full'} | ring {self.ring_size} x {self.local_len} "
                 f"tokens, {self.layout}")
+
+    @classmethod
+    def parse(cls, text: str) -> Problem:
+        """The problem `describe()` wrote as `text`; `ValueError` saying what does not parse."""
+        match = _DESCRIPTION.fullmatch(text.strip()) if isinstance(text, str) else None
+        if match is None:
+            raise ValueError(f"not a problem description (B=.. T=.. H=.. Hkv=.. D=.. dtype features | ring N x M "
+                             f"tokens, layout): {str(text)[:80]!r}")
+        fields = dict(batch=int(match["batch"]), seq_len=int(match["seq_len"]), heads=int(match["heads"]),
+                      kv_heads=int(match["kv_heads"]), head_dim=int(match["head_dim"]), dtype=match["dtype"],
+                      ring_size=int(match["ring"]), layout=match["layout"], causal=False)
+        features = re.sub(r"\((\d+), (\d+)\)", r"(\1,\2)", match["features"])  # a window's "(left, right)"
+        for word in features.split(" ") if features != "full" else ():
+            name, _, value = word.partition("=")
+            if name == "causal" and not value:
+                fields["causal"] = True
+            elif name == "window" and re.fullmatch(r"\(\d+,\d+\)", value):
+                fields["window"] = tuple(int(v) for v in value[1:-1].split(","))
+            elif name in ("chunk", "segments", "sinks") and value.isdigit():
+                fields[{"chunk": "chunk_size"}.get(name, name)] = int(value)
+            elif name == "softcap" and value:
+                fields["softcap"] = float(value)
+            else:
+                raise ValueError(f"unknown feature {word!r} in problem description {text[:80]!r}")
+        problem = cls(**fields)
+        if problem.describe() != text.strip():
+            raise ValueError(f"problem description {text[:80]!r} does not describe one problem")
+        return problem
+
+
+_DESCRIPTION = re.compile(r"B=(?P<batch>\d+) T=(?P<seq_len>\d+) H=(?P<heads>\d+) Hkv=(?P<kv_heads>\d+) "
+                          r"D=(?P<head_dim>\d+) (?P<dtype>\w+) (?P<features>.+?) \| ring (?P<ring>\d+) x \d+ "
+                          r"tokens, (?P<layout>\w+)")
 
 
 def key_layout(layout: str, ring_size: int) -> str:

@@ -6,7 +6,8 @@ Forward, on each of the P devices of `axis_name`: P steps. At every step the vis
 (with its positions and segment ids) is first sent on to the next device, so the transfer can overlap
 the compute, then this device's queries attend to it and the block result is merged into the running
 `(out, lse)` by `logaddexp` in float32. There is no send after the last step. A step whose visiting
-shard is wholly excluded by the masks is skipped. Sinks join the softmax once, at the end.
+shard is wholly excluded by the masks is skipped: which ones, `masks.ring_mask` resolves once before
+the ring turns, from every shard's position bounds. Sinks join the softmax once, at the end.
 
 Backward replays the same steps with the final (sink-inclusive) lse and `delta = rowsum(dout * out)`:
 dq accumulates here, while dk/dv accumulators travel with the keys and, after one last hop, arrive
@@ -115,9 +116,9 @@ def _forward(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks
 
         if not cfg.spec.has_mask:
             return compute((out, lse))
-        attends = masks.may_attend(q_pos, kv_pos_, q_seg, kv_seg_, cfg.spec)
-        return lax.cond(attends, compute, lambda carry: carry, (out, lse))
+        return lax.cond(ring_mask.visits[step], compute, lambda carry: carry, (out, lse))
 
+    ring_mask = masks.ring_mask(q_pos, kv_pos, q_seg, kv_seg, cfg.spec, cfg.axis_name, size, rank)
     with work.on_device(rank):
         out = vma.like(jnp.zeros((b, tq, h, d), F32), q)
         lse = vma.like(jnp.full((b, h, tq), -jnp.inf, F32), q)
@@ -135,11 +136,11 @@ def _forward(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks
         final_lse = jnp.logaddexp(lse, _sink_lse(sinks)[None, :, None])
         out = out * jnp.swapaxes(jnp.exp(lse - final_lse), 1, 2)[..., None]
         lse = final_lse
-    return out, lse
+    return out, lse, ring_mask
 
 
 def _backward(cfg: RingConfig, residuals, cotangents):
-    q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks, out, lse = residuals
+    q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks, out, lse, ring_mask = residuals
     dout, dlse = cotangents
     backend = block_kernel(cfg.backend)
     size, rank = ring_geometry(cfg.axis_name)
@@ -166,8 +167,7 @@ def _backward(cfg: RingConfig, residuals, cotangents):
         carry = (dq, travelling, dbias)
         if not cfg.spec.has_mask:
             return compute(carry)
-        attends = masks.may_attend(q_pos, kv_pos_, q_seg, kv_seg_, cfg.spec)
-        return lax.cond(attends, compute, lambda c: c, carry)
+        return lax.cond(ring_mask.visits[step], compute, lambda c: c, carry)
 
     with work.on_device(rank):
         dq = vma.like(jnp.zeros(q.shape, F32), q)
@@ -199,16 +199,16 @@ def _backward(cfg: RingConfig, residuals, cotangents):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ring(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks):
-    out, lse = _forward(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks)
+    out, lse, _ = _forward(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks)
     return out.astype(q.dtype), lse
 
 
 def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks):
-    out, lse = _forward(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks)
+    out, lse, ring_mask = _forward(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks)
     # With sinks the residual output stays float32: d sinks sums p_sink * rowsum(dout * out) over every
     # row, and a bf16/fp16-rounded out would put that dtype's rounding error into the sum.
     saved = out if sinks is not None else out.astype(q.dtype)
-    return (out.astype(q.dtype), lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks, saved, lse)
+    return (out.astype(q.dtype), lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks, saved, lse, ring_mask)
 
 
 _ring.defvjp(_ring_fwd, _backward)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tuner import resources
-from tuner.cache.rows import row_problem, warn_once
+from tuner.cache.rows import row_problem, upgrade, warn_once
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ def parse_jsonl(path: str | os.PathLike) -> tuple[list[dict[str, Any]], list[Rej
             if not isinstance(row, dict):
                 rejected.append(Rejected(number, "a cache row must be a JSON object"))
                 continue
+            row = upgrade(row)
             problem = row_problem(row)
             if problem is not None:
                 rejected.append(Rejected(number, problem))

@@ -126,7 +126,7 @@ class _Search:
     def local(self) -> tuple[dict[str, Any] | None, str]:
         """The best entry of the cache file, and how it matched ("exact", "nearest" or "")."""
         key, versions = self.key, self.versions
-        matches = " AND ".join(f"{f} = ?" for f in FAMILY_FIELDS)
+        matches = " AND ".join(f"{f} = ?" for f in FAMILY_FIELDS) + " AND {source} = 'search'"
         family_values = [key.op, key.backend, key.device_kind, key.head_dim, key.dtype, features_text(key.features)]
         brief = ", ".join(("rowid", "key", "layout", *SIZE_FIELDS, *VERSION_FIELDS))
         exact = self.select(f"SELECT * FROM {TABLE} WHERE key = ?", [key.digest])
@@ -146,7 +146,7 @@ class _Search:
     def shipped(self) -> tuple[dict[str, Any] | None, str]:
         """The best shipped entry, and how it matched ("exact", "nearest" or "")."""
         key = self.key
-        shipped = [r for r, _ in read_shipped()]
+        shipped = [r for r, _ in read_shipped() if r["source"] == "search"]
         return self.best([r for r in shipped if r["key"] == key.digest], lambda: [
             r for r in shipped if r["key"] != key.digest and row_key(r).family == key.family],
             lambda r: r, "shipped", resources.shipped_dir())

@@ -1,8 +1,20 @@
-"""One cache row: the schema of the `tuned` and `mechanisms` tables, and everything about a single row.
+"""One cache row -- one decision: an implementation and its config for a problem, with what measured it.
+
+The `tuned` table holds every decision the tools measured, told apart by `source`:
+
+- `search`: the best config `tuner search` found for one implementation (its `default_s` is the
+  implementation's default config timed in the same study, `speedup` the ratio);
+- `bench`: one implementation's time in a `tuner bench --mechanisms` run, which times every registered
+  implementation side by side on the same inputs (`study` names the run, `trials_run` counts its timed
+  runs; `default_s` and `speedup` are null: the run times one config per implementation).
+
+A search row's key is its `ProblemKey` digest (as it has always been, so shipped entries and old files
+keep their keys); a row of another source has the digest of the key and the source (`row_digest`).
+Rows written before the `source` column existed are search rows (`upgrade`).
 
 The cache trusts nothing it reads, so this module says what a row must be before anything uses it
-(`row_problem`, `check_row`, `mechanism_problem`), how a row is built from a measurement (`make_row`),
-what it holds (`row_key`, `row_config`, `row_params`), whether it is current (`stale_reason` against
+(`row_problem`, `check_row`), how a row is built from a measurement (`make_row`), what it holds
+(`row_key`, `row_config`, `row_params`), whether it is current (`stale_reason` against
 `current_versions`), and how a bad row is reported (`warn_once`, logger `tuner.cache`). Nothing here
 opens a file: `tuner.cache.store` stores the rows, `tuner.cache.files` reads and writes them as JSON lines.
 """
@@ -10,6 +22,7 @@ opens a file: `tuner.cache.store` stores the rows, `tuner.cache.files` reads and
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import importlib.metadata
 import json
 import logging
@@ -39,17 +52,13 @@ COLUMNS: dict[str, type] = {
     "best_s": float, "default_s": float, "speedup": float,
     "trials_run": int, "trials_pruned": int, "trials_failed": str,
     "measured_at": str, "tool_version": str, "study": str,
-    **{f: str for f in VERSION_FIELDS},
+    **{f: str for f in VERSION_FIELDS}, "source": str,
 }
+SOURCES = ("search", "bench")
+UNTIMED_DEFAULT = ("default_s", "speedup")  # null in the rows of a source other than search
 INDEXES = {"tuned_family": FAMILY_FIELDS, "tuned_measured_at": ("measured_at",)}
 FEATURES: dict[str, str] = {"causal": "bool", "window": "window", "chunk_size": "positive or null",
                             "softcap": "bool", "segments": "bool", "bias": "bool", "sinks": "count"}
-MECHANISM_TABLE = "mechanisms"
-MECHANISM_COLUMNS: dict[str, type] = {
-    "key": str, "device_kind": str, "problem": str, "objective": str, "winner": str, "seconds": str,
-    "jax_version": str, "jaxlib_version": str, "tool_version": str, "measured_at": str,
-}
-MECHANISM_NAME = re.compile(r"^(ring/)?[a-z][a-z0-9_]*$")  # ring/<kernel>, or a gathered implementation
 HEX_KEY = re.compile(r"^[0-9a-f]{16}$")
 
 
@@ -147,8 +156,15 @@ def _check_row(row: dict[str, Any]) -> None:
     unknown = [c for c in row if c not in COLUMNS]
     if unknown:
         raise ValueError(f"unknown field(s) {', '.join(unknown)}")
+    if row["source"] not in SOURCES:
+        raise ValueError(f"field 'source' must be one of {', '.join(SOURCES)}, got {row['source']!r}")
+    untimed = row["source"] != "search"
     for column, kind in COLUMNS.items():
         value = row[column]
+        if untimed and column in UNTIMED_DEFAULT:
+            if value is not None:
+                raise ValueError(f"field {column!r} must be null in a {row['source']} row, got {value!r}")
+            continue
         ok = _is_number(value) if kind is float else isinstance(value, kind) and not isinstance(value, bool)
         if not ok:
             raise ValueError(f"field {column!r} must be {kind.__name__}, got {value!r}")
@@ -161,6 +177,8 @@ def _check_row(row: dict[str, Any]) -> None:
         if row[name] not in allowed:
             raise ValueError(f"field {name!r} must be one of {', '.join(allowed)}, got {row[name]!r}")
     for name in TIME_FIELDS:
+        if row[name] is None:
+            continue
         if not (math.isfinite(row[name]) and row[name] > 0):
             raise ValueError(f"field {name!r} must be a finite positive number, got {row[name]!r}")
     for name in ("trials_run", "trials_pruned"):
@@ -172,9 +190,9 @@ def _check_row(row: dict[str, Any]) -> None:
     _check_date(row["measured_at"], "measured_at")
     _check_features(_json_object(row["features"], "features"))
     _config(row)
-    digest = row_key(row).digest
+    digest = row_digest(row_key(row), row["source"])
     if digest != row["key"]:
-        raise ValueError(f"field 'key' is {row['key']!r} but the key fields hash to {digest!r}")
+        raise ValueError(f"field 'key' is {row['key']!r} but the key fields and source hash to {digest!r}")
 
 
 def row_problem(row: dict[str, Any]) -> str | None:
@@ -195,38 +213,6 @@ def check_row(row: dict[str, Any], where: str = "row") -> None:
         raise ValueError(f"{where}: {problem}")
 
 
-def mechanism_problem(row: dict[str, Any]) -> str | None:
-    """Why `row` is not a valid `mechanisms` row (None when it is): every field text, the winner a
-    mechanism name that has seconds, every seconds value finite and positive, the date parseable."""
-    missing = [c for c in MECHANISM_COLUMNS if c not in row]
-    if missing:
-        return f"missing field(s) {', '.join(missing)}"
-    unknown = [c for c in row if c not in MECHANISM_COLUMNS]
-    if unknown:
-        return f"unknown field(s) {', '.join(unknown)}"
-    for column in MECHANISM_COLUMNS:
-        if not isinstance(row[column], str):
-            return f"field {column!r} must be str, got {row[column]!r}"
-    if not HEX_KEY.match(row["key"]):
-        return f"field 'key' must be 16 hex digits, got {row['key']!r}"
-    try:
-        seconds = _json_object(row["seconds"], "seconds")
-        _check_date(row["measured_at"], "measured_at")
-    except ValueError as error:
-        return str(error)
-    for name, value in seconds.items():
-        if not MECHANISM_NAME.match(name):
-            return f"seconds has an unknown mechanism {name!r}"
-        if not (_is_number(value) and math.isfinite(value) and value > 0):
-            return f"seconds of {name} must be a finite positive number, got {value!r}"
-    if not MECHANISM_NAME.match(row["winner"]):
-        return (f"winner must be an implementation's name (ring/<kernel> for a ring, else its name), got "
-                f"{row['winner']!r}")
-    if row["winner"] not in seconds:
-        return f"winner {row['winner']} has no seconds"
-    return None
-
-
 _WARNED: set[tuple[str, ...]] = set()
 
 
@@ -238,6 +224,19 @@ def warn_once(path: Path | str, what: str, problem: str) -> None:
     if token not in _WARNED:
         _WARNED.add(token)
         log.warning("tuning cache %s: %s: %s", path, what, problem)
+
+
+def row_digest(key: ProblemKey, source: str) -> str:
+    """The primary key of the row of `key` measured by `source`: the key's digest for a search row,
+    else the digest of both."""
+    if source == "search":
+        return key.digest
+    return hashlib.sha256(f"{key.digest}/{source}".encode()).hexdigest()[:16]
+
+
+def upgrade(row: dict[str, Any]) -> dict[str, Any]:
+    """`row` as the current schema has it: a row written before the `source` column is a search row."""
+    return row if "source" in row else {**row, "source": "search"}
 
 
 def row_key(row: dict[str, Any]) -> ProblemKey:
@@ -268,15 +267,15 @@ def features_text(features: dict[str, Any]) -> str:
 
 
 def make_row(key: ProblemKey, fwd: FwdParams | Config, bwd: BwdParams | None = None, *, versions: dict[str, str],
-             tool_version: str, **measured: Any) -> dict[str, Any]:
-    """A complete cache row: key fields, the config (or a ring's `fwd` and `bwd` tiles) as JSON, versions,
-    timestamp and `measured` fields (objective, best_s, default_s, speedup, trials_run, trials_pruned,
-    trials_failed, study)."""
+             tool_version: str, source: str = "search", **measured: Any) -> dict[str, Any]:
+    """A complete cache row of `source`: key fields, the config (or a ring's `fwd` and `bwd` tiles) as
+    JSON, versions, timestamp and `measured` fields (objective, best_s, default_s, speedup, trials_run,
+    trials_pruned, trials_failed, study)."""
     parts = fwd.to_dict() if bwd is None else {"fwd": fwd.to_dict(), "bwd": bwd.to_dict()}
     fields_ = key.as_dict()
     fields_["features"] = features_text(fields_["features"])
     failed = measured.pop("trials_failed", {})
-    row = {"key": key.digest, **fields_, "fwd_params": json.dumps(parts["fwd"]),
+    row = {"key": row_digest(key, source), **fields_, "source": source, "fwd_params": json.dumps(parts["fwd"]),
            "bwd_params": json.dumps(parts["bwd"]), "trials_failed": json.dumps(failed, sort_keys=True),
            "measured_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "tool_version": tool_version, **versions, **measured}

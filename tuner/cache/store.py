@@ -21,9 +21,10 @@ from typing import Any
 
 import sqlite_utils
 
+from tuner.cache import legacy
 from tuner.cache.lookup import Lookup, find_entry
-from tuner.cache.rows import (COLUMNS, INDEXES, KEY_FIELDS, MECHANISM_COLUMNS, MECHANISM_TABLE, TABLE, VERSION_FIELDS,
-                              canonical, check_row, mechanism_problem, row_problem, warn_once)
+from tuner.cache.rows import (COLUMNS, INDEXES, KEY_FIELDS, TABLE, VERSION_FIELDS, canonical, check_row, row_problem,
+                              upgrade, warn_once)
 from tuner.problem import ProblemKey
 from tuner.resources import tuner_home
 
@@ -100,6 +101,8 @@ class Cache:
             db.enable_wal()
             with _immediate(db):
                 db[TABLE].create(COLUMNS, pk="key", if_not_exists=True)
+                if "source" not in db[TABLE].columns_dict:  # written before decisions had one table
+                    db[TABLE].add_column("source", str, not_null_default="search")
                 missing = set(COLUMNS) - set(db[TABLE].columns_dict)
                 if missing:
                     raise CacheError(f"the cache at {self.path} has no column(s) {', '.join(sorted(missing))}: "
@@ -107,10 +110,35 @@ class Cache:
                                      f"(mv {self.path} {self.path}.old) and search again")
                 for name, columns in INDEXES.items():
                     conn.execute(f"CREATE INDEX IF NOT EXISTS {name} ON {TABLE} ({', '.join(columns)})")
+                if legacy.TABLE in db.table_names():
+                    self._migrate(db)
         except (sqlite3.DatabaseError, OSError) as error:
             raise self._error(error, writing=True) from error
         self._db = db
         return db
+
+    def _migrate(self, db: sqlite_utils.Database) -> None:
+        """Move the rows of a legacy `mechanisms` table into the `tuned` table as bench rows
+        (`tuner.cache.legacy`); a row that cannot be moved stays, with one warning, and the table goes
+        once empty. Runs inside the writer's opening transaction."""
+        moved = []
+        for row in list(db[legacy.TABLE].rows):
+            try:
+                problem = legacy.legacy_problem(row)
+                if problem is not None:
+                    raise ValueError(problem)
+                key, spec = legacy.problem_of(row)
+                converted = legacy.bench_rows(row, key, spec)
+            except ValueError as error:
+                warn_once(self.path, f"mechanisms row {row.get('key')} not migrated", str(error))
+                continue
+            for bench in converted:
+                db[TABLE].upsert(canonical(bench), pk="key")
+            moved.append(row["key"])
+        for key in moved:
+            db.conn.execute(f"DELETE FROM {legacy.TABLE} WHERE key = ?", [key])
+        if not db.conn.execute(f"SELECT count(*) FROM {legacy.TABLE}").fetchall()[0][0]:
+            db.conn.execute(f"DROP TABLE {legacy.TABLE}")
 
     def check_writable(self) -> None:
         """Open the cache for writing now (creating it if needed): `CacheError` saying what to do when
@@ -155,9 +183,15 @@ class Cache:
         return {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
 
     def _select(self, sql: str, params: Iterable[Any] = (), table: str = TABLE) -> list[dict[str, Any]]:
+        """The rows `sql` selects, upgraded to the current schema; `{source}` in `sql` stands for the
+        source column (the constant 'search' in a file written before it existed)."""
         with self._reader() as conn:
             if conn is None or table not in self._tables(conn):
                 return []
+            if table == TABLE:
+                has_source = any(c[1] == "source" for c in conn.execute(f"PRAGMA table_info({TABLE})"))
+                sql = sql.replace("{source}", "source" if has_source else "'search'")
+                return [upgrade(dict(r)) for r in conn.execute(sql, list(params))]
             return [dict(r) for r in conn.execute(sql, list(params))]
 
     def _write(self, action: Callable[[sqlite_utils.Database], Any]) -> Any:
@@ -213,6 +247,25 @@ class Cache:
         self._write(write)
         return len(rows)
 
+    def put_run(self, rows: list[dict[str, Any]]) -> None:
+        """Record the bench rows of one `tuner bench --mechanisms` run of one problem (each checked
+        first) in place of every bench row of that problem: the newest run is the measurement."""
+        for i, row in enumerate(rows):
+            check_row(row, where=f"row {i + 1}")
+        problems = {tuple(row[f] for f in KEY_FIELDS if f != "backend") for row in rows}
+        if len(problems) != 1 or any(row["source"] != "bench" for row in rows):
+            raise ValueError("put_run takes the bench rows of one problem")
+        rows = [canonical(r) for r in rows]
+        fields = [f for f in KEY_FIELDS if f != "backend"]
+        match = " AND ".join(f"{f} = ?" for f in fields)
+
+        def write(db):
+            with _immediate(db):
+                db.conn.execute(f"DELETE FROM {TABLE} WHERE source = 'bench' AND {match}",
+                                [rows[0][f] for f in fields])
+                db[TABLE].upsert_all(rows, pk="key")
+        self._write(write)
+
     def delete(self, keys: Iterable[str]) -> int:
         """Delete the rows with these keys; returns how many were deleted."""
         keys = list(keys)
@@ -225,17 +278,6 @@ class Cache:
                     db.conn.execute(f"DELETE FROM {TABLE} WHERE key = ?", [key])
             return len(keys)
         return self._write(remove)
-
-    def put_mechanism(self, row: dict[str, Any]) -> None:
-        """Record a `tuner bench --mechanisms` result (replacing the one of the same key)."""
-        problem = mechanism_problem(row)
-        if problem is not None:
-            raise ValueError(f"mechanism row: {problem}")
-
-        def write(db):
-            with _immediate(db):
-                db[MECHANISM_TABLE].upsert(row, pk="key", columns=MECHANISM_COLUMNS)
-        self._write(write)
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -266,6 +308,12 @@ class Cache:
         rows = self._select(f"SELECT * FROM {TABLE} WHERE key = ?", [key])
         return rows[0] if rows else None
 
+    def entries(self, keys: list[str]) -> list[dict[str, Any]]:
+        """The rows stored under these keys, as stored (valid or not), in one read."""
+        if not keys:
+            return []
+        return self._select(f"SELECT * FROM {TABLE} WHERE key IN ({', '.join('?' * len(keys))})", keys)
+
     def find(self, prefix: str) -> list[dict[str, Any]]:
         """Rows whose key starts with `prefix` (keys are hex digests; a short prefix is enough)."""
         if not re.fullmatch(r"[0-9a-fA-F]*", prefix):
@@ -273,13 +321,13 @@ class Cache:
         return self._select(f"SELECT * FROM {TABLE} WHERE key >= ? AND key < ? ORDER BY key",
                             [prefix.lower(), prefix.lower() + "g"])
 
-    def mechanism(self, key: str) -> dict[str, Any] | None:
-        """The recorded, valid mechanism measurement of problem key digest `key`, if any (an invalid
-        one is skipped with a warning)."""
-        rows = self._select(f"SELECT * FROM {MECHANISM_TABLE} WHERE key = ?", [key], table=MECHANISM_TABLE)
+    def legacy_run(self, key: str) -> dict[str, Any] | None:
+        """The legacy `mechanisms` row of `auto` key digest `key` in a file no writer has migrated
+        (`tuner.cache.legacy`), valid, or None (an invalid one is skipped with a warning)."""
+        rows = self._select(f"SELECT * FROM {legacy.TABLE} WHERE key = ?", [key], table=legacy.TABLE)
         if not rows:
             return None
-        problem = mechanism_problem(rows[0])
+        problem = legacy.legacy_problem(rows[0])
         if problem is not None:
             warn_once(self.path, f"mechanisms row {key} skipped", problem)
             return None

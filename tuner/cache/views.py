@@ -75,15 +75,16 @@ def list_text(cache: Cache, *, where: dict[str, Any], limit: int | None, page: i
         what = "matching " + " ".join(f"--{n.replace('_', '-')} {v}" for n, v in where.items()) if where else ""
         return (f"no tuned entries {what + ' ' if what else ''}in {cache.path}; run `tuner search --device cpu` "
                 f"to add one")
-    entries = [[_cell(r, lambda r: r["key"]), _cell(r, lambda r: r["backend"]), _cell(r, lambda r: r["device_kind"]),
-                _cell(r, lambda r: str(r["ring_size"])), _cell(r, lambda r: r["layout"]),
-                _cell(r, lambda r: str(r["batch"])), _cell(r, lambda r: str(r["q_len"])),
-                _cell(r, lambda r: f"{r['heads']}/{r['kv_heads']}"), _cell(r, lambda r: str(r["head_dim"])),
-                _cell(r, lambda r: r["dtype"]), _features(r), _cell(r, lambda r: r["objective"]),
-                _cell(r, lambda r: f"{r['best_s'] * 1e3:.1f}"), _cell(r, lambda r: f"{r['speedup']:.2f}x"),
+    entries = [[_cell(r, lambda r: r["key"]), _cell(r, lambda r: r["backend"]), _cell(r, lambda r: r["source"]),
+                _cell(r, lambda r: r["device_kind"]), _cell(r, lambda r: str(r["ring_size"])),
+                _cell(r, lambda r: r["layout"]), _cell(r, lambda r: str(r["batch"])),
+                _cell(r, lambda r: str(r["q_len"])), _cell(r, lambda r: f"{r['heads']}/{r['kv_heads']}"),
+                _cell(r, lambda r: str(r["head_dim"])), _cell(r, lambda r: r["dtype"]), _features(r),
+                _cell(r, lambda r: r["objective"]), _cell(r, lambda r: f"{r['best_s'] * 1e3:.1f}"),
+                _cell(r, lambda r: "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"),
                 _cell(r, lambda r: r["measured_at"][:10]), status(r)] for r in listing.rows]
-    lines = [table(["key", "backend", "device", "ring", "layout", "B", "Tq", "H/Hkv", "D", "dtype", "features",
-                    "objective", "best ms", "speedup", "measured", "status"], entries)]
+    lines = [table(["key", "backend", "source", "device", "ring", "layout", "B", "Tq", "H/Hkv", "D", "dtype",
+                    "features", "objective", "best ms", "speedup", "measured", "status"], entries)]
     if limit is not None and listing.total > len(listing.rows):
         last = offset + len(listing.rows)
         more = f"; `tuner list --page {page + 1}` for more" if last < listing.total else ""
@@ -146,7 +147,8 @@ def clear(cache: Cache, *, stale: bool = False) -> str:
     return f"deleted {count} {'stale ' if stale else ''}{_entries(count)} from {cache.path}"
 
 
-def counts(cache: Cache) -> tuple[int, int, int]:
-    """How many rows the cache holds, and how many of them are stale and invalid."""
-    statuses = [status(r).split(" ")[0] for r in cache.rows()]
-    return len(statuses), statuses.count("stale"), statuses.count("invalid")
+def counts(cache: Cache) -> tuple[int, int, int, int]:
+    """How many rows the cache holds, how many of them are stale and invalid, and how many are bench rows."""
+    rows = cache.rows()
+    statuses = [status(r).split(" ")[0] for r in rows]
+    return len(rows), statuses.count("stale"), statuses.count("invalid"), sum(r["source"] == "bench" for r in rows)

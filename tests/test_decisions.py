@@ -1,0 +1,163 @@
+"""One table of decisions: search and bench rows side by side, a bench run replacing the problem's last
+one, and files of the older shape (no `source` column, a `mechanisms` table) read as they decided before
+and migrated by the first writer, without changing what the loader runs."""
+
+import contextlib
+import json
+import logging
+import sqlite3
+
+import jax
+import numpy as np
+import pytest
+import sqlite_utils
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import Mesh
+
+from tests.test_dispatch import PROBLEM, RING, arrays
+from tuner import get_tuned_ring_attention, registry
+from tuner.cache import COLUMNS, TABLE, Cache, make_row, row_digest
+from tuner.cache import legacy
+from tuner.cache.views import list_text
+from tuner.params import BwdParams, FwdParams
+from tuner.problem import Problem
+
+DEVICE_KIND = jax.devices()[0].device_kind
+TUNED = (FwdParams(8, 8), BwdParams(8, 8))
+
+
+def search_row(problem: Problem = PROBLEM) -> dict:
+    scan = registry.get("scan")
+    return make_row(problem.key("scan", DEVICE_KIND), *TUNED, versions=registry.versions(scan), tool_version="test",
+                    objective="fwd+bwd", best_s=0.004, default_s=0.006, speedup=1.5, trials_run=3, trials_pruned=0,
+                    study="decisions")
+
+
+def bench_run(seconds: dict[str, float], problem: Problem = PROBLEM, study: str = "bench 1") -> list[dict]:
+    rows = []
+    for name, best_s in seconds.items():
+        implementation = registry.get(name)
+        config = implementation.default_config(problem.shapes, problem.spec)
+        rows.append(make_row(problem.key(name, DEVICE_KIND), config, versions=registry.versions(implementation),
+                             tool_version="test", source="bench",
+                             objective="fwd+bwd", best_s=best_s, default_s=None, speedup=None, trials_run=2,
+                             trials_pruned=0, study=study))
+    return rows
+
+
+def legacy_row(winner: str = "dense", seconds: dict | None = None, device_kind: str = DEVICE_KIND) -> dict:
+    seconds = seconds or {"dense": 0.001, "ring/scan": 0.004}
+    return {"key": PROBLEM.key("auto", DEVICE_KIND).digest, "device_kind": device_kind, "problem": PROBLEM.describe(),
+            "objective": "fwd+bwd", "winner": winner, "seconds": json.dumps(seconds),
+            "jax_version": registry.versions(registry.get("scan"))["jax_version"],
+            "jaxlib_version": registry.versions(registry.get("scan"))["jaxlib_version"], "tool_version": "old",
+            "measured_at": "2026-11-20T00:00:00+00:00"}
+
+
+def old_file(path, legacy_rows: list[dict]) -> None:
+    """A file as the version before one table of decisions wrote it: no `source` column, a
+    `mechanisms` table."""
+    old_columns = {c: t for c, t in COLUMNS.items() if c != "source"}
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        db = sqlite_utils.Database(conn)
+        db[TABLE].insert({c: v for c, v in search_row().items() if c != "source"}, pk="key", columns=old_columns)
+        db[legacy.TABLE].insert_all(legacy_rows, pk="key", columns=legacy.COLUMNS)
+        conn.commit()
+
+
+def explain(path, backend: str = "auto", **call):
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, layout="zigzag", db=str(path), backend=backend,
+                                    mesh=Mesh(np.array(jax.devices()[:RING]), ("sp",)))
+    return attn.explain(*arrays(PROBLEM), **call)
+
+
+def test_bench_and_search_rows_live_side_by_side_and_a_run_replaces_the_last(tmp_path):
+    path = tmp_path / "tuning.sqlite"
+    cache = Cache(path)
+    cache.put(search_row())
+    cache.put_run(bench_run({"jax_nn": 0.001, "scan": 0.004}))
+    rows = cache.rows()
+    assert sorted((r["backend"], r["source"]) for r in rows) == [("jax_nn", "bench"), ("scan", "bench"),
+                                                                 ("scan", "search")]
+    scan_key = PROBLEM.key("scan", DEVICE_KIND)
+    assert {r["key"] for r in rows} == {scan_key.digest, row_digest(scan_key, "bench"),
+                                       row_digest(PROBLEM.key("jax_nn", DEVICE_KIND), "bench")}
+    decision = explain(path)
+    assert decision.backend == "jax_nn"
+    assert decision.reason.startswith("tuner bench --mechanisms measured jax_nn fastest for this problem (1.0 ms; "
+                                      "ring/scan 4.0 ms)")
+    # jax_nn has no lse: such a call runs the fastest of the run that can, with its search row's config.
+    with_lse = explain(path, return_lse=True)
+    assert (with_lse.backend, with_lse.source, with_lse.config.to_dict()["fwd"]["block_q"]) == ("scan", "exact", 8)
+    assert with_lse.reason.startswith("tuner bench --mechanisms measured ring/scan fastest for this call (the "
+                                      "fastest cannot honour it) (4.0 ms; jax_nn 1.0 ms)"), with_lse.reason
+
+    cache.put_run(bench_run({"scan": 0.002}, study="bench 2"))  # a newer run of scan alone: jax_nn's time goes
+    assert sorted((r["backend"], r["source"]) for r in cache.rows()) == [("scan", "bench"), ("scan", "search")]
+    assert explain(path).backend == "scan"
+    listing = list_text(cache, where={}, limit=None, page=1)
+    assert sorted(line.split()[2] for line in listing.splitlines()[2:]) == ["bench", "search"], listing
+    with pytest.raises(ValueError, match="bench rows of one problem"):
+        cache.put_run([search_row()])
+
+
+def test_an_old_file_decides_as_before_and_the_first_writer_migrates_it(tmp_path, caplog):
+    path = tmp_path / "tuning.sqlite"
+    unmigratable = {**legacy_row(device_kind="another kind"), "key": "0123456789abcdef"}
+    old_file(path, [legacy_row(), unmigratable])
+    before = explain(path)
+    assert before.backend == "dense" and before.reason.startswith("tuner bench --mechanisms measured dense fastest")
+    assert explain(path, backend="scan").source == "exact"  # the old search row, read without a source column
+
+    with caplog.at_level(logging.WARNING, logger="tuner.cache"):
+        Cache(path).check_writable()
+    assert any("mechanisms row 0123456789abcdef not migrated" in m for m in caplog.messages), caplog.messages
+    rows = Cache(path).rows()
+    assert sorted((r["backend"], r["source"], r["best_s"]) for r in rows) == [
+        ("dense", "bench", 0.001), ("scan", "bench", 0.004), ("scan", "search", 0.004)]
+    assert {r["study"] for r in rows if r["source"] == "bench"} == {f"mechanisms row {legacy_row()['key']}"}
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        left = [r[0] for r in conn.execute(f"SELECT key FROM {legacy.TABLE}")]
+    assert left == ["0123456789abcdef"]
+    after = explain(path)
+    assert (after.backend, after.source, after.reason) == (before.backend, before.source, before.reason)
+
+    # Once every legacy row is gone, so is the table.
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute(f"DELETE FROM {legacy.TABLE}")
+        conn.commit()
+    Cache(path).check_writable()
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        assert legacy.TABLE not in {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
+
+
+def test_a_legacy_winner_that_is_not_its_fastest_is_invalid():
+    assert legacy.legacy_problem(legacy_row(winner="ring/scan")) == "winner ring/scan is not the fastest of its seconds"
+    assert legacy.legacy_problem(legacy_row()) is None
+
+
+_problems = st.builds(
+    Problem, batch=st.integers(1, 4), seq_len=st.sampled_from([64, 256, 4096]), heads=st.sampled_from([2, 4]),
+    kv_heads=st.just(2), head_dim=st.sampled_from([8, 64]), dtype=st.sampled_from(["float32", "bfloat16"]),
+    causal=st.booleans(), window=st.none() | st.tuples(st.integers(0, 40), st.integers(0, 40)),
+    chunk_size=st.none() | st.integers(1, 64), segments=st.integers(0, 3),
+    softcap=st.none() | st.floats(0.1, 100.0), sinks=st.integers(0, 2), ring_size=st.sampled_from([1, 2, 4]),
+    layout=st.sampled_from(["contiguous", "zigzag", "striped"]))
+
+
+@settings(max_examples=25)
+@given(problem=_problems)
+def test_a_problem_description_parses_back_to_the_problem(problem):
+    assert Problem.parse(problem.describe()) == problem
+
+
+@pytest.mark.parametrize("text, message", [
+    ("B=1 T=64", "not a problem description"),
+    ("B=1 T=64 H=4 Hkv=2 D=8 float32 warp=9 | ring 4 x 16 tokens, zigzag", "unknown feature 'warp=9'"),
+    ("B=1 T=64 H=4 Hkv=2 D=8 float32 causal | ring 4 x 99 tokens, zigzag", "does not describe one problem"),
+    (None, "not a problem description"),
+])
+def test_a_bad_description_says_what_is_wrong(text, message):
+    with pytest.raises(ValueError, match=message):
+        Problem.parse(text)
