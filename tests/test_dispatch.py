@@ -10,7 +10,8 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from tuner import BwdParams, FwdParams, get_tuned_ring_attention, ring_attention
+from tuner import BwdParams, FwdParams, get_tuned_ring_attention
+from tuner.ring import run_ring
 from tuner import dispatch as dispatch_module
 from tuner import implementations, registry
 from tuner.backends import BACKENDS
@@ -74,9 +75,9 @@ def test_tuned_call_with_mesh_equals_dense_forward_and_gradients(tmp_path, monke
 
     def spy(*args, **kwargs):
         used.append((kwargs["backend"], kwargs["fwd_params"], kwargs["bwd_params"]))
-        return ring_attention(*args, **kwargs)
+        return run_ring(*args, **kwargs)
 
-    monkeypatch.setattr(implementations, "ring_attention", spy)
+    monkeypatch.setattr(implementations, "run_ring", spy)
     mesh = Mesh(np.array(jax.devices()[:RING]), ("sp",))
     attn = get_tuned_ring_attention(axis_name="sp", causal=True, layout="zigzag", db=str(db), mesh=mesh)
     q, k, v = arrays(PROBLEM)

@@ -20,6 +20,7 @@ from tuner.implementations import NoConfig
 from tuner.mechanisms import gathered_attention
 from tuner.problem import Problem
 from tuner.reference import dense_attention
+from tuner.spec import AttentionSpec
 from tuner.verify import ReferenceCheck
 from tuner.workload import Workload
 
@@ -43,12 +44,13 @@ def test_gathered_mechanisms_equal_the_scan_ring(mechanism, problem):
 def test_jax_nn_rows_with_no_readable_key_are_zero():
     q = jnp.ones((1, 4, 2, 8))
     late = jnp.arange(10, 14, dtype=jnp.int32)[None]
-    out = gathered_attention(q, q, q, mechanism="jax_nn", axis_name=None, layout="contiguous", softmax_scale=0.3,
-                             q_positions=jnp.arange(4, dtype=jnp.int32)[None], kv_positions=late, causal=True)
+    out = gathered_attention(q, q, q, mechanism="jax_nn", axis_name=None, layout="contiguous",
+                             spec=AttentionSpec(scale=0.3, causal=True),
+                             q_positions=jnp.arange(4, dtype=jnp.int32)[None], kv_positions=late)
     assert np.all(np.asarray(out) == 0.0)
     with pytest.raises(ValueError, match="jax.nn.dot_product_attention has no a logits soft cap"):
-        gathered_attention(q, q, q, mechanism="jax_nn", axis_name=None, layout="contiguous", softmax_scale=0.3,
-                           causal=True, logits_soft_cap=3.0)
+        gathered_attention(q, q, q, mechanism="jax_nn", axis_name=None, layout="contiguous",
+                           spec=AttentionSpec(scale=0.3, causal=True, softcap=3.0))
 
 
 def record(db, problem: Problem, winner: str, seconds: dict, jax_version: str | None = None) -> None:

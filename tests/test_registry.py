@@ -21,6 +21,7 @@ from tuner.cache import Cache
 from tuner.cli import main
 from tuner.implementations import NoConfig, TileConfig
 from tuner.reference import dense_attention
+from tuner.spec import AttentionSpec
 
 TOY = "toy_chunked"
 PROBLEM = ["--seq-len", "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--ring-size", "4"]
@@ -80,8 +81,8 @@ class QueryChunked:
     def vma_checked(self, target: registry.Target) -> bool:
         return True
 
-    def attend(self, query, key, value, *, config: ChunkConfig, axis_name, layout: str, interpret: bool = False,
-               causal: bool = False, softmax_scale=None, **options):
+    def attend(self, query, key, value, *, spec: AttentionSpec, config: ChunkConfig, axis_name, layout: str,
+               interpret: bool = False, **arrays):
         from tuner import layouts
 
         size, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
@@ -90,7 +91,7 @@ class QueryChunked:
         kv_pos = lax.all_gather(layouts.local_positions(layout, key.shape[1], size, rank), axis_name, tiled=True)
         key, value = (jnp.repeat(lax.all_gather(x, axis_name, axis=1, tiled=True), h // x.shape[2], axis=2)
                       for x in (key, value))
-        scale = softmax_scale or d**-0.5
+        scale, causal = spec.scale, spec.causal
 
         def chunk(start):
             q = lax.dynamic_slice_in_dim(query, start, config.chunk, axis=1).astype(jnp.float32)

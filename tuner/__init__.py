@@ -3,6 +3,7 @@
     from tuner import get_tuned_ring_attention, ring_attention, FwdParams, BwdParams
 """
 
+from tuner import implementations  # noqa: F401 - registers the built-in implementations
 from tuner.dispatch import get_tuned_ring_attention
 from tuner.params import BwdParams, FwdParams
 from tuner.ring import ring_attention

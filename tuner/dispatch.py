@@ -12,19 +12,18 @@ At trace time the callable builds the problem key from the shapes it sees, picks
 measured fastest for this problem, a ring or gathered dense attention when that is faster at this
 length, else the one whose tuned entry for this problem is the fastest -- else the platform's preferred
 ring, else scan when that one is missing, does not support the features, or fails to build) and its
-config (cache lookup: exact, nearest, shipped, else the implementation's default). It never tunes.
-Whatever the cache holds, a training step traces, runs and is exact: a missing, unreadable, corrupt or
-locked cache file (waited for at most `tuner.cache.LOADER_BUSY_TIMEOUT_S`) and every invalid row cost
-speed only, with one WARNING naming the file, the row and what is wrong; a tuned variant that fails to
-build falls back to the scan backend's defaults.
-"""
+config (cache lookup: exact, nearest, shipped, else the implementation's default). The result is a
+`tuner.plan.Plan` (`explain()` returns it), and the implementation runs from its spec, config and
+layout. It never tunes. Whatever the cache holds, a training step traces, runs and is exact: a missing,
+unreadable, corrupt or locked cache file (waited for at most `tuner.cache.LOADER_BUSY_TIMEOUT_S`) and
+every invalid row cost speed only, with one WARNING naming the file, the row and what is wrong; a tuned
+variant that fails to build falls back to the scan backend's defaults. """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 from collections.abc import Hashable
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -32,15 +31,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from tuner import layouts, measured, registry
+from tuner import layouts, measured, plan, registry
 from tuner.cache import LOADER_BUSY_TIMEOUT_S, Cache, CacheError, row_config, warn_once
 from tuner.checks import check_int
-from tuner.implementations import TileConfig
-from tuner.params import BwdParams, FwdParams
+from tuner.plan import Plan
 from tuner.problem import ProblemKey
-from tuner.registry import Config
-from tuner.ring import ring_attention, ring_geometry
-from tuner.spec import LocalShapes, build_spec, check_inputs, layout_span, normalize_window
+from tuner.ring import ring_geometry
+from tuner.spec import LocalShapes, build_spec, normalize_window
 
 log = logging.getLogger("tuner.dispatch")
 
@@ -51,26 +48,7 @@ DEFAULT_LAYOUT = "zigzag"  # what `tuner search` tunes by default, and the loade
 SEQUENCE_OPTIONS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")
 
 
-@dataclass(frozen=True)
-class Decision:
-    """What the loader runs for one problem, and why: the registered implementation `backend` (a ring
-    over a block kernel, a gathered mechanism, or one a user registered) with `config`."""
-
-    backend: str
-    config: Config
-    source: str  # one of SOURCES
-    reason: str
-    key: ProblemKey
-
-    @property
-    def fwd_params(self) -> FwdParams | None:
-        """The forward tiles of a ring's config (None for other implementations)."""
-        return self.config.fwd if isinstance(self.config, TileConfig) else None
-
-    @property
-    def bwd_params(self) -> BwdParams | None:
-        """The backward tiles of a ring's config (None for other implementations)."""
-        return self.config.bwd if isinstance(self.config, TileConfig) else None
+Decision = Plan  # what `explain()` returns: the plan of the call (`tuner.plan.Plan`)
 
 
 class TunedRingAttention:
@@ -163,46 +141,43 @@ class TunedRingAttention:
         size, _ = ring_geometry(self.axis_name)
         decision = self._decide(query, key, value, size, options)
         interpret = bool(options.get("interpret"))
-        call = dict(**self.options, **{n: v for n, v in options.items() if n != "interpret"},
-                    axis_name=self.axis_name, layout=self._layout(size))
+        arrays = {n: v for n, v in options.items() if n != "interpret"}
+        call = dict(spec=decision.spec, axis_name=self.axis_name, layout=decision.layout, interpret=interpret, **arrays)
         try:
-            return registry.get(decision.backend).attend(query, key, value, config=decision.config,
-                                                         interpret=interpret, **call)
+            return registry.get(decision.backend).attend(query, key, value, config=decision.config, **call)
         except Exception as error:  # noqa: BLE001 - a variant that fails to build falls back to scan defaults
             if decision.backend == registry.FALLBACK and decision.source in ("default", "fallback"):
                 raise
             log.warning("ring attention %s: backend %s with params from %s failed to build (%s: %s); falling back "
                         "to %s with its default params", decision.key.digest, decision.backend, decision.source,
                         type(error).__name__, error, registry.FALLBACK)
-            return ring_attention(query, key, value, backend=registry.FALLBACK, interpret=interpret, **call)
+            fallback = registry.get(registry.FALLBACK)
+            return fallback.attend(query, key, value, config=fallback.default_config(decision.key, decision.spec),
+                                   **call)
 
     def _decide(self, query, key, value, ring_size: int, options: dict[str, Any]) -> Decision:
-        check_inputs(query, key, value, ring_size=ring_size,
-                     **{n: options.get(n) for n in CALL_OPTIONS if n not in ("return_lse", "interpret")})
-        spec = build_spec(query, has_segments=options.get("q_segment_ids") is not None,
-                          bias=options.get("bias"), softmax_aux=options.get("softmax_aux"), **self.options,
-                          position_span=layout_span(ring_size, query.shape[1], key.shape[1],
-                                                    options.get("q_positions"), options.get("kv_positions")))
-        dtype = jnp.dtype(query.dtype)
         platform, device_kind = _platform()
         target = registry.Target(platform, bool(options.get("interpret")))
         return_lse = bool(options.get("return_lse"))
-        shapes = LocalShapes.of_shards(query, key)
-        implementation, fallback = self._choose(spec, dtype, shapes.head_dim, target, return_lse)
+        layout = self._layout(ring_size)
+        resolved = plan.resolve(query, key, value, ring_size=ring_size, layout=layout, backend=self.backend,
+                                target=target, mask=self.options, arrays=options, return_lse=return_lse)
+        spec, shapes, implementation, fallback = (resolved.spec, resolved.shapes, resolved.implementation,
+                                                  resolved.fallback)
         problem = ProblemKey.of(shapes, spec, backend=implementation.name, device_kind=device_kind,
-                                ring_size=ring_size, layout=self._layout(ring_size))
+                                ring_size=ring_size, layout=layout)
         memo = (problem.digest, fallback, return_lse)
         if memo not in self._decisions:
             chosen, unusable = None, None
             if self.backend == "auto" and not target.interpret:
                 try:
-                    chosen = self._measured(problem, spec, dtype, target, return_lse)
+                    chosen = self._measured(problem, spec, jnp.dtype(query.dtype), target, return_lse)
                 except (CacheError, OSError) as error:  # reported by _lookup, which does not wait again
                     unusable = error
             if chosen is not None:
                 implementation, fallback = registry.get(chosen[0]), None
                 problem = dataclasses.replace(problem, backend=implementation.name)
-            decision = self._lookup(problem, shapes, spec, implementation, fallback, unusable)
+            decision = self._lookup(problem, shapes, spec, layout, implementation, fallback, unusable)
             if chosen is not None:
                 nothing_tuned = decision.source == "default" and decision.config.to_dict() == {"fwd": {}, "bwd": {}}
                 decision = dataclasses.replace(decision, source="measured" if nothing_tuned else decision.source,
@@ -225,14 +200,6 @@ class TunedRingAttention:
                          f"'zigzag' or 'striped' after tuner.layouts.lay_out), or pass mesh= and global arrays "
                          f"in token order, which the loader lays out itself ({DEFAULT_LAYOUT} by default)")
 
-    def _choose(self, spec, dtype, head_dim: int, target: registry.Target, return_lse: bool
-                ) -> tuple[registry.Implementation, str | None]:
-        """The implementation, and why it is a fallback (None when it is the platform's first choice)."""
-        if self.backend != "auto":
-            return registry.choose(self.backend, spec, dtype, head_dim, target, return_lse=return_lse), None
-        implementation, passed_over = registry.resolve_auto(spec, dtype, head_dim, target, return_lse=return_lse)
-        return implementation, "; ".join(passed_over) or None
-
     def _measured(self, key: ProblemKey, spec, dtype, target: registry.Target, return_lse: bool
                   ) -> tuple[str, str] | None:
         """What `auto` runs by measurement, and the reason to give (`tuner.measured`): only current,
@@ -245,8 +212,9 @@ class TunedRingAttention:
 
         return measured.choose(Cache(self.db, busy_timeout=LOADER_BUSY_TIMEOUT_S), key, spec, runnable)
 
-    def _lookup(self, problem: ProblemKey, shapes: LocalShapes, spec, implementation: registry.Implementation,
-                fallback: str | None, unusable: CacheError | OSError | None = None) -> Decision:
+    def _lookup(self, problem: ProblemKey, shapes: LocalShapes, spec, layout: str,
+                implementation: registry.Implementation, fallback: str | None,
+                unusable: CacheError | OSError | None = None) -> Decision:
         """The config for `problem` from the cache; the default, with one warning, when it cannot be
         read (`unusable`: the error reading its measurements already met, so a locked file is waited for
         once per decision, and a broken one warned about once)."""
@@ -266,13 +234,13 @@ class TunedRingAttention:
             found = cache.lookup(problem, registry.versions(implementation), accept)
         except (CacheError, OSError) as error:
             warn_once(cache.path, "unusable, using default params", str(error))
-            return Decision(name, default, "fallback" if fallback else "default",
-                            f"{fallback + '; ' if fallback else ''}cache unusable: {error}", problem)
+            return Plan(name, default, "fallback" if fallback else "default",
+                        f"{fallback + '; ' if fallback else ''}cache unusable: {error}", problem, spec, layout)
         config = row_config(found.row) if found.row is not None else default
         if fallback:
-            return Decision(name, config, "fallback", f"{fallback}; {name} params: {found.source} ({found.reason})",
-                            problem)
-        return Decision(name, config, found.source, found.reason, problem)
+            return Plan(name, config, "fallback", f"{fallback}; {name} params: {found.source} ({found.reason})",
+                        problem, spec, layout)
+        return Plan(name, config, found.source, found.reason, problem, spec, layout)
 
 
 def _platform() -> tuple[str, str]:

@@ -21,7 +21,7 @@ from tuner.backends import BACKENDS, check_vma
 from tuner.backends.base import Backend, SearchSpace, source_hash
 from tuner.params import BwdParams, FwdParams
 from tuner.registry import ChoiceSpace, Target
-from tuner.ring import ring_attention
+from tuner.ring import run_ring
 from tuner.spec import AttentionSpec, LocalShapes
 
 
@@ -159,10 +159,10 @@ class Ring:
     def vma_checked(self, target: Target) -> bool:
         return check_vma(self.name, target.interpret)
 
-    def attend(self, query, key, value, *, config: TileConfig, axis_name: Hashable | None, layout: str,
-               interpret: bool = False, **options: Any) -> Any:
-        return ring_attention(query, key, value, backend=self.name, fwd_params=config.fwd, bwd_params=config.bwd,
-                              axis_name=axis_name, layout=layout, interpret=interpret, **options)
+    def attend(self, query, key, value, *, spec: AttentionSpec, config: TileConfig, axis_name: Hashable | None,
+               layout: str, interpret: bool = False, **arrays: Any) -> Any:
+        return run_ring(query, key, value, spec=spec, backend=self.name, fwd_params=config.fwd,
+                        bwd_params=config.bwd, axis_name=axis_name, layout=layout, interpret=interpret, **arrays)
 
 
 class Gathered:
@@ -201,10 +201,10 @@ class Gathered:
     def vma_checked(self, target: Target) -> bool:
         return True
 
-    def attend(self, query, key, value, *, config: NoConfig, axis_name: Hashable | None, layout: str,
-               interpret: bool = False, **options: Any) -> Any:
-        return mechanisms.gathered_attention(query, key, value, mechanism=self.name, axis_name=axis_name,
-                                             layout=layout, **options)
+    def attend(self, query, key, value, *, spec: AttentionSpec, config: NoConfig, axis_name: Hashable | None,
+               layout: str, interpret: bool = False, **arrays: Any) -> Any:
+        return mechanisms.gathered_attention(query, key, value, mechanism=self.name, spec=spec, axis_name=axis_name,
+                                             layout=layout, **arrays)
 
 
 for _backend in BACKENDS.values():

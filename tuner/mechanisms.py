@@ -27,7 +27,7 @@ from jax import lax
 from tuner import layouts, masks
 from tuner.reference import dense_attention
 from tuner.ring import ring_geometry
-from tuner.spec import AttentionSpec, build_spec
+from tuner.spec import AttentionSpec
 
 def gathered_unsupported(mechanism: str, spec: AttentionSpec, *, return_lse: bool = False) -> str | None:
     """Why a gathered mechanism cannot honour this call, or None."""
@@ -39,16 +39,12 @@ def gathered_unsupported(mechanism: str, spec: AttentionSpec, *, return_lse: boo
     return None
 
 
-def gathered_attention(query, key, value, *, mechanism: str, axis_name: Hashable | None, layout: str,
-                       q_positions=None, kv_positions=None, q_segment_ids=None, kv_segment_ids=None, bias=None,
-                       softmax_aux=None, return_lse: bool = False, causal: bool = False, sliding_window=None,
-                       chunk_size=None, logits_soft_cap=None, softmax_scale=None) -> Any:
-    """Attention of this device's queries to the whole ring's keys: K/V (with positions and segment ids)
-    are all-gathered along `axis_name`, in ring order -- the global key order a bias is given in.
-    Options as in `tuner.ring_attention`."""
-    spec = build_spec(query, causal=causal, sliding_window=sliding_window, chunk_size=chunk_size,
-                      logits_soft_cap=logits_soft_cap, softmax_scale=softmax_scale,
-                      has_segments=q_segment_ids is not None, bias=bias, softmax_aux=softmax_aux)
+def gathered_attention(query, key, value, *, mechanism: str, spec: AttentionSpec, axis_name: Hashable | None,
+                       layout: str, q_positions=None, kv_positions=None, q_segment_ids=None, kv_segment_ids=None,
+                       bias=None, softmax_aux=None, return_lse: bool = False) -> Any:
+    """Attention of this device's queries to the whole ring's keys, for a call resolved to `spec`
+    (`tuner.plan.resolve`): K/V (with positions and segment ids) are all-gathered along `axis_name`, in
+    ring order -- the global key order a bias is given in. Arrays as in `tuner.ring_attention`."""
     reason = gathered_unsupported(mechanism, spec, return_lse=return_lse)
     if reason is not None:
         raise ValueError(f"mechanism {mechanism!r}: {reason}")
@@ -66,9 +62,9 @@ def gathered_attention(query, key, value, *, mechanism: str, axis_name: Hashable
     kv_segment_ids = kv[3] if kv_segment_ids is not None else None
     if mechanism == "dense":
         out, lse = dense_attention(query, key, value, q_positions=q_positions, kv_positions=kv_positions,
-                                   q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, causal=causal,
-                                   sliding_window=sliding_window, chunk_size=chunk_size,
-                                   logits_soft_cap=logits_soft_cap, softmax_scale=softmax_scale, bias=bias,
+                                   q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, causal=spec.causal,
+                                   sliding_window=spec.window, chunk_size=spec.chunk_size,
+                                   logits_soft_cap=spec.softcap, softmax_scale=spec.scale, bias=bias,
                                    softmax_aux=softmax_aux)
         return (out, lse) if return_lse else out
     allowed = masks.allowed(q_positions, kv_positions, q_segment_ids, kv_segment_ids, spec)

@@ -154,10 +154,12 @@ class Implementation(Protocol):
     def vma_checked(self, target: Target) -> bool:
         """Whether a `shard_map` around it may keep its varying-axes check."""
 
-    def attend(self, query: Any, key: Any, value: Any, *, config: Config, axis_name: Hashable | None,
-               layout: str, interpret: bool = False, **options: Any) -> Any:
-        """The local shards' attention under `shard_map` over `axis_name` (options as in
-        `tuner.ring_attention`): the output, and with `return_lse` the lse too."""
+    def attend(self, query: Any, key: Any, value: Any, *, spec: AttentionSpec, config: Config,
+               axis_name: Hashable | None, layout: str, interpret: bool = False, **arrays: Any) -> Any:
+        """The local shards' attention under `shard_map` over `axis_name`, for a call resolved to `spec`
+        (`tuner.plan.resolve`: the masks, scale, soft cap, sinks and bias it has), on shards in
+        `layout`; `arrays` are the per-call arrays of `tuner.plan.ARRAY_OPTIONS` (each may be None) and
+        `return_lse`. Returns the output, and with `return_lse` the lse too."""
 
 
 _REGISTRY: dict[str, Implementation] = {}

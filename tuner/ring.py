@@ -25,10 +25,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tuner import layouts, masks, registry, vma, work
+from tuner import layouts, masks, plan, registry, vma, work
 from tuner.backends.base import Backend
 from tuner.params import BwdParams, FwdParams
-from tuner.spec import AttentionSpec, build_spec, check_inputs, layout_span
+from tuner.spec import AttentionSpec
 
 F32 = jnp.float32
 
@@ -276,27 +276,29 @@ def ring_attention(
     for name, params, kind in (("fwd_params", fwd_params, FwdParams), ("bwd_params", bwd_params, BwdParams)):
         if params is not None and not isinstance(params, kind):
             raise ValueError(f"{name} must be a {kind.__name__} or None, got {type(params).__name__}")
-    size, rank = ring_geometry(axis_name)
-    check_inputs(query, key, value, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                 q_positions=q_positions, kv_positions=kv_positions, softmax_aux=softmax_aux,
-                 bias=bias, ring_size=size)
-    if q_positions is None:
-        layouts.check_layout(layout, query.shape[1])
-    if kv_positions is None:
-        layouts.check_layout(layout, key.shape[1])
-    spec = build_spec(query, causal=causal, sliding_window=sliding_window, chunk_size=chunk_size,
-                      logits_soft_cap=logits_soft_cap, softmax_scale=softmax_scale,
-                      has_segments=q_segment_ids is not None, bias=bias, softmax_aux=softmax_aux,
-                      position_span=layout_span(size, query.shape[1], key.shape[1], q_positions,
-                                                kv_positions))
-    chosen = block_kernel(registry.choose(backend, spec, query.dtype, query.shape[3],
-                                          registry.Target.here(bool(interpret))).name)
+    arrays = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_positions=q_positions,
+                  kv_positions=kv_positions, softmax_aux=softmax_aux, bias=bias)
+    mask = dict(causal=causal, sliding_window=sliding_window, chunk_size=chunk_size,
+                logits_soft_cap=logits_soft_cap, softmax_scale=softmax_scale)
+    resolved = plan.resolve(query, key, value, ring_size=ring_geometry(axis_name)[0], layout=layout,
+                            backend=backend, target=registry.Target.here(bool(interpret)), mask=mask, arrays=arrays)
+    chosen = block_kernel(resolved.implementation.name)
     default_fwd, default_bwd = chosen.default_params(query.shape[1], key.shape[1], query.shape[3])
     fwd_params = fwd_params or default_fwd
     bwd_params = bwd_params or default_bwd
     chosen.check_params(fwd_params, bwd_params)
-    cfg = RingConfig(spec, chosen.name, fwd_params, bwd_params, axis_name, bool(interpret))
+    return run_ring(query, key, value, spec=resolved.spec, backend=chosen.name, fwd_params=fwd_params,
+                    bwd_params=bwd_params, axis_name=axis_name, layout=layout, interpret=interpret,
+                    return_lse=return_lse, **arrays)
 
+
+def run_ring(query, key, value, *, spec: AttentionSpec, backend: str, fwd_params: FwdParams, bwd_params: BwdParams,
+             axis_name: Hashable | None, layout: str, interpret: bool = False, q_segment_ids=None, kv_segment_ids=None,
+             q_positions=None, kv_positions=None, softmax_aux=None, bias=None, return_lse: bool = False):
+    """The ring of block kernel `backend` with these tiles for a call already resolved to `spec`
+    (`tuner.plan.resolve`; the arrays checked there): what `ring_attention` and the loader run."""
+    size, rank = ring_geometry(axis_name)
+    cfg = RingConfig(spec, backend, fwd_params, bwd_params, axis_name, bool(interpret))
     batch = query.shape[0]
     q_pos = _positions(q_positions, layout, query.shape[1], batch, size, rank)
     kv_pos = _positions(kv_positions, layout, key.shape[1], batch, size, rank)

@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tuner import layouts, registry
+from tuner import layouts, plan, registry
 from tuner.problem import Problem
 from tuner.registry import Config
 
@@ -117,10 +117,13 @@ class Workload:
 
         def local(x: Inputs):
             segments = x.get("segment_ids")
-            return implementation.attend(
-                x["q"], x["k"], x["v"], config=config, axis_name=AXIS, layout=p.layout, interpret=interpret,
-                q_segment_ids=segments, kv_segment_ids=segments, softmax_aux=x.get("sinks"), causal=p.causal,
-                sliding_window=p.window, chunk_size=p.chunk_size, logits_soft_cap=p.softcap)
+            arrays = dict(q_segment_ids=segments, kv_segment_ids=segments, softmax_aux=x.get("sinks"))
+            resolved = plan.resolve(x["q"], x["k"], x["v"], ring_size=p.ring_size, layout=p.layout, backend=name,
+                                    target=registry.Target.here(interpret), arrays=arrays,
+                                    mask=dict(causal=p.causal, sliding_window=p.window, chunk_size=p.chunk_size,
+                                              logits_soft_cap=p.softcap, softmax_scale=None))
+            return implementation.attend(x["q"], x["k"], x["v"], spec=resolved.spec, config=config, axis_name=AXIS,
+                                         layout=p.layout, interpret=interpret, **arrays)
 
         return jax.shard_map(local, mesh=self.mesh, in_specs=(self.specs,), out_specs=self.specs["q"],
                              check_vma=implementation.vma_checked(registry.Target.here(interpret)))

@@ -1,0 +1,93 @@
+"""Resolve once: a call of attention turned into the plan every implementation runs from.
+
+`resolve` is the one planning step of `ring_attention` and of the runtime loader (its calls and
+`explain()`): it checks the arrays, builds the `AttentionSpec` (masks, scale, soft cap, sinks, bias,
+the windows clipped to the positions the layout gives), says what one device sees (`LocalShapes`)
+and picks the implementation that can honour the call on the target. The loader then adds what the
+cache says (`tuner.measured`, `Cache.lookup`) and records the result as a `Plan`.
+
+The implementations receive the plan's objects -- the spec, the config, the layout -- and not the
+user's keywords, so a new mask option is a field of the spec and a rule of `tuner.masks`; the ring
+resolves the mask information of every step once from them (`masks.ring_mask`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax.numpy as jnp
+
+from tuner import layouts, registry
+from tuner.params import BwdParams, FwdParams
+from tuner.problem import ProblemKey
+from tuner.registry import Config
+from tuner.spec import AttentionSpec, LocalShapes, build_spec, check_inputs, layout_span
+
+MASK_OPTIONS = ("causal", "sliding_window", "chunk_size", "logits_soft_cap", "softmax_scale")
+ARRAY_OPTIONS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions", "softmax_aux", "bias")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What a call is, before any cache is read: its spec, one device's shapes, the implementation
+    picked for it and, when that is not the platform's first choice, why (`fallback`)."""
+
+    spec: AttentionSpec
+    shapes: LocalShapes
+    implementation: registry.Implementation
+    fallback: str | None
+
+
+def resolve(query, key, value, *, ring_size: int, layout: str, backend: str, target: registry.Target,
+            mask: dict[str, Any], arrays: dict[str, Any], return_lse: bool = False) -> Resolved:
+    """The `Resolved` call of `query`/`key`/`value` (local shards, or `ShapeDtypeStruct`s) on a ring of
+    `ring_size` in `layout`, with the mask options `mask` (`MASK_OPTIONS`) and the per-call arrays
+    `arrays` (`ARRAY_OPTIONS`, None when absent). `backend` names an implementation, or "auto" for
+    the platform's preference. `ValueError` naming the argument for anything that cannot run."""
+    arrays = {name: arrays.get(name) for name in ARRAY_OPTIONS}
+    check_inputs(query, key, value, ring_size=ring_size, **arrays)
+    for positions, x in (("q_positions", query), ("kv_positions", key)):
+        if arrays[positions] is None:
+            layouts.check_layout(layout, x.shape[1])
+    spec = build_spec(query, has_segments=arrays["q_segment_ids"] is not None, bias=arrays["bias"],
+                      softmax_aux=arrays["softmax_aux"], **mask,
+                      position_span=layout_span(ring_size, query.shape[1], key.shape[1], arrays["q_positions"],
+                                                arrays["kv_positions"]))
+    dtype, head_dim = jnp.dtype(query.dtype), query.shape[3]
+    if backend != "auto":
+        implementation = registry.choose(backend, spec, dtype, head_dim, target, return_lse=return_lse)
+        return Resolved(spec, LocalShapes.of_shards(query, key), implementation, None)
+    implementation, passed_over = registry.resolve_auto(spec, dtype, head_dim, target, return_lse=return_lse)
+    return Resolved(spec, LocalShapes.of_shards(query, key), implementation, "; ".join(passed_over) or None)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the loader runs for one problem, and why: the registered implementation `backend` (a ring
+    over a block kernel, a gathered mechanism, or one a user registered) with `config`, for the call
+    whose spec is `spec` on shards in `layout`; `source` and `reason` say where the config came from,
+    `key` is the problem's cache key."""
+
+    backend: str
+    config: Config
+    source: str  # one of tuner.dispatch.SOURCES
+    reason: str
+    key: ProblemKey
+    spec: AttentionSpec
+    layout: str
+
+    @property
+    def fwd_params(self) -> FwdParams | None:
+        """The forward tiles of a ring's config (None for other implementations)."""
+        fwd = getattr(self.config, "fwd", None)
+        return fwd if isinstance(fwd, FwdParams) else None
+
+    @property
+    def bwd_params(self) -> BwdParams | None:
+        """The backward tiles of a ring's config (None for other implementations)."""
+        bwd = getattr(self.config, "bwd", None)
+        return bwd if isinstance(bwd, BwdParams) else None
+
+
+__all__ = ["ARRAY_OPTIONS", "MASK_OPTIONS", "Plan", "Resolved", "resolve"]
