@@ -7,8 +7,9 @@
     attn = get_tuned_ring_attention(axis_name="sp", causal=True, layout="contiguous")
     out = attn(q, k, v, q_segment_ids=seg, kv_segment_ids=seg)   # local shards, inside shard_map over "sp"
 
-At trace time the callable builds the problem key from the shapes it sees, picks the implementation from
-`tuner.registry` (`auto`: by measurement, `tuner.measured` -- the one `tuner bench --mechanisms`
+At trace time the callable resolves the call once (`tuner.plan.resolve`: its spec, one device's shapes,
+the platform's implementation), builds the problem key from the shapes it sees, picks the implementation
+from `tuner.registry` (`auto`: by measurement, `tuner.measured` -- the one `tuner bench --mechanisms`
 measured fastest for this problem, a ring or gathered dense attention when that is faster at this
 length, else the one whose tuned entry for this problem is the fastest -- else the platform's preferred
 ring, else scan when that one is missing, does not support the features, or fails to build) and its
@@ -17,7 +18,8 @@ config (cache lookup: exact, nearest, shipped, else the implementation's default
 layout. It never tunes. Whatever the cache holds, a training step traces, runs and is exact: a missing,
 unreadable, corrupt or locked cache file (waited for at most `tuner.cache.LOADER_BUSY_TIMEOUT_S`) and
 every invalid row cost speed only, with one WARNING naming the file, the row and what is wrong; a tuned
-variant that fails to build falls back to the scan backend's defaults. """
+variant that fails to build falls back to the scan backend's defaults.
+"""
 
 from __future__ import annotations
 
