@@ -311,6 +311,9 @@ class TritonBackend:
                 BwdParams(block_q_dkv=min(64, q), block_kv_dkv=min(128, kv), block_q_dq=min(128, q),
                           block_kv_dq=min(64, kv), num_warps=8, num_stages=2))
 
+    def code_hash(self) -> str:
+        return source_hash(codegen.template_path("triton", TEMPLATE), Path(__file__))
+
     def search_space(self, shapes: LocalShapes, spec: AttentionSpec) -> SearchSpace:
         tiles = tuple(t for t in TILES if t <= _pow2_at_least(max(shapes.q_len, shapes.kv_len)))
         return SearchSpace(
@@ -343,9 +346,6 @@ class TritonBackend:
                 return (f"{kernel} needs {used // 1024} KiB of shared memory with {params.num_stages} stages, "
                         f"over the {limit // 1024} KiB of sm_{capability}")
         return None
-
-    def code_hash(self) -> str:
-        return source_hash(codegen.template_path("triton", TEMPLATE), Path(__file__))
 
     def block_fwd(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec,
                   params: FwdParams, interpret: bool = False):
