@@ -132,6 +132,28 @@ def test_an_old_file_decides_as_before_and_the_first_writer_migrates_it(tmp_path
         assert legacy.TABLE not in {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
 
 
+def test_a_run_with_a_stale_member_decides_nothing(tmp_path):
+    path = tmp_path / "tuning.sqlite"
+    dense, scan = bench_run({"dense": 0.001, "scan": 0.004})
+    Cache(path).put_run([dense, {**scan, "code_hash": "older"}])  # the scan kernel changed since the run
+    decision = explain(path)
+    assert (decision.backend, decision.source) == ("scan", "default"), decision.reason
+    Cache(path).put_run([dense, scan])
+    assert explain(path).backend == "dense"
+
+
+def test_a_legacy_row_written_after_a_newer_run_does_not_replace_it(tmp_path):
+    path = tmp_path / "tuning.sqlite"
+    Cache(path).put_run(bench_run({"scan": 0.002, "dense": 0.003}))
+    with contextlib.closing(sqlite3.connect(path)) as conn:  # an older ring-tuner writing to the same file
+        sqlite_utils.Database(conn)[legacy.TABLE].insert(legacy_row(), pk="key", columns=legacy.COLUMNS)
+        conn.commit()
+    Cache(path).check_writable()
+    assert sorted((r["backend"], r["best_s"]) for r in Cache(path).rows()) == [("dense", 0.003), ("scan", 0.002)]
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        assert legacy.TABLE not in {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
+
+
 def test_a_legacy_winner_that_is_not_its_fastest_is_invalid():
     assert legacy.legacy_problem(legacy_row(winner="ring/scan")) == "winner ring/scan is not the fastest of its seconds"
     assert legacy.legacy_problem(legacy_row()) is None

@@ -5,7 +5,8 @@ can honour the call (`tuner.cache.rows`): its search row and its bench row, and 
 migrated, the legacy `mechanisms` row read as bench rows (`tuner.cache.legacy`). The rule:
 
 1. bench rows first -- a `tuner bench --mechanisms` run timed every implementation side by side on the
-   same inputs, the fairest comparison there is: the fastest of them;
+   same inputs, the fairest comparison there is: the fastest of them that can honour the call (a run
+   counts only while every row of it is current);
 2. else the fastest search row (each implementation's best config, from its own study; rows of the
    fwd+bwd objective before the others), when more than the preferred implementation has one;
 3. else nothing: the platform's preference decides (`tuner.registry.resolve_auto`).
@@ -33,7 +34,8 @@ def _label(name: str) -> str:
 
 def decisions(cache: Cache, key: ProblemKey, spec: AttentionSpec) -> list[dict[str, Any]]:
     """The current, valid decision rows of every registered implementation for the problem of `key`
-    (whatever its backend); an invalid bench row is skipped with a warning."""
+    (whatever its backend); an invalid bench row is skipped with a warning, and the bench run counts
+    only when every row of it is current (its times compare implementations as they were then)."""
     wanted = {row_digest(dataclasses.replace(key, backend=name), source): (name, source)
               for name in registry.names() for source in ("search", "bench")}
     rows = []
@@ -43,18 +45,18 @@ def decisions(cache: Cache, key: ProblemKey, spec: AttentionSpec) -> list[dict[s
         if problem is not None:
             if source != "search":  # an invalid search row is reported by the config lookup
                 warn_once(cache.path, f"{source} entry {row.get('key')} skipped", problem)
-        elif stale_reason(row, registry.versions(registry.get(name))) is None:
-            rows.append(row)
+            continue
+        rows.append(row)
     if not any(r["source"] == "bench" for r in rows):
         old = cache.legacy_run(dataclasses.replace(key, backend="auto").digest)
         try:
-            converted = [] if old is None else legacy.bench_rows(old, key, spec)
+            rows += [] if old is None else legacy.bench_rows(old, key, spec)
         except ValueError as error:
             warn_once(cache.path, f"mechanisms row {old['key']} skipped", str(error))
-            converted = []
-        rows += [r for r in converted if stale_reason(r, registry.versions(registry.get(r["backend"]))) is None]
-    return rows
-
+    current = [r for r in rows if stale_reason(r, registry.versions(registry.get(r["backend"]))) is None]
+    if any(r["source"] == "bench" and r not in current for r in rows):  # a run compares only when all of it is current
+        current = [r for r in current if r["source"] != "bench"]
+    return current
 
 def choose(cache: Cache, key: ProblemKey, spec: AttentionSpec, runnable: Callable[[str], bool]
            ) -> tuple[str, str] | None:

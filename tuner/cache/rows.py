@@ -235,8 +235,9 @@ def row_digest(key: ProblemKey, source: str) -> str:
 
 
 def upgrade(row: dict[str, Any]) -> dict[str, Any]:
-    """`row` as the current schema has it: a row written before the `source` column is a search row."""
-    return row if "source" in row else {**row, "source": "search"}
+    """`row` as the current schema has it: a whole row written before the `source` column is a search
+    row (anything else -- a part of a row, a count -- is returned as it is)."""
+    return {**row, "source": "search"} if "fwd_params" in row and "source" not in row else row
 
 
 def row_key(row: dict[str, Any]) -> ProblemKey:

@@ -119,8 +119,9 @@ class Cache:
 
     def _migrate(self, db: sqlite_utils.Database) -> None:
         """Move the rows of a legacy `mechanisms` table into the `tuned` table as bench rows
-        (`tuner.cache.legacy`); a row that cannot be moved stays, with one warning, and the table goes
-        once empty. Runs inside the writer's opening transaction."""
+        (`tuner.cache.legacy`), unless bench rows of that problem were recorded since; a row that cannot
+        be moved stays, with one warning, and the table goes once empty. Runs inside the writer's
+        opening transaction."""
         moved = []
         for row in list(db[legacy.TABLE].rows):
             try:
@@ -132,8 +133,11 @@ class Cache:
             except ValueError as error:
                 warn_once(self.path, f"mechanisms row {row.get('key')} not migrated", str(error))
                 continue
-            for bench in converted:
-                db[TABLE].upsert(canonical(bench), pk="key")
+            keys = [bench["key"] for bench in converted]
+            newer = db.conn.execute(f"SELECT count(*) FROM {TABLE} WHERE key IN ({', '.join('?' * len(keys))})",
+                                    keys).fetchall()[0][0]
+            if not newer:  # else a bench run recorded since supersedes the legacy row
+                db[TABLE].upsert_all([canonical(bench) for bench in converted], pk="key")
             moved.append(row["key"])
         for key in moved:
             db.conn.execute(f"DELETE FROM {legacy.TABLE} WHERE key = ?", [key])
