@@ -11,7 +11,10 @@ the ring turns, from every shard's position bounds. Sinks join the softmax once,
 
 Backward replays the same steps with the final (sink-inclusive) lse and `delta = rowsum(dout * out)`:
 dq accumulates here, while dk/dv accumulators travel with the keys and, after one last hop, arrive
-back at the device that owns those keys. `d softmax_aux` is computed once, from lse and delta.
+back at the device that owns those keys. Each step's kernel computes its block's dk/dv afresh, and
+they are added to the accumulator after it arrives, so that neither transfer of a step (the next keys,
+the accumulator of the keys at hand) depends on the step's kernel and both can overlap it.
+`d softmax_aux` is computed once, from lse and delta.
 """
 
 from __future__ import annotations
@@ -149,12 +152,16 @@ def _backward(cfg: RingConfig, residuals, cotangents):
     delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(F32), out.astype(F32)) - dlse
     dout = dout.astype(q.dtype)
 
-    def block(visiting, travelling, step, dq, dbias):
+    zero_grads = (vma.like(jnp.zeros(k.shape, F32), q), vma.like(jnp.zeros(v.shape, F32), q))
+
+    def block(visiting, step, dq, dbias):
+        """One step: dq (and dbias) accumulate here; the block's own dk, dv are returned (zeros for a
+        skipped step), to be added to the accumulators travelling with those keys."""
         k_, v_, kv_pos_, kv_seg_ = visiting
         source = (rank - step) % size
 
         def compute(carry):
-            dq, (dk, dv), dbias = carry
+            dq, dbias = carry
             work.record("blocks", 1)
             dq_b, dk_b, dv_b, dbias_b = backend.block_bwd(
                 q, k_, v_, out, lse, dout, delta, q_pos, kv_pos_, q_seg, kv_seg_,
@@ -162,31 +169,39 @@ def _backward(cfg: RingConfig, residuals, cotangents):
                 interpret=cfg.interpret)
             if dbias is not None:
                 dbias = _add_bias_columns(dbias, dbias_b, source, kv_len)
-            return dq + dq_b, (dk + dk_b, dv + dv_b), dbias
+            return dq + dq_b, (dk_b, dv_b), dbias
 
-        carry = (dq, travelling, dbias)
         if not cfg.spec.has_mask:
-            return compute(carry)
-        return lax.cond(ring_mask.visits[step], compute, lambda c: c, carry)
+            return compute((dq, dbias))
+        return lax.cond(ring_mask.visits[step], compute, lambda c: (c[0], zero_grads, c[1]), (dq, dbias))
+
+    def send(tree):
+        return _send_to_next(tree, cfg.axis_name, size)
+
+    def add(accumulated, grads):
+        return jax.tree.map(jnp.add, accumulated, grads)
 
     with work.on_device(rank):
         dq = vma.like(jnp.zeros(q.shape, F32), q)
         dbias = None if bias is None else vma.like(jnp.zeros(bias.shape, F32), q)
-        travelling = (vma.like(jnp.zeros(k.shape, F32), q), vma.like(jnp.zeros(v.shape, F32), q))
         visiting = (k, v, kv_pos, kv_seg)
+        # Step 0, this device's own keys; from step 1 on, the next keys and the accumulators of the keys
+        # at hand (from the device that had them a step ago) travel while the kernel runs: neither
+        # transfer waits for this step's result, so the scheduler can overlap both with the kernel.
+        arriving = send(visiting) if size > 1 else visiting
+        dq, outgoing, dbias = block(visiting, 0, dq, dbias)
         if size > 1:
             def step(i, carry):
-                visiting, travelling, dq, dbias = carry
-                arriving = _send_to_next(visiting, cfg.axis_name, size)
-                dq, travelling, dbias = block(visiting, travelling, i, dq, dbias)
-                return arriving, _send_to_next(travelling, cfg.axis_name, size), dq, dbias
+                visiting, outgoing, dq, dbias = carry
+                arriving, incoming = send(visiting), send(outgoing)
+                dq, grads, dbias = block(visiting, i, dq, dbias)
+                return arriving, add(incoming, grads), dq, dbias
 
-            visiting, travelling, dq, dbias = lax.fori_loop(
-                0, size - 1, step, (visiting, travelling, dq, dbias))
-        dq, travelling, dbias = block(visiting, travelling, size - 1, dq, dbias)
-        if size > 1:  # one last hop brings the accumulators home
-            travelling = _send_to_next(travelling, cfg.axis_name, size)
-    dk, dv = travelling
+            visiting, outgoing, dq, dbias = lax.fori_loop(1, size - 1, step, (arriving, outgoing, dq, dbias))
+            incoming = send(outgoing)
+            dq, grads, dbias = block(visiting, size - 1, dq, dbias)
+            outgoing = send(add(incoming, grads))  # one last hop brings the accumulators home
+    dk, dv = outgoing
 
     dsinks = None
     if sinks is not None:

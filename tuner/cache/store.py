@@ -14,6 +14,7 @@ import contextlib
 import os
 import re
 import sqlite3
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,21 @@ def _immediate(db: sqlite_utils.Database) -> Iterator[None]:
     db.conn.execute("COMMIT")
 
 
+def _enable_wal(db: sqlite_utils.Database, timeout: float) -> None:
+    """Put the file in WAL mode, waiting up to `timeout` seconds for other processes: changing the
+    journal mode needs the file to itself, and SQLite answers "locked" at once, without its busy
+    handler, while another writer (say, one creating the same new file) holds it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            db.enable_wal()
+            return
+        except sqlite3.OperationalError as error:
+            if "locked" not in str(error) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 class Cache:
     """The tuning database at `path` (created on first write). `busy_timeout` bounds how long a read
     waits for another process's lock (`READ_BUSY_TIMEOUT_S` by default)."""
@@ -98,7 +114,7 @@ class Cache:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             conn = sqlite3.connect(self.path, timeout=WRITE_BUSY_TIMEOUT_S)
             db = sqlite_utils.Database(conn)
-            db.enable_wal()
+            _enable_wal(db, WRITE_BUSY_TIMEOUT_S)
             with _immediate(db):
                 db[TABLE].create(COLUMNS, pk="key", if_not_exists=True)
                 if "source" not in db[TABLE].columns_dict:  # written before decisions had one table
