@@ -161,7 +161,7 @@ def test_explain_names_a_tuned_entry_of_another_layout(tmp_path):
 
 
 def test_auto_on_a_gpu_without_triton_falls_back_to_scan_with_the_reason(tmp_path, monkeypatch):
-    monkeypatch.setattr(dispatch_module, "_platform", lambda: ("gpu", "NVIDIA H100 80GB HBM3"))
+    monkeypatch.setattr(dispatch_module, "compile_target", lambda mesh=None: ("gpu", "NVIDIA H100 80GB HBM3"))
     attn = get_tuned_ring_attention(causal=True, db=str(tmp_path / "t.sqlite"))
     decision = explain(attn, Problem(**{**PROBLEM.__dict__, "ring_size": 1}))
     assert (decision.backend, decision.source) == ("scan", "fallback")

@@ -40,6 +40,7 @@ from tuner.plan import Plan
 from tuner.problem import ProblemKey
 from tuner.ring import ring_geometry
 from tuner.spec import LocalShapes, build_spec, normalize_window
+from tuner.targets import compile_target
 
 log = logging.getLogger("tuner.dispatch")
 
@@ -158,7 +159,7 @@ class TunedRingAttention:
                                    **call)
 
     def _decide(self, query, key, value, ring_size: int, options: dict[str, Any]) -> Decision:
-        platform, device_kind = _platform()
+        platform, device_kind = compile_target(self.mesh)
         target = registry.Target(platform, bool(options.get("interpret")))
         return_lse = bool(options.get("return_lse"))
         layout = self._layout(ring_size)
@@ -245,9 +246,7 @@ class TunedRingAttention:
         return Plan(name, config, found.source, found.reason, problem, spec, layout)
 
 
-def _platform() -> tuple[str, str]:
-    """This process's jax platform ("cpu", "gpu", "tpu") and device kind."""
-    return jax.default_backend(), jax.devices()[0].device_kind
+
 
 
 def _check_call_options(options: dict[str, Any]) -> dict[str, Any]:

@@ -134,7 +134,7 @@ class Ring:
         self.packages = ("triton",) if backend.name == "triton" else ()
 
     def available(self, target: Target) -> str | None:
-        return self.kernel.unavailable_reason(target.interpret)
+        return self.kernel.unavailable_reason(target.interpret, target.platform)
 
     def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int, *, return_lse: bool = False) -> str | None:
         return self.kernel.supports(spec, dtype, head_dim)

@@ -20,9 +20,9 @@ from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import jax
 
 from tuner.spec import AttentionSpec, LocalShapes
+from tuner.targets import compile_target
 
 PARTS = ("fwd", "bwd")
 OBJECTIVE_PARTS = {"fwd": ("fwd",), "bwd": ("bwd",), "fwd+bwd": PARTS}
@@ -45,8 +45,9 @@ class Target:
 
     @classmethod
     def here(cls, interpret: bool = False) -> Target:
-        """This process's default jax platform."""
-        return cls(jax.default_backend(), bool(interpret))
+        """The platform of the program being traced (`tuner.targets.compile_target`): the mesh of the
+        enclosing `shard_map`, else this process's default jax platform."""
+        return cls(compile_target()[0], bool(interpret))
 
 
 class Config(Protocol):

@@ -169,7 +169,7 @@ def _backward(cfg: RingConfig, residuals, cotangents):
                 interpret=cfg.interpret)
             if dbias is not None:
                 dbias = _add_bias_columns(dbias, dbias_b, source, kv_len)
-            return dq + dq_b, (dk_b, dv_b), dbias
+            return dq + dq_b, (vma.like(dk_b, q), vma.like(dv_b, q)), dbias
 
         if not cfg.spec.has_mask:
             return compute((dq, dbias))

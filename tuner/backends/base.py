@@ -69,8 +69,10 @@ class Backend(Protocol):
 
     name: str
 
-    def unavailable_reason(self, interpret: bool = False) -> str | None:
-        """None when this backend can run here (in its interpreter, with `interpret`), else why not."""
+    def unavailable_reason(self, interpret: bool = False, platform: str | None = None) -> str | None:
+        """None when this backend's kernels can be built for `platform` (default: the program being
+        traced, `tuner.targets.compile_target`), or run in their interpreter with `interpret`; else why
+        not."""
 
     def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int) -> str | None:
         """None when every feature of `spec` is honoured, else the first one that is not."""

@@ -16,6 +16,7 @@ dq would need atomics), and bias and float16 are not supported (`backend="auto"`
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from tuner import codegen, masks, vma
 from tuner.backends.base import SearchSpace, reject_settings, source_hash
 from tuner.params import BwdParams, FwdParams
 from tuner.spec import AttentionSpec, LocalShapes
+from tuner.targets import compile_target
 
 TEMPLATE = "attention.py.j2"
 DTYPES = ("bfloat16", "float32")
@@ -199,10 +201,12 @@ class PallasTpuBackend:
 
     name = "pallas_tpu"
 
-    def unavailable_reason(self, interpret: bool = False) -> str | None:
+    def unavailable_reason(self, interpret: bool = False, platform: str | None = None) -> str | None:
         if interpret:
             return None
-        if not any(d.platform == "tpu" for d in jax.devices()):
+        building_for_tpu = (platform or compile_target()[0]) == "tpu"
+        can_compile = jax.default_backend() == "tpu" or importlib.util.find_spec("libtpu") is not None
+        if not (building_for_tpu and can_compile):  # libtpu compiles for a TPU topology on any host
             return "no TPU visible to jax (interpret=True runs the kernels on the CPU)"
         return None
 

@@ -23,7 +23,7 @@ class ScanBackend:
 
     name = "scan"
 
-    def unavailable_reason(self, interpret: bool = False) -> str | None:
+    def unavailable_reason(self, interpret: bool = False, platform: str | None = None) -> str | None:
         return None
 
     def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int) -> str | None:

@@ -36,6 +36,7 @@ from tuner import codegen, masks
 from tuner.backends.base import SearchSpace, reject_settings, source_hash
 from tuner.params import BwdParams, FwdParams
 from tuner.spec import AttentionSpec, LocalShapes
+from tuner.targets import compile_target
 from tuner.tables import error_line
 
 TEMPLATE = "attention.py.j2"
@@ -255,14 +256,14 @@ class TritonBackend:
 
     name = "triton"
 
-    def unavailable_reason(self, interpret: bool = False) -> str | None:
+    def unavailable_reason(self, interpret: bool = False, platform: str | None = None) -> str | None:
         if importlib.util.find_spec("triton") is None:
             return "triton is not installed (pip install 'ring-tuner[gpu]')"
         if interpret:
             if importlib.util.find_spec("torch") is None:
                 return "Triton's interpreter needs torch CPU tensors (pip install torch)"
             return None
-        if not any(d.platform == "gpu" for d in jax.devices()):
+        if (platform or compile_target()[0]) != "gpu" or not any(d.platform == "gpu" for d in jax.devices()):
             return "no CUDA GPU visible to jax"
         try:
             importlib.import_module("jax_triton")
