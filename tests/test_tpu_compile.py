@@ -4,14 +4,15 @@ a TPU topology (`jax.experimental.topologies`) without a TPU. Checked here:
 - the loader and `ring_attention` pick the TPU kernel for a TPU mesh (the mesh decides, not the host);
 - in the scheduled program, every ring step's transfers overlap its kernel: in the loop body of the
   forward and of the backward, each collective-permute starts before the step's kernel (or the branch
-  that skips it) and completes after it. The backward used to wait for its kernel before sending the
-  dK/dV accumulators (`tuner.ring` now adds a step's block gradients after the accumulator arrives).
+  that skips it) and completes after it, on v5e, v6e and v5p. The backward used to wait for its kernel
+  before sending the dK/dV accumulators (`tuner.ring` now adds a step's block gradients after the
+  accumulator arrives). One case still does not overlap, and is marked so: v6e without a causal mask.
 
 Skipped where libtpu is not installed (`pip install -e '.[tpu]'`)."""
 
+import functools
 import importlib.util
 import os
-import re
 
 import numpy as np
 import pytest
@@ -26,16 +27,16 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from tuner import get_tuned_ring_attention, ring_attention  # noqa: E402
+from tuner import get_tuned_ring_attention, hlo, ring_attention  # noqa: E402
 
 RING, T, H, HKV, D = 4, 4 * 2048, 8, 2, 128
 
 
-@pytest.fixture(scope="module")
-def mesh() -> Mesh:
+@functools.cache
+def topology_mesh(name: str) -> Mesh:
     from jax.experimental import topologies
 
-    return Mesh(np.array(topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices), ("sp",))
+    return Mesh(np.array(topologies.get_topology_desc(platform="tpu", topology_name=name).devices), ("sp",))
 
 
 def structs(mesh: Mesh):
@@ -45,49 +46,32 @@ def structs(mesh: Mesh):
     return q, kv, kv
 
 
-def loop_bodies(hlo: str) -> list[list[str]]:
-    """The ring-relevant instructions of each while loop body of a scheduled HLO module, in order:
-    collective-permute starts and dones, conditionals, and Mosaic kernels."""
-    computations = {}
-    for block in re.split(r"\n(?=\S.*\{\n)", hlo):
-        name = re.match(r"%?(\S+)", block.split("\n", 1)[0])
-        ops = []
-        for line in block.split("\n")[1:]:
-            for op in ("collective-permute-start(", "collective-permute-done(", "conditional("):
-                if op in line:
-                    ops.append(op[:-1])
-                    break
-            else:
-                if "tpu_custom_call" in line:
-                    ops.append("kernel")
-        computations[name.group(1) if name else ""] = ops
-    bodies = re.findall(r"\swhile\(.*?body=%?([\w.\-]+)", hlo)
-    return [computations[body] for body in bodies if body in computations]
-
-
-def assert_overlapped(body: list[str], permutes: int) -> None:
-    compute = [i for i, op in enumerate(body) if op in ("conditional", "kernel")]
-    starts = [i for i, op in enumerate(body) if op == "collective-permute-start"]
-    dones = [i for i, op in enumerate(body) if op == "collective-permute-done"]
-    assert compute and len(starts) == len(dones) == permutes, body
-    assert max(starts) < min(compute) and min(dones) > max(compute), body
-
-
-def test_a_tpu_mesh_gets_the_tpu_kernel(mesh, tmp_path):
+def test_a_tpu_mesh_gets_the_tpu_kernel(tmp_path):
+    mesh = topology_mesh("v5e:2x2")
     attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, db=str(tmp_path / "empty.sqlite"))
     decision = attn.explain(*structs(mesh))
     assert decision.backend == "pallas_tpu" and decision.key.device_kind == "TPU v5 lite", decision
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_every_ring_step_overlaps_its_transfers_forward_and_backward(mesh, causal):
+V6E_FULL = pytest.mark.xfail(strict=True, reason="on v6e without a causal mask XLA schedules the forward kernel "
+                             "before the step's transfers (python benchmarks/tpu_overlap.py --full --topology v6e:2x2)")
+
+
+@pytest.mark.parametrize("topology, causal", [
+    ("v5e:2x2", True), ("v5e:2x2", False), ("v6e:2x2", True), pytest.param("v6e:2x2", False, marks=V6E_FULL),
+    ("v5p:2x2x1", True)], ids=["v5e-causal", "v5e-full", "v6e-causal", "v6e-full", "v5p-causal"])
+def test_every_ring_step_overlaps_its_transfers_forward_and_backward(topology, causal):
+    mesh = topology_mesh(topology)
+
     def local(q, k, v):
         return ring_attention(q, k, v, axis_name="sp", layout="zigzag", causal=causal)
 
     ring = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"))
     loss = jax.grad(lambda q, k, v: jnp.sum(ring(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
-    hlo = jax.jit(loss).lower(*structs(mesh)).compile().as_text()
-    assert "tpu_custom_call" in hlo  # the Pallas kernels, compiled by Mosaic
-    forward, backward = loop_bodies(hlo)
-    assert_overlapped(forward, permutes=3)  # k, v, their positions
-    assert_overlapped(backward, permutes=5)  # k, v, positions, and the dK, dV accumulators
+    text = jax.jit(loss).lower(*structs(mesh)).compile().as_text()
+    assert "tpu_custom_call" in text  # the Pallas kernels, compiled by Mosaic
+    forward, backward = hlo.loop_bodies(text)
+    # forward: k, v and their positions travel; backward: those and the dK, dV accumulators
+    for body, transfers in ((forward, 3), (backward, 5)):
+        assert body.count("collective-permute-start") == body.count("collective-permute-done") == transfers, body
+        assert hlo.overlap_problem(body) is None, (hlo.overlap_problem(body), body)
