@@ -5,7 +5,8 @@ on this host (needs libtpu: `pip install -e '.[tpu]'`), nothing runs.
 
 Compiles the gradient of the ring (pallas_tpu, zigzag, bf16, D=128) over the topology's chips and
 prints, for each loop of the scheduled program (the forward ring, then the backward ring), the order
-of its collective-permute starts, the kernel (or the branch that may skip it) and the dones.
+of its collective-permute starts, the kernel (or the branch that may skip it) and the dones; then the
+VMEM each Mosaic kernel asked for and the VMEM the compiler reports it uses.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def main() -> None:
         short = " ".join({"collective-permute-start": "start", "collective-permute-done": "done",
                           "conditional": "[kernel?]", "kernel": "[kernel]"}[op] for op in body)
         print(f"{name:9s} {short}\n          {hlo.overlap_problem(body) or 'every transfer overlaps the kernel'}")
+    for kernel, (asked, used) in sorted(hlo.kernel_vmem(compiled.as_text()).items()):
+        print(f"{kernel:24s} VMEM asked {asked / 2**20:5.1f} MiB, used {used / 2**20:5.1f} MiB")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ a TPU topology (`jax.experimental.topologies`) without a TPU. Checked here:
   forward and of the backward, each collective-permute starts before the step's kernel (or the branch
   that skips it) and completes after it, on v5e, v6e and v5p. The backward used to wait for its kernel
   before sending the dK/dV accumulators (`tuner.ring` now adds a step's block gradients after the
-  accumulator arrives). One case still does not overlap, and is marked so: v6e without a causal mask.
+  accumulator arrives). One case still does not overlap, and is marked so: v6e without a causal mask;
+- each kernel asks Mosaic for half the VMEM of the chip the mesh is made of (not a fallback chip's),
+  and the compiler reports it uses no more.
 
 Skipped where libtpu is not installed (`pip install -e '.[tpu]'`)."""
 
@@ -61,6 +63,27 @@ V6E_FULL = pytest.mark.xfail(strict=True, reason="on v6e without a causal mask X
     ("v5e:2x2", True), ("v5e:2x2", False), ("v6e:2x2", True), pytest.param("v6e:2x2", False, marks=V6E_FULL),
     ("v5p:2x2x1", True)], ids=["v5e-causal", "v5e-full", "v6e-causal", "v6e-full", "v5p-causal"])
 def test_every_ring_step_overlaps_its_transfers_forward_and_backward(topology, causal):
+    text = compiled_ring(topology, causal)
+    forward, backward = hlo.loop_bodies(text)
+    # forward: k, v and their positions travel; backward: those and the dK, dV accumulators
+    for body, transfers in ((forward, 3), (backward, 5)):
+        assert body.count("collective-permute-start") == body.count("collective-permute-done") == transfers, body
+        assert hlo.overlap_problem(body) is None, (hlo.overlap_problem(body), body)
+
+
+@pytest.mark.parametrize("topology, vmem_mib", [("v5e:2x2", 128), ("v5p:2x2x1", 64), ("v6e:2x2", 128)])
+def test_kernels_ask_for_the_vmem_of_the_target_chip(topology, vmem_mib):
+    kernels = hlo.kernel_vmem(compiled_ring(topology, True))
+    assert {name.split(".")[0] for name in kernels} == {"ring_attention_fwd", "ring_attention_dkv",
+                                                        "ring_attention_dq"}, kernels
+    for name, (asked, used) in kernels.items():
+        assert asked == vmem_mib * 2**20 // 2, (name, asked)  # half the chip's VMEM, not a fallback chip's
+        assert 0 < used <= asked, (name, used, asked)
+
+
+@functools.cache
+def compiled_ring(topology: str, causal: bool) -> str:
+    """The scheduled HLO of the gradient of a ring over `topology` (pallas_tpu kernels, zigzag)."""
     mesh = topology_mesh(topology)
 
     def local(q, k, v):
@@ -70,8 +93,4 @@ def test_every_ring_step_overlaps_its_transfers_forward_and_backward(topology, c
     loss = jax.grad(lambda q, k, v: jnp.sum(ring(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
     text = jax.jit(loss).lower(*structs(mesh)).compile().as_text()
     assert "tpu_custom_call" in text  # the Pallas kernels, compiled by Mosaic
-    forward, backward = hlo.loop_bodies(text)
-    # forward: k, v and their positions travel; backward: those and the dK, dV accumulators
-    for body, transfers in ((forward, 3), (backward, 5)):
-        assert body.count("collective-permute-start") == body.count("collective-permute-done") == transfers, body
-        assert hlo.overlap_problem(body) is None, (hlo.overlap_problem(body), body)
+    return text

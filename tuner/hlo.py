@@ -1,5 +1,6 @@
 """Reading a compiled program's scheduled HLO (`compiled.as_text()`) for what the ring cares about: in
-which order a loop body starts its transfers, runs its kernel and waits for the transfers."""
+which order a loop body starts its transfers, runs its kernel and waits for the transfers, and how much
+VMEM each kernel asked for and uses."""
 
 from __future__ import annotations
 
@@ -28,6 +29,22 @@ def loop_bodies(hlo: str) -> list[list[str]]:
     return [computations[body] for body in bodies if body in computations]
 
 
+def kernel_vmem(hlo: str) -> dict[str, tuple[int, int]]:
+    """Per Mosaic kernel of the module (by instruction name), the scoped VMEM it asked for and the VMEM
+    the compiler reports it uses, in bytes (`scoped_memory_configs` and `used_scoped_memory_configs` of
+    its backend config)."""
+    kernels = {}
+    for line in hlo.split("\n"):
+        if "tpu_custom_call" not in line:
+            continue
+        name = re.match(r"\s*%?(\S+) =", line)
+        asked = re.search(r'"scoped_memory_configs":\[\{[^]]*?"size":"(\d+)"', line)
+        used = re.search(r'"used_scoped_memory_configs":\[\{[^]]*?"size":"(\d+)"', line)
+        if name and asked and used:
+            kernels[name.group(1)] = (int(asked.group(1)), int(used.group(1)))
+    return kernels
+
+
 def overlap_problem(body: list[str]) -> str | None:
     """Why the transfers of a loop body (from `loop_bodies`) do not all overlap its compute -- some
     collective-permute starting after the kernel (or its branch) or completing before it -- or None."""
@@ -43,4 +60,4 @@ def overlap_problem(body: list[str]) -> str | None:
     return None
 
 
-__all__ = ["loop_bodies", "overlap_problem"]
+__all__ = ["kernel_vmem", "loop_bodies", "overlap_problem"]

@@ -95,13 +95,25 @@ def bwd_tiles(params: BwdParams, q_len: int, kv_len: int) -> tuple[tuple[int, in
              _tile("bwd_params.block_kv_dq", params.block_kv_dq, kv_len, KV_ALIGN)))
 
 
+CHIPS = {"TPU v2": "v2", "TPU v3": "v3", "TPU v4": "v4", "TPU v4 lite": "v4i", "TPU v5 lite": "v5e", "TPU v5e": "v5e",
+         "TPU v5": "v5p", "TPU v5p": "v5p", "TPU v6 lite": "v6e", "TPU v6e": "v6e", "TPU7x": "7x"}  # device kind
+
+
 def chip() -> Any:
-    """`pltpu.TpuInfo` of this TPU, or of `$TUNER_TPU_CHIP` (default v5e) without one."""
+    """`pltpu.TpuInfo` of the TPU the program is built for: the chip of the mesh being traced
+    (`tuner.targets.compile_target`: a TPU present, or a topology compiled for with libtpu), else
+    `$TUNER_TPU_CHIP` (default v5e) -- what the search's constraints assume on a host without one."""
     from jax.experimental.pallas import tpu as pltpu
 
-    if any(d.platform == "tpu" for d in jax.devices()):
-        return pltpu.get_tpu_info()
-    name = os.environ.get("TUNER_TPU_CHIP", DEFAULT_CHIP)
+    platform, device_kind = compile_target()
+    if platform == "tpu" and jax.default_backend() == "tpu" and jax.devices()[0].device_kind == device_kind:
+        return pltpu.get_tpu_info()  # the TPU present
+    if platform == "tpu":
+        if device_kind not in CHIPS:
+            raise ValueError(f"TPU device kind {device_kind!r} is not one ring-tuner knows ({', '.join(CHIPS)})")
+        name = CHIPS[device_kind]
+    else:
+        name = os.environ.get("TUNER_TPU_CHIP", DEFAULT_CHIP)
     try:
         version = pltpu.ChipVersion(name)
     except ValueError:
