@@ -26,7 +26,7 @@ import re
 from typing import Any
 
 from tuner import registry
-from tuner.cache.rows import HEX_KEY, _check_date, _is_number, _json_object, make_row
+from tuner.cache.rows import HEX_KEY, check_date, is_number, json_object, make_row
 from tuner.problem import OBJECTIVES, Problem, ProblemKey
 from tuner.spec import AttentionSpec
 
@@ -56,14 +56,14 @@ def legacy_problem(row: dict[str, Any]) -> str | None:
     if row["objective"] not in OBJECTIVES:
         return f"field 'objective' must be one of {', '.join(OBJECTIVES)}, got {row['objective']!r}"
     try:
-        seconds = _json_object(row["seconds"], "seconds")
-        _check_date(row["measured_at"], "measured_at")
+        seconds = json_object(row["seconds"], "seconds")
+        check_date(row["measured_at"], "measured_at")
     except ValueError as error:
         return str(error)
     for name, value in seconds.items():
         if not NAME.match(name):
             return f"seconds has an unknown mechanism {name!r}"
-        if not (_is_number(value) and math.isfinite(value) and value > 0):
+        if not (is_number(value) and math.isfinite(value) and value > 0):
             return f"seconds of {name} must be a finite positive number, got {value!r}"
     if not NAME.match(row["winner"]):
         return (f"winner must be an implementation's name (ring/<kernel> for a ring, else its name), got "

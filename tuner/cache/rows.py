@@ -92,11 +92,12 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
+    """Whether `value` is an int or a float (a bool is not)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _json_object(text: Any, name: str) -> dict[str, Any]:
+def json_object(text: Any, name: str) -> dict[str, Any]:
     """`text` parsed as a JSON object; `ValueError` naming `name` otherwise."""
     if not isinstance(text, str):
         raise ValueError(f"{name} must be JSON text, got {text!r}")
@@ -137,12 +138,13 @@ def _config(row: dict[str, Any]) -> Config | None:
     """The config of `row` (its `fwd_params` and `bwd_params` JSON objects), built and validated by the
     config type of the implementation that wrote it; None when no implementation of that name is
     registered in this process (its rows are then of no use here, but not malformed)."""
-    fwd, bwd = _json_object(row["fwd_params"], "fwd_params"), _json_object(row["bwd_params"], "bwd_params")
+    fwd, bwd = json_object(row["fwd_params"], "fwd_params"), json_object(row["bwd_params"], "bwd_params")
     implementation = registry.find(row["backend"]) if isinstance(row["backend"], str) else None
     return None if implementation is None else registry.config_from_parts(implementation, fwd, bwd)
 
 
-def _check_date(value: Any, name: str) -> None:
+def check_date(value: Any, name: str) -> None:
+    """`ValueError` naming `name` unless `value` is an ISO date and time."""
     try:
         _dt.datetime.fromisoformat(value)
     except (TypeError, ValueError):
@@ -165,7 +167,7 @@ def _check_row(row: dict[str, Any]) -> None:
             if value is not None:
                 raise ValueError(f"field {column!r} must be null in a {row['source']} row, got {value!r}")
             continue
-        ok = _is_number(value) if kind is float else isinstance(value, kind) and not isinstance(value, bool)
+        ok = is_number(value) if kind is float else isinstance(value, kind) and not isinstance(value, bool)
         if not ok:
             raise ValueError(f"field {column!r} must be {kind.__name__}, got {value!r}")
     for name in SIZE_FIELDS:
@@ -184,11 +186,11 @@ def _check_row(row: dict[str, Any]) -> None:
     for name in ("trials_run", "trials_pruned"):
         if row[name] < 0:
             raise ValueError(f"field {name!r} must be zero or more, got {row[name]!r}")
-    failed = _json_object(row["trials_failed"], "trials_failed")
+    failed = json_object(row["trials_failed"], "trials_failed")
     if not all(isinstance(k, str) and is_int(v) and v >= 0 for k, v in failed.items()):
         raise ValueError(f"trials_failed must map reasons to counts, got {row['trials_failed'][:80]!r}")
-    _check_date(row["measured_at"], "measured_at")
-    _check_features(_json_object(row["features"], "features"))
+    check_date(row["measured_at"], "measured_at")
+    _check_features(json_object(row["features"], "features"))
     _config(row)
     digest = row_digest(row_key(row), row["source"])
     if digest != row["key"]:
