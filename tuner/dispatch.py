@@ -44,8 +44,7 @@ from tuner.targets import compile_target
 
 log = logging.getLogger("tuner.dispatch")
 
-CALL_OPTIONS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions", "softmax_aux", "bias",
-                "return_lse", "interpret")
+CALL_OPTIONS = (*plan.ARRAY_OPTIONS, "return_lse", "interpret")
 SOURCES = ("exact", "nearest", "shipped", "default", "fallback", "measured")
 DEFAULT_LAYOUT = "zigzag"  # what `tuner search` tunes by default, and the loader uses with mesh=
 SEQUENCE_OPTIONS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")
@@ -164,7 +163,8 @@ class TunedRingAttention:
         return_lse = bool(options.get("return_lse"))
         layout = self._layout(ring_size)
         resolved = plan.resolve(query, key, value, ring_size=ring_size, layout=layout, backend=self.backend,
-                                target=target, mask=self.options, arrays=options, return_lse=return_lse)
+                                target=target, mask=self.options, return_lse=return_lse,
+                                arrays={n: x for n, x in options.items() if n in plan.ARRAY_OPTIONS})
         spec, shapes, implementation, fallback = (resolved.spec, resolved.shapes, resolved.implementation,
                                                   resolved.fallback)
         problem = ProblemKey.of(shapes, spec, backend=implementation.name, device_kind=device_kind,

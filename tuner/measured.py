@@ -53,7 +53,8 @@ def decisions(cache: Cache, key: ProblemKey, spec: AttentionSpec) -> list[dict[s
             rows += [] if old is None else legacy.bench_rows(old, key, spec)
         except ValueError as error:
             warn_once(cache.path, f"mechanisms row {old['key']} skipped", str(error))
-    current = [r for r in rows if stale_reason(r, registry.versions(registry.get(r["backend"]))) is None]
+    versions = {name: registry.versions(registry.get(name)) for name in {r["backend"] for r in rows}}
+    current = [r for r in rows if stale_reason(r, versions[r["backend"]]) is None]
     if any(r["source"] == "bench" and r not in current for r in rows):  # a run compares only when all of it is current
         current = [r for r in current if r["source"] != "bench"]
     return current

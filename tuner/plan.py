@@ -45,8 +45,7 @@ def resolve(query, key, value, *, ring_size: int, layout: str, backend: str, tar
     `ring_size` in `layout`, with the mask options `mask` (`MASK_OPTIONS`) and the per-call arrays
     `arrays` (`ARRAY_OPTIONS`, None when absent). `backend` names an implementation, or "auto" for
     the platform's preference. `ValueError` naming the argument for anything that cannot run."""
-    flags = {"return_lse", "interpret"}  # the loader's per-call options that are not arrays
-    unknown = sorted(set(mask) - set(MASK_OPTIONS)) + sorted(set(arrays) - set(ARRAY_OPTIONS) - flags)
+    unknown = sorted(set(mask) - set(MASK_OPTIONS)) + sorted(set(arrays) - set(ARRAY_OPTIONS))
     if unknown:
         raise TypeError(f"unknown option(s) {', '.join(unknown)}; mask options are {', '.join(MASK_OPTIONS)}, "
                         f"per-call arrays {', '.join(ARRAY_OPTIONS)}")

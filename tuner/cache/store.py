@@ -325,7 +325,7 @@ class Cache:
 
     def entry(self, key: str) -> dict[str, Any] | None:
         """The row stored under problem key digest `key`, as stored (valid or not), or None."""
-        rows = self._select(f"SELECT * FROM {TABLE} WHERE key = ?", [key])
+        rows = self.entries([key])
         return rows[0] if rows else None
 
     def entries(self, keys: list[str]) -> list[dict[str, Any]]:
