@@ -101,17 +101,17 @@ def bench_mechanisms(problem: Problem, *, device: str, objective: str = "fwd+bwd
     workload = Workload(problem)
     spec, dtype = problem.spec, jax.numpy.dtype(problem.dtype)
     backward = objective != "fwd"
-    candidates, labels, configs, skipped = {}, {}, {}, []
+    candidates, labels, chosen, skipped = {}, {}, {}, []
     for name in registry.names():
         implementation = registry.get(name)
-        label = name if implementation.gathered else f"ring/{name}"
+        label = registry.label(name)
         reason = registry.why_not(implementation, spec, dtype, problem.head_dim, registry.Target(device))
         if reason is not None:
             skipped.append(f"{label} {reason}")
             continue
         decision = _explain(problem, name, db)
         candidates[label] = workload.attend(name, decision.config)
-        configs[label] = decision.config
+        chosen[label] = (implementation, decision.config)
         labels[label] = f"{implementation.summary}: {describe_config(decision.config)} [{decision.source}]"
 
     reference = ReferenceCheck(workload, seed=10_000, backward=backward)
@@ -142,9 +142,9 @@ def bench_mechanisms(problem: Problem, *, device: str, objective: str = "fwd+bwd
     run = f"bench {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}"
     recorded = []
     for name in compiled:
-        implementation = registry.get(name.removeprefix("ring/"))
+        implementation, config = chosen[name]
         recorded.append(make_row(
-            problem.key(implementation.name, device_kind), configs[name], versions=registry.versions(implementation),
+            problem.key(implementation.name, device_kind), config, versions=registry.versions(implementation),
             tool_version=tuner.__version__, source="bench", objective=objective, best_s=totals[name],
             default_s=None, speedup=None, trials_run=runs, trials_pruned=0, trials_failed={}, study=run))
     cache = Cache(db)

@@ -26,12 +26,6 @@ from tuner.problem import ProblemKey
 from tuner.spec import AttentionSpec
 
 
-def _label(name: str) -> str:
-    """How `tuner bench --mechanisms` names an implementation: `ring/<kernel>` for a ring."""
-    implementation = registry.find(name)
-    return name if implementation is None or implementation.gathered else f"ring/{name}"
-
-
 def decisions(cache: Cache, key: ProblemKey, spec: AttentionSpec) -> list[dict[str, Any]]:
     """The current, valid decision rows of every registered implementation for the problem of `key`
     (whatever its backend); an invalid bench row is skipped with a warning, and the bench run counts
@@ -69,9 +63,10 @@ def choose(cache: Cache, key: ProblemKey, spec: AttentionSpec, runnable: Callabl
     usable = [r for r in run if runnable(r["backend"])]
     if usable:
         best = usable[0]
-        others = ", ".join(f"{_label(r['backend'])} {r['best_s'] * 1e3:.1f} ms" for r in run if r is not best)
+        others = ", ".join(f"{registry.label(r['backend'])} {r['best_s'] * 1e3:.1f} ms" for r in run if r is not best)
         scope = "this problem" if best is run[0] else "this call (the fastest cannot honour it)"
-        return best["backend"], (f"tuner bench --mechanisms measured {_label(best['backend'])} fastest for {scope} "
+        winner = registry.label(best["backend"])
+        return best["backend"], (f"tuner bench --mechanisms measured {winner} fastest for {scope} "
                                  f"({best['best_s'] * 1e3:.1f} ms; {others or 'nothing else ran'}) on "
                                  f"{best['measured_at'][:10]}")
     tuned = sorted((r for r in rows if r["source"] == "search" and runnable(r["backend"])),

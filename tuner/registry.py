@@ -248,6 +248,13 @@ def choose(name: str, spec: AttentionSpec, dtype: Any, head_dim: int, target: Ta
     return implementation
 
 
+def label(name: str) -> str:
+    """How tables and `tuner bench --mechanisms` name the implementation `name`: `ring/<kernel>` for a
+    ring over a block kernel, else its name."""
+    implementation = find(name)
+    return name if implementation is None or implementation.gathered else f"ring/{name}"
+
+
 def config_from_parts(implementation: Implementation, fwd: dict[str, Any], bwd: dict[str, Any]) -> Config:
     """`implementation`'s config from its two parts."""
     return implementation.config_type.from_dict({"fwd": fwd, "bwd": bwd})
@@ -266,5 +273,5 @@ def combine(implementation: Implementation, fwd_from: Config, bwd_from: Config) 
 
 
 __all__ = ["FALLBACK", "OBJECTIVE_PARTS", "PARTS", "PREFERENCE", "ChoiceSpace", "Config", "Implementation", "Space",
-           "Target", "choose", "combine", "config_from_parts", "find", "get", "names", "register", "registered",
-           "resolve_auto", "unregister", "versions", "why_not"]
+           "Target", "choose", "combine", "config_from_parts", "find", "get", "label", "names", "register",
+           "registered", "resolve_auto", "unregister", "versions", "why_not"]
