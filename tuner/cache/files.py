@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tuner import resources
-from tuner.cache.rows import row_problem, upgrade, warn_once
+from tuner.cache.rows import parse_json, row_problem, upgrade, warn_once
 
 
 @dataclass(frozen=True)
@@ -36,15 +36,9 @@ def parse_jsonl(path: str | os.PathLike) -> tuple[list[dict[str, Any]], list[Rej
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                rejected.append(Rejected(number, f"not JSON ({error.msg})"))
-                continue
-            except RecursionError:
-                rejected.append(Rejected(number, "not JSON (nested too deep)"))
-                continue
-            except ValueError as error:  # e.g. an integer of more digits than int() converts
-                rejected.append(Rejected(number, f"not JSON ({str(error).split(';')[0]})"))
+                row = parse_json(line)
+            except ValueError as error:
+                rejected.append(Rejected(number, str(error)))
                 continue
             if not isinstance(row, dict):
                 rejected.append(Rejected(number, "a cache row must be a JSON object"))

@@ -97,18 +97,27 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def parse_json(text: str) -> Any:
+    """`text` parsed as JSON; `ValueError` saying "not JSON (why)" for anything `json` cannot read,
+    nesting too deep to parse included."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"not JSON ({error.msg})") from None
+    except RecursionError:
+        raise ValueError("not JSON (nested too deep)") from None
+    except ValueError as error:  # e.g. an integer of more digits than int() converts
+        raise ValueError(f"not JSON ({str(error).split(';')[0]})") from None
+
+
 def json_object(text: Any, name: str) -> dict[str, Any]:
     """`text` parsed as a JSON object; `ValueError` naming `name` otherwise."""
     if not isinstance(text, str):
         raise ValueError(f"{name} must be JSON text, got {text!r}")
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{name} is not JSON ({error.msg})") from None
-    except RecursionError:
-        raise ValueError(f"{name} is not JSON (nested too deep)") from None
-    except ValueError as error:  # e.g. an integer of more digits than int() converts
-        raise ValueError(f"{name} is not JSON ({str(error).split(';')[0]})") from None
+        value = parse_json(text)
+    except ValueError as error:
+        raise ValueError(f"{name} is {error}") from None
     if not isinstance(value, dict):
         raise ValueError(f"{name} must be a JSON object, got {text[:80]!r}")
     return value
