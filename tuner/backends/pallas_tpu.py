@@ -106,9 +106,9 @@ def chip() -> Any:
     from jax.experimental.pallas import tpu as pltpu
 
     platform, device_kind = compile_target()
-    if platform == "tpu" and jax.default_backend() == "tpu" and jax.devices()[0].device_kind == device_kind:
-        return pltpu.get_tpu_info()  # the TPU present
     if platform == "tpu":
+        if jax.default_backend() == "tpu" and jax.devices()[0].device_kind == device_kind:
+            return pltpu.get_tpu_info()  # the TPU present
         if device_kind not in CHIPS:
             raise ValueError(f"TPU device kind {device_kind!r} is not one ring-tuner knows ({', '.join(CHIPS)})")
         name = CHIPS[device_kind]
@@ -217,8 +217,8 @@ class PallasTpuBackend:
         if interpret:
             return None
         building_for_tpu = (platform or compile_target()[0]) == "tpu"
-        can_compile = jax.default_backend() == "tpu" or importlib.util.find_spec("libtpu") is not None
-        if not (building_for_tpu and can_compile):  # libtpu compiles for a TPU topology on any host
+        # a TPU present compiles for itself; libtpu compiles for a TPU topology on any host
+        if not building_for_tpu or (jax.default_backend() != "tpu" and importlib.util.find_spec("libtpu") is None):
             return "no TPU visible to jax (interpret=True runs the kernels on the CPU)"
         return None
 
