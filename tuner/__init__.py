@@ -1,13 +1,14 @@
 """ring-tuner: exact ring flash attention for JAX, verified against a dense reference, autotuned.
 
-    from tuner import get_tuned_ring_attention, ring_attention, FwdParams, BwdParams
+    from tuner import get_tuned_ring_attention, ring_attention, autotune, FwdParams, BwdParams
 """
 
 from tuner import implementations  # noqa: F401 - registers the built-in implementations
+from tuner.autotuning import autotune
 from tuner.dispatch import get_tuned_ring_attention
 from tuner.params import BwdParams, FwdParams
 from tuner.ring import ring_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["BwdParams", "FwdParams", "get_tuned_ring_attention", "ring_attention", "__version__"]
+__all__ = ["BwdParams", "FwdParams", "autotune", "get_tuned_ring_attention", "ring_attention", "__version__"]

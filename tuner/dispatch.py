@@ -33,8 +33,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from tuner import layouts, measured, plan, registry
-from tuner.cache import LOADER_BUSY_TIMEOUT_S, Cache, CacheError, row_config, warn_once
+from tuner import layouts, measured, plan, record, registry
+from tuner.cache import LOADER_BUSY_TIMEOUT_S, Cache, CacheError, row_config, warn_once, writes
 from tuner.checks import check_int
 from tuner.plan import Plan
 from tuner.problem import ProblemKey
@@ -80,6 +80,7 @@ class TunedRingAttention:
                    softmax_aux=None, **self.options)  # the scalar options fail here, not at trace time
         self.db = db
         self._decisions: dict[tuple, Decision] = {}
+        self._writes = writes()
 
     # ----------------------------------------------------------------------------------------------
 
@@ -142,6 +143,11 @@ class TunedRingAttention:
     def _local(self, query, key, value, options: dict[str, Any]):
         size, _ = ring_geometry(self.axis_name)
         decision = self._decide(query, key, value, size, options)
+        noted = self._note(query, key, value, size, options, decision)
+        with record.scope(noted):
+            return record.watch(noted, self._attend(query, key, value, options, decision))
+
+    def _attend(self, query, key, value, options: dict[str, Any], decision: Decision):
         interpret = bool(options.get("interpret"))
         arrays = {n: v for n, v in options.items() if n != "interpret"}
         call = dict(spec=decision.spec, axis_name=self.axis_name, layout=decision.layout, interpret=interpret, **arrays)
@@ -157,6 +163,18 @@ class TunedRingAttention:
             return fallback.attend(query, key, value, config=fallback.default_config(decision.key, decision.spec),
                                    **call)
 
+    def _note(self, query, key, value, ring_size: int, options: dict[str, Any], decision: Decision) -> record.Call:
+        """The call as `tuner.record` keeps it: what `tuner autotune`, `record` and `doctor` read."""
+        platform, device_kind = compile_target(self.mesh)
+        return record.Call(
+            caller="loader", query=record.struct_of(query), key=record.struct_of(key), value=record.struct_of(value),
+            arrays={n: record.struct_of(x) for n, x in options.items() if n in plan.ARRAY_OPTIONS and x is not None},
+            mask=self.options, ring_size=ring_size, layout=decision.layout, backend=self.backend,
+            return_lse=bool(options.get("return_lse")), interpret=bool(options.get("interpret")),
+            db=str(Cache(self.db).path), platform=platform, device_kind=device_kind,
+            decision=dict(implementation=decision.backend, source=decision.source, reason=decision.reason,
+                          key=decision.key.as_dict()))
+
     def _decide(self, query, key, value, ring_size: int, options: dict[str, Any]) -> Decision:
         platform, device_kind = compile_target(self.mesh)
         target = registry.Target(platform, bool(options.get("interpret")))
@@ -169,6 +187,9 @@ class TunedRingAttention:
                                                   resolved.fallback)
         problem = ProblemKey.of(shapes, spec, backend=implementation.name, device_kind=device_kind,
                                 ring_size=ring_size, layout=layout)
+        if self._writes != writes():  # this process wrote to a cache since: decide again
+            self._decisions.clear()
+            self._writes = writes()
         memo = (problem.digest, fallback, return_lse)
         if memo not in self._decisions:
             chosen, unusable = None, None

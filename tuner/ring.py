@@ -28,10 +28,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tuner import layouts, masks, plan, registry, vma, work
+from tuner import layouts, masks, plan, record, registry, vma, work
 from tuner.backends.base import Backend
 from tuner.params import BwdParams, FwdParams
-from tuner.spec import AttentionSpec
+from tuner.problem import ProblemKey
+from tuner.spec import AttentionSpec, normalize_window
+from tuner.targets import compile_target
 
 F32 = jnp.float32
 
@@ -295,16 +297,37 @@ def ring_attention(
                   kv_positions=kv_positions, softmax_aux=softmax_aux, bias=bias)
     mask = dict(causal=causal, sliding_window=sliding_window, chunk_size=chunk_size,
                 logits_soft_cap=logits_soft_cap, softmax_scale=softmax_scale)
-    resolved = plan.resolve(query, key, value, ring_size=ring_geometry(axis_name)[0], layout=layout,
+    size = ring_geometry(axis_name)[0]
+    resolved = plan.resolve(query, key, value, ring_size=size, layout=layout,
                             backend=backend, target=registry.Target.here(bool(interpret)), mask=mask, arrays=arrays)
     chosen = block_kernel(resolved.implementation.name)
     default_fwd, default_bwd = chosen.default_params(query.shape[1], key.shape[1], query.shape[3])
+    given = [name for name, params in (("fwd_params", fwd_params), ("bwd_params", bwd_params)) if params is not None]
     fwd_params = fwd_params or default_fwd
     bwd_params = bwd_params or default_bwd
     chosen.check_params(fwd_params, bwd_params)
-    return run_ring(query, key, value, spec=resolved.spec, backend=chosen.name, fwd_params=fwd_params,
-                    bwd_params=bwd_params, axis_name=axis_name, layout=layout, interpret=interpret,
-                    return_lse=return_lse, **arrays)
+    noted = _note(query, key, value, arrays, mask, resolved, size, layout, backend, bool(interpret), return_lse,
+                  reason=f"{' and '.join(given) or 'no params'} given by the caller, the rest "
+                         f"{chosen.name}'s defaults; ring_attention does not read the cache")
+    with record.scope(noted):
+        return record.watch(noted, run_ring(
+            query, key, value, spec=resolved.spec, backend=chosen.name, fwd_params=fwd_params, bwd_params=bwd_params,
+            axis_name=axis_name, layout=layout, interpret=interpret, return_lse=return_lse, **arrays))
+
+
+def _note(query, key, value, arrays: dict, mask: dict, resolved: plan.Resolved, size: int, layout: str,
+          backend: str, interpret: bool, return_lse: bool, reason: str) -> record.Call:
+    """A `ring_attention` call as `tuner.record` keeps it (the doctor says it runs untuned params)."""
+    platform, device_kind = compile_target()
+    return record.Call(
+        caller="ring_attention", query=record.struct_of(query), key=record.struct_of(key),
+        value=record.struct_of(value), arrays={n: record.struct_of(x) for n, x in arrays.items() if x is not None},
+        mask={**mask, "sliding_window": normalize_window(mask["sliding_window"])}, ring_size=size, layout=layout,
+        backend=backend, return_lse=return_lse, interpret=interpret, db=None, platform=platform,
+        device_kind=device_kind,
+        decision=dict(implementation=resolved.implementation.name, source="caller", reason=reason,
+                      key=ProblemKey.of(resolved.shapes, resolved.spec, backend=resolved.implementation.name,
+                                        device_kind=device_kind, ring_size=size, layout=layout).as_dict()))
 
 
 def run_ring(query, key, value, *, spec: AttentionSpec, backend: str, fwd_params: FwdParams, bwd_params: BwdParams,

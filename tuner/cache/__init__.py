@@ -38,9 +38,9 @@ from tuner.cache.files import Rejected, parse_jsonl, read_jsonl, read_shipped, w
 from tuner.cache.lookup import Lookup
 from tuner.cache.rows import (COLUMNS, FEATURES, SOURCES, TABLE, VERSION_FIELDS, current_versions, make_row,
                               row_config, row_digest, row_key, row_params, row_problem, stale_reason, warn_once)
-from tuner.cache.store import LOADER_BUSY_TIMEOUT_S, Cache, CacheError, Listing
+from tuner.cache.store import LOADER_BUSY_TIMEOUT_S, Cache, CacheError, Listing, writes
 
 __all__ = ["COLUMNS", "FEATURES", "LOADER_BUSY_TIMEOUT_S", "SOURCES", "TABLE", "VERSION_FIELDS", "Cache",
            "CacheError", "Listing", "Lookup", "Rejected", "current_versions", "make_row", "parse_jsonl", "read_jsonl",
            "read_shipped", "row_config", "row_digest", "row_key", "row_params", "row_problem", "stale_reason",
-           "warn_once", "write_jsonl"]
+           "warn_once", "write_jsonl", "writes"]

@@ -33,6 +33,14 @@ WRITE_BUSY_TIMEOUT_S = 60.0
 READ_BUSY_TIMEOUT_S = 10.0
 LOADER_BUSY_TIMEOUT_S = 0.25
 
+_writes = 0  # writes this process made to any cache file (see `writes`)
+
+
+def writes() -> int:
+    """How many writes this process has made to cache files: the loader decides a problem again after
+    one, so a search in the process (`tuner.autotune`) reaches the next trace."""
+    return _writes
+
 
 class CacheError(RuntimeError):
     """The cache file cannot be read or written; the message says which file and what to do."""
@@ -215,11 +223,14 @@ class Cache:
             return [dict(r) for r in conn.execute(sql, list(params))]
 
     def _write(self, action: Callable[[sqlite_utils.Database], Any]) -> Any:
+        global _writes
         db = self._writer()
         try:
-            return action(db)
+            done = action(db)
         except sqlite3.DatabaseError as error:
             raise self._error(error, writing=True) from error
+        _writes += 1
+        return done
 
     # -- writing ---------------------------------------------------------------------------------
 

@@ -114,7 +114,21 @@ def build_parser() -> argparse.ArgumentParser:
                              "lower every variant for TPU, run --samples of them in the interpreter")
     tuning.add_argument("--samples", type=int, default=None, help="with --dry-run: variants to run in the "
                                                                   "interpreter against scan (default 3)")
+    tuning.add_argument("--from", dest="from_file", default=None, metavar="FILE",
+                        help="tune every problem of a record file (tuner record) not tuned yet, instead of the "
+                             "problem flags")
     search.set_defaults(run=verbs.run_search)
+
+    recorder = commands.add_parser("record", help="run a command and record the attention problems it traces")
+    recorder.add_argument("--out", required=True, help="record file to write (JSON lines)")
+    recorder.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- python train.py")
+    recorder.set_defaults(run=verbs.run_record)
+
+    doctor = commands.add_parser("doctor", help="what the loader will use for each recorded problem, and why")
+    doctor.add_argument("file", help="record file (tuner record)")
+    doctor.add_argument("--db", default=None, help="cache file to decide from (default: the one each call's "
+                                                   "loader reads)")
+    doctor.set_defaults(run=verbs.run_doctor)
 
     for name, helptext, run in (("list", "the tuned entries, a page at a time (stale and invalid ones marked)",
                                  verbs.run_list),

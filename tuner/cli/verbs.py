@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from tuner.cache import views
+from tuner.cli import recorded
 from tuner.cli.options import (UsageError, cache_of, calls_of, check_output, check_storage, check_writable_cache, fail,
                                prepare_device, problem_of, simulate_cpu_devices)
 from tuner.problem import Problem
@@ -23,7 +24,11 @@ from tuner.problem import Problem
 def run_search(args: argparse.Namespace) -> int:
     """`tuner search`: tune the problem (or with `--dry-run`, check the TPU kernels) and print the summary."""
     if args.dry_run:
+        if args.from_file is not None:
+            raise UsageError("--from tunes recorded problems on this machine; it does not go with --dry-run")
         return _dry_run(args)
+    if args.from_file is not None:
+        return recorded.search_from(args)
     if args.samples is not None:
         raise UsageError("--samples goes with --dry-run (how many variants to run in the interpreter)")
     from tuner.search import SearchOptions, check_device, resolve_backend, search
@@ -117,6 +122,16 @@ def _dry_run(args: argparse.Namespace) -> int:
             bar.close()
     print(report.render())
     return 0 if report.ok else 1
+
+
+def run_record(args: argparse.Namespace) -> int:
+    """`tuner record --out FILE -- COMMAND`: run COMMAND, record its attention calls into FILE."""
+    return recorded.record_command(args)
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    """`tuner doctor FILE`: 0 when every tunable recorded problem has its own tuned decision, else 1."""
+    return recorded.doctor_file(args)
 
 
 def run_list(args: argparse.Namespace) -> int:
