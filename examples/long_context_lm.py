@@ -12,6 +12,7 @@ attention) -> residual, RMSNorm -> MLP -> residual.
 
     python examples/long_context_lm.py                  # 8 devices, 1024 tokens, 300 steps
     python examples/long_context_lm.py --seq-len 512 --steps 250
+    python examples/long_context_lm.py --autotune 8     # tune the step's attention first, then train
 """
 
 from __future__ import annotations
@@ -150,13 +151,21 @@ def build(config: Config):
     return params, optimizer.init(params), train_step, batch
 
 
-def train(config: Config, progress: bool = True) -> list[float]:
-    """Train for `config.steps` steps; returns the loss of every step."""
+def train(config: Config, progress: bool = True, autotune_trials: int = 0) -> list[float]:
+    """Train for `config.steps` steps; returns the loss of every step. With `autotune_trials`, first
+    tune every attention problem of the training step (`tuner.autotune`) with that many trials each."""
     import jax
     import numpy as np
     from tqdm import tqdm
 
     params, opt_state, train_step, batch = build(config)
+    if autotune_trials:
+        import tuner
+
+        example = batch(np.random.default_rng(config.seed + 1))  # the shapes of a batch, not the training data
+        report = tuner.autotune(train_step, params, opt_state, *example, jax.random.key(0), trials=autotune_trials,
+                                progress=progress)
+        print(report.render(), file=sys.stderr)
     rng = np.random.default_rng(config.seed)
     key = jax.random.key(config.seed)
     losses = []
@@ -179,7 +188,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
     for name in ("dropout", "learning_rate", "rope_base"):
         parser.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
+    parser.add_argument("--autotune", type=int, default=0, metavar="TRIALS",
+                        help="first tune the training step's attention problems on the CPU, TRIALS trials each "
+                             "(tuner.autotune; rows go to $TUNER_DB, else $TUNER_HOME/tuning.sqlite)")
     args = parser.parse_args(argv)
+    autotune_trials = args.__dict__.pop("autotune")
+    if autotune_trials < 0:
+        parser.error(f"--autotune must be a number of trials (0: do not tune), got {autotune_trials}")
     try:
         config = Config(**{k: v for k, v in vars(args).items()})
     except ValueError as error:
@@ -191,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({config.seq_len // config.devices} per device); needle in the first {config.seq_len // 4} "
           f"positions, {config.queries} questions at the end", file=sys.stderr)
     start = time.perf_counter()
-    losses = train(config)
+    losses = train(config, autotune_trials=autotune_trials)
     tail = losses[-10:]
     print(f"loss {losses[0]:.4f} -> {sum(tail) / len(tail):.4f} (mean of the last {len(tail)} steps) "
           f"in {len(losses)} steps, {time.perf_counter() - start:.0f} s")

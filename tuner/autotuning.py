@@ -130,13 +130,15 @@ def tune(calls: Sequence[Call], *, device: str | None = None, trials: int = 12, 
 
 
 def autotune(step_fn: Callable, *example_args: Any, device: str | None = None, trials: int = 12,
-             db: str | None = None, options=None, progress: bool = True) -> Report:
+             db: str | None = None, options=None, progress: bool = True,
+             static_argnums: int | Sequence[int] = ()) -> Report:
     """Trace `step_fn(*example_args)` (arrays or `jax.ShapeDtypeStruct`s, shardings included; never
     run), tune every attention problem it holds that is not tuned yet, and report per problem (module
     docstring). `device` defaults to the platform the program is traced for; `db`, when given, must be
     the cache file the program's loaders read (`ValueError` otherwise: rows elsewhere would not be
-    used); `options` is a `tuner.search.SearchOptions` for the rest of the search."""
-    calls = record.calls_in(step_fn, *example_args)
+    used); `options` is a `tuner.search.SearchOptions` for the rest of the search; `static_argnums`
+    names the arguments that are not arrays, as for `jax.jit`."""
+    calls = record.calls_in(step_fn, *example_args, static_argnums=static_argnums)
     if db is not None:
         from tuner.cache import Cache
 
@@ -148,7 +150,7 @@ def autotune(step_fn: Callable, *example_args: Any, device: str | None = None, t
     outcomes = tune(calls, device=device, trials=trials, options=options, progress=progress)
     if any(o.speedup is not None for o in outcomes):
         jax.clear_caches()  # the program traces again, and its loaders read what the searches stored
-        after = {c.id: c.source for c in record.calls_in(step_fn, *example_args)}
+        after = {c.id: c.source for c in record.calls_in(step_fn, *example_args, static_argnums=static_argnums)}
     else:
         after = {c.id: c.source for c in calls}
     return Report([dataclasses.replace(o, after=after.get(o.call.id, o.before)) for o in outcomes])

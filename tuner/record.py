@@ -20,14 +20,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import numbers
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 import tuner
 from tuner.spec import LAYOUTS
@@ -80,9 +82,7 @@ class Call:
         object.__setattr__(self, "arrays", {n: _struct(f"arrays.{n}", s) for n, s in self.arrays.items()})
         if not isinstance(self.mask, dict):
             raise ValueError(f"mask must be an object of mask options, got {self.mask!r}")
-        window = self.mask.get("sliding_window")
-        if isinstance(window, list):
-            object.__setattr__(self, "mask", {**self.mask, "sliding_window": tuple(window)})
+        object.__setattr__(self, "mask", {name: _plain(value) for name, value in self.mask.items()})
         if not isinstance(self.ring_size, int) or isinstance(self.ring_size, bool) or self.ring_size < 1:
             raise ValueError(f"ring_size must be a positive integer, got {self.ring_size!r}")
         if self.layout not in LAYOUTS:
@@ -160,6 +160,21 @@ class Call:
         if differ:
             raise ValueError(f"a search would tune another cache key than the call looks up: {', '.join(differ)}")
         return problem
+
+
+def _plain(value: Any) -> Any:
+    """A mask option as a plain Python value (numpy scalars too; lists as tuples), for JSON and ids."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, (list, tuple)):
+        return tuple(_plain(v) for v in value)
+    if value is None or isinstance(value, str):
+        return value
+    raise ValueError(f"mask option {value!r} is not a number, a pair of numbers or null")
 
 
 def _struct(name: str, value: Any) -> Struct:
@@ -254,10 +269,11 @@ def read(path: str | os.PathLike) -> Recording:
     return Recording(list(calls.values()), problems)
 
 
-def calls_in(fn: Callable, *args: Any) -> list[Call]:
+def calls_in(fn: Callable, *args: Any, static_argnums: int | Sequence[int] = ()) -> list[Call]:
     """The attention calls of `fn(*args)`, read from its traced program (never run): the calls of this
-    process whose scope the program holds, with `gradients` set where it sits under a transpose."""
-    traced = jax.jit(fn).trace(*args)
+    process whose scope the program holds, with `gradients` set where it sits under a transpose.
+    `static_argnums` are the arguments that are not arrays, as `jax.jit` takes them."""
+    traced = jax.jit(fn, static_argnums=static_argnums).trace(*args)
     found: dict[str, bool] = {}
     _walk(traced.jaxpr.jaxpr, "", found)
     return [dataclasses.replace(_SEEN[i], gradients=grads) for i, grads in found.items()]
