@@ -102,6 +102,39 @@ def test_bench_and_search_rows_live_side_by_side_and_a_run_replaces_the_last(tmp
         cache.put_run([search_row()])
 
 
+def compiled_row(problem: Problem = PROBLEM, tiles=(FwdParams(16, 16), BwdParams(16, 16))) -> dict:
+    scan = registry.get("scan")
+    return make_row(problem.key("scan", DEVICE_KIND), *tiles, versions=registry.versions(scan), tool_version="test",
+                    source="compiled", objective="fwd+bwd", best_s=0.002, default_s=None, speedup=None,
+                    trials_run=7, trials_pruned=2, study="compiled for v5e:2x2, ranked by the model")
+
+
+def test_a_compiled_row_is_used_only_where_nothing_measured_the_problem(tmp_path):
+    """A `compiled` row (a config chosen by compiling and the model, never timed) decides the config of
+    its own problem when no search row does, says so, never counts as a measurement for `auto`, is not
+    borrowed by a nearby shape, and gives way to a search row of the problem."""
+    path = tmp_path / "tuning.sqlite"
+    cache = Cache(path)
+    cache.put(compiled_row())
+    decision = explain(path)
+    assert (decision.backend, decision.source, decision.config.to_dict()["fwd"]["block_q"]) == ("scan", "compiled", 16)
+    assert "compiled entry" in decision.reason and "not measured" in decision.reason, decision.reason
+    with pytest.raises(ValueError, match="must be null in a compiled row"):
+        make_row(PROBLEM.key("scan", DEVICE_KIND), *TUNED, versions=registry.versions(registry.get("scan")),
+                 tool_version="test", source="compiled", objective="fwd+bwd", best_s=0.002, default_s=0.003,
+                 speedup=1.5, trials_run=1, trials_pruned=0, study="x")
+    other = Problem(batch=1, seq_len=128, heads=4, kv_heads=2, head_dim=8, causal=True, ring_size=RING,
+                    layout="zigzag")
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, layout="zigzag", db=str(path),
+                                    mesh=Mesh(np.array(jax.devices()[:RING]), ("sp",)))
+    assert attn.explain(*arrays(other)).source == "default"  # a compiled row is for its own problem only
+    cache.put(search_row())
+    measured = explain(path)
+    assert (measured.source, measured.config.to_dict()["fwd"]["block_q"]) == ("exact", 8)
+    listing = list_text(cache, where={}, limit=None, page=1)
+    assert sorted(line.split()[2] for line in listing.splitlines()[2:]) == ["compiled", "search"], listing
+
+
 def test_an_old_file_decides_as_before_and_the_first_writer_migrates_it(tmp_path, caplog):
     path = tmp_path / "tuning.sqlite"
     unmigratable = {**legacy_row(device_kind="another kind"), "key": "0123456789abcdef"}

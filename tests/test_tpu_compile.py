@@ -94,3 +94,33 @@ def compiled_ring(topology: str, causal: bool) -> str:
     text = jax.jit(loss).lower(*structs(mesh)).compile().as_text()
     assert "tpu_custom_call" in text  # the Pallas kernels, compiled by Mosaic
     return text
+
+
+def test_the_compiled_dry_run_ranks_what_the_compiler_accepts_and_the_loader_uses_it(tmp_path):
+    """`tuner search --dry-run --target`'s engine on v5e (the default tiles and one more per kernel):
+    every admitted variant compiles, the compiler never reports more VMEM than the estimate the
+    constraints rule by (so they never admit a variant over the limit; the margin is in the report),
+    and the stored `compiled` row is what the loader runs on that topology, saying so."""
+    from tuner import compiled
+    from tuner.problem import Problem
+
+    problem = Problem(seq_len=4 * 1024, heads=H, kv_heads=HKV, head_dim=D, dtype="bfloat16", causal=True,
+                      ring_size=RING)
+    report = compiled.compile_target(problem, "v5e:2x2", sample=1)
+    tried = [v for v in report.variants if v.ruled_out is None]
+    assert sorted({v.part for v in tried}) == sorted(compiled.PARTS) and len(tried) == 6, report.render()
+    assert all(v.compiled for v in tried), report.render()
+    for variant in tried:
+        [(asked, used, estimate)] = variant.vmem.values()
+        assert asked == 64 * 2**20 and 0 <= used <= estimate, (variant.part, asked, used, estimate)
+        assert variant.predicted.seconds > 0 and variant.temp_bytes > 0
+    db = tmp_path / "tuning.sqlite"
+    row = compiled.store(report, db)
+    assert row["source"] == "compiled" and row["default_s"] is None
+    mesh = topology_mesh("v5e:2x2")
+    sharding = NamedSharding(mesh, P(None, "sp"))
+    q = jax.ShapeDtypeStruct((1, problem.seq_len, H, D), jnp.bfloat16, sharding=sharding)
+    kv = jax.ShapeDtypeStruct((1, problem.seq_len, HKV, D), jnp.bfloat16, sharding=sharding)
+    decision = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, db=str(db)).explain(q, kv, kv)
+    assert (decision.backend, decision.source, decision.config) == ("pallas_tpu", "compiled", report.config)
+    assert "not measured" in decision.reason, decision.reason

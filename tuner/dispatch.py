@@ -45,7 +45,7 @@ from tuner.targets import compile_target
 log = logging.getLogger("tuner.dispatch")
 
 CALL_OPTIONS = (*plan.ARRAY_OPTIONS, "return_lse", "interpret")
-SOURCES = ("exact", "nearest", "shipped", "default", "fallback", "measured")
+SOURCES = ("exact", "compiled", "nearest", "shipped", "default", "fallback", "measured")
 DEFAULT_LAYOUT = "zigzag"  # what `tuner search` tunes by default, and the loader uses with mesh=
 SEQUENCE_OPTIONS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")
 

@@ -95,7 +95,7 @@ class DryRunReport:
         return "\n".join(lines)
 
 
-def _reason_kind(reason: str) -> str:
+def reason_kind(reason: str) -> str:
     """A violation reason without its numbers, to count alike reasons together."""
     if "VMEM" in reason:
         return "VMEM over the scoped limit"
@@ -128,7 +128,7 @@ def dry_run(problem: Problem, *, samples: int = 3, seed: int = 0,
     for done, (fwd, bwd) in enumerate(candidates, 1):
         violation = backend.violation(problem.shapes, problem.spec, fwd, bwd)
         if violation is not None:
-            report.ruled_out[_reason_kind(violation)] += 1
+            report.ruled_out[reason_kind(violation)] += 1
         else:
             try:
                 report.kernels += pallas_tpu.lower(problem.shapes, problem.spec, fwd, bwd)

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from tuner import layouts, plan, registry
 from tuner.problem import Problem
 from tuner.registry import Config
+from tuner.targets import compile_target
 
 AXIS = "sp"
 Inputs = dict[str, Any]
@@ -68,13 +69,14 @@ class Compiled:
 class Workload:
     """Inputs and ring functions of one problem on this machine's first `ring_size` devices."""
 
-    def __init__(self, problem: Problem):
-        devices = jax.devices()
+    def __init__(self, problem: Problem, devices: list | None = None):
+        devices = jax.devices() if devices is None else devices
         if len(devices) < problem.ring_size:
             raise ValueError(f"ring_size={problem.ring_size} needs {problem.ring_size} devices, "
                              f"{len(devices)} {devices[0].platform} device(s) are visible")
         self.problem = problem
         self.mesh = Mesh(np.array(devices[:problem.ring_size]), (AXIS,))
+        self.platform = compile_target(self.mesh)[0]
         seq = P(None, AXIS)
         self.specs: Inputs = {"q": seq, "k": seq, "v": seq}
         if problem.segments:
@@ -109,6 +111,24 @@ class Workload:
                               NamedSharding(self.mesh, self.specs["q"]))
         return inputs, dout
 
+    def structs(self) -> tuple[Inputs, Any]:
+        """The inputs and output cotangent `draw` makes, as sharded `jax.ShapeDtypeStruct`s: what a
+        program for this problem's mesh compiles against (a TPU topology's, on any host)."""
+        p = self.problem
+        shapes = {"q": ((p.batch, p.seq_len, p.heads, p.head_dim), p.dtype),
+                  "k": ((p.batch, p.seq_len, p.kv_heads, p.head_dim), p.dtype),
+                  "v": ((p.batch, p.seq_len, p.kv_heads, p.head_dim), p.dtype)}
+        if p.segments:
+            shapes["segment_ids"] = ((p.batch, p.seq_len), "int32")
+        if p.sinks:
+            shapes["sinks"] = ((p.heads, p.sinks) if p.sinks > 1 else (p.heads,), p.dtype)
+
+        def struct(shape, dtype, spec):
+            return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=NamedSharding(self.mesh, spec))
+
+        return ({n: struct(*shapes[n], self.specs[n]) for n in shapes},
+                struct(*shapes["q"], self.specs["q"]))
+
     def attend(self, name: str, config: Config, *, interpret: bool = False) -> Callable[[Inputs], Any]:
         """The global function `inputs -> output` of the registered implementation `name` with `config`,
         on this problem's ring."""
@@ -119,14 +139,14 @@ class Workload:
             segments = x.get("segment_ids")
             arrays = dict(q_segment_ids=segments, kv_segment_ids=segments, softmax_aux=x.get("sinks"))
             resolved = plan.resolve(x["q"], x["k"], x["v"], ring_size=p.ring_size, layout=p.layout, backend=name,
-                                    target=registry.Target.here(interpret), arrays=arrays,
+                                    target=registry.Target(self.platform, interpret), arrays=arrays,
                                     mask=dict(causal=p.causal, sliding_window=p.window, chunk_size=p.chunk_size,
                                               logits_soft_cap=p.softcap, softmax_scale=None))
             return implementation.attend(x["q"], x["k"], x["v"], spec=resolved.spec, config=config, axis_name=AXIS,
                                          layout=p.layout, interpret=interpret, **arrays)
 
         return jax.shard_map(local, mesh=self.mesh, in_specs=(self.specs,), out_specs=self.specs["q"],
-                             check_vma=implementation.vma_checked(registry.Target.here(interpret)))
+                             check_vma=implementation.vma_checked(registry.Target(self.platform, interpret)))
 
     def compile(self, fn: Callable[[Inputs], Any], inputs: Inputs, dout, *, backward: bool) -> Compiled:
         """AOT-compile `fn`, or with `backward` its residual-saving forward and its backward (so the

@@ -7,8 +7,9 @@ code hash) and its `source`: `search` (the best config `tuner search` found) or 
 one implementation in a `tuner bench --mechanisms` run of every implementation side by side). A row
 whose versions no longer match this installation is *stale*: kept and listed, never used.
 
-The config of an implementation comes from the search rows; lookup order: exact key -> nearest tuned
-shape of the same family (device kind, backend, head dim, dtype, features) -> entries shipped in
+The config of an implementation comes from the search rows; lookup order: exact key -> the problem's
+`compiled` row (a TPU target's config chosen by compiling, never measured) -> nearest tuned shape of
+the same family (device kind, backend, head dim, dtype, features) -> entries shipped in
 `cache_db/*.jsonl` (exact, then nearest) -> the backend's heuristic default.
 
 The cache sits on the path of every training step, so it trusts nothing it reads:

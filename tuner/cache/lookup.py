@@ -17,8 +17,8 @@ from typing import Any
 
 from tuner import resources
 from tuner.cache.files import read_shipped
-from tuner.cache.rows import (FAMILY_FIELDS, SIZE_FIELDS, TABLE, VERSION_FIELDS, features_text, is_int, row_key,
-                              row_problem, stale_reason, warn_once)
+from tuner.cache.rows import (FAMILY_FIELDS, SIZE_FIELDS, TABLE, VERSION_FIELDS, features_text, is_int, row_digest,
+                              row_key, row_problem, stale_reason, warn_once)
 from tuner.problem import ProblemKey
 
 
@@ -27,7 +27,7 @@ class Lookup:
     """The outcome of a cache lookup: the row used (None for the default), its source and why."""
 
     row: dict[str, Any] | None
-    source: str  # "exact", "nearest", "shipped" or "default"
+    source: str  # "exact", "compiled", "nearest", "shipped" or "default"
     reason: str
 
 
@@ -151,10 +151,22 @@ class _Search:
             r for r in shipped if r["key"] != key.digest and row_key(r).family == key.family],
             lambda r: r, "shipped", resources.shipped_dir())
 
+    def compiled(self) -> dict[str, Any] | None:
+        """The usable `compiled` row of this very problem in the cache file, or None."""
+        rows = self.select(f"SELECT * FROM {TABLE} WHERE key = ?", [row_digest(self.key, "compiled")])
+        return rows[0] if rows and self.usable(rows[0], "compiled", self.path) else None
+
     def result(self) -> Lookup:
         """The entry to use, its source, and the reason: what was passed over, where the entry came from."""
         row, kind = self.local()
         origin, source = f"in {self.path}", kind
+        if kind != "exact":
+            compiled = self.compiled()
+            if compiled is not None:
+                parts = [*self.notes.parts(), f"no measured entry for this problem; compiled entry {compiled['key']} "
+                         f"{origin}: {compiled['study']} (model {compiled['best_s'] * 1e3:.3g} ms fwd+bwd, not "
+                         f"measured: run tuner search on the TPU to measure)"]
+                return Lookup(compiled, "compiled", "; ".join(parts))
         if row is None:
             row, kind = self.shipped()
             origin, source = f"from {resources.shipped_dir()}", "shipped"

@@ -6,7 +6,11 @@ The `tuned` table holds every decision the tools measured, told apart by `source
   implementation's default config timed in the same study, `speedup` the ratio);
 - `bench`: one implementation's time in a `tuner bench --mechanisms` run, which times every registered
   implementation side by side on the same inputs (`study` names the run, `trials_run` counts its timed
-  runs; `default_s` and `speedup` are null: the run times one config per implementation).
+  runs; `default_s` and `speedup` are null: the run times one config per implementation);
+- `compiled`: the config `tuner search --dry-run --target` chose for a TPU target among the variants
+  the TPU compiler accepted, ranked by the analytic model of `tuner.tpu_model` (`best_s` is the
+  model's time, not a measurement; `default_s` and `speedup` are null; `trials_run` counts the
+  variants compiled, `trials_pruned` those the constraints ruled out).
 
 A search row's key is its `ProblemKey` digest (as it has always been, so shipped entries and old files
 keep their keys); a row of another source has the digest of the key and the source (`row_digest`).
@@ -54,7 +58,7 @@ COLUMNS: dict[str, type] = {
     "measured_at": str, "tool_version": str, "study": str,
     **{f: str for f in VERSION_FIELDS}, "source": str,
 }
-SOURCES = ("search", "bench")
+SOURCES = ("search", "bench", "compiled")
 UNTIMED_DEFAULT = ("default_s", "speedup")  # null in the rows of a source other than search
 INDEXES = {"tuned_family": FAMILY_FIELDS, "tuned_measured_at": ("measured_at",)}
 FEATURES: dict[str, str] = {"causal": "bool", "window": "window", "chunk_size": "positive or null",

@@ -20,7 +20,7 @@ FROM_FILE = dict(  # flags whose values --from takes from the file (the objectiv
     objective="fwd+bwd", batch=Problem().batch, seq_len=Problem().seq_len, heads=Problem().heads,
     kv_heads=Problem().kv_heads, head_dim=Problem().head_dim, dtype=Problem().dtype,
     causal=Problem().causal, window=None, chunk=None, segments=0, softcap=None, sinks=0,
-    ring_size=None, layout=Problem().layout, backend="auto")
+    ring_size=None, layout=Problem().layout, backend="auto", target=[])
 
 
 def record_command(args: argparse.Namespace) -> int:

@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from tuner.cache import views
-from tuner.cli import recorded
+from tuner.cli import recorded, targets
 from tuner.cli.options import (UsageError, cache_of, calls_of, check_output, check_storage, check_writable_cache, fail,
                                prepare_device, problem_of, simulate_cpu_devices)
 from tuner.problem import Problem
@@ -31,6 +31,8 @@ def run_search(args: argparse.Namespace) -> int:
         return recorded.search_from(args)
     if args.samples is not None:
         raise UsageError("--samples goes with --dry-run (how many variants to run in the interpreter)")
+    if args.target:
+        raise UsageError("--target compiles for TPU topologies without a TPU: use it with --device tpu --dry-run")
     from tuner.search import SearchOptions, check_device, resolve_backend, search
     from tuner.usage import search_summary
 
@@ -82,6 +84,8 @@ def _dry_run(args: argparse.Namespace) -> int:
                          f"--device {args.device} search runs for real here)")
     if args.backend not in ("auto", "pallas_tpu"):
         raise UsageError(f"--dry-run checks the pallas_tpu backend, got --backend {args.backend}")
+    if args.target:
+        return targets.compile_targets(args)
     args.ring_size = args.ring_size or Problem().ring_size
     simulate_cpu_devices(args.ring_size)
     problem = problem_of(args)

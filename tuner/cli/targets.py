@@ -1,0 +1,61 @@
+"""`tuner search --device tpu --dry-run --target T`: the pallas_tpu variants compiled by the TPU compiler
+for TPU topologies on this host, ranked by the model, the best stored as `compiled` cache rows."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from tuner.cli.options import UsageError, check_writable_cache, problem_of
+
+
+def compile_targets(args: argparse.Namespace) -> int:
+    """0 when every target has a config (a forward and a backward variant compiled), else 1."""
+    from tuner import compiled
+
+    missing = compiled.libtpu_missing()
+    if missing:
+        raise UsageError(f"--target: {missing}")
+    targets = list(dict.fromkeys(t for arg in args.target for t in
+                                 (compiled.TARGETS if arg == "all" else arg.split(","))))
+    meshes = {}
+    for target in targets:
+        try:
+            meshes[target] = compiled.topology_mesh(target)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+    if args.ring_size is not None and any(m.size != args.ring_size for m in meshes.values()):
+        sizes = ", ".join(f"{t}: {m.size}" for t, m in meshes.items())
+        raise UsageError(f"--ring-size {args.ring_size} does not match the targets' chips ({sizes}); drop "
+                         f"--ring-size, a target's ring is its chips")
+    if args.samples is not None and args.samples < 0:
+        raise UsageError(f"--samples must be zero or more, got {args.samples}")
+    args.ring_size = next(iter(meshes.values())).size
+    problem = problem_of(args)
+    check_writable_cache(args)
+
+    from tqdm import tqdm
+
+    status = 0
+    for target, mesh in meshes.items():
+        target_problem = dataclasses.replace(problem, ring_size=mesh.size)
+        print(f"compiling the pallas_tpu variants of {target_problem.describe()}\n  for {target} "
+              f"({mesh.devices.flat[0].device_kind}) with the TPU compiler; nothing runs", file=sys.stderr)
+        with tqdm(desc=f"compile {target}", unit="variant", file=sys.stderr, dynamic_ncols=True) as bar:
+            def progress(done: int, total: int) -> None:
+                bar.total = total
+                bar.update(done - bar.n)
+            try:
+                report = compiled.compile_target(target_problem, target, sample=args.samples, progress=progress)
+            except ValueError as error:
+                raise UsageError(str(error)) from None
+        print(report.render())
+        row = compiled.store(report, args.db)
+        if row is None:
+            print(f"no config for {target}: no forward or no backward variant compiled")
+            status = 1
+        else:
+            print(f"stored  compiled entry {row['key']} for {report.device_kind}: the loader uses it there until "
+                  f"tuner search measures this problem on the TPU\nmodel    {report.chip.source}")
+    return status

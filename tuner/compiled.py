@@ -1,0 +1,287 @@
+"""`tuner search --device tpu --dry-run --target v5e:2x2`: every pallas_tpu variant compiled by the
+production TPU compiler for a TPU topology, on a host without a TPU (needs libtpu: `pip install
+'ring-tuner[tpu]'`), and ranked by the analytic model (`tuner.tpu_model`).
+
+For each target (a topology name of `jax.experimental.topologies`: the ring is its chips), the
+variants of the problem's search space that the backend's constraints admit for that chip are each
+compiled as the whole ring program over the topology: forward tiles as the forward ring; the tiles of
+the dK/dV kernel and of the dQ kernel (varied one kernel at a time, the others at their defaults) as
+forward and backward. Per variant it records whether the
+compiler accepted it (else its first error line), the VMEM the compiler reports each Mosaic kernel
+uses beside our estimate, the program's temporary memory, and the model's time. The best tiles of
+each kernel that compiled make the target's config, written to the cache as a `compiled` row:
+the loader uses it for that device kind when no measured (`search`) row exists for the problem, and
+says so; nothing treats it as a measurement.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+import tuner
+from tuner import hlo, registry, tpu_model
+from tuner.backends import pallas_tpu
+from tuner.cache import Cache, make_row
+from tuner.dryrun import reason_kind
+from tuner.implementations import TileConfig
+from tuner.params import BwdParams, FwdParams
+from tuner.problem import Problem
+from tuner.tables import describe_config, error_line, table
+from tuner.workload import AXIS, Workload
+
+TARGETS = ("v5e:2x2", "v6e:2x2", "v5p:2x2x1", "v4:2x2x1")  # `--target all`
+PARTS = ("fwd", "dkv", "dq")  # one kernel each: a part's variants change its tiles, the others keep the default
+
+
+def libtpu_missing() -> str | None:
+    """Why TPU programs cannot be compiled here, or None."""
+    if importlib.util.find_spec("libtpu") is None:
+        return ("libtpu is not installed: pip install 'ring-tuner[tpu]' (jax[tpu]) compiles for TPU topologies "
+                "on any host")
+    return None
+
+
+@functools.cache
+def topology_mesh(target: str) -> Mesh:
+    """A one-axis mesh over the devices of the TPU topology `target` (e.g. "v5e:2x2"); `ValueError`
+    naming it when the topology API does not know it."""
+    from jax.experimental import topologies
+
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    try:
+        devices = topologies.get_topology_desc(platform="tpu", topology_name=target).devices
+    except Exception as error:  # noqa: BLE001 - libtpu's errors name no argument
+        raise ValueError(f"--target {target}: libtpu gives no such topology ({error_line(error, 200)}); known "
+                         f"targets: {', '.join(TARGETS)}") from None
+    return Mesh(np.array(devices), (AXIS,))
+
+
+@dataclass
+class Variant:
+    """One forward or backward variant on one target: the constraint that ruled it out, or the
+    compiler's verdict (`error` None: compiled) with the VMEM per kernel (asked, used by the compiler's
+    report, our estimate), the program's temporary bytes and the model's seconds."""
+
+    part: str
+    config: TileConfig
+    ruled_out: str | None = None
+    error: str | None = None
+    vmem: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    temp_bytes: int | None = None
+    predicted: tpu_model.Prediction | None = None
+
+    @property
+    def compiled(self) -> bool:
+        return self.ruled_out is None and self.error is None
+
+    @property
+    def params(self) -> dict[str, FwdParams | BwdParams]:
+        """The keyword `tpu_model.predict` takes for this variant's pass."""
+        return {"fwd": self.config.fwd} if self.part == "fwd" else {"bwd": self.config.bwd}
+
+
+@dataclass
+class TargetReport:
+    """The variants of one target and the config they lead to (None when no forward or no backward
+    variant compiled)."""
+
+    target: str
+    device_kind: str
+    chip: tpu_model.Chip
+    problem: Problem
+    variants: list[Variant]
+    admitted: int  # variants the constraints admitted (all compiled, unless sampled)
+    seconds: float
+
+    def best(self, part: str) -> Variant | None:
+        done = [v for v in self.variants if v.part == part and v.compiled]
+        return min(done, key=lambda v: v.predicted.seconds) if done else None
+
+    @property
+    def config(self) -> TileConfig | None:
+        """The best forward tiles with the best dK/dV and the best dQ tiles, when each part compiled."""
+        fwd, dkv, dq = (self.best(part) for part in PARTS)
+        if fwd is None or dkv is None or dq is None:
+            return None
+        return TileConfig(fwd.config.fwd, replace(dkv.config.bwd, block_q_dq=dq.config.bwd.block_q_dq,
+                                                  block_kv_dq=dq.config.bwd.block_kv_dq))
+
+    @property
+    def predicted(self) -> float:
+        """The model's seconds of `config`, forward and backward."""
+        chip, problem, config = self.chip, self.problem, self.config
+        return tpu_model.predict(problem, chip, fwd=config.fwd).seconds + \
+            tpu_model.predict(problem, chip, bwd=config.bwd).seconds
+
+    def render(self) -> str:
+        rows = []
+        tried = [v for v in self.variants if v.ruled_out is None]
+        for v in sorted(tried, key=lambda v: (PARTS.index(v.part), not v.compiled,
+                                              v.predicted.seconds if v.predicted else 0.0)):
+            vmem = [f"{used / 2**20:.2f} / {estimate / 2**20:.2f}" for used, estimate in
+                    ((used, estimate) for _, used, estimate in v.vmem.values())]
+            rows.append([v.part, _tiles(v), "compiled" if v.compiled else v.error[:80], ", ".join(vmem) or "-",
+                         f"{v.temp_bytes / 2**20:.1f}" if v.temp_bytes is not None else "-",
+                         f"{v.predicted.seconds * 1e3:.3f}" if v.predicted else "-"])
+        reasons = Counter(reason_kind(v.ruled_out) for v in self.variants if v.ruled_out is not None)
+        compiled = sum(v.compiled for v in self.variants)
+        ruled_out = len(self.variants) - len(tried)
+        sampled = f" (a sample of the {self.admitted} admitted)" if len(tried) < self.admitted else ""
+        lines = [f"{self.target} ({self.device_kind}, ring of {self.problem.ring_size}): {ruled_out} variants ruled "
+                 f"out by the constraints, {compiled} of {len(tried)} compiled{sampled}, in {self.seconds:.0f} s",
+                 table(["kernel", "tiles", "TPU compiler", "VMEM MiB: compiler / estimate", "temp MiB", "model ms"],
+                       rows)]
+        lines += [f"ruled out  {count} x {reason}" for reason, count in reasons.most_common()]
+        if self.config is not None:
+            lines.append(f"best     {describe_config(self.config)}: {self.predicted * 1e3:.3f} ms fwd+bwd by the "
+                         f"model")
+        return "\n".join(lines)
+
+
+def _tiles(variant: Variant) -> str:
+    """The tiles a variant sets for its own kernel."""
+    if variant.part == "fwd":
+        f = variant.config.fwd
+        return f"{f.block_q}x{f.block_kv} (compute {f.block_kv_compute})"
+    b = variant.config.bwd
+    return f"{b.block_q_dkv}x{b.block_kv_dkv}" if variant.part == "dkv" else f"{b.block_q_dq}x{b.block_kv_dq}"
+
+
+def compile_variant(workload: Workload, variant: Variant) -> Variant:
+    """Compile one variant for the workload's mesh (the forward ring, or forward and backward) and read
+    what the compiler reports; a compiler error is recorded, not raised."""
+    fn = workload.attend("pallas_tpu", variant.config)
+    inputs, dout = workload.structs()
+    if variant.part == "fwd":  # the forward ring; a backward kernel's variant compiles forward and backward
+        program = jax.jit(fn)
+        args = (inputs,)
+    else:
+        def forward_and_backward(x, dout):
+            diff = {n: v for n, v in x.items() if n != "segment_ids"}
+            out, vjp = jax.vjp(lambda d: fn({**d, **{n: v for n, v in x.items() if n == "segment_ids"}}), diff)
+            return out, vjp(dout)
+        program = jax.jit(forward_and_backward)
+        args = (inputs, dout)
+    try:
+        compiled = program.lower(*args).compile()
+    except Exception as error:  # noqa: BLE001 - every compiler error is the variant's verdict
+        return replace(variant, error=error_line(error, 160))
+    text = compiled.as_text()
+    shapes, spec = workload.problem.shapes, workload.problem.spec
+    ids = 1 + (spec.chunk_size is not None) + spec.has_segments
+    vmem = {}
+    for name, (asked, used) in hlo.kernel_vmem(text).items():
+        kernel = name.split(".")[0]
+        if kernel != f"ring_attention_{variant.part}":
+            continue
+        tiles = _kernel_tiles(variant, variant.part, shapes.q_len, shapes.kv_len)
+        vmem[kernel] = (asked, used, pallas_tpu.vmem_bytes(variant.part, *tiles[:2], shapes.head_dim, shapes.dtype,
+                                                           ids, tiles[2]))
+    memory = compiled.memory_analysis()
+    return replace(variant, vmem=vmem, temp_bytes=getattr(memory, "temp_size_in_bytes", None))
+
+
+def _kernel_tiles(variant: Variant, kernel: str, q_len: int, kv_len: int) -> tuple[int, int, int | None]:
+    """(block_q, block_kv, block_kv_compute) of `kernel` ("fwd", "dkv" or "dq") in the variant."""
+    if kernel == "fwd":
+        return pallas_tpu.fwd_tiles(variant.config.fwd, q_len, kv_len)
+    (dkv_q, dkv_kv), (dq_q, dq_kv) = pallas_tpu.bwd_tiles(variant.config.bwd, q_len, kv_len)
+    return (dkv_q, dkv_kv, None) if kernel == "dkv" else (dq_q, dq_kv, None)
+
+
+def compile_target(problem: Problem, target: str, *, sample: int | None = None, workers: int | None = None,
+                   progress: Callable[[int, int], None] | None = None) -> TargetReport:
+    """Constrain, compile and rank the pallas_tpu variants of `problem` for the topology `target`
+    (module docstring); the problem's ring size is set to the topology's chips. With `sample`, only the
+    default tiles and `sample` other admitted variants of each kernel are compiled."""
+    started = time.perf_counter()
+    mesh = topology_mesh(target)
+    device_kind = mesh.devices.flat[0].device_kind
+    name = pallas_tpu.CHIPS.get(device_kind)
+    if name not in tpu_model.CHIPS:
+        raise ValueError(f"--target {target}: no model of {device_kind} ({name}); model targets: "
+                         f"{', '.join(tpu_model.CHIPS)}")
+    chip = tpu_model.CHIPS[name]
+    problem = replace(problem, ring_size=mesh.size)
+    backend = pallas_tpu.PallasTpuBackend()
+    reason = backend.supports(problem.spec, jax.numpy.dtype(problem.dtype), problem.head_dim)
+    if reason is not None:
+        raise ValueError(f"the pallas_tpu backend does not support {reason}")
+    default_fwd, default_bwd = backend.default_params(problem.local_len, problem.local_len, problem.head_dim)
+    space = backend.search_space(problem.shapes, problem.spec)
+    variants = [Variant("fwd", TileConfig(p, default_bwd)) for p in space.fwd_points()]
+    for part, fields in (("dkv", ("block_q_dkv", "block_kv_dkv")), ("dq", ("block_q_dq", "block_kv_dq"))):
+        tiles = {tuple(getattr(p, f) for f in fields) for p in space.bwd_points()}
+        variants += [Variant(part, TileConfig(default_fwd, replace(default_bwd, **dict(zip(fields, t)))))
+                     for t in sorted(tiles)]
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # the constraints of the target's chip
+        for v in variants:
+            fwd, bwd = (v.config.fwd, None) if v.part == "fwd" else (None, v.config.bwd)
+            v.ruled_out = backend.violation(problem.shapes, problem.spec, fwd, bwd)
+    admitted = sum(v.ruled_out is None for v in variants)
+    if sample is not None:
+        variants = _sample(variants, sample, default_fwd, default_bwd)
+    workload = Workload(problem, devices=list(mesh.devices.flat))
+    todo = [v for v in variants if v.ruled_out is None]
+    done = 0
+    with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
+        results = {}
+        for variant, result in zip(todo, pool.map(lambda v: compile_variant(workload, v), todo)):
+            results[id(variant)] = result
+            done += 1
+            if progress is not None:
+                progress(done, len(todo))
+    variants = [results.get(id(v), v) for v in variants]
+    for v in variants:
+        if v.compiled:
+            v.predicted = tpu_model.predict(problem, chip, **v.params)
+    return TargetReport(target, device_kind, chip, problem, variants, admitted, time.perf_counter() - started)
+
+
+def _sample(variants: list[Variant], sample: int, fwd: FwdParams, bwd: BwdParams) -> list[Variant]:
+    """Per kernel, the admitted variant of the default tiles and `sample` others spread evenly over the
+    admitted ones (in the space's order); the ruled-out variants stay, to be reported."""
+    kept = [v for v in variants if v.ruled_out is not None]
+    for part in PARTS:
+        admitted = [v for v in variants if v.part == part and v.ruled_out is None]
+        default = [v for v in admitted if v.config == TileConfig(fwd, bwd)]
+        others = [v for v in admitted if v not in default]
+        step = len(others) / sample if sample and others else 0
+        kept += default + ([others[int(i * step)] for i in range(min(sample, len(others)))] if step else [])
+    return kept
+
+
+def store(report: TargetReport, db=None) -> dict | None:
+    """Write the target's config as a `compiled` cache row (None when it has none): `best_s` is the
+    model's fwd+bwd seconds, never a measurement; the trial fields count the variants compiled, ruled
+    out and rejected by the compiler."""
+    config = report.config
+    if config is None:
+        return None
+    implementation = registry.get("pallas_tpu")
+    key = report.problem.key(implementation.name, report.device_kind)
+    predicted = report.predicted
+    rejected = sum(v.error is not None for v in report.variants)
+    row = make_row(key, config, versions=registry.versions(implementation), tool_version=tuner.__version__,
+                   source="compiled", objective="fwd+bwd", best_s=predicted, default_s=None, speedup=None,
+                   trials_run=sum(v.compiled for v in report.variants),
+                   trials_pruned=sum(v.ruled_out is not None for v in report.variants),
+                   trials_failed={"compiler error": rejected} if rejected else {},
+                   study=f"compiled for {report.target}, ranked by the model of tuner.tpu_model")
+    Cache(db).put(row)
+    return row
+
+
+__all__ = ["TARGETS", "TargetReport", "Variant", "compile_target", "compile_variant", "libtpu_missing", "store",
+           "topology_mesh"]
