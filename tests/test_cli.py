@@ -244,3 +244,18 @@ def test_a_reported_error_is_one_line_even_without_a_message():
     assert error_line(ValueError("first\nsecond")) == "ValueError: first"
     assert error_line(AssertionError()) == "AssertionError: "
     assert error_line(RuntimeError("x" * 500), limit=200) == "RuntimeError: " + "x" * 200
+
+
+def test_target_flags_refuse_what_they_cannot_do(monkeypatch, capsys):
+    """`--target` compiles for TPU topologies only in a TPU dry run, says how to get libtpu where it is
+    missing, and is not silently dropped by `--from`."""
+    from tuner import compiled
+    from tuner.cli import main
+
+    assert main(["search", "--device", "cpu", "--target", "v5e:2x2"]) == 2
+    assert "use it with --device tpu --dry-run" in capsys.readouterr().err
+    monkeypatch.setattr(compiled, "libtpu_missing", lambda: "libtpu is not installed: pip install 'ring-tuner[tpu]'")
+    assert main(["search", "--device", "tpu", "--dry-run", "--target", "v5e:2x2"]) == 2
+    assert "--target: libtpu is not installed: pip install 'ring-tuner[tpu]'" in capsys.readouterr().err
+    assert main(["search", "--device", "cpu", "--from", "problems.jsonl", "--target", "v5e:2x2"]) == 2
+    assert "drop --target" in capsys.readouterr().err
