@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from tests.cases import check_case, check_low_precision, pallas_tpu_cases
 from tests.test_cli import tuner
 from tuner import BwdParams, FwdParams, codegen, ring_attention
-from tuner import registry
+from tuner import masks, registry
 from tuner.backends import pallas_tpu
 from tuner.problem import Problem
 from tuner.reference import dense_attention
@@ -73,6 +73,65 @@ def test_masked_tiles_are_never_read():
     assert np.all(dk[:, 256:] == 0) and np.all(dv[:, 256:] == 0)
 
 
+def run_block(q, k, v, spec, do):
+    """Forward and gradients of one block through the interpreted kernels, at 64x128 tiles in all three."""
+    q_pos = jnp.arange(q.shape[1], dtype=jnp.int32)[None]
+    kv_pos = jnp.arange(k.shape[1], dtype=jnp.int32)[None]
+    out, lse = BACKEND.block_fwd(q, k, v, q_pos, kv_pos, None, None, None, spec=spec,
+                                 params=FwdParams(block_q=64, block_kv=128), interpret=True)
+    delta = jnp.einsum("bqhd,bqhd->bhq", do, out)
+    dq, dk, dv, _ = BACKEND.block_bwd(q, k, v, out, lse, do, delta, q_pos, kv_pos, None, None, None, spec=spec,
+                                      params=BwdParams(64, 128, 64, 128), interpret=True)
+    return out, lse, dq, dk, dv
+
+
+def dense_block(q, k, v, allowed, do):
+    """Dense attention under the boolean `allowed [Tq, Tk]`: out, lse and the gradients of `<out, do>`."""
+    bias = jnp.where(allowed, 0.0, -jnp.inf)[None, None]
+    (out, lse), pullback = jax.vjp(lambda q, k, v: dense_attention(q, k, v, bias=bias, softmax_scale=0.25), q, k, v)
+    return (out, lse, *pullback((do, jnp.zeros_like(lse))))
+
+
+def test_the_mask_free_interior(monkeypatch):
+    """192 queries and keys at positions 0..191 in 64x128 tiles (the last key tile padded): schedule rows
+    list tiles that need no mask first, then tiles that need one -- for the causal diagonal, or, without a
+    causal mask, only for the padding -- and the kernels match dense attention, forward and both
+    gradients. Then every visited tile is claimed mask-free (`unmasked = count`): the kernels must now
+    compute those tiles whole, future keys and zero padding included, which shows that the first
+    `unmasked` steps of a row take the path without a mask, in all three kernels."""
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.standard_normal((1, 192, 2, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((1, 192, 1, 16)), jnp.float32) for _ in range(2))
+    do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    tokens = np.arange(192)
+
+    def mixed_rows(spec, by_key):
+        s = masks.tile_schedule(tokens[None], tokens[None], None, None, spec, 64, 128, by_key=by_key)
+        return np.sum((s.unmasked > 0) & (s.count > s.unmasked))
+
+    causal, padding = AttentionSpec(scale=0.25, causal=True), AttentionSpec(scale=0.25)
+    assert mixed_rows(causal, by_key=False) and mixed_rows(causal, by_key=True) and mixed_rows(padding, False)
+    for spec, allowed in ((causal, tokens[None, :] <= tokens[:, None]), (padding, np.ones((192, 192), bool))):
+        for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), run_block(q, k, v, spec, do),
+                                   dense_block(q, k, v, allowed, do)):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"{name}, causal={spec.causal}")
+
+    def all_unmasked(*args, **kwargs):
+        order, count, _ = flat_schedule(*args, **kwargs)
+        return order, count, count
+
+    flat_schedule = pallas_tpu._flat_schedule
+    monkeypatch.setattr(pallas_tpu, "_flat_schedule", all_unmasked)
+    # Whole visited tiles: keys padded with zeros to 256, and a query tile reads a key tile when the key
+    # tile's first key is not after the query tile's last query.
+    padded = [jnp.pad(x, ((0, 0), (0, 64), (0, 0), (0, 0))) for x in (k, v)]
+    allowed = np.arange(256)[None, :] // 128 * 128 <= tokens[:, None] // 64 * 64 + 63
+    want = dense_block(q, *padded, allowed, do)
+    want = (*want[:3], want[3][:, :192], want[4][:, :192])
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), run_block(q, k, v, causal, do), want):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"{name}, every tile unmasked")
+
+
 # --------------------------------------------------------------------------------------------------
 # Lowering for TPU without a TPU.
 # --------------------------------------------------------------------------------------------------
@@ -94,12 +153,12 @@ def test_the_lowering_rejects_what_a_tpu_cannot_tile():
     module = codegen.load(pallas_tpu.standard_variants()[0])
     s = jax.ShapeDtypeStruct
 
-    def forward(schedule, count, q, k, q_ids, kv_ids):
-        return module.attention_fwd(schedule, count, q, k, k, q_ids, kv_ids, kv_len=128, block_q=12, block_kv=128,
-                                    block_kv_compute=128, scale=0.1, softcap=1.0, window_left=0, window_right=0,
-                                    vmem_limit_bytes=2**24)
+    def forward(schedule, count, unmasked, q, k, q_ids, kv_ids):
+        return module.attention_fwd(schedule, count, unmasked, q, k, k, q_ids, kv_ids, kv_len=128, block_q=12,
+                                    block_kv=128, block_kv_compute=128, scale=0.1, softcap=1.0, window_left=0,
+                                    window_right=0, vmem_limit_bytes=2**24)
 
-    args = (s((2,), jnp.int32), s((2,), jnp.int32), s((1, 1, 24, 64), jnp.bfloat16),
+    args = (s((2,), jnp.int32), s((2,), jnp.int32), s((2,), jnp.int32), s((1, 1, 24, 64), jnp.bfloat16),
             s((1, 1, 128, 64), jnp.bfloat16), s((1, 24, 1), jnp.int32), s((1, 1, 128), jnp.int32))
     with pytest.raises(Exception, match="divisible by 8 and 128"):
         jax.export.export(jax.jit(forward), platforms=["tpu"])(*args)
@@ -178,6 +237,9 @@ def test_vmem_and_smem_constraints(monkeypatch):
     reason = BACKEND.violation(problem.shapes, problem.spec, FwdParams(block_q=128, block_kv=128, block_kv_compute=128),
                                None)
     assert "tile schedule needs" in reason and "SMEM" in reason, reason
+    # int32 schedule [B, held, streamed], count and unmasked [B, held]; dk/dv holds key tiles
+    smem = pallas_tpu.schedule_smem_bytes
+    assert smem("fwd", 2, 3, 5) == smem("dq", 2, 3, 5) == 4 * 2 * 3 * 7 and smem("dkv", 2, 3, 5) == 4 * 2 * 5 * 5
     monkeypatch.setenv("TUNER_TPU_CHIP", "v99")
     with pytest.raises(ValueError, match="TUNER_TPU_CHIP must be one of"):
         BACKEND.violation(problem.shapes, problem.spec, fwd, None)

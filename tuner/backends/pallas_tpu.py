@@ -194,8 +194,17 @@ def _row_stats(x, length: int, fill: float):
 
 
 def _flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec: AttentionSpec, block_q: int, block_kv: int, by_key=False):
+    """The kernels' scalar-prefetched `schedule, count, unmasked` (`masks.tile_schedule`), flattened."""
     schedule = masks.tile_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, block_q, block_kv, by_key=by_key)
-    return schedule.order.reshape(-1), schedule.count.reshape(-1)
+    return tuple(x.reshape(-1) for x in (schedule.order, schedule.count, schedule.unmasked))
+
+
+def schedule_smem_bytes(kernel: str, batch: int, q_tiles: int, kv_tiles: int) -> int:
+    """SMEM bytes of one kernel's scalar-prefetched schedule: int32 `schedule [B, held, streamed]`,
+    `count` and `unmasked [B, held]`, where the dk/dv kernel holds key tiles and streams query tiles,
+    the others the reverse."""
+    held, streamed = (kv_tiles, q_tiles) if kernel == "dkv" else (q_tiles, kv_tiles)
+    return 4 * batch * held * (streamed + 2)
 
 
 def _mask_values(spec: AttentionSpec) -> dict[str, Any]:
@@ -286,7 +295,7 @@ class PallasTpuBackend:
                 return (f"{kernel} kernel needs about {used / 2**20:.1f} MiB of VMEM with {block_q}x{block_kv} "
                         f"tiles, over the {limit / 2**20:.0f} MiB scoped limit on TPU {info.chip_version.value}")
             q_tiles, kv_tiles = _padded(q_len, block_q) // block_q, _padded(kv_len, block_kv) // block_kv
-            schedule = 4 * shapes.batch * q_tiles * (kv_tiles + 1)
+            schedule = schedule_smem_bytes(kernel, shapes.batch, q_tiles, kv_tiles)
             if schedule > info.smem_capacity_bytes // 2:
                 return (f"{kernel} kernel's tile schedule needs {schedule // 1024} KiB of SMEM, over half the "
                         f"{info.smem_capacity_bytes // 1024} KiB of TPU {info.chip_version.value}")
