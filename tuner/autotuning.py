@@ -20,13 +20,17 @@ import dataclasses
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 from tuner import record
+from tuner.problem import Problem
 from tuner.record import Call
 from tuner.tables import error_line, table
+
+if TYPE_CHECKING:  # the search (optuna) is imported when a search runs, not with `import tuner`
+    from tuner.search import SearchOptions
 
 COVERED = ("exact", "measured")  # sources that mean the problem's own decision is in the cache
 REPLAY_AXIS = "ring"
@@ -39,7 +43,7 @@ class Outcome:
     search's speed-up over the default, and a note: tuned, already tuned, or why not."""
 
     call: Call
-    problem: Any  # tuner.problem.Problem | None
+    problem: Problem | None
     before: str
     after: str | None
     speedup: float | None
@@ -71,9 +75,9 @@ class Report:
         return table(["problem", "grads", "implementation", "before", "after", "speed-up", "note"], rows)
 
 
-def problems(calls: Sequence[Call]) -> list[tuple[Call, Any, str | None]]:
+def problems(calls: Sequence[Call]) -> list[tuple[Call, Problem | None, str | None]]:
     """The calls merged into problems, in first-seen order: (call, problem or None, why not tunable)."""
-    merged: dict[tuple, tuple[Call, Any, str | None]] = {}
+    merged: dict[tuple, tuple[Call, Problem | None, str | None]] = {}
     for call in calls:
         try:
             problem, why = call.problem(), None
@@ -87,8 +91,8 @@ def problems(calls: Sequence[Call]) -> list[tuple[Call, Any, str | None]]:
     return list(merged.values())
 
 
-def tune(calls: Sequence[Call], *, device: str | None = None, trials: int = 12, options=None,
-         progress: bool = True) -> list[Outcome]:
+def tune(calls: Sequence[Call], *, device: str | None = None, trials: int = 12,
+         options: SearchOptions | None = None, progress: bool = True) -> list[Outcome]:
     """Search every problem of `calls` that its loader does not already have tuned (`COVERED`), on
     `device` (default: the platform the calls were traced for), into the cache file each call's loader
     reads; `options` (`tuner.search.SearchOptions`) sets the rest of the search, its objective and
@@ -130,7 +134,7 @@ def tune(calls: Sequence[Call], *, device: str | None = None, trials: int = 12, 
 
 
 def autotune(step_fn: Callable, *example_args: Any, device: str | None = None, trials: int = 12,
-             db: str | None = None, options=None, progress: bool = True,
+             db: str | None = None, options: SearchOptions | None = None, progress: bool = True,
              static_argnums: int | Sequence[int] = ()) -> Report:
     """Trace `step_fn(*example_args)` (arrays or `jax.ShapeDtypeStruct`s, shardings included; never
     run), tune every attention problem it holds that is not tuned yet, and report per problem (module
@@ -202,7 +206,7 @@ def render_doctor(checked: list[tuple[Call, str]]) -> str:
     return table(["problem", "grads", "implementation", "source", "note"], rows)
 
 
-def _problem_or_none(call: Call):
+def _problem_or_none(call: Call) -> Problem | None:
     try:
         return call.problem()
     except ValueError:

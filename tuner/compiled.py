@@ -185,19 +185,19 @@ def compile_variant(workload: Workload, variant: Variant) -> Variant:
         kernel = name.split(".")[0]
         if kernel != f"ring_attention_{variant.part}":
             continue
-        tiles = _kernel_tiles(variant, variant.part, shapes.q_len, shapes.kv_len)
+        tiles = _kernel_tiles(variant, shapes.q_len, shapes.kv_len)
         vmem[kernel] = (asked, used, pallas_tpu.vmem_bytes(variant.part, *tiles[:2], shapes.head_dim, shapes.dtype,
                                                            ids, tiles[2]))
     memory = compiled.memory_analysis()
     return replace(variant, vmem=vmem, temp_bytes=getattr(memory, "temp_size_in_bytes", None))
 
 
-def _kernel_tiles(variant: Variant, kernel: str, q_len: int, kv_len: int) -> tuple[int, int, int | None]:
-    """(block_q, block_kv, block_kv_compute) of `kernel` ("fwd", "dkv" or "dq") in the variant."""
-    if kernel == "fwd":
+def _kernel_tiles(variant: Variant, q_len: int, kv_len: int) -> tuple[int, int, int | None]:
+    """(block_q, block_kv, block_kv_compute) of the variant's own kernel, as the kernel runs them."""
+    if variant.part == "fwd":
         return pallas_tpu.fwd_tiles(variant.config.fwd, q_len, kv_len)
     (dkv_q, dkv_kv), (dq_q, dq_kv) = pallas_tpu.bwd_tiles(variant.config.bwd, q_len, kv_len)
-    return (dkv_q, dkv_kv, None) if kernel == "dkv" else (dq_q, dq_kv, None)
+    return (dkv_q, dkv_kv, None) if variant.part == "dkv" else (dq_q, dq_kv, None)
 
 
 def compile_target(problem: Problem, target: str, *, sample: int | None = None, workers: int | None = None,

@@ -32,6 +32,7 @@ import jax
 import numpy as np
 
 import tuner
+from tuner.problem import Problem
 from tuner.spec import LAYOUTS
 
 RECORD_VERSION = 1
@@ -129,11 +130,9 @@ class Call:
             raise ValueError(f"missing field(s) {', '.join(missing)}")
         return cls(**{k: v for k, v in row.items() if k in names})
 
-    def problem(self):
+    def problem(self) -> Problem:
         """The `tuner.problem.Problem` a `tuner search` of this call tunes, whose cache key is the one the
         loader looks up; `ValueError` saying why the call cannot be tuned."""
-        from tuner.problem import Problem
-
         if self.caller != "loader":
             raise ValueError("ring_attention runs the params its caller passes and never reads the cache; "
                              "call get_tuned_ring_attention(...) instead to run tuned params")

@@ -61,8 +61,9 @@ CHIPS = {
 
 @dataclass(frozen=True)
 class Prediction:
-    """The model's time of one pass of the ring, and what it is made of (summed over the ring's steps,
-    for the slowest device of each step)."""
+    """The model's time of one pass of the ring, and what it is made of: FLOPs and HBM bytes summed
+    over the ring's steps for the slowest device of each step, the bytes every device sends, and the
+    grid iterations of the kernel calls of every device."""
 
     seconds: float
     flops: float
@@ -85,9 +86,19 @@ def _visited(problem: Problem, block_q: int, block_kv: int, by_key: bool) -> np.
     return counts
 
 
-def _ring_time(kernel_s: np.ndarray, ici_s: float) -> float:
-    """Steps of the ring: each takes its slowest device's kernel, or its transfer when longer."""
-    return float(np.maximum(kernel_s, ici_s).max(axis=1).sum())
+@dataclass(frozen=True)
+class _Kernel:
+    """One kernel over the ring: per (step, device) its FLOPs and HBM bytes, and its grid iterations."""
+
+    flops: np.ndarray
+    hbm: np.ndarray
+    grid: int
+
+    def seconds(self, chip: Chip, peak: float) -> np.ndarray:
+        """Per (step, device): the larger of compute and memory time, plus the grid's fixed cost; 0 on a
+        step the ring skips (no visited tile: the kernel is not called)."""
+        busy = np.maximum(self.flops / peak, self.hbm / chip.hbm) + self.grid * GRID_STEP_S
+        return np.where(self.flops > 0, busy, 0.0)
 
 
 def predict(problem: Problem, chip: Chip, fwd: FwdParams | None = None, bwd: BwdParams | None = None) -> Prediction:
@@ -98,33 +109,33 @@ def predict(problem: Problem, chip: Chip, fwd: FwdParams | None = None, bwd: Bwd
     b, h, hkv, d, t = problem.batch, problem.heads, problem.kv_heads, problem.head_dim, problem.local_len
     item = jnp.dtype(problem.dtype).itemsize
     peak = chip.flops / (FLOAT32_PASSES if problem.dtype == "float32" else 1)
-    nq = lambda block: -(-t // block)  # noqa: E731 - tiles per local length
-    if fwd is not None:
+    shard = b * t * (2 * hkv * d * item + 4)  # the k and v shards and their positions
+
+    def kernel(block_q: int, block_kv: int, by_key: bool, matmuls: int, tile_bytes: int, row_bytes: int) -> _Kernel:
+        """A kernel of `matmuls` [bq, bk, d] products per visited tile pair and head, reading
+        `tile_bytes` per pair and `row_bytes` per token and head once."""
+        pairs = _visited(problem, block_q, block_kv, by_key) * b * h
+        grid = b * h * -(-t // block_q) * -(-t // block_kv)
+        return _Kernel(pairs * 2.0 * matmuls * block_q * block_kv * d,
+                       pairs * float(tile_bytes) + b * h * t * d * row_bytes, grid)
+
+    if fwd is not None:  # s = q k^T, o += p v: the key tile's k and v per pair; q in, o (float32) out
         bq, bk = min(fwd.block_q, t), min(fwd.block_kv, t)
-        pairs = _visited(problem, bq, bk, by_key=False) * b * h
-        flops = pairs * 4.0 * bq * bk * d
-        hbm = pairs * 2.0 * bk * d * item + b * h * nq(bq) * bq * d * (item + 4)
-        grid = b * h * nq(bq) * nq(bk)
-        ici = b * t * (2 * hkv * d * item + 4)
-    else:
-        kernels = []
-        for bq, bk, by_key, per_pair, tile_bytes, rows in (
-                (bwd.block_q_dkv, bwd.block_kv_dkv, True, 8.0, lambda bq, bk: 2 * bq * d * item, 2 * (item + 4)),
-                (bwd.block_q_dq, bwd.block_kv_dq, False, 6.0, lambda bq, bk: 2 * bk * d * item, 2 * item + 4)):
-            bq, bk = min(bq, t), min(bk, t)
-            pairs = _visited(problem, bq, bk, by_key=by_key) * b * h
-            kernels.append((pairs * per_pair * bq * bk * d, pairs * tile_bytes(bq, bk) + b * h * t * d * rows,
-                            b * h * nq(bq) * nq(bk)))
-        flops = sum(k[0] for k in kernels)
-        hbm = sum(k[1] for k in kernels)
-        grid = sum(k[2] for k in kernels)
-        ici = b * t * (2 * hkv * d * item + 4) + b * t * 2 * hkv * d * 4  # k, v, positions; dk, dv in float32
-    visits = flops > 0
-    kernel_s = np.where(visits, np.maximum(flops / peak, hbm / chip.hbm) + grid * GRID_STEP_S, 0.0)
-    ici_s = ici / chip.ici_link
-    return Prediction(_ring_time(kernel_s, ici_s), float(np.asarray(flops).max(axis=1).sum()),
-                      float(np.asarray(hbm).max(axis=1).sum()), float(ici * problem.ring_size),
-                      int(grid * visits.sum()))
+        kernels = [kernel(bq, bk, False, 2, 2 * bk * d * item, item + 4)]
+        ici = shard
+    else:  # dK/dV: s, dp, dv, dk (q and do tiles per pair); dQ: s, dp, dq (k and v tiles per pair)
+        dkv_q, dkv_kv = min(bwd.block_q_dkv, t), min(bwd.block_kv_dkv, t)
+        dq_q, dq_kv = min(bwd.block_q_dq, t), min(bwd.block_kv_dq, t)
+        kernels = [kernel(dkv_q, dkv_kv, True, 4, 2 * dkv_q * d * item, 2 * (item + 4)),
+                   kernel(dq_q, dq_kv, False, 3, 2 * dq_kv * d * item, 2 * item + 4)]
+        ici = shard + b * t * 2 * hkv * d * 4  # and the dk, dv accumulators, float32
+    kernel_s = sum(k.seconds(chip, peak) for k in kernels)
+    step_s = np.maximum(kernel_s, ici / chip.ici_link).max(axis=1)  # each step waits for its slowest device
+    slowest = kernel_s.argmax(axis=1)
+    steps = np.arange(problem.ring_size)
+    return Prediction(float(step_s.sum()), float(sum(k.flops[steps, slowest].sum() for k in kernels)),
+                      float(sum(k.hbm[steps, slowest].sum() for k in kernels)), float(ici * problem.ring_size),
+                      sum(k.grid * int((k.flops > 0).sum()) for k in kernels))
 
 
 __all__ = ["CHIPS", "Chip", "GRID_STEP_S", "Prediction", "predict"]

@@ -1,0 +1,43 @@
+"""The analytic TPU model (`tuner.tpu_model`) that ranks compiled variants: its FLOPs are those of the
+tiles the schedules visit, a transfer-bound ring takes its transfers' time, and every rate it uses
+names its source."""
+
+import pytest
+
+from tuner import tpu_model
+from tuner.params import BwdParams, FwdParams
+from tuner.problem import Problem
+
+CHIP = tpu_model.CHIPS["v5e"]
+
+
+def test_full_attention_visits_every_tile_and_causal_about_half():
+    full = Problem(seq_len=2048, heads=4, kv_heads=2, head_dim=128, dtype="bfloat16", causal=False, ring_size=4)
+    tiles = FwdParams(block_q=128, block_kv=128)
+    local = full.local_len
+    got = tpu_model.predict(full, CHIP, fwd=tiles)
+    assert got.flops == 4 * local * local * full.heads * full.head_dim * full.ring_size  # 2 matmuls, every step
+    causal = tpu_model.predict(Problem(**{**full.__dict__, "causal": True}), CHIP, fwd=tiles)
+    assert 0.5 * got.flops < causal.flops < 0.6 * got.flops  # zigzag: balanced, the diagonal tiles whole
+    assert causal.seconds < got.seconds
+    bigger = tpu_model.predict(Problem(**{**full.__dict__, "causal": True}), CHIP, fwd=FwdParams(512, 512))
+    assert bigger.flops > causal.flops  # larger tiles compute more of the masked diagonal
+
+
+def test_a_transfer_bound_ring_takes_its_transfers_time_and_float32_is_slower():
+    small = Problem(batch=1, seq_len=512, heads=1, kv_heads=1, head_dim=128, dtype="bfloat16", causal=False,
+                    ring_size=4)
+    got = tpu_model.predict(small, CHIP, bwd=BwdParams(128, 128, 128, 128))
+    per_step = got.ici_bytes / small.ring_size / CHIP.ici_link
+    assert got.seconds >= small.ring_size * per_step
+    wide = Problem(seq_len=8192, heads=16, kv_heads=1, head_dim=128, dtype="bfloat16", causal=False, ring_size=4)
+    bf16 = tpu_model.predict(wide, CHIP, fwd=FwdParams(512, 512))
+    f32 = tpu_model.predict(Problem(**{**wide.__dict__, "dtype": "float32"}), CHIP, fwd=FwdParams(512, 512))
+    assert f32.seconds > 3 * bf16.seconds  # compute-bound: six bf16 passes per float32 matmul
+    with pytest.raises(ValueError, match="exactly one"):
+        tpu_model.predict(wide, CHIP)
+
+
+def test_every_chip_names_its_source():
+    for chip in tpu_model.CHIPS.values():
+        assert chip.source.startswith("cloud.google.com/tpu/docs/") and chip.flops > 0 and chip.ici_link > 0
