@@ -124,3 +124,20 @@ def test_the_compiled_dry_run_ranks_what_the_compiler_accepts_and_the_loader_use
     decision = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, db=str(db)).explain(q, kv, kv)
     assert (decision.backend, decision.source, decision.config) == ("pallas_tpu", "compiled", report.config)
     assert "not measured" in decision.reason, decision.reason
+
+
+def test_the_largest_variants_the_vmem_constraint_admits_compile_on_the_smallest_vmem():
+    """On v5p (64 MiB of VMEM, the kernels ask for 32), the admitted variant of each kernel with the
+    largest VMEM estimate compiles, and uses no more than estimated: the constraint admits nothing
+    over the limit (`python benchmarks/tpu_vmem.py` does the same on every generation, float32 too)."""
+    from tuner import compiled
+    from tuner.problem import Problem
+
+    problem = Problem(seq_len=4 * 2048, heads=H, kv_heads=HKV, head_dim=D, dtype="bfloat16", causal=True,
+                      ring_size=RING)
+    report = compiled.compile_target(problem, "v5p:2x2x1", largest=True)
+    assert [v.part for v in report.variants] == list(compiled.PARTS)
+    for variant in report.variants:
+        assert variant.compiled, (variant.part, variant.config, variant.error)
+        [(asked, used, estimate)] = variant.vmem.values()
+        assert used <= estimate <= asked == 32 * 2**20, (variant.part, used, estimate, asked)

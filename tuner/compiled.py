@@ -177,17 +177,9 @@ def compile_variant(workload: Workload, variant: Variant) -> Variant:
         compiled = program.lower(*args).compile()
     except Exception as error:  # noqa: BLE001 - every compiler error is the variant's verdict
         return replace(variant, error=error_line(error, 160))
-    text = compiled.as_text()
-    shapes, spec = workload.problem.shapes, workload.problem.spec
-    ids = 1 + (spec.chunk_size is not None) + spec.has_segments
-    vmem = {}
-    for name, (asked, used) in hlo.kernel_vmem(text).items():
-        kernel = name.split(".")[0]
-        if kernel != f"ring_attention_{variant.part}":
-            continue
-        tiles = _kernel_tiles(variant, shapes.q_len, shapes.kv_len)
-        vmem[kernel] = (asked, used, pallas_tpu.vmem_bytes(variant.part, *tiles[:2], shapes.head_dim, shapes.dtype,
-                                                           ids, tiles[2]))
+    vmem = {name.split(".")[0]: (asked, used, estimate(workload.problem, variant))
+            for name, (asked, used) in hlo.kernel_vmem(compiled.as_text()).items()
+            if name.split(".")[0] == f"ring_attention_{variant.part}"}
     memory = compiled.memory_analysis()
     return replace(variant, vmem=vmem, temp_bytes=getattr(memory, "temp_size_in_bytes", None))
 
@@ -200,20 +192,9 @@ def _kernel_tiles(variant: Variant, q_len: int, kv_len: int) -> tuple[int, int, 
     return (dkv_q, dkv_kv, None) if variant.part == "dkv" else (dq_q, dq_kv, None)
 
 
-def compile_target(problem: Problem, target: str, *, sample: int | None = None, workers: int | None = None,
-                   progress: Callable[[int, int], None] | None = None) -> TargetReport:
-    """Constrain, compile and rank the pallas_tpu variants of `problem` for the topology `target`
-    (module docstring); the problem's ring size is set to the topology's chips. With `sample`, only the
-    default tiles and `sample` other admitted variants of each kernel are compiled."""
-    started = time.perf_counter()
-    mesh = topology_mesh(target)
-    device_kind = mesh.devices.flat[0].device_kind
-    name = pallas_tpu.CHIPS.get(device_kind)
-    if name not in tpu_model.CHIPS:
-        raise ValueError(f"--target {target}: no model of {device_kind} ({name}); model targets: "
-                         f"{', '.join(tpu_model.CHIPS)}")
-    chip = tpu_model.CHIPS[name]
-    problem = replace(problem, ring_size=mesh.size)
+def variants_of(problem: Problem, mesh: Mesh) -> tuple[list[Variant], FwdParams, BwdParams]:
+    """Every variant of the problem's pallas_tpu search space, one kernel's tiles at a time, with what
+    the constraints of the mesh's chip rule out; and the default tiles."""
     backend = pallas_tpu.PallasTpuBackend()
     reason = backend.supports(problem.spec, jax.numpy.dtype(problem.dtype), problem.head_dim)
     if reason is not None:
@@ -229,8 +210,39 @@ def compile_target(problem: Problem, target: str, *, sample: int | None = None, 
         for v in variants:
             fwd, bwd = (v.config.fwd, None) if v.part == "fwd" else (None, v.config.bwd)
             v.ruled_out = backend.violation(problem.shapes, problem.spec, fwd, bwd)
+    return variants, default_fwd, default_bwd
+
+
+def estimate(problem: Problem, variant: Variant) -> int:
+    """The VMEM bytes the constraints estimate for the variant's own kernel."""
+    shapes, spec = problem.shapes, problem.spec
+    ids = 1 + (spec.chunk_size is not None) + spec.has_segments
+    block_q, block_kv, compute = _kernel_tiles(variant, shapes.q_len, shapes.kv_len)
+    return pallas_tpu.vmem_bytes(variant.part, block_q, block_kv, shapes.head_dim, shapes.dtype, ids, compute)
+
+
+def compile_target(problem: Problem, target: str, *, sample: int | None = None, largest: bool = False,
+                   workers: int | None = None, progress: Callable[[int, int], None] | None = None) -> TargetReport:
+    """Constrain, compile and rank the pallas_tpu variants of `problem` for the topology `target`
+    (module docstring); the problem's ring size is set to the topology's chips. With `sample`, only the
+    default tiles and `sample` other admitted variants of each kernel are compiled; with `largest`,
+    only the admitted variant of each kernel with the largest VMEM estimate (the ones the VMEM
+    constraint is there for)."""
+    started = time.perf_counter()
+    mesh = topology_mesh(target)
+    device_kind = mesh.devices.flat[0].device_kind
+    name = pallas_tpu.CHIPS.get(device_kind)
+    if name not in tpu_model.CHIPS:
+        raise ValueError(f"--target {target}: no model of {device_kind} ({name}); model targets: "
+                         f"{', '.join(tpu_model.CHIPS)}")
+    chip = tpu_model.CHIPS[name]
+    problem = replace(problem, ring_size=mesh.size)
+    variants, default_fwd, default_bwd = variants_of(problem, mesh)
     admitted = sum(v.ruled_out is None for v in variants)
-    if sample is not None:
+    if largest:
+        variants = [max((v for v in variants if v.part == part and v.ruled_out is None),
+                        key=lambda v: estimate(problem, v)) for part in PARTS]
+    elif sample is not None:
         variants = _sample(variants, sample, default_fwd, default_bwd)
     workload = Workload(problem, devices=list(mesh.devices.flat))
     todo = [v for v in variants if v.ruled_out is None]
@@ -283,5 +295,5 @@ def store(report: TargetReport, db=None) -> dict | None:
     return row
 
 
-__all__ = ["TARGETS", "TargetReport", "Variant", "compile_target", "compile_variant", "libtpu_missing", "store",
-           "topology_mesh"]
+__all__ = ["PARTS", "TARGETS", "TargetReport", "Variant", "compile_target", "compile_variant", "estimate",
+           "libtpu_missing", "store", "topology_mesh", "variants_of"]

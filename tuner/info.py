@@ -38,9 +38,10 @@ def info(cache: Cache) -> Iterator[str]:
                                    if k != "code_hash")
     yield implementations_table()
     try:
-        tuned, stale, invalid, bench = counts(cache)
-        line = (f"cache: {cache.path} ({tuned} tuned, {stale} stale, {invalid} invalid"
-                f"{f', {bench} of them bench times' if bench else ''})")
+        tuned, stale, invalid, sources = counts(cache)
+        kinds = {"bench": "bench times", "compiled": "compiled for a TPU target, not measured"}
+        others = "".join(f", {n} of them {kinds.get(source, source)}" for source, n in sorted(sources.items()))
+        line = f"cache: {cache.path} ({tuned} tuned, {stale} stale, {invalid} invalid{others})"
     except CacheError as error:
         line = f"cache: unusable: {error}"
     yield line

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -147,8 +148,10 @@ def clear(cache: Cache, *, stale: bool = False) -> str:
     return f"deleted {count} {'stale ' if stale else ''}{_entries(count)} from {cache.path}"
 
 
-def counts(cache: Cache) -> tuple[int, int, int, int]:
-    """How many rows the cache holds, how many of them are stale and invalid, and how many are bench rows."""
+def counts(cache: Cache) -> tuple[int, int, int, dict[str, int]]:
+    """How many rows the cache holds, how many of them are stale and invalid, and how many rows of each
+    source other than search (bench times, compiled configs)."""
     rows = cache.rows()
     statuses = [status(r).split(" ")[0] for r in rows]
-    return len(rows), statuses.count("stale"), statuses.count("invalid"), sum(r["source"] == "bench" for r in rows)
+    sources = Counter(r["source"] for r in rows if r["source"] != "search")
+    return len(rows), statuses.count("stale"), statuses.count("invalid"), dict(sources)

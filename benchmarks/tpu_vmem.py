@@ -1,0 +1,61 @@
+"""Does the VMEM constraint admit only what the TPU compiler accepts? Compiled by the production TPU
+compiler on this host (needs libtpu: `pip install -e '.[tpu]'`), nothing runs.
+
+    python benchmarks/tpu_vmem.py [--targets v5e:2x2,v6e:2x2,v5p:2x2x1,v4:2x2x1] [--seq-len 32768]
+
+For each target and each of two problems (bf16 with D=128, and float32 with D=256, the largest VMEM
+per tile), compiles the admitted variant of each kernel (forward, dK/dV, dQ) whose VMEM estimate is
+the largest of the search space -- the variants the constraint exists for -- as the whole ring, and
+prints the compiler's verdict, the VMEM it reports the kernel uses, the estimate the constraint rules
+by and the limit the kernel asks for; writes them as JSON to benchmarks/results/tpu_vmem.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+
+from tuner import compiled  # noqa: E402
+from tuner.problem import Problem  # noqa: E402
+from tuner.tables import table  # noqa: E402
+
+PROBLEMS = (("bfloat16", 128), ("float32", 256))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--targets", default=",".join(compiled.TARGETS))
+    parser.add_argument("--seq-len", type=int, default=32768)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "tpu_vmem.json"))
+    args = parser.parse_args()
+    rows, records = [], []
+    for target in args.targets.split(","):
+        for dtype, head_dim in PROBLEMS:
+            problem = Problem(seq_len=args.seq_len, heads=8, kv_heads=2, head_dim=head_dim, dtype=dtype, causal=True,
+                              ring_size=compiled.topology_mesh(target).size)
+            start = time.perf_counter()
+            report = compiled.compile_target(problem, target, largest=True)
+            print(f"{target} {dtype} D={head_dim}: {time.perf_counter() - start:.0f} s", flush=True)
+            for v in report.variants:
+                [(asked, used, estimate)] = v.vmem.values() or [(None, None, compiled.estimate(report.problem, v))]
+                rows.append([target, f"{dtype} D={head_dim}", v.part, compiled._tiles(v),
+                             "compiled" if v.compiled else (v.error or v.ruled_out)[:60],
+                             f"{used / 2**20:.2f}" if used is not None else "-", f"{estimate / 2**20:.2f}",
+                             f"{asked / 2**20:.0f}" if asked is not None else "-"])
+                records.append(dict(target=target, device_kind=report.device_kind, dtype=dtype, head_dim=head_dim,
+                                    seq_len=args.seq_len, kernel=v.part, tiles=compiled._tiles(v),
+                                    compiled=v.compiled, error=v.error, vmem_used=used, vmem_estimate=estimate,
+                                    vmem_limit=asked))
+    print(table(["target", "problem", "kernel", "largest tiles", "TPU compiler", "used MiB", "estimate MiB",
+                 "limit MiB"], rows))
+    Path(args.out).write_text(json.dumps(records, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
