@@ -2,6 +2,10 @@
 
     tuner search --device cpu [problem] [--trials N] ...   tune a problem, store the winner in the cache
     tuner search --device tpu --dry-run [problem]          check the TPU kernels without a TPU
+    tuner search --device tpu --dry-run --target v5e:2x2   compile every variant for a TPU topology (libtpu)
+    tuner search --from problems.jsonl --device cpu        tune the problems a program recorded
+    tuner record --out problems.jsonl -- python train.py   record the attention calls a program traces
+    tuner doctor problems.jsonl                            what the loader uses for each recorded call, and why
     tuner list | show KEY | export FILE | import FILE | clear   the cache
     tuner bench --device cpu [problem]                      tuned vs default vs scan vs dense, one run
     tuner bench --device cpu --mechanisms [problem]         ring vs gathered dense: record the fastest
@@ -15,7 +19,8 @@ Bad arguments print one line saying what to do and exit with status 2; jax is im
 arguments are checked (on the CPU the ring size decides how many devices jax simulates).
 
 The package: `parser` (the verbs' flags and value types), `options` (parsed options to the API's inputs,
-checked before any work), `verbs` (a function per verb: call the API, print what it returns).
+checked before any work), `verbs` (a function per verb: call the API, print what it returns),
+`recorded` (`record`, `doctor`, `search --from`) and `targets` (`search --dry-run --target`).
 """
 
 from __future__ import annotations
