@@ -3,7 +3,7 @@
     from tuner import get_tuned_ring_attention, ring_attention, autotune, FwdParams, BwdParams
 """
 
-from tuner import implementations  # noqa: F401 - registers the built-in implementations
+from tuner import all_to_all, implementations  # noqa: F401 - registers the built-in implementations
 from tuner.autotuning import autotune
 from tuner.dispatch import get_tuned_ring_attention
 from tuner.params import BwdParams, FwdParams

@@ -80,6 +80,7 @@ class Variant:
     vmem: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     temp_bytes: int | None = None
     predicted: tpu_model.Prediction | None = None
+    forced: str | None = None  # compiled although the constraints rule it out (why), to test them
 
     @property
     def compiled(self) -> bool:
@@ -105,7 +106,7 @@ class TargetReport:
     seconds: float
 
     def best(self, part: str) -> Variant | None:
-        done = [v for v in self.variants if v.part == part and v.compiled]
+        done = [v for v in self.variants if v.part == part and v.compiled and v.forced is None]
         return min(done, key=lambda v: v.predicted.seconds) if done else None
 
     @property
@@ -131,7 +132,9 @@ class TargetReport:
                                               v.predicted.seconds if v.predicted else 0.0)):
             vmem = [f"{used / 2**20:.2f} / {estimate / 2**20:.2f}" for used, estimate in
                     ((used, estimate) for _, used, estimate in v.vmem.values())]
-            rows.append([v.part, _tiles(v), "compiled" if v.compiled else v.error[:80], ", ".join(vmem) or "-",
+            verdict = "compiled" if v.compiled else v.error[:80]
+            rows.append([v.part, describe_tiles(v), verdict + (" (ruled out by the estimate)" if v.forced else ""),
+                         ", ".join(vmem) or "-",
                          f"{v.temp_bytes / 2**20:.1f}" if v.temp_bytes is not None else "-",
                          f"{v.predicted.seconds * 1e3:.3f}" if v.predicted else "-"])
         reasons = Counter(reason_kind(v.ruled_out) for v in self.variants if v.ruled_out is not None)
@@ -149,8 +152,8 @@ class TargetReport:
         return "\n".join(lines)
 
 
-def _tiles(variant: Variant) -> str:
-    """The tiles a variant sets for its own kernel."""
+def describe_tiles(variant: Variant) -> str:
+    """The tiles a variant sets for its own kernel, as the report prints them."""
     if variant.part == "fwd":
         f = variant.config.fwd
         return f"{f.block_q}x{f.block_kv} (compute {f.block_kv_compute})"
@@ -240,8 +243,7 @@ def compile_target(problem: Problem, target: str, *, sample: int | None = None, 
     variants, default_fwd, default_bwd = variants_of(problem, mesh)
     admitted = sum(v.ruled_out is None for v in variants)
     if largest:
-        variants = [max((v for v in variants if v.part == part and v.ruled_out is None),
-                        key=lambda v: estimate(problem, v)) for part in PARTS]
+        variants = _edge(problem, variants)
     elif sample is not None:
         variants = _sample(variants, sample, default_fwd, default_bwd)
     workload = Workload(problem, devices=list(mesh.devices.flat))
@@ -259,6 +261,23 @@ def compile_target(problem: Problem, target: str, *, sample: int | None = None, 
         if v.compiled:
             v.predicted = tpu_model.predict(problem, chip, **v.params)
     return TargetReport(target, device_kind, chip, problem, variants, admitted, time.perf_counter() - started)
+
+
+def _edge(problem: Problem, variants: list[Variant]) -> list[Variant]:
+    """Per kernel, the two variants on either side of the VMEM constraint: the admitted one with the
+    largest estimate, and the one it rules out for VMEM with the smallest estimate, to be compiled
+    anyway (`forced` keeps the constraint's reason)."""
+    edge = []
+    for part in PARTS:
+        mine = [v for v in variants if v.part == part]
+        admitted = [v for v in mine if v.ruled_out is None]
+        over = [v for v in mine if v.ruled_out is not None and "VMEM" in v.ruled_out]
+        if admitted:
+            edge.append(max(admitted, key=lambda v: estimate(problem, v)))
+        if over:
+            rejected = min(over, key=lambda v: estimate(problem, v))
+            edge.append(replace(rejected, ruled_out=None, forced=rejected.ruled_out))
+    return edge
 
 
 def _sample(variants: list[Variant], sample: int, fwd: FwdParams, bwd: BwdParams) -> list[Variant]:
@@ -295,5 +314,5 @@ def store(report: TargetReport, db=None) -> dict | None:
     return row
 
 
-__all__ = ["PARTS", "TARGETS", "TargetReport", "Variant", "compile_target", "compile_variant", "estimate",
-           "libtpu_missing", "store", "topology_mesh", "variants_of"]
+__all__ = ["PARTS", "TARGETS", "TargetReport", "Variant", "compile_target", "compile_variant", "describe_tiles",
+           "estimate", "libtpu_missing", "store", "topology_mesh", "variants_of"]

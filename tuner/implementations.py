@@ -6,6 +6,10 @@ mechanisms.
 - `dense`, `jax_nn`: every device all-gathers K/V and attends densely (`tuner.mechanisms`); nothing to
   tune (`NoConfig`), but measured against the rings by `tuner bench --mechanisms`, which can win at
   short lengths.
+- `all_to_all`: Ulysses, registered by `tuner.all_to_all` (it builds on `TileConfig` and `TileSpace`):
+  all-to-all from sequence shards to head groups (query heads a multiple of the ring size; kv heads
+  repeated to the fewest copies that split), the scan ring over the whole sequence, all-to-all back;
+  the config is the inner scan ring's `TileConfig`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,171 @@
+"""The all-to-all (Ulysses) implementation: exact against the float64 dense reference (forward, lse and
+every gradient) on rings of 2, 4 and 8 simulated devices, in every layout, with GQA whose kv heads do
+and do not split over the ring; refused for what it cannot honour."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from tests.cases import GRAD_NAMES, Case, _loss, assert_lse_close, make_arrays, rel_err, replace
+from tuner import BwdParams, FwdParams, get_tuned_ring_attention, layouts, plan, registry
+from tuner.all_to_all import kv_repeats
+from tuner.implementations import TileConfig
+from tuner.reference import dense_attention
+from tuner.spec import AttentionSpec, LocalShapes
+
+IMPL = registry.get("all_to_all")
+
+
+def run_all_to_all(case: Case, a, config: TileConfig):
+    """`all_to_all`'s attend under `shard_map` on `case.ring` devices: out, lse, gradients in token order."""
+    ring, layout = case.ring, case.layout
+    mesh = Mesh(np.array(jax.devices()[:ring]), ("sp",))
+    seq, lse_spec = P(None, "sp"), P(None, None, "sp")
+
+    def local(q, k, v, sinks, q_seg, kv_seg, pos):
+        arrays = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_positions=pos, kv_positions=pos,
+                      softmax_aux=sinks, bias=None)
+        resolved = plan.resolve(q, k, v, ring_size=ring, layout=layout, backend="all_to_all",
+                                target=registry.Target.here(), mask=case.options, arrays=arrays, return_lse=True)
+        assert resolved.implementation is IMPL
+        return IMPL.attend(q, k, v, spec=resolved.spec, config=config, axis_name="sp", layout=layout,
+                           return_lse=True, **arrays)
+
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(seq, seq, seq, P(), seq, seq, seq),
+                            out_specs=(seq, lse_spec), check_vma=IMPL.vma_checked(registry.Target.here()))
+
+    def loss(q, k, v, sinks, q_seg, kv_seg, pos, w, u):
+        out, lse = sharded(q, k, v, sinks, q_seg, kv_seg, pos)
+        return _loss(out, lse, w, u), (out, lse)
+
+    def lay(x, axis=1):
+        return None if x is None else jnp.asarray(layouts.lay_out(jnp.asarray(x), layout, ring, axis=axis))
+
+    def back(x, axis=1):
+        return np.asarray(layouts.restore(x, layout, ring, axis=axis), np.float64)
+
+    args = (lay(a.q), lay(a.k), lay(a.v), None if a.sinks is None else jnp.asarray(a.sinks), lay(a.q_seg),
+            lay(a.kv_seg), lay(a.positions), lay(a.out_weight), lay(a.lse_weight, 2))
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+    (_, (out, lse)), (dq, dk, dv, dsinks) = step(*args)
+    assert out.dtype == jnp.float32 and lse.dtype == jnp.float32
+    return back(out), back(lse, 2), [back(dq), back(dk), back(dv), None,
+                                      None if dsinks is None else np.asarray(dsinks, np.float64)]
+
+
+def reference(case: Case, a):
+    """`tests.cases.run_reference` (the float64 dense oracle) under one `jax.jit`: one compile, not one per
+    operation, which keeps this file fast."""
+    with jax.enable_x64(True):
+        def loss(q, k, v, sinks, q_seg, kv_seg, pos, w, u):
+            out, lse = dense_attention(q, k, v, q_positions=pos, kv_positions=pos, q_segment_ids=q_seg,
+                                       kv_segment_ids=kv_seg, softmax_aux=sinks, **case.options)
+            return jnp.vdot(out, w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * u), (out, lse)
+
+        f64 = [None if x is None else jnp.asarray(x, jnp.float64) for x in (a.q, a.k, a.v, a.sinks)]
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+        (_, (out, lse)), grads = step(*f64, a.q_seg, a.kv_seg, a.positions, jnp.asarray(a.out_weight, jnp.float64),
+                                      jnp.asarray(a.lse_weight, jnp.float64))
+        as64 = [None if x is None else np.asarray(x, np.float64) for x in (out, lse, *grads)]
+    return as64[0], as64[1], [*as64[2:5], None, as64[5]]
+
+
+def check(case: Case, config: TileConfig) -> None:
+    """DESIGN section 10's float32 tolerances against float64: 1e-5 forward and lse, 1e-4 gradients."""
+    a = make_arrays(case)
+    out_r, lse_r, grads_r = reference(case, a)
+    out, lse, grads = run_all_to_all(case, a, config)
+    assert rel_err(out, out_r) <= 1e-5, f"forward error {rel_err(out, out_r):.2e}"
+    assert_lse_close(lse, lse_r, 1e-5)
+    assert np.all(out.transpose(0, 2, 1, 3)[np.isneginf(lse_r)] == 0.0), "empty rows must output exactly 0"
+    for name, got, want in zip(GRAD_NAMES, grads, grads_r):
+        assert (got is None) == (want is None), name
+        if got is not None:
+            assert rel_err(got, want) <= 1e-4, f"{name} error {rel_err(got, want):.2e}"
+
+
+SMALL = TileConfig(FwdParams(8, 16), BwdParams(16, 8))  # several tiles over the full length
+SPLIT_DQ = TileConfig(FwdParams(16, 8), BwdParams(8, 16, 16, 8))
+BASE = Case(batch=1, length=32, heads=8, kv_heads=4, head_dim=8, ring=4, layout="zigzag")
+
+
+@pytest.mark.parametrize("case, config", [
+    (replace(BASE, causal=True, segments="random", softcap=4.0, sinks="pair"), TileConfig()),
+    (replace(BASE, heads=4, kv_heads=2, layout="contiguous", window=(5, 2), chunk=12, sinks="head", batch=2),
+     SPLIT_DQ),
+    (replace(BASE, ring=2, heads=4, kv_heads=1, layout="striped", causal=True, window=(6, 0),
+             explicit_positions=True, scale=0.3), TileConfig()),
+    (replace(BASE, ring=8, heads=8, kv_heads=2, causal=True, segments="packed", head_dim=4), SMALL),
+], ids=["ring4-zigzag-causal-segments-softcap-sinks-kv-split", "ring4-contiguous-window-chunk-kv-repeated",
+        "ring2-striped-positions-window-mqa", "ring8-zigzag-causal-segments-kv-repeated"])
+def test_all_to_all_equals_the_dense_reference(case, config):
+    check(case, config)
+
+
+def test_kv_heads_repeat_to_the_fewest_copies():
+    assert [kv_repeats(8, kv, 4) for kv in (1, 2, 4, 8)] == [4, 2, 1, 1]
+    assert kv_repeats(12, 6, 4) == 2 and kv_repeats(6, 3, 2) == 2
+    with pytest.raises(ValueError, match=r"heads \(6\) must be a multiple of the ring size \(4\)"):
+        kv_repeats(6, 2, 4)
+
+
+def test_the_loader_runs_it_by_name_with_lse(caplog):
+    mesh = Mesh(np.array(jax.devices()[:2]), ("sp",))
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, sliding_window=(9, 0), mesh=mesh,
+                                    backend="all_to_all", layout="zigzag")
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((1, 16, 4, 8)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((1, 16, 2, 8)), jnp.float32) for _ in range(2))
+    decision = attn.explain(q, k, v, return_lse=True)
+    assert (decision.backend, decision.source) == ("all_to_all", "default")
+    with caplog.at_level(logging.WARNING):
+        out, lse = attn(q, k, v, return_lse=True)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], "it must not fall back"
+    want, want_lse = dense_attention(q, k, v, causal=True, sliding_window=(9, 0))
+    assert rel_err(np.asarray(out), np.asarray(want)) <= 1e-5
+    assert rel_err(np.asarray(lse), np.asarray(want_lse)) <= 1e-5
+
+
+def test_unsupported_calls_are_refused_by_name_and_skipped_under_auto(caplog):
+    spec = AttentionSpec(scale=0.3, causal=True, has_bias=True)
+    target = registry.Target("cpu")
+    with pytest.raises(ValueError, match="backend 'all_to_all' does not support bias.*the ring supports it"):
+        registry.choose("all_to_all", spec, jnp.float32, 8, target)
+    assert registry.resolve_auto(spec, jnp.float32, 8, target)[0].name == "scan"
+    mesh = Mesh(np.array(jax.devices()[:4]), ("sp",))
+    q = jnp.ones((1, 16, 6, 8), jnp.float32)  # 6 query heads do not split over 4 devices
+    named = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, backend="all_to_all")
+    with pytest.raises(ValueError, match="does not support bias"):
+        named.explain(q, q, q, bias=jnp.zeros((1, 1, 1, 16)))
+
+    # The hooks see no ring size, so heads that do not split are refused when traced: by attend itself ...
+    shapes = LocalShapes(1, 4, 4, 6, 6, 8, "float32")
+    with pytest.raises(ValueError, match=r"heads \(6\) must be a multiple of the ring size \(4\)"):
+        jax.shard_map(lambda x: IMPL.attend(x, x, x, spec=AttentionSpec(scale=0.3), axis_name="sp",
+                                            config=IMPL.default_config(shapes, spec), layout="contiguous"),
+                      mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q)
+    # ... and by the loader, which says why and runs the scan ring instead (exact).
+    with caplog.at_level(logging.WARNING):
+        out = named(q, q, q)
+    assert "heads (6) must be a multiple of the ring size (4)" in caplog.text
+    assert rel_err(np.asarray(out), np.asarray(dense_attention(q, q, q, causal=True)[0])) <= 1e-5
+
+
+def test_the_config_is_the_scan_rings_at_the_full_length():
+    shapes = LocalShapes(batch=1, q_len=64, kv_len=64, heads=4, kv_heads=2, head_dim=8, dtype="float32")
+    spec = AttentionSpec(scale=0.3, causal=True)
+    default = IMPL.default_config(shapes, spec)
+    assert (default.fwd.block_q, default.fwd.block_kv) == (256, 256)  # the scan defaults at 4 * 64 tokens
+    grid = IMPL.space(shapes, spec).grid(default, ("fwd",))
+    assert max(c.fwd.block_q for c in grid) == 256 and all(IMPL.violation(shapes, spec, c, ("fwd",)) is None
+                                                           for c in grid)
+    IMPL.check(default)
+    with pytest.raises(ValueError, match="num_warps"):
+        IMPL.check(TileConfig(FwdParams(num_warps=4)))
+    assert TileConfig.from_dict(default.to_dict()) == default
+    assert IMPL.available(registry.Target("cpu", interpret=True)) is None
