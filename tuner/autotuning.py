@@ -178,9 +178,9 @@ def replay(call: Call, db: str | None = None) -> Call:
     return dataclasses.replace(call, decision=decision)
 
 
-def doctor(calls: Sequence[Call], db: str | None = None) -> list[tuple[Call, str]]:
-    """Per problem of `calls`: the call with what its loader decides now on this host, and a note --
-    covered, what to run to cover it, or why it cannot be tuned."""
+def doctor(calls: Sequence[Call], db: str | None = None) -> list[Outcome]:
+    """Per problem of `calls`: its call with what its loader decides now on this host (`before`), and a
+    note -- covered, not tuned yet, or why it cannot be tuned."""
     here = _device_kind(None)
     checked = []
     for call, problem, why in problems(calls):
@@ -193,24 +193,14 @@ def doctor(calls: Sequence[Call], db: str | None = None) -> list[tuple[Call, str
             note = "not tuned yet"
         if call.caller == "loader" and call.device_kind != here:
             note += f" (recorded on {call.device_kind}; decided here for {here})"
-        checked.append((now, note))
+        checked.append(Outcome(now, problem, now.source, None, None, note))
     return checked
 
 
-def render_doctor(checked: list[tuple[Call, str]]) -> str:
-    rows = []
-    for call, note in checked:
-        outcome = Outcome(call, _problem_or_none(call), call.source, None, None, note)
-        rows.append([outcome.described, "yes" if call.gradients else "no", call.decision["implementation"],
-                     call.source, note])
+def render_doctor(checked: list[Outcome]) -> str:
+    rows = [[o.described, "yes" if o.call.gradients else "no", o.call.decision["implementation"], o.before, o.note]
+            for o in checked]
     return table(["problem", "grads", "implementation", "source", "note"], rows)
-
-
-def _problem_or_none(call: Call) -> Problem | None:
-    try:
-        return call.problem()
-    except ValueError:
-        return None
 
 
 def _device_kind(platform: str | None) -> str | None:

@@ -38,7 +38,7 @@ from tuner.implementations import TileConfig
 from tuner.params import BwdParams, FwdParams
 from tuner.problem import Problem
 from tuner.tables import describe_config, error_line, table
-from tuner.workload import AXIS, Workload
+from tuner.workload import AXIS, Workload, vjp_of
 
 TARGETS = ("v5e:2x2", "v6e:2x2", "v5p:2x2x1", "v4:2x2x1")  # `--target all`
 PARTS = ("fwd", "dkv", "dq")  # one kernel each: a part's variants change its tiles, the others keep the default
@@ -171,8 +171,7 @@ def compile_variant(workload: Workload, variant: Variant) -> Variant:
         args = (inputs,)
     else:
         def forward_and_backward(x, dout):
-            diff = {n: v for n, v in x.items() if n != "segment_ids"}
-            out, vjp = jax.vjp(lambda d: fn({**d, **{n: v for n, v in x.items() if n == "segment_ids"}}), diff)
+            out, vjp = vjp_of(fn, x)
             return out, vjp(dout)
         program = jax.jit(forward_and_backward)
         args = (inputs, dout)

@@ -66,6 +66,12 @@ class Compiled:
         return thunks
 
 
+def vjp_of(fn: Callable[[Inputs], Any], x: Inputs) -> tuple[Any, Callable[[Any], Any]]:
+    """`jax.vjp` of `fn` at the inputs `x`, with respect to every input but the integer segment ids."""
+    const = {n: v for n, v in x.items() if n == "segment_ids"}
+    return jax.vjp(lambda d: fn({**d, **const}), {n: v for n, v in x.items() if n not in const})
+
+
 class Workload:
     """Inputs and ring functions of one problem on this machine's first `ring_size` devices."""
 
@@ -157,9 +163,7 @@ class Workload:
         tree: dict[str, Any] = {}
 
         def forward_with_residuals(x: Inputs):
-            diff = {n: v for n, v in x.items() if n != "segment_ids"}
-            const = {n: v for n, v in x.items() if n == "segment_ids"}
-            out, vjp = jax.vjp(lambda d: fn({**d, **const}), diff)
+            out, vjp = vjp_of(fn, x)
             leaves, tree["vjp"] = jax.tree.flatten(vjp)
             return out, leaves
 

@@ -70,8 +70,8 @@ def doctor_file(args: argparse.Namespace) -> int:
     recording = _read(args.file)
     checked = doctor(recording.calls, args.db)
     print(render_doctor(checked))
-    tunable = [(call, note) for call, note in checked if not note.startswith("not tunable")]
-    covered = sum(call.source in COVERED for call, _ in tunable)
+    tunable = [o for o in checked if o.problem is not None]
+    covered = sum(o.before in COVERED for o in tunable)
     print(f"\n{covered} of {len(tunable)} tunable problem(s) covered by their own tuned decision"
           + (f"; tune the rest: tuner search --from {args.file} --device DEVICE" if covered < len(tunable) else ""))
     return 0 if covered == len(tunable) else 1
