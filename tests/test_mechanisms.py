@@ -109,7 +109,7 @@ def test_bench_mechanisms_records_the_winner_and_the_loader_uses_it(tmp_path):
     args = ["--seq-len", "128", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--ring-size", "2"]
     proc = tuner("bench", "--device", "cpu", "--mechanisms", "--runs", "2", *args, home=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    names = ("ring/scan", "dense", "jax_nn", "all_to_all")  # every implementation that runs on the CPU
+    names = ("ring/scan", "dense", "jax_nn", "all_to_all", "all_gather")  # every implementation that runs on the CPU
     rows = {line.split()[0]: line for line in proc.stdout.splitlines() if line.split() and line.split()[0] in names}
     assert set(rows) == set(names), proc.stdout
     winner = re.search(r"recorded (\S+) for key ([0-9a-f]{16})", proc.stdout)

@@ -41,3 +41,19 @@ def test_a_transfer_bound_ring_takes_its_transfers_time_and_float32_is_slower():
 def test_every_chip_names_its_source():
     for chip in tpu_model.CHIPS.values():
         assert chip.source.startswith("cloud.google.com/tpu/docs/") and chip.flops > 0 and chip.ici_link > 0
+
+
+def test_a_kernels_vmem_is_read_from_its_scoped_region_not_from_the_start_of_vmem():
+    """The compiler reports how far into VMEM a kernel's use reaches; where XLA keeps VMEM below the
+    kernel's region (v5p: 4 MiB), the kernel's own use is the reach less the region's offset."""
+    from tuner import hlo
+
+    def line(name, offset, size, reach):
+        return (f'  %{name} = f32[8]{{0}} custom-call(), custom_call_target="tpu_custom_call", backend_config='
+                f'{{"scoped_memory_configs":[{{"memory_space":"1","offset":"{offset}","size":"{size}"}}],'
+                f'"used_scoped_memory_configs":[{{"memory_space":"1","offset":"0","size":"{reach}"}}]}}')
+
+    text = "\n".join([line("ring_attention_fwd.1", 4 << 20, 32 << 20, 9 << 20),
+                      line("ring_attention_dq.2", 0, 64 << 20, 3 << 20), "  %other = f32[8]{0} add()"])
+    assert hlo.kernel_vmem(text) == {"ring_attention_fwd.1": (32 << 20, 5 << 20),
+                                     "ring_attention_dq.2": (64 << 20, 3 << 20)}

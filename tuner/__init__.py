@@ -4,6 +4,7 @@
 """
 
 from tuner import all_to_all, implementations  # noqa: F401 - registers the built-in implementations
+from tuner import all_gather  # noqa: F401 - registers the all-gather implementation
 from tuner.autotuning import autotune
 from tuner.dispatch import get_tuned_ring_attention
 from tuner.params import BwdParams, FwdParams

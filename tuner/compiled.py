@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import tuner
 from tuner import hlo, registry, tpu_model
@@ -37,6 +37,7 @@ from tuner.dryrun import reason_kind
 from tuner.implementations import TileConfig
 from tuner.params import BwdParams, FwdParams
 from tuner.problem import Problem
+from tuner.spec import AttentionSpec, LocalShapes
 from tuner.tables import describe_config, error_line, table
 from tuner.workload import AXIS, Workload, vjp_of
 
@@ -186,6 +187,26 @@ def compile_variant(workload: Workload, variant: Variant) -> Variant:
     return replace(variant, vmem=vmem, temp_bytes=getattr(memory, "temp_size_in_bytes", None))
 
 
+def compile_step(shapes: LocalShapes, spec: AttentionSpec, target: str, fwd: FwdParams | None = None,
+                 bwd: BwdParams | None = None) -> dict[str, tuple[int, int]] | str:
+    """One ring step's kernels alone, compiled for one chip of the topology `target`: per kernel
+    ("fwd", "dkv", "dq") the VMEM it was given and the VMEM it uses (`hlo.kernel_vmem`), or the
+    compiler's first error line. The quick way to hold the VMEM constraint to the compiler: a
+    kernel's VMEM is its own, whatever program it sits in."""
+    mesh = Mesh(np.array(topology_mesh(target).devices.flat[:1]), (AXIS,))
+    sharding = NamedSharding(mesh, PartitionSpec())
+    kernels = {}
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # the kernels ask for the target chip's VMEM
+        for program, args in pallas_tpu.step_programs(shapes, spec, fwd, bwd, sharding):
+            try:
+                text = program.lower(*args).compile().as_text()
+            except Exception as error:  # noqa: BLE001 - the compiler's verdict
+                return error_line(error, 160)
+            kernels.update({name.split(".")[0].removeprefix("ring_attention_"): vmem
+                            for name, vmem in hlo.kernel_vmem(text).items()})
+    return kernels
+
+
 def _kernel_tiles(variant: Variant, q_len: int, kv_len: int) -> tuple[int, int, int | None]:
     """(block_q, block_kv, block_kv_compute) of the variant's own kernel, as the kernel runs them."""
     if variant.part == "fwd":
@@ -196,23 +217,34 @@ def _kernel_tiles(variant: Variant, q_len: int, kv_len: int) -> tuple[int, int, 
 
 def variants_of(problem: Problem, mesh: Mesh) -> tuple[list[Variant], FwdParams, BwdParams]:
     """Every variant of the problem's pallas_tpu search space, one kernel's tiles at a time, with what
-    the constraints of the mesh's chip rule out; and the default tiles."""
+    the constraints of the mesh's chip rule out; and the tiles the other kernels keep: the default
+    ones, except that backward variants are compiled beside the default forward tiles only when the
+    constraints admit them, else beside the admitted forward tiles with the smallest VMEM estimate (a
+    forward that cannot compile would fail every backward variant for a reason not its own)."""
     backend = pallas_tpu.PallasTpuBackend()
     reason = backend.supports(problem.spec, jax.numpy.dtype(problem.dtype), problem.head_dim)
     if reason is not None:
         raise ValueError(f"the pallas_tpu backend does not support {reason}")
     default_fwd, default_bwd = backend.default_params(problem.local_len, problem.local_len, problem.head_dim)
     space = backend.search_space(problem.shapes, problem.spec)
-    variants = [Variant("fwd", TileConfig(p, default_bwd)) for p in space.fwd_points()]
+
+    def constrain(variants: list[Variant]) -> list[Variant]:
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # the constraints of the target's chip
+            for v in variants:
+                fwd, bwd = (v.config.fwd, None) if v.part == "fwd" else (None, v.config.bwd)
+                v.ruled_out = backend.violation(problem.shapes, problem.spec, fwd, bwd)
+        return variants
+
+    forward = constrain([Variant("fwd", TileConfig(p, default_bwd)) for p in space.fwd_points()])
+    admitted = [v for v in forward if v.ruled_out is None]
+    if admitted and not any(v.config.fwd == default_fwd for v in admitted):
+        default_fwd = min(admitted, key=lambda v: estimate(problem, v)).config.fwd
+    backward = []
     for part, fields in (("dkv", ("block_q_dkv", "block_kv_dkv")), ("dq", ("block_q_dq", "block_kv_dq"))):
         tiles = {tuple(getattr(p, f) for f in fields) for p in space.bwd_points()}
-        variants += [Variant(part, TileConfig(default_fwd, replace(default_bwd, **dict(zip(fields, t)))))
+        backward += [Variant(part, TileConfig(default_fwd, replace(default_bwd, **dict(zip(fields, t)))))
                      for t in sorted(tiles)]
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # the constraints of the target's chip
-        for v in variants:
-            fwd, bwd = (v.config.fwd, None) if v.part == "fwd" else (None, v.config.bwd)
-            v.ruled_out = backend.violation(problem.shapes, problem.spec, fwd, bwd)
-    return variants, default_fwd, default_bwd
+    return forward + constrain(backward), default_fwd, default_bwd
 
 
 def estimate(problem: Problem, variant: Variant) -> int:
@@ -224,12 +256,16 @@ def estimate(problem: Problem, variant: Variant) -> int:
 
 
 def compile_target(problem: Problem, target: str, *, sample: int | None = None, largest: bool = False,
-                   workers: int | None = None, progress: Callable[[int, int], None] | None = None) -> TargetReport:
+                   over_vmem: bool = False, workers: int | None = None,
+                   progress: Callable[[int, int], None] | None = None) -> TargetReport:
     """Constrain, compile and rank the pallas_tpu variants of `problem` for the topology `target`
     (module docstring); the problem's ring size is set to the topology's chips. With `sample`, only the
     default tiles and `sample` other admitted variants of each kernel are compiled; with `largest`,
     only the admitted variant of each kernel with the largest VMEM estimate (the ones the VMEM
-    constraint is there for)."""
+    constraint is there for); with `over_vmem`, also every variant the VMEM constraint alone rules out
+    (marked `forced`), to hold the constraint to the compiler over the whole space."""
+    if largest and over_vmem:
+        raise ValueError("compile_target: largest and over_vmem choose different variants; pass one")
     started = time.perf_counter()
     mesh = topology_mesh(target)
     device_kind = mesh.devices.flat[0].device_kind
@@ -241,6 +277,8 @@ def compile_target(problem: Problem, target: str, *, sample: int | None = None, 
     problem = replace(problem, ring_size=mesh.size)
     variants, default_fwd, default_bwd = variants_of(problem, mesh)
     admitted = sum(v.ruled_out is None for v in variants)
+    if over_vmem:
+        variants = [replace(v, ruled_out=None, forced=v.ruled_out) if _over_vmem(v) else v for v in variants]
     if largest:
         variants = _edge(problem, variants)
     elif sample is not None:
@@ -262,6 +300,10 @@ def compile_target(problem: Problem, target: str, *, sample: int | None = None, 
     return TargetReport(target, device_kind, chip, problem, variants, admitted, time.perf_counter() - started)
 
 
+def _over_vmem(variant: Variant) -> bool:
+    return variant.ruled_out is not None and "VMEM" in variant.ruled_out
+
+
 def _edge(problem: Problem, variants: list[Variant]) -> list[Variant]:
     """Per kernel, the two variants on either side of the VMEM constraint: the admitted one with the
     largest estimate, and the one it rules out for VMEM with the smallest estimate, to be compiled
@@ -270,7 +312,7 @@ def _edge(problem: Problem, variants: list[Variant]) -> list[Variant]:
     for part in PARTS:
         mine = [v for v in variants if v.part == part]
         admitted = [v for v in mine if v.ruled_out is None]
-        over = [v for v in mine if v.ruled_out is not None and "VMEM" in v.ruled_out]
+        over = [v for v in mine if _over_vmem(v)]
         if admitted:
             edge.append(max(admitted, key=lambda v: estimate(problem, v)))
         if over:
@@ -313,5 +355,5 @@ def store(report: TargetReport, db=None) -> dict | None:
     return row
 
 
-__all__ = ["PARTS", "TARGETS", "TargetReport", "Variant", "compile_target", "compile_variant", "describe_tiles",
-           "estimate", "libtpu_missing", "store", "topology_mesh", "variants_of"]
+__all__ = ["PARTS", "TARGETS", "TargetReport", "Variant", "compile_step", "compile_target", "compile_variant",
+           "describe_tiles", "estimate", "libtpu_missing", "store", "topology_mesh", "variants_of"]

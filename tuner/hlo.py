@@ -30,18 +30,21 @@ def loop_bodies(hlo: str) -> list[list[str]]:
 
 
 def kernel_vmem(hlo: str) -> dict[str, tuple[int, int]]:
-    """Per Mosaic kernel of the module (by instruction name), the scoped VMEM it asked for and the VMEM
-    the compiler reports it uses, in bytes (`scoped_memory_configs` and `used_scoped_memory_configs` of
-    its backend config)."""
+    """Per Mosaic kernel of the module (by instruction name), the scoped VMEM it was given and the
+    VMEM it uses, in bytes. Its backend config says where its scoped region starts and how long it is
+    (`scoped_memory_configs`: offset, size) and how far into VMEM its use reaches
+    (`used_scoped_memory_configs`, from offset 0); where XLA keeps VMEM of its own below the region
+    (v5p: 4 MiB), the kernel's use is the reach less the region's offset."""
     kernels = {}
     for line in hlo.split("\n"):
         if "tpu_custom_call" not in line:
             continue
         name = re.match(r"\s*%?(\S+) =", line)
-        asked = re.search(r'"scoped_memory_configs":\[\{[^]]*?"size":"(\d+)"', line)
-        used = re.search(r'"used_scoped_memory_configs":\[\{[^]]*?"size":"(\d+)"', line)
-        if name and asked and used:
-            kernels[name.group(1)] = (int(asked.group(1)), int(used.group(1)))
+        region = re.search(r'"scoped_memory_configs":\[\{[^]]*?"offset":"(\d+)","size":"(\d+)"', line)
+        reach = re.search(r'"used_scoped_memory_configs":\[\{[^]]*?"offset":"(\d+)","size":"(\d+)"', line)
+        if name and region and reach:
+            offset, size = int(region.group(1)), int(region.group(2))
+            kernels[name.group(1)] = (size, int(reach.group(1)) + int(reach.group(2)) - offset)
     return kernels
 
 
@@ -60,4 +63,78 @@ def overlap_problem(body: list[str]) -> str | None:
     return None
 
 
-__all__ = ["kernel_vmem", "loop_bodies", "overlap_problem"]
+
+COLLECTIVE_KINDS = ("collective-permute", "all-to-all", "all-gather", "reduce-scatter")
+_ELEMENT_BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16,
+                 "s32": 32, "u32": 32, "f32": 32, "s64": 64, "u64": 64, "f64": 64, "c64": 64, "c128": 128, "token": 0}
+_INSTRUCTION = re.compile(r"\s+(?:ROOT\s+)?%?[\w.\-]+ = (?P<type>.*?) (?P<op>[\w\-]+)\(")
+_NAME = r"%?([\w.\-]+)"
+
+
+def _type_bytes(text: str) -> int:
+    """Bytes of an HLO type: an array such as `bf16[1,256,2,64]{3,2,1,0}`, or a tuple of them (summed)."""
+    total = 0
+    for element, dims in re.findall(r"\b(\w+)\[([\d,<=]*)\]", text):
+        bits = 8 if element.startswith("f8") else _ELEMENT_BITS.get(element)
+        if bits is None:
+            raise ValueError(f"unknown HLO element type {element!r} in {text[:80]!r}")
+        size = 1
+        for dim in filter(None, dims.replace("<=", "").split(",")):
+            size *= int(dim)
+        total += -(-size * bits // 8)
+    return total
+
+
+def _callees(line: str, op: str) -> list[tuple[str, int]]:
+    """The computations an instruction runs, each with how many times per execution of the instruction:
+    a while body its known trip count (1 if unknown), anything else it calls once (an async-done or
+    -update names the computation its async-start already ran; a loop condition holds no collective)."""
+    if op in ("async-done", "async-update"):
+        return []
+    body = re.search(r"\bbody=" + _NAME, line)
+    trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+    called = [(body.group(1), int(trips.group(1)) if trips else 1)] if body else []
+    called += [(name, 1) for name in re.findall(r"\b(?:calls|to_apply|true_computation|false_computation)=" + _NAME,
+                                                 line)]
+    branches = re.search(r"\bbranch_computations=\{([^}]*)\}", line)
+    return called + [(name, 1) for name in re.findall(_NAME, branches.group(1))] if branches else called
+
+
+def collective_bytes(hlo: str) -> dict[str, int]:
+    """Bytes each device's collectives produce in a compiled module (`compiled.as_text()`), per kind of
+    `COLLECTIVE_KINDS`: for every execution of a collective instruction, the size of its result on one
+    device -- an all-gather's gathered buffer, an all-to-all's exchanged tensor, a collective-permute's
+    received shard, a reduce-scatter's scattered piece -- summed over tuple results. An async pair counts
+    once, by its `-done` (a generic `async-start` by the collective in the computation it calls).
+
+    Executions, not instructions: an instruction in a while body counts the loop's `known_trip_count`
+    times (once where the compiler does not know it), nested loops multiply; each branch of a
+    conditional counts once, as if it ran (an upper bound). `tuner.strategy_model` reports the same
+    quantity, and from it the bytes each device puts on its links."""
+    computations: dict[str, list[str]] = {}
+    entry = name = None
+    for line in hlo.split("\n"):
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            name = re.match(r"(?:ENTRY\s+)?" + _NAME, line).group(1)
+            computations[name] = []
+            entry = name if line.startswith("ENTRY") else entry
+        elif line[:1].isspace() and name is not None:
+            computations[name].append(line)
+    if entry is None:
+        raise ValueError("hlo is not an HLO module's text: it has no ENTRY computation")
+    runs = dict.fromkeys(computations, 0)
+    runs[entry] = 1
+    counts = dict.fromkeys(COLLECTIVE_KINDS, 0)
+    for comp in reversed(list(computations)):  # callers print after their callees: walk from ENTRY down
+        for match in filter(None, map(_INSTRUCTION.match, computations[comp] if runs[comp] else ())):
+            op = match.group("op")
+            kind = op.removesuffix("-done")
+            if kind in counts:
+                counts[kind] += runs[comp] * _type_bytes(match.group("type"))
+            for callee, times in _callees(match.string, op):
+                if callee in runs:
+                    runs[callee] += runs[comp] * times
+    return counts
+
+
+__all__ = ["COLLECTIVE_KINDS", "collective_bytes", "kernel_vmem", "loop_bodies", "overlap_problem"]

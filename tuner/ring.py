@@ -102,6 +102,19 @@ def _sink_lse(sinks):
     return sinks if sinks.ndim == 1 else jax.nn.logsumexp(sinks, axis=-1)
 
 
+def _visits(cfg: RingConfig, ring_mask: masks.RingMask, step, size: int):
+    """Whether step `step`'s kernel runs, as the predicate of the branch around it, or None for no
+    branch. With a mask, the mask's answer. Without one the kernel always runs, but on a TPU it still
+    goes in a branch, under a predicate the compiler cannot fold (`optimization_barrier`): the TPU
+    scheduler overlaps the step's transfers with a branch, while a bare kernel it ran before starting
+    them on v6e (tests/test_tpu_compile.py). Elsewhere no branch: a GPU branch waits on its predicate."""
+    if cfg.spec.has_mask:
+        return ring_mask.visits[step]
+    if size > 1 and compile_target()[0] == "tpu":
+        return lax.optimization_barrier(jnp.asarray(step) < size)
+    return None
+
+
 def _forward(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks):
     backend = block_kernel(cfg.backend)
     size, rank = ring_geometry(cfg.axis_name)
@@ -119,9 +132,10 @@ def _forward(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks
                 spec=cfg.spec, params=cfg.fwd_params, interpret=cfg.interpret)
             return _merge(*carry, block_out, block_lse)
 
-        if not cfg.spec.has_mask:
+        visits = _visits(cfg, ring_mask, step, size)
+        if visits is None:
             return compute((out, lse))
-        return lax.cond(ring_mask.visits[step], compute, lambda carry: carry, (out, lse))
+        return lax.cond(visits, compute, lambda carry: carry, (out, lse))
 
     ring_mask = masks.ring_mask(q_pos, kv_pos, q_seg, kv_seg, cfg.spec, cfg.axis_name, size, rank)
     with work.on_device(rank):
@@ -173,9 +187,10 @@ def _backward(cfg: RingConfig, residuals, cotangents):
                 dbias = _add_bias_columns(dbias, dbias_b, source, kv_len)
             return dq + dq_b, (vma.like(dk_b, q), vma.like(dv_b, q)), dbias
 
-        if not cfg.spec.has_mask:
+        visits = _visits(cfg, ring_mask, step, size)
+        if visits is None:
             return compute((dq, dbias))
-        return lax.cond(ring_mask.visits[step], compute, lambda c: (c[0], zero_grads, c[1]), (dq, dbias))
+        return lax.cond(visits, compute, lambda c: (c[0], zero_grads, c[1]), (dq, dbias))
 
     def send(tree):
         return _send_to_next(tree, cfg.axis_name, size)

@@ -348,13 +348,34 @@ class PallasTpuBackend:
 # --------------------------------------------------------------------------------------------------
 
 
-def _structs(shapes: LocalShapes) -> dict[str, jax.ShapeDtypeStruct]:
+def step_programs(shapes: LocalShapes, spec: AttentionSpec, fwd: FwdParams | None = None,
+                  bwd: BwdParams | None = None, sharding: Any = None) -> list[tuple[Any, tuple]]:
+    """One ring step's kernels for these local shapes as jitted programs with their argument structs
+    (`sharding` on each): the forward block when `fwd` is given, the backward block (dK/dV and dQ
+    kernels) when `bwd` is."""
+    backend = PallasTpuBackend()
     b, tq, tk, h, hkv, d = shapes.batch, shapes.q_len, shapes.kv_len, shapes.heads, shapes.kv_heads, shapes.head_dim
-    dtype, i32, f32 = jnp.dtype(shapes.dtype), jnp.int32, jnp.float32
-    return {"q": jax.ShapeDtypeStruct((b, tq, h, d), dtype), "k": jax.ShapeDtypeStruct((b, tk, hkv, d), dtype),
-            "o": jax.ShapeDtypeStruct((b, tq, h, d), dtype), "lse": jax.ShapeDtypeStruct((b, h, tq), f32),
-            "do": jax.ShapeDtypeStruct((b, tq, h, d), f32), "q_pos": jax.ShapeDtypeStruct((b, tq), i32),
-            "kv_pos": jax.ShapeDtypeStruct((b, tk), i32)}
+
+    def struct(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
+
+    q, k, o, do = (struct((b, t, n, d), dtype) for t, n, dtype in
+                   ((tq, h, shapes.dtype), (tk, hkv, shapes.dtype), (tq, h, shapes.dtype), (tq, h, jnp.float32)))
+    lse, q_pos, kv_pos = struct((b, h, tq), jnp.float32), struct((b, tq), jnp.int32), struct((b, tk), jnp.int32)
+    q_seg, kv_seg = (q_pos, kv_pos) if spec.has_segments else (None, None)
+    programs = []
+    if fwd is not None:
+        def forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+            return backend.block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, None, spec=spec, params=fwd)
+
+        programs.append((jax.jit(forward), (q, k, k, q_pos, kv_pos, q_seg, kv_seg)))
+    if bwd is not None:
+        def backward(q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg):
+            return backend.block_bwd(q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, None, spec=spec,
+                                     params=bwd)
+
+        programs.append((jax.jit(backward), (q, k, k, o, lse, do, lse, q_pos, kv_pos, q_seg, kv_seg)))
+    return programs
 
 
 def lower(shapes: LocalShapes, spec: AttentionSpec, fwd: FwdParams | None = None, bwd: BwdParams | None = None
@@ -362,24 +383,5 @@ def lower(shapes: LocalShapes, spec: AttentionSpec, fwd: FwdParams | None = None
     """Export the block kernels for these local shapes (one ring step) for the TPU platform with
     `jax.export(..., platforms=["tpu"])`, which runs the Mosaic lowering of every kernel; returns how
     many Mosaic kernels the exported modules hold. Raises what the lowering raises."""
-    backend = PallasTpuBackend()
-    s = _structs(shapes)
-    q_seg, kv_seg = (s["q_pos"], s["kv_pos"]) if spec.has_segments else (None, None)
-    kernels = 0
-    if fwd is not None:
-        def forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg):
-            return backend.block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, None, spec=spec, params=fwd)
-
-        exported = jax.export.export(jax.jit(forward), platforms=["tpu"])(
-            s["q"], s["k"], s["k"], s["q_pos"], s["kv_pos"], q_seg, kv_seg)
-        kernels += exported.mlir_module().count("tpu_custom_call")
-    if bwd is not None:
-        def backward(q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg):
-            return backend.block_bwd(q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, None, spec=spec,
-                                     params=bwd)
-
-        exported = jax.export.export(jax.jit(backward), platforms=["tpu"])(
-            s["q"], s["k"], s["k"], s["o"], s["lse"], s["do"], s["lse"], s["q_pos"], s["kv_pos"], q_seg, kv_seg)
-        kernels += exported.mlir_module().count("tpu_custom_call")
-    return kernels
-
+    return sum(jax.export.export(program, platforms=["tpu"])(*args).mlir_module().count("tpu_custom_call")
+               for program, args in step_programs(shapes, spec, fwd, bwd))

@@ -1,0 +1,210 @@
+"""The all-gather KV implementation: exact against the float64 dense reference (forward, lse and every
+gradient) on rings of 2, 4 and 8 simulated devices, in every layout, with GQA and MQA; its backward
+reduce-scatters dK and dV; refused for a bias and for gathered K/V over half the device's memory."""
+
+import logging
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from tests.cases import GRAD_NAMES, Case, _loss, assert_lse_close, make_arrays, rel_err, replace
+from tuner import BwdParams, FwdParams, all_gather, get_tuned_ring_attention, layouts, plan, registry
+from tuner.implementations import TileConfig
+from tuner.reference import dense_attention
+from tuner.spec import AttentionSpec, LocalShapes
+
+IMPL = registry.get("all_gather")
+
+
+def gradient_step(case: Case, config: TileConfig):
+    """The jitted value-and-gradient of `all_gather`'s attend under `shard_map` on `case.ring` devices,
+    over laid-out global arrays: ((loss, (out, lse)), (dq, dk, dv, dsinks))."""
+    ring, layout = case.ring, case.layout
+    mesh = Mesh(np.array(jax.devices()[:ring]), ("sp",))
+    seq, lse_spec = P(None, "sp"), P(None, None, "sp")
+
+    def local(q, k, v, sinks, q_seg, kv_seg, pos):
+        arrays = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_positions=pos, kv_positions=pos,
+                      softmax_aux=sinks, bias=None)
+        resolved = plan.resolve(q, k, v, ring_size=ring, layout=layout, backend="all_gather",
+                                target=registry.Target.here(), mask=case.options, arrays=arrays, return_lse=True)
+        assert resolved.implementation is IMPL
+        return IMPL.attend(q, k, v, spec=resolved.spec, config=config, axis_name="sp", layout=layout,
+                           return_lse=True, **arrays)
+
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(seq, seq, seq, P(), seq, seq, seq),
+                            out_specs=(seq, lse_spec), check_vma=IMPL.vma_checked(registry.Target.here()))
+
+    def loss(q, k, v, sinks, q_seg, kv_seg, pos, w, u):
+        out, lse = sharded(q, k, v, sinks, q_seg, kv_seg, pos)
+        return _loss(out, lse, w, u), (out, lse)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+
+
+def laid_out_args(case: Case, a) -> tuple:
+    def lay(x, axis=1):
+        return None if x is None else jnp.asarray(layouts.lay_out(jnp.asarray(x), case.layout, case.ring, axis=axis))
+
+    return (lay(a.q), lay(a.k), lay(a.v), None if a.sinks is None else jnp.asarray(a.sinks), lay(a.q_seg),
+            lay(a.kv_seg), lay(a.positions), lay(a.out_weight), lay(a.lse_weight, 2))
+
+
+def run_all_gather(case: Case, a, config: TileConfig):
+    """out, lse and the gradients of `gradient_step`, in natural token order."""
+    def back(x, axis=1):
+        return np.asarray(layouts.restore(x, case.layout, case.ring, axis=axis), np.float64)
+
+    (_, (out, lse)), (dq, dk, dv, dsinks) = gradient_step(case, config)(*laid_out_args(case, a))
+    assert out.dtype == jnp.float32 and lse.dtype == jnp.float32
+    return back(out), back(lse, 2), [back(dq), back(dk), back(dv), None,
+                                      None if dsinks is None else np.asarray(dsinks, np.float64)]
+
+
+def reference(case: Case, a):
+    """`tests.cases.run_reference` (the float64 dense oracle) under one `jax.jit`."""
+    with jax.enable_x64(True):
+        def loss(q, k, v, sinks, q_seg, kv_seg, pos, w, u):
+            out, lse = dense_attention(q, k, v, q_positions=pos, kv_positions=pos, q_segment_ids=q_seg,
+                                       kv_segment_ids=kv_seg, softmax_aux=sinks, **case.options)
+            return jnp.vdot(out, w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * u), (out, lse)
+
+        f64 = [None if x is None else jnp.asarray(x, jnp.float64) for x in (a.q, a.k, a.v, a.sinks)]
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+        (_, (out, lse)), grads = step(*f64, a.q_seg, a.kv_seg, a.positions, jnp.asarray(a.out_weight, jnp.float64),
+                                      jnp.asarray(a.lse_weight, jnp.float64))
+        as64 = [None if x is None else np.asarray(x, np.float64) for x in (out, lse, *grads)]
+    return as64[0], as64[1], [*as64[2:5], None, as64[5]]
+
+
+SMALL = TileConfig(FwdParams(8, 16), BwdParams(16, 8))  # several tiles over the local queries and the full keys
+SPLIT_DQ = TileConfig(FwdParams(16, 32), BwdParams(8, 16, 16, 8))
+BASE = Case(batch=1, length=64, heads=4, kv_heads=2, head_dim=16, ring=4, layout="zigzag")
+
+
+@pytest.mark.parametrize("case, config", [
+    (replace(BASE, causal=True, segments="random", softcap=4.0, sinks="pair"), SMALL),
+    (replace(BASE, layout="contiguous", window=(9, 3), chunk=24, sinks="head", batch=2), SPLIT_DQ),
+    (replace(BASE, ring=2, kv_heads=1, layout="striped", causal=True, window=(12, 0), explicit_positions=True,
+             scale=0.3), TileConfig()),
+    (replace(BASE, length=128, ring=8, causal=True, segments="packed"), SMALL),
+], ids=["ring4-zigzag-causal-segments-softcap-sinks", "ring4-contiguous-window-chunk",
+        "ring2-striped-positions-window-mqa", "ring8-zigzag-causal-segments"])
+def test_all_gather_equals_the_dense_reference(case, config):
+    """DESIGN section 10's float32 tolerances against float64: 1e-5 forward and lse, 1e-4 gradients."""
+    a = make_arrays(case)
+    out_r, lse_r, grads_r = reference(case, a)
+    out, lse, grads = run_all_gather(case, a, config)
+    assert rel_err(out, out_r) <= 1e-5, f"forward error {rel_err(out, out_r):.2e}"
+    assert_lse_close(lse, lse_r, 1e-5)
+    assert np.all(out.transpose(0, 2, 1, 3)[np.isneginf(lse_r)] == 0.0), "empty rows must output exactly 0"
+    for name, got, want in zip(GRAD_NAMES, grads, grads_r):
+        assert (got is None) == (want is None), name
+        if got is not None:
+            assert rel_err(got, want) <= 1e-4, f"{name} error {rel_err(got, want):.2e}"
+
+
+def collectives(text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(primitive, output shape) of every reduce-scatter, psum and all-gather in a jaxpr's text."""
+    found = []
+    for lhs, primitive in re.findall(r"^\s*(.*?)\s*=\s*(reduce_scatter|psum\w*|all_gather\w*)\[", text, re.M):
+        found += [(primitive, tuple(int(n) for n in dims.split(",") if n))
+                  for dims in re.findall(r":f32\[([\d,]*)\]", lhs)]
+    return found
+
+
+def test_the_backward_reduce_scatters_dk_and_dv():
+    case = replace(BASE, causal=True, sinks="head")
+    args = laid_out_args(case, make_arrays(case))
+    text = str(jax.make_jaxpr(gradient_step(case, SMALL))(*args))
+    found = collectives(text)
+    b, t, hkv, d, ring = case.batch, case.length, case.kv_heads, case.head_dim, case.ring
+    shard, full = (b, t // ring, hkv, d), (b, t, hkv, d)
+    assert [p for p, shape in found if p == "reduce_scatter" and shape == shard] == ["reduce_scatter"] * 2, found
+    assert [p for p, shape in found if p.startswith("all_gather") and shape == full] == ["all_gather"] * 2, found
+    assert not [p for p, shape in found if p.startswith("psum") and shape in (shard, full)], found
+    assert [p for p, shape in found if p.startswith("psum")] == ["psum_invariant"], found  # d sinks, summed
+    assert ("psum_invariant", (case.heads,)) in found
+
+
+def test_the_loader_runs_it_by_name_with_lse(caplog):
+    mesh = Mesh(np.array(jax.devices()[:4]), ("sp",))
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, sliding_window=(17, 0), mesh=mesh,
+                                    backend="all_gather", layout="zigzag")
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((1, 64, 4, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((1, 64, 1, 16)), jnp.float32) for _ in range(2))
+    decision = attn.explain(q, k, v, return_lse=True)
+    assert (decision.backend, decision.source) == ("all_gather", "default")
+    with caplog.at_level(logging.WARNING):
+        out, lse = jax.jit(lambda q, k, v: attn(q, k, v, return_lse=True))(q, k, v)  # one compile, not op by op
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], "it must not fall back"
+    want, want_lse = jax.jit(lambda q, k, v: dense_attention(q, k, v, causal=True, sliding_window=(17, 0)))(q, k, v)
+    assert rel_err(np.asarray(out), np.asarray(want)) <= 1e-5
+    assert rel_err(np.asarray(lse), np.asarray(want_lse)) <= 1e-5
+
+
+def test_a_bias_is_refused_by_name_and_skipped_under_auto():
+    spec = AttentionSpec(scale=0.3, causal=True, has_bias=True)
+    target = registry.Target("cpu")
+    with pytest.raises(ValueError, match="backend 'all_gather' does not support bias.*the ring supports it"):
+        registry.choose("all_gather", spec, jnp.float32, 16, target)
+    assert registry.resolve_auto(spec, jnp.float32, 16, target)[0].name == "scan"
+    mesh = Mesh(np.array(jax.devices()[:4]), ("sp",))
+    q = jnp.ones((1, 64, 4, 16), jnp.float32)
+    named = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, backend="all_gather")
+    with pytest.raises(ValueError, match="does not support bias"):
+        named.explain(q, q, q, bias=jnp.zeros((1, 1, 1, 64)))
+    with pytest.raises(ValueError, match="all_gather does not support bias"):
+        IMPL.attend(q, q, q, spec=spec, config=TileConfig(), axis_name=None, layout="contiguous",
+                    bias=jnp.zeros((1, 1, 1, 64)))
+
+
+def test_gathered_bytes_and_the_memory_refusal(monkeypatch):
+    shapes = LocalShapes(batch=2, q_len=16, kv_len=32, heads=8, kv_heads=2, head_dim=64, dtype="bfloat16")
+    assert all_gather.gathered_bytes(shapes, 4) == 2 * 2 * 128 * 2 * 64 * 2  # K and V, B, T, Hkv, D, bytes
+    if jax.devices()[0].platform == "cpu":
+        assert all_gather.device_bytes_limit() is None  # the CPU reports no limit: nothing is refused
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("sp",))
+    q = jax.ShapeDtypeStruct((1, 64, 4, 16), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, 64, 2, 16), jnp.float32)
+    needed = 2 * 1 * 64 * 2 * 16 * 4
+    spec = AttentionSpec(scale=0.25, causal=True)
+
+    def trace(limit: int):  # a fresh function each time: jax would reuse the trace of the last one
+        monkeypatch.setattr(all_gather, "device_bytes_limit", lambda: limit)
+        attend = jax.shard_map(lambda q, k, v: IMPL.attend(q, k, v, spec=spec, config=TileConfig(), axis_name="sp",
+                                                           layout="zigzag"),
+                               mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+        return jax.eval_shape(attend, q, kv, kv)
+
+    assert trace(2 * needed).shape == q.shape  # exactly half: accepted
+    with pytest.raises(ValueError, match=r"all_gather would hold .* GiB of gathered K/V per device, over half the "
+                                         r"device's .* GiB; use the ring or all_to_all"):
+        trace(2 * needed - 1)
+
+
+def test_the_config_is_the_scan_rings_with_the_full_keys_and_the_local_queries():
+    shapes = LocalShapes(batch=1, q_len=64, kv_len=64, heads=4, kv_heads=2, head_dim=8, dtype="float32")
+    spec = AttentionSpec(scale=0.3, causal=True)
+    default = IMPL.default_config(shapes, spec)
+    assert (default.fwd.block_q, default.fwd.block_kv) == (64, 256)  # local queries, keys bounded by 4 * 64
+    grid = IMPL.space(shapes, spec).grid(default, ("fwd", "bwd"))
+    assert max(c.fwd.block_kv for c in grid) == 256 and max(c.fwd.block_q for c in grid) == 64
+    assert max(c.bwd.block_q_dkv for c in grid) == 64
+    assert all(IMPL.violation(shapes, spec, c, ("fwd", "bwd")) is None for c in grid)
+    # 64 devices of 4 keys make a 256-key tile real: 4 B * 16 * 32 * 1024 * 256 is 512 MiB, whatever H is.
+    wide = LocalShapes(batch=16, q_len=1024, kv_len=4, heads=32, kv_heads=8, head_dim=64, dtype="float32")
+    assert "512 MiB, over the 256 MiB tile limit" in IMPL.violation(wide, spec, TileConfig(FwdParams(1024, 256)),
+                                                                    ("fwd",))
+    IMPL.check(default)
+    with pytest.raises(ValueError, match="num_warps"):
+        IMPL.check(TileConfig(FwdParams(num_warps=4)))
+    assert TileConfig.from_dict(default.to_dict()) == default
+    assert IMPL.available(registry.Target("cpu", interpret=True)) is None
