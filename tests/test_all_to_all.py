@@ -131,7 +131,7 @@ def test_the_loader_runs_it_by_name_with_lse(caplog):
     assert rel_err(np.asarray(lse), np.asarray(want_lse)) <= 1e-5
 
 
-def test_unsupported_calls_are_refused_by_name_and_skipped_under_auto(caplog):
+def test_unsupported_calls_are_refused_by_name_and_skipped_under_auto():
     spec = AttentionSpec(scale=0.3, causal=True, has_bias=True)
     target = registry.Target("cpu")
     with pytest.raises(ValueError, match="backend 'all_to_all' does not support bias.*the ring supports it"):
@@ -143,16 +143,20 @@ def test_unsupported_calls_are_refused_by_name_and_skipped_under_auto(caplog):
     with pytest.raises(ValueError, match="does not support bias"):
         named.explain(q, q, q, bias=jnp.zeros((1, 1, 1, 16)))
 
-    # The hooks see no ring size, so heads that do not split are refused when traced: by attend itself ...
+    # Heads that do not split are refused by attend itself ...
     shapes = LocalShapes(1, 4, 4, 6, 6, 8, "float32")
     with pytest.raises(ValueError, match=r"heads \(6\) must be a multiple of the ring size \(4\)"):
         jax.shard_map(lambda x: IMPL.attend(x, x, x, spec=AttentionSpec(scale=0.3), axis_name="sp",
                                             config=IMPL.default_config(shapes, spec), layout="contiguous"),
                       mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q)
-    # ... and by the loader, which says why and runs the scan ring instead (exact).
-    with caplog.at_level(logging.WARNING):
-        out = named(q, q, q)
-    assert "heads (6) must be a multiple of the ring size (4)" in caplog.text
+    # ... and, asked for by name, when the call is resolved (its shape_violation hook), before anything runs;
+    # `auto` runs the scan ring (exact).
+    assert IMPL.shape_violation(shapes, 4) == ("all_to_all splits the query heads over the ring: heads (6) must be "
+                                               "a multiple of the ring size (4)")
+    assert IMPL.shape_violation(shapes, 2) is None
+    with pytest.raises(ValueError, match=r"backend 'all_to_all' cannot run these shapes: .*heads \(6\) must be"):
+        named(q, q, q)
+    out = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh)(q, q, q)
     assert rel_err(np.asarray(out), np.asarray(dense_attention(q, q, q, causal=True)[0])) <= 1e-5
 
 

@@ -13,6 +13,7 @@ a TPU topology (`jax.experimental.topologies`) without a TPU. Checked here:
 
 Skipped where libtpu is not installed (`pip install -e '.[tpu]'`)."""
 
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -50,10 +51,14 @@ def structs(mesh: Mesh):
 
 
 def test_a_tpu_mesh_gets_the_tpu_kernel(tmp_path):
+    """Nothing but the mesh says which chip: the loader with backend="auto", under `jax.jit` over a v5e
+    topology, decides for and compiles to the Pallas kernels on this CPU host."""
     mesh = topology_mesh("v5e:2x2")
     attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, db=str(tmp_path / "empty.sqlite"))
     decision = attn.explain(*structs(mesh))
     assert decision.backend == "pallas_tpu" and decision.key.device_kind == "TPU v5 lite", decision
+    text = jax.jit(attn).lower(*structs(mesh)).compile().as_text()
+    assert {name.split(".")[0] for name in hlo.kernel_vmem(text)} == {"ring_attention_fwd"}
 
 
 @pytest.mark.parametrize("topology, causal", [
@@ -125,18 +130,44 @@ def test_the_compiled_dry_run_ranks_what_the_compiler_accepts_and_the_loader_use
 
 def test_the_largest_variants_the_vmem_constraint_admits_compile_on_the_smallest_vmem():
     """On v5p (64 MiB of VMEM, the kernels ask for 32), bf16 at D=128: the admitted variant of each kernel
-    with the largest VMEM estimate compiles within the limit, and its reported use is within 5% of the
-    estimate or under it. (`python benchmarks/tpu_vmem.py` does this on every generation, float32 at
-    D=256 too, where the estimate is not yet safe: see the README.)"""
+    with the largest VMEM estimate compiles within the limit, inside the whole ring, and uses no more
+    than the estimate. (`python benchmarks/tpu_vmem.py` does this on every generation;
+    `benchmarks/tpu_vmem_kernels.py` over the whole tile space.)"""
     from tuner import compiled
     from tuner.problem import Problem
 
     problem = Problem(seq_len=4 * 2048, heads=H, kv_heads=HKV, head_dim=D, dtype="bfloat16", causal=True,
                       ring_size=RING)
     report = compiled.compile_target(problem, "v5p:2x2x1", largest=True)
-    assert [v.part for v in report.variants] == list(compiled.PARTS)
-    for variant in report.variants:
+    admitted = [v for v in report.variants if v.forced is None]
+    assert [v.part for v in admitted] == list(compiled.PARTS)
+    for variant in admitted:
         assert variant.compiled, (variant.part, variant.config, variant.error)
         [(asked, used, estimate)] = variant.vmem.values()
         assert estimate <= asked == 32 * 2**20 and used <= asked, (variant.part, used, estimate, asked)
-        assert used <= 1.05 * estimate, (variant.part, used, estimate)  # forward 1024x2048: 13.30 vs 13.13 MiB
+        assert used <= estimate, (variant.part, used, estimate)
+
+
+def test_the_largest_float32_tiles_the_vmem_constraint_admits_on_v4_compile_within_the_estimate():
+    """v4 asks for 8 MiB, float32 at D=256 needs the most per tile: the admitted tiles of each kernel with
+    the largest VMEM estimate, compiled alone (`compiled.compile_step`), compile and use no more than
+    the estimate. Before the estimate was fitted to the compiler, it admitted a forward the compiler
+    rejected here (256x1024: estimated 7.6 MiB of 8)."""
+    from tuner import compiled
+    from tuner.problem import Problem
+
+    problem = Problem(seq_len=8 * 4096, heads=H, kv_heads=HKV, head_dim=256, dtype="float32", causal=True,
+                      ring_size=8)
+    variants, _, _ = compiled.variants_of(problem, topology_mesh("v4:2x2x1"))
+    largest = {part: max((v for v in variants if v.part == part and v.ruled_out is None),
+                         key=lambda v: compiled.estimate(problem, v)) for part in compiled.PARTS}
+    bwd = dataclasses.replace(largest["dkv"].config.bwd, block_q_dq=largest["dq"].config.bwd.block_q_dq,
+                              block_kv_dq=largest["dq"].config.bwd.block_kv_dq)
+    used = {}
+    for tiles in ({"fwd": largest["fwd"].config.fwd}, {"bwd": bwd}):
+        result = compiled.compile_step(problem.shapes, problem.spec, "v4:2x2x1", **tiles)
+        assert isinstance(result, dict), (tiles, result)  # else the compiler's error
+        used.update(result)
+    for part in compiled.PARTS:
+        asked, use = used[part]
+        assert use <= compiled.estimate(problem, largest[part]) <= asked == 8 * 2**20, (part, use, asked)

@@ -57,3 +57,28 @@ def test_a_kernels_vmem_is_read_from_its_scoped_region_not_from_the_start_of_vme
                       line("ring_attention_dq.2", 0, 64 << 20, 3 << 20), "  %other = f32[8]{0} add()"])
     assert hlo.kernel_vmem(text) == {"ring_attention_fwd.1": (32 << 20, 5 << 20),
                                      "ring_attention_dq.2": (64 << 20, 3 << 20)}
+
+
+def test_the_vmem_estimate_admits_no_kernel_the_compiler_rejects_and_bounds_every_use():
+    """Over the kernel compile results of every generation (`benchmarks/tpu_vmem_kernels.py`: each tile
+    point of each kernel compiled alone by the production TPU compiler, failures included), the VMEM
+    estimate the constraint rules by is at least the use the compiler reports wherever it compiled, and
+    over the chip's limit wherever it did not: the constraint never admits a variant the compiler
+    rejects. (How much it over-estimates is `python benchmarks/tpu_vmem_fit.py`'s report.)"""
+    import json
+    from pathlib import Path
+
+    from tuner.backends import tpu_memory
+
+    path = Path(__file__).parent.parent / "benchmarks" / "results" / "tpu_vmem_kernels.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    limits = {r["target"]: r["vmem_given"] for r in records if r["vmem_given"]}
+    assert {r["target"] for r in records} == set(limits) and len(limits) >= 4, sorted(limits)
+    assert {(r["kernel"], r["dtype"]) for r in records} == set(tpu_memory.VMEM_MULTIPLES)
+    for r in records:
+        estimate = tpu_memory.vmem_bytes(r["kernel"], r["block_q"], r["block_kv"], r["head_dim"], r["dtype"], 1,
+                                         r["block_kv_compute"])
+        if r["compiled"]:
+            assert r["vmem_used"] <= estimate, r
+        else:
+            assert estimate > limits[r["target"]], r

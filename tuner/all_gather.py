@@ -14,8 +14,9 @@ where the ring's transfers cannot hide and the heads do not split for all_to_all
 - Heads: all H query heads are local, so GQA needs no repeat and sinks (`[H]` or `[H, n]`) are used whole.
   No bias: a bias over the laid-out key axis is not taken here; the ring supports it.
 - Memory: the gathered K and V hold `2 * B * T * Hkv * D * itemsize` bytes per device (`gathered_bytes`).
-  When the device reports a memory limit, `attend` refuses (`ValueError`) a call whose gathered K/V would
-  take more than half of it; the ring and all_to_all hold only shards.
+  When the device reports a memory limit, a call whose gathered K/V would take more than half of it is
+  refused when it is resolved (`shape_violation`: by name, `ValueError`; under `auto`, skipped), and by
+  `attend` too; the ring and all_to_all hold only shards.
 - Config: the inner scan ring's `TileConfig`, with the full key length but the local query length. The
   hooks see one device's shapes but not P; like all_to_all they size the default and the space for a key
   length of `H * T/P` (a heuristic here: P may exceed H), with query tiles cut to the local length. The
@@ -59,12 +60,20 @@ def device_bytes_limit() -> int | None:
     return int(limit) if limit else None
 
 
-def check_memory(shapes: LocalShapes, ring_size: int) -> None:
-    """`ValueError` when the gathered K/V would take more than half of the device's memory limit."""
+def memory_violation(shapes: LocalShapes, ring_size: int) -> str | None:
+    """Why the gathered K/V would not fit: over half of the device's memory limit; None where it fits."""
     limit, needed = device_bytes_limit(), gathered_bytes(shapes, ring_size)
     if limit is not None and 2 * needed > limit:
-        raise ValueError(f"all_gather would hold {needed / 2**30:.3g} GiB of gathered K/V per device, over half "
-                         f"the device's {limit / 2**30:.3g} GiB; use the ring or all_to_all")
+        return (f"all_gather would hold {needed / 2**30:.3g} GiB of gathered K/V per device, over half "
+                f"the device's {limit / 2**30:.3g} GiB; use the ring or all_to_all")
+    return None
+
+
+def check_memory(shapes: LocalShapes, ring_size: int) -> None:
+    """`ValueError` when the gathered K/V would take more than half of the device's memory limit."""
+    reason = memory_violation(shapes, ring_size)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 class AllGather:
@@ -76,10 +85,14 @@ class AllGather:
                "scan of the local queries over the whole sequence")
     config_type = TileConfig
     gathered = True
+    strategy = "all_gather"
     packages = ()
 
     def __init__(self) -> None:
         self.inner = BACKENDS[INNER]  # not `kernel`: the ring driver would take this for a ring
+
+    def shape_violation(self, shapes: LocalShapes, ring_size: int) -> str | None:
+        return memory_violation(shapes, ring_size)
 
     @staticmethod
     def _full(shapes: LocalShapes) -> LocalShapes:
@@ -167,4 +180,5 @@ def all_gather_attention(query, key, value, *, spec: AttentionSpec, config: Tile
 
 registry.register(AllGather())
 
-__all__ = ["AllGather", "all_gather_attention", "check_memory", "device_bytes_limit", "gathered_bytes"]
+__all__ = ["AllGather", "all_gather_attention", "check_memory", "device_bytes_limit", "gathered_bytes",
+           "memory_violation"]

@@ -9,11 +9,12 @@ all-to-alls each way, instead of P - 1 ring steps: it wins where the ring's tran
 - Positions: the gathered tokens keep their GLOBAL positions (the layout's, all-gathered when given
   per call), so causal, window and chunk masks are exact in every layout; segment ids are
   all-gathered likewise.
-- Heads: the H query heads must split over P (`H % P == 0`), else `attend` raises `ValueError` (the
-  `supports` hook sees no shapes, so the refusal comes at trace time). Only the Hkv key/value heads
-  travel. When `Hkv % P != 0`, each kv head is repeated `r = P / gcd(Hkv, P)` times (the fewest that make
-  the head count a multiple of P; `r` divides the group size H / Hkv because P divides H), so that each
-  device's query heads meet exactly their own kv heads; the gradient of the copies sums back.
+- Heads: the H query heads must split over P (`H % P == 0`), else the call is refused when it is resolved
+  (`shape_violation`: asked for by name, `ValueError`; under `auto`, skipped), and `attend` raises too.
+  Only the Hkv key/value heads travel. When `Hkv % P != 0`, each kv head is repeated `r = P / gcd(Hkv, P)`
+  times (the fewest that make the head count a multiple of P; `r` divides the group size H / Hkv because
+  P divides H), so that each device's query heads meet exactly their own kv heads; the gradient of the
+  copies sums back.
 - Sinks (`[H]` or `[H, n]`): each device takes its head group's rows. No bias: a bias over the laid-out
   key axis would have to be exchanged too; the ring supports it.
 - Config: the inner scan ring's `TileConfig`, tuned as a ring's at the full length. The hooks see one
@@ -47,13 +48,21 @@ INNER = "scan"
 BIAS_REASON = "bias: the all-to-all exchange does not carry a bias over the key axis; the ring supports it"
 
 
+def heads_violation(heads: int, ring_size: int) -> str | None:
+    """Why `heads` query heads do not split over `ring_size` devices, or None."""
+    if heads % ring_size:
+        return (f"all_to_all splits the query heads over the ring: heads ({heads}) must be a multiple "
+                f"of the ring size ({ring_size})")
+    return None
+
+
 def kv_repeats(heads: int, kv_heads: int, ring_size: int) -> int:
     """How many copies of each kv head make the kv heads split over `ring_size` devices with every
     device's query heads meeting their own kv heads: 1 when `kv_heads % ring_size == 0`, else the
     fewest, `ring_size / gcd(kv_heads, ring_size)`. `ValueError` when the query heads do not split."""
-    if heads % ring_size:
-        raise ValueError(f"all_to_all splits the query heads over the ring: heads ({heads}) must be a multiple "
-                         f"of the ring size ({ring_size}); use a ring backend")
+    reason = heads_violation(heads, ring_size)
+    if reason is not None:
+        raise ValueError(f"{reason}; use a ring backend")
     return ring_size // math.gcd(kv_heads, ring_size)
 
 
@@ -66,10 +75,14 @@ class AllToAll:
                "scan over the whole sequence, all-to-all back")
     config_type = TileConfig
     gathered = True
+    strategy = "all_to_all"
     packages = ()
 
     def __init__(self) -> None:
         self.inner = BACKENDS[INNER]  # not `kernel`: the ring driver would take this for a ring
+
+    def shape_violation(self, shapes: LocalShapes, ring_size: int) -> str | None:
+        return heads_violation(shapes.heads, ring_size)
 
     @staticmethod
     def _full(shapes: LocalShapes) -> LocalShapes:
@@ -162,4 +175,4 @@ def all_to_all_attention(query, key, value, *, spec: AttentionSpec, config: Tile
 
 registry.register(AllToAll())
 
-__all__ = ["AllToAll", "all_to_all_attention", "kv_repeats"]
+__all__ = ["AllToAll", "all_to_all_attention", "heads_violation", "kv_repeats"]

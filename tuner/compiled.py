@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import tuner
 from tuner import hlo, registry, tpu_model
-from tuner.backends import pallas_tpu
+from tuner.backends import pallas_tpu, tpu_memory
 from tuner.cache import Cache, make_row
 from tuner.dryrun import reason_kind
 from tuner.implementations import TileConfig
@@ -252,7 +252,7 @@ def estimate(problem: Problem, variant: Variant) -> int:
     shapes, spec = problem.shapes, problem.spec
     ids = 1 + (spec.chunk_size is not None) + spec.has_segments
     block_q, block_kv, compute = _kernel_tiles(variant, shapes.q_len, shapes.kv_len)
-    return pallas_tpu.vmem_bytes(variant.part, block_q, block_kv, shapes.head_dim, shapes.dtype, ids, compute)
+    return tpu_memory.vmem_bytes(variant.part, block_q, block_kv, shapes.head_dim, shapes.dtype, ids, compute)
 
 
 def compile_target(problem: Problem, target: str, *, sample: int | None = None, largest: bool = False,
@@ -269,7 +269,7 @@ def compile_target(problem: Problem, target: str, *, sample: int | None = None, 
     started = time.perf_counter()
     mesh = topology_mesh(target)
     device_kind = mesh.devices.flat[0].device_kind
-    name = pallas_tpu.CHIPS.get(device_kind)
+    name = tpu_memory.CHIPS.get(device_kind)
     if name not in tpu_model.CHIPS:
         raise ValueError(f"--target {target}: no model of {device_kind} ({name}); model targets: "
                          f"{', '.join(tpu_model.CHIPS)}")

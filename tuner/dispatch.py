@@ -11,8 +11,10 @@ At trace time the callable resolves the call once (`tuner.plan.resolve`: its spe
 the platform's implementation), builds the problem key from the shapes it sees, picks the implementation
 from `tuner.registry` (`auto`: by measurement, `tuner.measured` -- the one `tuner bench --mechanisms`
 measured fastest for this problem, a ring or gathered dense attention when that is faster at this
-length, else the one whose tuned entry for this problem is the fastest -- else the platform's preferred
-ring, else scan when that one is missing, does not support the features, or fails to build) and its
+length, else the one whose tuned entry for this problem is the fastest -- else, on a TPU or an H100, the
+strategy model's pick (`tuner.modelled`: all_to_all or all_gather when predicted 10% faster than an
+untuned ring) -- else the platform's preferred ring, else scan when that one is missing, does not support
+the features, or fails to build; `strategy=` narrows the choice to one strategy) and its
 config (cache lookup: exact, nearest, shipped, else the implementation's default). The result is a
 `tuner.plan.Plan` (`explain()` returns it), and the implementation runs from its spec, config and
 layout. It never tunes. Whatever the cache holds, a training step traces, runs and is exact: a missing,
@@ -33,7 +35,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from tuner import layouts, measured, plan, record, registry
+from tuner import layouts, measured, modelled, plan, record, registry
 from tuner.cache import LOADER_BUSY_TIMEOUT_S, Cache, CacheError, row_config, warn_once, writes
 from tuner.checks import check_int
 from tuner.plan import Plan
@@ -48,6 +50,7 @@ CALL_OPTIONS = (*plan.ARRAY_OPTIONS, "return_lse", "interpret")
 SOURCES = ("exact", "compiled", "nearest", "shipped", "default", "fallback", "measured")
 DEFAULT_LAYOUT = "zigzag"  # what `tuner search` tunes by default, and the loader uses with mesh=
 SEQUENCE_OPTIONS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")
+TUNED = ("exact", "compiled")  # config sources of a ring tuned for the problem: the model does not override it
 
 
 Decision = Plan  # what `explain()` returns: the plan of the call (`tuner.plan.Plan`)
@@ -59,11 +62,13 @@ class TunedRingAttention:
     `interpret` -- as in `tuner.ring_attention`."""
 
     def __init__(self, *, axis_name: Hashable | None, causal: bool, sliding_window, chunk_size,
-                 logits_soft_cap, softmax_scale, layout: str, backend: str, db, mesh: Mesh | None):
+                 logits_soft_cap, softmax_scale, layout: str, backend: str, db, mesh: Mesh | None,
+                 strategy: str = "auto"):
         if layout is not None and (not isinstance(layout, str) or layout not in layouts.LAYOUTS):
             raise ValueError(f"layout must be one of {', '.join(layouts.LAYOUTS)} or None, got {layout!r}")
         if backend != "auto":
             registry.get(backend)
+        plan.check_strategy(strategy, backend)
         if mesh is not None:
             if not isinstance(mesh, Mesh):
                 raise ValueError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
@@ -73,6 +78,7 @@ class TunedRingAttention:
         if layout is None and mesh is not None:
             layout = DEFAULT_LAYOUT
         self.axis_name, self.layout, self.backend, self.mesh = axis_name, layout, backend, mesh
+        self.strategy = strategy
         self.options = dict(causal=causal, sliding_window=normalize_window(sliding_window),
                             chunk_size=chunk_size, logits_soft_cap=logits_soft_cap,
                             softmax_scale=softmax_scale)
@@ -181,7 +187,7 @@ class TunedRingAttention:
         return_lse = bool(options.get("return_lse"))
         layout = self._layout(ring_size)
         resolved = plan.resolve(query, key, value, ring_size=ring_size, layout=layout, backend=self.backend,
-                                target=target, mask=self.options, return_lse=return_lse,
+                                target=target, mask=self.options, return_lse=return_lse, strategy=self.strategy,
                                 arrays={n: x for n, x in options.items() if n in plan.ARRAY_OPTIONS})
         spec, shapes, implementation, fallback = (resolved.spec, resolved.shapes, resolved.implementation,
                                                   resolved.fallback)
@@ -192,12 +198,15 @@ class TunedRingAttention:
             self._writes = writes()
         memo = (problem.digest, fallback, return_lse)
         if memo not in self._decisions:
-            chosen, unusable = None, None
-            if self.backend == "auto" and not target.interpret:
+            chosen, unusable, verdict = None, None, None
+            dtype, choosing = jnp.dtype(query.dtype), self.backend == "auto" and not target.interpret
+            if choosing and self.strategy in ("auto", "ring"):
                 try:
-                    chosen = self._measured(problem, spec, jnp.dtype(query.dtype), target, return_lse)
+                    chosen = self._measured(problem, spec, dtype, target, return_lse)
                 except (CacheError, OSError) as error:  # reported by _lookup, which does not wait again
                     unusable = error
+            if choosing and self.strategy == "auto":
+                verdict = self._modelled(problem, spec, dtype, target, return_lse, unusable)
             if chosen is not None:
                 implementation, fallback = registry.get(chosen[0]), None
                 problem = dataclasses.replace(problem, backend=implementation.name)
@@ -206,8 +215,12 @@ class TunedRingAttention:
                 nothing_tuned = decision.source == "default" and decision.config.to_dict() == {"fwd": {}, "bwd": {}}
                 decision = dataclasses.replace(decision, source="measured" if nothing_tuned else decision.source,
                                                reason=f"{chosen[1]}; config: {decision.source} ({decision.reason})")
+            elif verdict is not None:
+                decision = self._by_model(verdict, decision, shapes, unusable)
+            if verdict is not None:
+                decision = dataclasses.replace(decision, predictions=verdict.predictions)
             self._decisions[memo] = decision
-            log.info("ring attention %s: %s, config from %s (%s)", problem.digest, decision.backend,
+            log.info("ring attention %s: %s, config from %s (%s)", decision.key.digest, decision.backend,
                      decision.source, decision.reason)
         return self._decisions[memo]
 
@@ -227,14 +240,64 @@ class TunedRingAttention:
     def _measured(self, key: ProblemKey, spec, dtype, target: registry.Target, return_lse: bool
                   ) -> tuple[str, str] | None:
         """What `auto` runs by measurement, and the reason to give (`tuner.measured`): only current,
-        valid measurements of implementations that can honour this call count. None to decide by the
+        valid measurements of implementations that can honour this call (and, with strategy="ring", are
+        rings) count; the measured ones that cannot are named with their reason. None to decide by the
         platform's preference. `CacheError` or `OSError` when the cache cannot be read."""
+        passed_over: dict[str, str] = {}
+
         def runnable(name: str) -> bool:
             implementation = registry.find(name)
-            return implementation is not None and registry.why_not(
-                implementation, spec, dtype, key.head_dim, target, return_lse=return_lse) is None
+            if implementation is None or self.strategy not in ("auto", registry.strategy_of(implementation)):
+                return False
+            reason = registry.why_not(implementation, spec, dtype, key.head_dim, target, return_lse=return_lse,
+                                      shapes=key, ring_size=key.ring_size)
+            if reason is not None:
+                passed_over[name] = reason
+            return reason is None
 
-        return measured.choose(Cache(self.db, busy_timeout=LOADER_BUSY_TIMEOUT_S), key, spec, runnable)
+        chosen = measured.choose(Cache(self.db, busy_timeout=LOADER_BUSY_TIMEOUT_S), key, spec, runnable)
+        if chosen is None or not passed_over:
+            return chosen
+        return chosen[0], f"{chosen[1]}; passed over: {'; '.join(f'{n} {r}' for n, r in passed_over.items())}"
+
+    def _modelled(self, key: ProblemKey, spec, dtype, target: registry.Target, return_lse: bool,
+                  unusable: CacheError | OSError | None) -> modelled.Verdict | None:
+        """The strategy model's verdict on this call (`tuner.modelled`), with the bench times of the cache
+        beside its predictions; None where the model does not decide (the CPU: a simulation platform)."""
+        platform = modelled.model_platform(target.platform, key.device_kind)
+        problem = None if platform is None or key.ring_size == 1 else modelled.problem_of(key, spec, key.ring_size,
+                                                                                           key.layout)
+        if problem is None:
+            return None
+
+        def runnable(strategy: str) -> str | None:
+            implementation = registry.find(strategy)
+            if implementation is None or registry.strategy_of(implementation) != strategy:
+                return "no implementation is registered for it"
+            return registry.why_not(implementation, spec, dtype, key.head_dim, target, return_lse=return_lse,
+                                    shapes=key, ring_size=key.ring_size)
+
+        try:
+            rows = [] if unusable else measured.decisions(Cache(self.db, busy_timeout=LOADER_BUSY_TIMEOUT_S), key, spec)
+        except (CacheError, OSError):  # reported by _lookup
+            rows = []
+        return modelled.decide(problem, platform, runnable, measured=modelled.bench_seconds(rows, key.backend),
+                               return_lse=return_lse)
+
+    def _by_model(self, verdict: modelled.Verdict, ring: Decision, shapes: LocalShapes,
+                  unusable: CacheError | OSError | None) -> Decision:
+        """The decision once the model has spoken: the strategy it picked (its config from the cache),
+        unless the ring is tuned for this problem; its reason in front either way."""
+        if verdict.strategy == "ring":
+            return dataclasses.replace(ring, reason=f"{verdict.reason}; {ring.reason}")
+        if ring.source in TUNED:
+            return dataclasses.replace(ring, reason=f"{verdict.reason}, but {ring.backend} is tuned for this problem "
+                                                    f"({ring.source}: {ring.reason}); strategy={verdict.strategy!r} "
+                                                    f"runs the other")
+        implementation = registry.get(verdict.strategy)
+        problem = dataclasses.replace(ring.key, backend=implementation.name)
+        decision = self._lookup(problem, shapes, ring.spec, ring.layout, implementation, None, unusable)
+        return dataclasses.replace(decision, reason=f"{verdict.reason}; config: {decision.source} ({decision.reason})")
 
     def _lookup(self, problem: ProblemKey, shapes: LocalShapes, spec, layout: str,
                 implementation: registry.Implementation, fallback: str | None,
@@ -296,6 +359,7 @@ def get_tuned_ring_attention(
     backend: str = "auto",
     db: str | None = None,
     mesh: Mesh | None = None,
+    strategy: str = "auto",
 ) -> TunedRingAttention:
     """Ring attention that runs the tuned variant for each problem it is traced with.
 
@@ -307,7 +371,13 @@ def get_tuned_ring_attention(
     `mesh`, call it on local shards inside your `shard_map` over `axis_name`, with `layout` saying how
     your shards hold the sequence (required on a ring of more than one device); without `axis_name`,
     on one device. `db` is the cache file (default `$TUNER_DB`, else `$TUNER_HOME/tuning.sqlite`).
+
+    `strategy` says how the devices share the work: "ring", "all_to_all" or "all_gather" runs that one
+    ("ring": over the kernel `backend` names, else the platform's); "auto" (the default) lets a
+    measurement in the cache pick, else on a TPU or H100 the strategy model (`tuner.modelled`), else the
+    ring. "hybrid" is not implemented yet.
     """
     return TunedRingAttention(axis_name=axis_name, causal=causal, sliding_window=sliding_window,
                               chunk_size=chunk_size, logits_soft_cap=logits_soft_cap,
-                              softmax_scale=softmax_scale, layout=layout, backend=backend, db=db, mesh=mesh)
+                              softmax_scale=softmax_scale, layout=layout, backend=backend, db=db, mesh=mesh,
+                              strategy=strategy)

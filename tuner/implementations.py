@@ -5,7 +5,8 @@ mechanisms.
   config is a `TileConfig`, forward and backward tiles.
 - `dense`, `jax_nn`: every device all-gathers K/V and attends densely (`tuner.mechanisms`); nothing to
   tune (`NoConfig`), but measured against the rings by `tuner bench --mechanisms`, which can win at
-  short lengths.
+  short lengths. Their strategy is `registry.GATHERED`, none of `strategy=`'s: they run when named by
+  `backend=`, or under `auto` by measurement.
 - `all_to_all`: Ulysses, registered by `tuner.all_to_all` (it builds on `TileConfig` and `TileSpace`):
   all-to-all from sequence shards to head groups (query heads a multiple of the ring size; kv heads
   repeated to the fewest copies that split), the scan ring over the whole sequence, all-to-all back;
@@ -130,6 +131,7 @@ class Ring:
 
     config_type = TileConfig
     gathered = False
+    strategy = "ring"
 
     def __init__(self, backend: Backend):
         self.kernel = backend
@@ -174,6 +176,7 @@ class Gathered:
 
     config_type = NoConfig
     gathered = True
+    strategy = registry.GATHERED  # none of `registry.STRATEGIES`: `strategy=` never selects it
     packages = ()
 
     def __init__(self, name: str, summary: str):

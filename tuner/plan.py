@@ -25,6 +25,7 @@ from tuner.registry import Config
 from tuner.spec import AttentionSpec, LocalShapes, build_spec, check_inputs, layout_span
 
 MASK_OPTIONS = ("causal", "sliding_window", "chunk_size", "logits_soft_cap", "softmax_scale")
+SELECTING = ("all_to_all", "all_gather")  # strategies of one implementation each, of the same name
 ARRAY_OPTIONS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions", "softmax_aux", "bias")
 
 
@@ -39,12 +40,32 @@ class Resolved:
     fallback: str | None
 
 
+def check_strategy(strategy: str, backend: str) -> None:
+    """`ValueError` naming `strategy` for a value that is not one, or "hybrid" (not implemented yet), and
+    naming both arguments when `backend` names an implementation of another strategy."""
+    if not isinstance(strategy, str) or strategy not in ("auto", *registry.STRATEGIES):
+        raise ValueError(f"strategy must be one of {', '.join(('auto', *registry.STRATEGIES))}, got {strategy!r}")
+    if strategy == "hybrid":
+        raise ValueError("strategy='hybrid' (all-to-all within groups of devices, a ring across them) is not "
+                         "implemented yet; use strategy='ring', 'all_to_all', 'all_gather' or 'auto'")
+    if strategy == "auto" or backend == "auto":
+        return
+    its = registry.strategy_of(registry.get(backend))
+    if its != strategy:
+        raise ValueError(f"backend {backend!r} runs the {its!r} strategy, not strategy={strategy!r}: pass "
+                         f"backend='auto' with strategy={strategy!r}, or strategy='auto' with backend={backend!r}")
+
+
 def resolve(query, key, value, *, ring_size: int, layout: str, backend: str, target: registry.Target,
-            mask: dict[str, Any], arrays: dict[str, Any], return_lse: bool = False) -> Resolved:
+            mask: dict[str, Any], arrays: dict[str, Any], return_lse: bool = False, strategy: str = "auto"
+            ) -> Resolved:
     """The `Resolved` call of `query`/`key`/`value` (local shards, or `ShapeDtypeStruct`s) on a ring of
     `ring_size` in `layout`, with the mask options `mask` (`MASK_OPTIONS`) and the per-call arrays
     `arrays` (`ARRAY_OPTIONS`, None when absent). `backend` names an implementation, or "auto" for
-    the platform's preference. `ValueError` naming the argument for anything that cannot run."""
+    the platform's preference; `strategy` ("auto" or one of `registry.STRATEGIES`) "all_to_all" or
+    "all_gather" selects that implementation, "ring" keeps `backend` to a ring's (`check_strategy`).
+    `ValueError` naming the argument for anything that cannot run, its shapes on this ring included."""
+    check_strategy(strategy, backend)
     unknown = sorted(set(mask) - set(MASK_OPTIONS)) + sorted(set(arrays) - set(ARRAY_OPTIONS))
     if unknown:
         raise TypeError(f"unknown option(s) {', '.join(unknown)}; mask options are {', '.join(MASK_OPTIONS)}, "
@@ -58,12 +79,14 @@ def resolve(query, key, value, *, ring_size: int, layout: str, backend: str, tar
                       softmax_aux=arrays["softmax_aux"], **mask,
                       position_span=layout_span(ring_size, query.shape[1], key.shape[1], arrays["q_positions"],
                                                 arrays["kv_positions"]))
-    dtype, head_dim = jnp.dtype(query.dtype), query.shape[3]
-    if backend != "auto":
-        implementation = registry.choose(backend, spec, dtype, head_dim, target, return_lse=return_lse)
-        return Resolved(spec, LocalShapes.of_shards(query, key), implementation, None)
-    implementation, passed_over = registry.resolve_auto(spec, dtype, head_dim, target, return_lse=return_lse)
-    return Resolved(spec, LocalShapes.of_shards(query, key), implementation, "; ".join(passed_over) or None)
+    dtype, head_dim, shapes = jnp.dtype(query.dtype), query.shape[3], LocalShapes.of_shards(query, key)
+    call = dict(return_lse=return_lse, shapes=shapes, ring_size=ring_size)
+    if strategy in SELECTING or backend != "auto":
+        argument, name = ("strategy", strategy) if strategy in SELECTING else ("backend", backend)
+        implementation = registry.choose(name, spec, dtype, head_dim, target, argument=argument, **call)
+        return Resolved(spec, shapes, implementation, None)
+    implementation, passed_over = registry.resolve_auto(spec, dtype, head_dim, target, **call)
+    return Resolved(spec, shapes, implementation, "; ".join(passed_over) or None)
 
 
 @dataclass(frozen=True)
@@ -71,7 +94,9 @@ class Plan:
     """What the loader runs for one problem, and why: the registered implementation `backend` (a ring
     over a block kernel, a gathered mechanism, or one a user registered) with `config`, for the call
     whose spec is `spec` on shards in `layout`; `source` and `reason` say where the config came from,
-    `key` is the problem's cache key."""
+    `key` is the problem's cache key. `predictions`, where the strategy model has the platform
+    (`tuner.modelled`), are its `(strategy, predicted seconds, measured seconds or None)` of each strategy,
+    fastest predicted first: the measured ones are `tuner bench --mechanisms` times."""
 
     backend: str
     config: Config
@@ -80,6 +105,7 @@ class Plan:
     key: ProblemKey
     spec: AttentionSpec
     layout: str
+    predictions: tuple[tuple[str, float, float | None], ...] | None = None
 
     @property
     def fwd_params(self) -> FwdParams | None:
@@ -94,4 +120,4 @@ class Plan:
         return bwd if isinstance(bwd, BwdParams) else None
 
 
-__all__ = ["ARRAY_OPTIONS", "MASK_OPTIONS", "Plan", "Resolved", "resolve"]
+__all__ = ["ARRAY_OPTIONS", "MASK_OPTIONS", "SELECTING", "Plan", "Resolved", "check_strategy", "resolve"]

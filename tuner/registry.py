@@ -35,6 +35,11 @@ PREFERENCE: dict[str, tuple[str, ...]] = {
 }
 FALLBACK = "scan"  # every platform, every feature
 
+# How an implementation parallelizes over the ring's devices (`strategy_of`; `tuner.strategy_model` ranks them).
+# "hybrid" (all-to-all within groups, a ring across them) is modelled but not implemented yet.
+STRATEGIES = ("ring", "all_to_all", "all_gather", "hybrid")
+GATHERED = "gathered"  # the gathered dense mechanisms: no strategy of their own, reachable only by `backend=`
+
 
 @dataclass(frozen=True)
 class Target:
@@ -120,7 +125,14 @@ class ChoiceSpace:
 
 
 class Implementation(Protocol):
-    """What the tools need from an implementation."""
+    """What the tools need from an implementation.
+
+    Two members are optional, read through `strategy_of` and `shape_violation` (hasattr-guarded):
+    `strategy: str`, one of `STRATEGIES` or `GATHERED` (default: "ring" unless `gathered`), what
+    `strategy=` selects it by; and `shape_violation(shapes: LocalShapes, ring_size: int) -> str | None`,
+    why one device's shapes on a ring of `ring_size` cannot run (the other hooks see no ring size),
+    checked when a call is resolved, so a call asking for it by name fails there, and `auto` skips it.
+    """
 
     name: str
     summary: str  # one line: what it does, for tables
@@ -211,24 +223,43 @@ def find(name: str) -> Implementation | None:
     return _REGISTRY.get(name)
 
 
+def strategy_of(implementation: Implementation) -> str:
+    """How `implementation` parallelizes: its `strategy`, else "ring" unless it is `gathered` (`GATHERED`)."""
+    declared = getattr(implementation, "strategy", None)
+    if declared is not None:
+        return declared
+    return GATHERED if implementation.gathered else "ring"
+
+
+def shape_violation(implementation: Implementation, shapes: LocalShapes, ring_size: int) -> str | None:
+    """Why `implementation` cannot run one device's `shapes` on a ring of `ring_size` (its optional hook)."""
+    hook = getattr(implementation, "shape_violation", None)
+    return None if hook is None else hook(shapes, ring_size)
+
+
 def why_not(implementation: Implementation, spec: AttentionSpec, dtype: Any, head_dim: int, target: Target,
-            *, return_lse: bool = False) -> str | None:
-    """Why `implementation` cannot run this call on `target` (unavailable, or a feature it lacks)."""
+            *, return_lse: bool = False, shapes: LocalShapes | None = None, ring_size: int = 1) -> str | None:
+    """Why `implementation` cannot run this call on `target` (unavailable, a feature it lacks, or with
+    `shapes`, one device's shapes on a ring of `ring_size` it cannot split)."""
     reason = implementation.available(target)
     if reason is not None:
         return f"cannot run here: {reason}"
     reason = implementation.supports(spec, dtype, head_dim, return_lse=return_lse)
-    return None if reason is None else f"does not support {reason}"
+    if reason is not None:
+        return f"does not support {reason}"
+    reason = None if shapes is None else shape_violation(implementation, shapes, ring_size)
+    return None if reason is None else f"cannot run these shapes: {reason}"
 
 
-def resolve_auto(spec: AttentionSpec, dtype: Any, head_dim: int, target: Target, *, return_lse: bool = False
-                 ) -> tuple[Implementation, list[str]]:
+def resolve_auto(spec: AttentionSpec, dtype: Any, head_dim: int, target: Target, *, return_lse: bool = False,
+                 shapes: LocalShapes | None = None, ring_size: int = 1) -> tuple[Implementation, list[str]]:
     """The first implementation of the platform's preference that can run the call, and why each one
     before it was passed over."""
     passed_over = []
     for name in PREFERENCE.get(target.platform, (FALLBACK,)):
         implementation = get(name)
-        reason = why_not(implementation, spec, dtype, head_dim, target, return_lse=return_lse)
+        reason = why_not(implementation, spec, dtype, head_dim, target, return_lse=return_lse, shapes=shapes,
+                         ring_size=ring_size)
         if reason is None:
             return implementation, passed_over
         passed_over.append(f"{name} {reason}")
@@ -236,15 +267,18 @@ def resolve_auto(spec: AttentionSpec, dtype: Any, head_dim: int, target: Target,
 
 
 def choose(name: str, spec: AttentionSpec, dtype: Any, head_dim: int, target: Target, *,
-           return_lse: bool = False) -> Implementation:
+           return_lse: bool = False, shapes: LocalShapes | None = None, ring_size: int = 1,
+           argument: str = "backend") -> Implementation:
     """Resolve `name` ("auto" or an implementation's name) for this call: a named one that cannot run
-    it raises `ValueError` saying why; "auto" takes the platform's preference."""
+    it raises `ValueError` saying why, naming the `argument` that asked for it; "auto" takes the
+    platform's preference."""
+    placement = dict(shapes=shapes, ring_size=ring_size)
     if name == "auto":
-        return resolve_auto(spec, dtype, head_dim, target, return_lse=return_lse)[0]
+        return resolve_auto(spec, dtype, head_dim, target, return_lse=return_lse, **placement)[0]
     implementation = get(name)
-    reason = why_not(implementation, spec, dtype, head_dim, target, return_lse=return_lse)
+    reason = why_not(implementation, spec, dtype, head_dim, target, return_lse=return_lse, **placement)
     if reason is not None:
-        raise ValueError(f"backend {name!r} {reason}; use backend='auto' to fall back to one that can")
+        raise ValueError(f"{argument} {name!r} {reason}; use {argument}='auto' to fall back to one that can")
     return implementation
 
 
@@ -272,6 +306,7 @@ def combine(implementation: Implementation, fwd_from: Config, bwd_from: Config) 
     return config_from_parts(implementation, fwd_from.to_dict()["fwd"], bwd_from.to_dict()["bwd"])
 
 
-__all__ = ["FALLBACK", "OBJECTIVE_PARTS", "PARTS", "PREFERENCE", "ChoiceSpace", "Config", "Implementation", "Space",
-           "Target", "choose", "combine", "config_from_parts", "find", "get", "label", "names", "register",
-           "registered", "resolve_auto", "unregister", "versions", "why_not"]
+__all__ = ["FALLBACK", "GATHERED", "OBJECTIVE_PARTS", "PARTS", "PREFERENCE", "STRATEGIES", "ChoiceSpace", "Config",
+           "Implementation", "Space", "Target", "choose", "combine", "config_from_parts", "find", "get", "label",
+           "names", "register", "registered", "resolve_auto", "shape_violation", "strategy_of", "unregister",
+           "versions", "why_not"]

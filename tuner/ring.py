@@ -283,6 +283,7 @@ def ring_attention(
     bwd_params: BwdParams | None = None,
     interpret: bool = False,
     return_lse: bool = False,
+    strategy: str = "ring",
 ):
     """Exact attention of `query [B,Tq,H,D]` over `key`/`value [B,Tk,Hkv,D]`, differentiable.
 
@@ -300,11 +301,18 @@ def ring_attention(
     `fwd_params`/`bwd_params` override its tiles. `interpret=True` runs kernel backends in their
     interpreter on the CPU (the pure-JAX scan backend runs the same either way). Returns the output in
     the query's dtype, and with `return_lse` also the float32 log-sum-exp `[B, H, Tq]`.
+
+    `strategy="all_to_all"` (Ulysses: H % ring size == 0) or `"all_gather"` (K/V gathered whole) runs that
+    strategy instead of the ring; its inner scan takes `fwd_params`/`bwd_params`, else its defaults.
+    ("hybrid" is not implemented yet; "auto", which picks by measurement, is `get_tuned_ring_attention`'s.)
     """
     if not isinstance(layout, str) or layout not in layouts.LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(layouts.LAYOUTS)}, got {layout!r}")
     if not isinstance(backend, str):
         raise ValueError(f"backend must be a string, got {backend!r}")
+    if strategy == "auto":
+        raise ValueError(f"strategy must be one of {', '.join(registry.STRATEGIES)} (ring_attention reads no "
+                         f"cache: strategy='auto' is get_tuned_ring_attention's), got 'auto'")
     for name, params, kind in (("fwd_params", fwd_params, FwdParams), ("bwd_params", bwd_params, BwdParams)):
         if params is not None and not isinstance(params, kind):
             raise ValueError(f"{name} must be a {kind.__name__} or None, got {type(params).__name__}")
@@ -313,8 +321,11 @@ def ring_attention(
     mask = dict(causal=causal, sliding_window=sliding_window, chunk_size=chunk_size,
                 logits_soft_cap=logits_soft_cap, softmax_scale=softmax_scale)
     size = ring_geometry(axis_name)[0]
-    resolved = plan.resolve(query, key, value, ring_size=size, layout=layout,
-                            backend=backend, target=registry.Target.here(bool(interpret)), mask=mask, arrays=arrays)
+    resolved = plan.resolve(query, key, value, ring_size=size, layout=layout, backend=backend, strategy=strategy,
+                            target=registry.Target.here(bool(interpret)), mask=mask, arrays=arrays)
+    if strategy in plan.SELECTING:
+        return _run_strategy(query, key, value, resolved, arrays, mask, fwd_params, bwd_params, axis_name=axis_name,
+                             layout=layout, backend=backend, interpret=bool(interpret), return_lse=return_lse)
     chosen = block_kernel(resolved.implementation.name)
     default_fwd, default_bwd = chosen.default_params(query.shape[1], key.shape[1], query.shape[3])
     given = [name for name, params in (("fwd_params", fwd_params), ("bwd_params", bwd_params)) if params is not None]
@@ -328,6 +339,28 @@ def ring_attention(
         return record.watch(noted, run_ring(
             query, key, value, spec=resolved.spec, backend=chosen.name, fwd_params=fwd_params, bwd_params=bwd_params,
             axis_name=axis_name, layout=layout, interpret=interpret, return_lse=return_lse, **arrays))
+
+
+def _run_strategy(query, key, value, resolved: plan.Resolved, arrays: dict, mask: dict, fwd_params: FwdParams | None,
+                  bwd_params: BwdParams | None, *, axis_name: Hashable | None, layout: str, backend: str,
+                  interpret: bool, return_lse: bool):
+    """`ring_attention` of a strategy other than the ring: its implementation's `attend`, with its default
+    config where the caller gave no params."""
+    implementation = resolved.implementation
+    default = implementation.default_config(resolved.shapes, resolved.spec).to_dict()
+    given = {"fwd": fwd_params, "bwd": bwd_params}
+    parts = [default[p] if given[p] is None else given[p].to_dict() for p in registry.PARTS]
+    config = registry.config_from_parts(implementation, *parts)
+    implementation.check(config)
+    named = [f"{p}_params" for p in registry.PARTS if given[p] is not None]
+    noted = _note(query, key, value, arrays, mask, resolved, ring_geometry(axis_name)[0], layout, backend, interpret,
+                  return_lse,
+                  reason=f"strategy {implementation.name}: {' and '.join(named) or 'no params'} given by the caller, "
+                         f"the rest its defaults; ring_attention does not read the cache")
+    with record.scope(noted):
+        return record.watch(noted, implementation.attend(
+            query, key, value, spec=resolved.spec, config=config, axis_name=axis_name, layout=layout,
+            interpret=interpret, return_lse=return_lse, **arrays))
 
 
 def _note(query, key, value, arrays: dict, mask: dict, resolved: plan.Resolved, size: int, layout: str,

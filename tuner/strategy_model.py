@@ -60,9 +60,9 @@ import numpy as np
 from tuner.all_to_all import kv_repeats
 from tuner.hlo import COLLECTIVE_KINDS
 from tuner.problem import Problem
+from tuner.registry import STRATEGIES
 from tuner.tpu_model import CHIPS, FLOAT32_PASSES
 
-STRATEGIES = ("ring", "all_to_all", "all_gather", "hybrid")
 BACKWARD_FLOPS = 2.5  # backward FLOPs per forward FLOP: five block matmuls (s, dp, dv, dk, dq) for two
 BALANCED = ("zigzag", "striped")  # layouts whose causal work is the same on every device
 TORUS_PORTS = {"v4": 6, "v5e": 4, "v5p": 6, "v6e": 4}

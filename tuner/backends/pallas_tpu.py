@@ -17,7 +17,6 @@ dq would need atomics), and bias and float16 are not supported (`backend="auto"`
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,8 @@ from tuner import codegen, masks, vma
 from tuner.backends.base import SearchSpace, reject_settings, source_hash
 from tuner.params import BwdParams, FwdParams
 from tuner.spec import AttentionSpec, LocalShapes
+from tuner.backends.tpu_memory import FALLBACK_TILES, GENERATION_TILES, LANES, chip, fitted_tiles, vmem_bytes
+from tuner.backends.tpu_memory import vmem_limit_bytes
 from tuner.targets import compile_target
 
 TEMPLATE = "attention.py.j2"
@@ -36,10 +37,6 @@ Q_ALIGN, KV_ALIGN = 8, 128  # a tile shorter than the sequence: sublane multiple
 Q_TILES = (128, 256, 512, 1024)
 KV_TILES = (128, 256, 512, 1024, 2048)
 COMPUTE_TILES = (128, 256, 512)
-LANES, SUBLANES = 128, 8
-DEFAULT_CHIP = "v5e"  # what the constraints assume without a TPU; TUNER_TPU_CHIP overrides
-
-
 def _dtype_name(dtype: Any) -> str:
     return jnp.dtype(dtype).name
 
@@ -93,62 +90,6 @@ def bwd_tiles(params: BwdParams, q_len: int, kv_len: int) -> tuple[tuple[int, in
              _tile("bwd_params.block_kv_dkv", params.block_kv_dkv, kv_len, KV_ALIGN)),
             (_tile("bwd_params.block_q_dq", params.block_q_dq, q_len, Q_ALIGN),
              _tile("bwd_params.block_kv_dq", params.block_kv_dq, kv_len, KV_ALIGN)))
-
-
-CHIPS = {"TPU v2": "v2", "TPU v3": "v3", "TPU v4": "v4", "TPU v4 lite": "v4i", "TPU v5 lite": "v5e", "TPU v5e": "v5e",
-         "TPU v5": "v5p", "TPU v5p": "v5p", "TPU v6 lite": "v6e", "TPU v6e": "v6e", "TPU7x": "7x"}  # device kind
-
-
-def chip() -> Any:
-    """`pltpu.TpuInfo` of the TPU the program is built for: the chip of the mesh being traced
-    (`tuner.targets.compile_target`: a TPU present, or a topology compiled for with libtpu), else
-    `$TUNER_TPU_CHIP` (default v5e) -- what the search's constraints assume on a host without one."""
-    from jax.experimental.pallas import tpu as pltpu
-
-    platform, device_kind = compile_target()
-    if platform == "tpu":
-        if jax.default_backend() == "tpu" and jax.devices()[0].device_kind == device_kind:
-            return pltpu.get_tpu_info()  # the TPU present
-        if device_kind not in CHIPS:
-            raise ValueError(f"TPU device kind {device_kind!r} is not one ring-tuner knows ({', '.join(CHIPS)})")
-        name = CHIPS[device_kind]
-    else:
-        name = os.environ.get("TUNER_TPU_CHIP", DEFAULT_CHIP)
-    try:
-        version = pltpu.ChipVersion(name)
-    except ValueError:
-        known = ", ".join(v.value for v in pltpu.ChipVersion)
-        raise ValueError(f"TUNER_TPU_CHIP must be one of {known}, got {name!r}") from None
-    return pltpu.get_tpu_info_for_chip(version, 1)
-
-
-def vmem_limit_bytes(info: Any = None) -> int:
-    """The scoped VMEM the kernels ask Mosaic for: half the VMEM of the chip (`info`, default `chip()`);
-    the rest stays for Mosaic's own scratch and what the estimate leaves out."""
-    return (info or chip()).vmem_capacity_bytes // 2
-
-
-def _rows(n: int, width: int, itemsize: int) -> int:
-    """VMEM bytes of an `[n, width]` buffer: the minor dim pads to 128 lanes, the other to 8 sublanes."""
-    return -(-n // SUBLANES) * SUBLANES * -(-width // LANES) * LANES * itemsize
-
-
-def vmem_bytes(kernel: str, block_q: int, block_kv: int, head_dim: int, dtype: Any, ids: int,
-               block_kv_compute: int | None = None) -> int:
-    """An estimate of one kernel's VMEM: double-buffered input and output blocks, scratch, and the
-    float32 `[block_q, block_kv]` temporaries (s, p and the mask; dp and ds in the backward)."""
-    item = jnp.dtype(dtype).itemsize
-    q_rows, kv_rows = _rows(block_q, head_dim, item), _rows(block_kv, head_dim, item)
-    ids_bytes = _rows(block_q, ids, 4) + _rows(ids, block_kv, 4)
-    stats = _rows(block_q, 1, 4)
-    if kernel == "fwd":
-        inputs = q_rows + 2 * kv_rows + ids_bytes
-        outputs = _rows(block_q, head_dim, 4) + stats
-        scratch = _rows(block_q, head_dim, 4) + 2 * stats
-        return 2 * (inputs + outputs) + scratch + 3 * _rows(block_q, block_kv_compute or block_kv, 4)
-    inputs = 2 * q_rows + 2 * kv_rows + 2 * stats + ids_bytes
-    outputs = 2 * _rows(block_kv, head_dim, 4) if kernel == "dkv" else _rows(block_q, head_dim, 4)
-    return 2 * (inputs + outputs) + 4 * _rows(block_q, block_kv, 4)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -245,14 +186,20 @@ class PallasTpuBackend:
                              "computes dq in its own kernel")
 
     def default_params(self, q_len: int, kv_len: int, head_dim: int) -> tuple[FwdParams, BwdParams]:
-        """512-query tiles against 1024-key tiles computed 512 at a time, and 512x512 backward tiles:
-        a starting point in the range TPU flash kernels use, not yet measured on a TPU. Tiles are cut
-        to the local lengths."""
-        fwd = FwdParams(block_q=min(512, q_len), block_kv=min(1024, kv_len),
-                        block_kv_compute=min(512, kv_len))
-        bwd = BwdParams(block_q_dkv=min(512, q_len), block_kv_dkv=min(512, kv_len),
-                        block_q_dq=min(512, q_len), block_kv_dq=min(512, kv_len))
-        return fwd, bwd
+        """The tiles of the target chip's generation (`GENERATION_TILES`, chosen from compile results;
+        `FALLBACK_TILES` elsewhere), each kernel's halved until the VMEM estimate for float32 at this
+        head dim fits the chip's limit (the defaults never depend on the dtype), cut to the local
+        lengths. Not yet measured on a TPU."""
+        info = chip()
+        fwd, bwd = GENERATION_TILES.get(info.chip_version.value, FALLBACK_TILES)
+        limit = vmem_limit_bytes(info)
+        fwd_q, fwd_kv = fitted_tiles("fwd", fwd.block_q, fwd.block_kv, head_dim, limit, fwd.block_kv_compute)
+        dkv_q, dkv_kv = fitted_tiles("dkv", bwd.block_q_dkv, bwd.block_kv_dkv, head_dim, limit)
+        dq_q, dq_kv = fitted_tiles("dq", bwd.block_q_dq, bwd.block_kv_dq, head_dim, limit)
+        return (FwdParams(block_q=min(fwd_q, q_len), block_kv=min(fwd_kv, kv_len),
+                          block_kv_compute=min(fwd.block_kv_compute, fwd_kv, kv_len)),
+                BwdParams(block_q_dkv=min(dkv_q, q_len), block_kv_dkv=min(dkv_kv, kv_len),
+                          block_q_dq=min(dq_q, q_len), block_kv_dq=min(dq_kv, kv_len)))
 
     def search_space(self, shapes: LocalShapes, spec: AttentionSpec) -> SearchSpace:
         """Tiles shorter than the local length from the lists above, and the whole length when it is

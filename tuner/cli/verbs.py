@@ -95,11 +95,11 @@ def _dry_run(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from tuner.backends import pallas_tpu
+    from tuner.backends import tpu_memory
     from tuner.dryrun import dry_run
 
     try:
-        chip = pallas_tpu.chip()
+        chip = tpu_memory.chip()
     except ValueError as error:
         raise UsageError(str(error)) from None
     print(f"dry run of the pallas_tpu search space for {problem.describe()}\n  constraints for TPU "
