@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -37,10 +36,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from tuner import layouts, registry, vma
-from tuner.backends import BACKENDS, scan, scan_kernel, scan_tiling
-from tuner.backends.base import SearchSpace, source_hash
-from tuner.implementations import TileConfig, TileSpace
-from tuner.registry import Target
+from tuner.backends.base import SearchSpace
+from tuner.implementations import ExchangedScan, TileConfig, TileSpace
 from tuner.ring import ring_geometry, run_ring
 from tuner.spec import INT32_MAX, AttentionSpec, LocalShapes
 
@@ -76,20 +73,15 @@ def check_memory(shapes: LocalShapes, ring_size: int) -> None:
         raise ValueError(reason)
 
 
-class AllGather:
+class AllGather(ExchangedScan):
     """All-gather K/V over the ring's axis, then the scan ring at ring size 1 of the local queries over
     the whole sequence (module docstring)."""
 
     name = "all_gather"
     summary = ("all-gather K/V (refused over half the device memory), "
                "scan of the local queries over the whole sequence")
-    config_type = TileConfig
-    gathered = True
     strategy = "all_gather"
-    packages = ()
-
-    def __init__(self) -> None:
-        self.inner = BACKENDS[INNER]  # not `kernel`: the ring driver would take this for a ring
+    bias_reason = BIAS_REASON
 
     def shape_violation(self, shapes: LocalShapes, ring_size: int) -> str | None:
         return memory_violation(shapes, ring_size)
@@ -98,16 +90,6 @@ class AllGather:
     def _full(shapes: LocalShapes) -> LocalShapes:
         """The shapes the default and the space are sized for: `H * T/P` keys, the local queries."""
         return dataclasses.replace(shapes, kv_len=shapes.heads * shapes.kv_len)
-
-    def available(self, target: Target) -> str | None:
-        return self.inner.unavailable_reason(target.interpret, target.platform)
-
-    def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int, *, return_lse: bool = False) -> str | None:
-        return BIAS_REASON if spec.has_bias else self.inner.supports(spec, dtype, head_dim)
-
-    def default_config(self, shapes: LocalShapes, spec: AttentionSpec) -> TileConfig:
-        full = self._full(shapes)
-        return TileConfig(*self.inner.default_params(full.q_len, full.kv_len, full.head_dim))
 
     def space(self, shapes: LocalShapes, spec: AttentionSpec) -> registry.Space:
         candidates = self.inner.search_space(self._full(shapes), spec)
@@ -126,17 +108,6 @@ class AllGather:
         bound = dataclasses.replace(shapes, kv_len=INT32_MAX)
         return self.inner.violation(bound, spec, config.fwd if "fwd" in parts else None,
                                     config.bwd if "bwd" in parts else None)
-
-    def check(self, config: TileConfig) -> None:
-        if not isinstance(config, TileConfig):
-            raise ValueError(f"{self.name} takes a TileConfig, got {config!r}")
-        self.inner.check_params(config.fwd, config.bwd)
-
-    def code_hash(self) -> str:
-        return source_hash(Path(__file__), *(Path(m.__file__) for m in (scan, scan_kernel, scan_tiling)))
-
-    def vma_checked(self, target: Target) -> bool:
-        return True
 
     def attend(self, query, key, value, *, spec: AttentionSpec, config: TileConfig, axis_name: Hashable | None,
                layout: str, interpret: bool = False, **arrays: Any) -> Any:

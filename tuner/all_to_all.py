@@ -30,17 +30,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Hashable
-from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
 from jax import lax
 
 from tuner import layouts, registry, vma
-from tuner.backends import BACKENDS, scan, scan_kernel, scan_tiling
-from tuner.backends.base import source_hash
-from tuner.implementations import TileConfig, TileSpace
-from tuner.registry import Target
+from tuner.implementations import ExchangedScan, TileConfig, TileSpace
 from tuner.ring import ring_geometry, run_ring
 from tuner.spec import AttentionSpec, LocalShapes
 
@@ -66,20 +62,15 @@ def kv_repeats(heads: int, kv_heads: int, ring_size: int) -> int:
     return ring_size // math.gcd(kv_heads, ring_size)
 
 
-class AllToAll:
+class AllToAll(ExchangedScan):
     """Ulysses: all-to-all from sequence shards to head groups, the scan ring at ring size 1 over the
     whole sequence, all-to-all back (module docstring)."""
 
     name = "all_to_all"
     summary = ("all-to-all to head groups (H % P == 0; kv heads repeated when Hkv % P != 0), "
                "scan over the whole sequence, all-to-all back")
-    config_type = TileConfig
-    gathered = True
     strategy = "all_to_all"
-    packages = ()
-
-    def __init__(self) -> None:
-        self.inner = BACKENDS[INNER]  # not `kernel`: the ring driver would take this for a ring
+    bias_reason = BIAS_REASON
 
     def shape_violation(self, shapes: LocalShapes, ring_size: int) -> str | None:
         return heads_violation(shapes.heads, ring_size)
@@ -88,16 +79,6 @@ class AllToAll:
     def _full(shapes: LocalShapes) -> LocalShapes:
         """The longest full-length shapes these shards can have: `H * T/P` tokens (P divides H, so P <= H)."""
         return dataclasses.replace(shapes, q_len=shapes.heads * shapes.q_len, kv_len=shapes.heads * shapes.kv_len)
-
-    def available(self, target: Target) -> str | None:
-        return self.inner.unavailable_reason(target.interpret, target.platform)
-
-    def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int, *, return_lse: bool = False) -> str | None:
-        return BIAS_REASON if spec.has_bias else self.inner.supports(spec, dtype, head_dim)
-
-    def default_config(self, shapes: LocalShapes, spec: AttentionSpec) -> TileConfig:
-        full = self._full(shapes)
-        return TileConfig(*self.inner.default_params(full.q_len, full.kv_len, full.head_dim))
 
     def space(self, shapes: LocalShapes, spec: AttentionSpec) -> registry.Space:
         return TileSpace(self.inner.search_space(self._full(shapes), spec))
@@ -109,17 +90,6 @@ class AllToAll:
         bound = dataclasses.replace(shapes, kv_len=self._full(shapes).kv_len)
         return self.inner.violation(bound, spec, config.fwd if "fwd" in parts else None,
                                     config.bwd if "bwd" in parts else None)
-
-    def check(self, config: TileConfig) -> None:
-        if not isinstance(config, TileConfig):
-            raise ValueError(f"{self.name} takes a TileConfig, got {config!r}")
-        self.inner.check_params(config.fwd, config.bwd)
-
-    def code_hash(self) -> str:
-        return source_hash(Path(__file__), *(Path(m.__file__) for m in (scan, scan_kernel, scan_tiling)))
-
-    def vma_checked(self, target: Target) -> bool:
-        return True
 
     def attend(self, query, key, value, *, spec: AttentionSpec, config: TileConfig, axis_name: Hashable | None,
                layout: str, interpret: bool = False, **arrays: Any) -> Any:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -53,15 +54,19 @@ def libtpu_missing() -> str | None:
     return None
 
 
+_TOPOLOGY_LOCK = threading.Lock()  # libtpu's client is created by the first call: never two at once
+
+
 @functools.cache
 def topology_mesh(target: str) -> Mesh:
     """A one-axis mesh over the devices of the TPU topology `target` (e.g. "v5e:2x2"); `ValueError`
-    naming it when the topology API does not know it."""
+    naming it when the topology API does not know it. Safe to call from threads."""
     from jax.experimental import topologies
 
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     try:
-        devices = topologies.get_topology_desc(platform="tpu", topology_name=target).devices
+        with _TOPOLOGY_LOCK:
+            devices = topologies.get_topology_desc(platform="tpu", topology_name=target).devices
     except Exception as error:  # noqa: BLE001 - libtpu's errors name no argument
         raise ValueError(f"--target {target}: libtpu gives no such topology ({error_line(error, 200)}); known "
                          f"targets: {', '.join(TARGETS)}") from None

@@ -16,6 +16,7 @@ mechanisms.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,9 +215,57 @@ class Gathered:
                                              layout=layout, **arrays)
 
 
+class ExchangedScan:
+    """The hooks shared by the implementations that exchange shards over the ring's axis and then run
+    the scan ring at ring size 1 over what they gathered (`tuner.all_to_all`, `tuner.all_gather`): the
+    scan backend's availability, features (less bias: `bias_reason`) and tiles, sized for the gathered
+    length `_full(shapes)`."""
+
+    config_type = TileConfig
+    gathered = True
+    packages = ()
+    name: str
+    bias_reason: str
+
+    def __init__(self) -> None:
+        self.inner = BACKENDS["scan"]  # not `kernel`: the ring driver would take this for a ring
+
+    @staticmethod
+    def _full(shapes: LocalShapes) -> LocalShapes:
+        """The shapes the default config and the space are sized for."""
+        raise NotImplementedError
+
+    def available(self, target: Target) -> str | None:
+        return self.inner.unavailable_reason(target.interpret, target.platform)
+
+    def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int, *, return_lse: bool = False) -> str | None:
+        return self.bias_reason if spec.has_bias else self.inner.supports(spec, dtype, head_dim)
+
+    def default_config(self, shapes: LocalShapes, spec: AttentionSpec) -> TileConfig:
+        full = self._full(shapes)
+        return TileConfig(*self.inner.default_params(full.q_len, full.kv_len, full.head_dim))
+
+    def check(self, config: TileConfig) -> None:
+        if not isinstance(config, TileConfig):
+            raise ValueError(f"{self.name} takes a TileConfig, got {config!r}")
+        self.inner.check_params(config.fwd, config.bwd)
+
+    def code_hash(self) -> str:
+        from tuner.backends import scan, scan_kernel, scan_tiling
+
+        own = Path(sys.modules[type(self).__module__].__file__)
+        return source_hash(own, *(Path(m.__file__) for m in (scan, scan_kernel, scan_tiling)))
+
+    def vma_checked(self, target: Target) -> bool:
+        return True
+
+
 for _backend in BACKENDS.values():
     registry.register(Ring(_backend))
+
+
 registry.register(Gathered("dense", "all-gather K/V, tuner.reference.dense_attention"))
 registry.register(Gathered("jax_nn", "all-gather K/V, jax.nn.dot_product_attention"))
 
-__all__ = ["Gathered", "NoConfig", "Ring", "TileConfig"]
+
+__all__ = ["ExchangedScan", "Gathered", "NoConfig", "Ring", "TileConfig"]
