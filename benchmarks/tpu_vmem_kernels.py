@@ -9,7 +9,7 @@ device), compiles one ring step's kernels alone (`tuner.compiled.compile_step`) 
 point of the pallas_tpu search space and every backward tile pair (the dK/dV and dQ kernels with the
 same tiles) with no tile under `--min-tile`, those the VMEM constraint rules out included, and records
 per kernel the compiler's verdict, the VMEM it reports the kernel uses and the constraint's estimate.
-The records are the data `pallas_tpu.vmem_bytes` is calibrated on; JSON lines, appended as they come
+The records are the data `tpu_memory.vmem_bytes` is calibrated on; JSON lines, appended as they come
 (default benchmarks/results/tpu_vmem_kernels.jsonl), so a long run can be stopped and resumed: points
 already in the file are skipped.
 """
@@ -25,7 +25,7 @@ from pathlib import Path
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
 from tuner import compiled  # noqa: E402
-from tuner.backends import pallas_tpu  # noqa: E402
+from tuner.backends import pallas_tpu, tpu_memory  # noqa: E402
 from tuner.params import BwdParams, FwdParams  # noqa: E402
 from tuner.problem import Problem  # noqa: E402
 
@@ -59,7 +59,7 @@ def measure(target: str, problem: Problem, params: FwdParams | BwdParams) -> lis
                             local_len=shapes.q_len, kernel=kernel, block_q=block_q, block_kv=block_kv,
                             block_kv_compute=compute, compiled=isinstance(result, dict),
                             error=None if isinstance(result, dict) else result, vmem_given=asked, vmem_used=used,
-                            vmem_estimate=pallas_tpu.vmem_bytes(kernel, block_q, block_kv, shapes.head_dim,
+                            vmem_estimate=tpu_memory.vmem_bytes(kernel, block_q, block_kv, shapes.head_dim,
                                                                 shapes.dtype, ids, compute)))
     return records
 

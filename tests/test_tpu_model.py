@@ -82,3 +82,24 @@ def test_the_vmem_estimate_admits_no_kernel_the_compiler_rejects_and_bounds_ever
             assert r["vmem_used"] <= estimate, r
         else:
             assert estimate > limits[r["target"]], r
+
+
+def test_each_generations_default_tiles_are_the_ones_chosen_from_its_compile_results():
+    """`tpu_memory.GENERATION_TILES` is what `python benchmarks/tpu_defaults.py` chose from the compile
+    results (benchmarks/results/tpu_defaults.json), for every generation; each default compiled there and
+    the VMEM estimate admits it for float32 at D=128, so the defaults of a chip never wait for its
+    constraint to cut them."""
+    import json
+    from pathlib import Path
+
+    from tuner.backends import tpu_memory
+
+    chosen = json.loads((Path(__file__).parent.parent / "benchmarks" / "results" / "tpu_defaults.json").read_text())
+    by_chip = {c["chip"]: (FwdParams(**c["fwd"]), BwdParams(**c["bwd"])) for c in chosen["chips"]}
+    assert by_chip == tpu_memory.GENERATION_TILES and set(by_chip) == {"v4", "v5e", "v5p", "v6e"}
+    for name, (fwd, bwd) in tpu_memory.GENERATION_TILES.items():
+        limit = tpu_memory.vmem_limit_bytes(tpu_memory.chip_info(name))
+        for kernel, block_q, block_kv, compute in (("fwd", fwd.block_q, fwd.block_kv, fwd.block_kv_compute),
+                                                   ("dkv", bwd.block_q_dkv, bwd.block_kv_dkv, None),
+                                                   ("dq", bwd.block_q_dq, bwd.block_kv_dq, None)):
+            assert tpu_memory.vmem_bytes(kernel, block_q, block_kv, 128, "float32", 1, compute) <= limit, name

@@ -24,15 +24,21 @@ FALLBACK_TILES = (FwdParams(block_q=512, block_kv=1024, block_kv_compute=512),
 # (benchmarks/results/tpu_defaults.json): among the tiles the production compiler accepted for bf16 at
 # D=128 and the VMEM estimate admits for float32, the analytic model's fastest on a causal 32k ring of 4.
 # Not measured on a TPU.
-GENERATION_TILES: dict[str, tuple[FwdParams, BwdParams]] = {}
+GENERATION_TILES: dict[str, tuple[FwdParams, BwdParams]] = {
+    "v4": (FwdParams(block_q=512, block_kv=1024, block_kv_compute=256),
+           BwdParams(block_q_dkv=256, block_kv_dkv=512, block_q_dq=256, block_kv_dq=512)),
+    **{generation: (FwdParams(block_q=1024, block_kv=2048, block_kv_compute=512),
+                    BwdParams(block_q_dkv=1024, block_kv_dkv=1024, block_q_dq=1024, block_kv_dq=1024))
+       for generation in ("v5e", "v5p", "v6e")},
+}
 # Each kernel's VMEM estimate as multiples of the terms of `vmem_terms` (held blocks, float32 tile, row
 # block, column block), fitted by `python benchmarks/tpu_vmem_fit.py` so that it bounds what the
 # production compiler reports over the tile space of v4, v5e, v5p and v6e
 # (benchmarks/results/tpu_vmem_kernels.jsonl).
 VMEM_MULTIPLES: dict[tuple[str, str], tuple[float, float, float, float]] = {
-    ("fwd", "bfloat16"): (1, 3, 0, 0), ("fwd", "float32"): (1, 3, 0, 0),
-    ("dkv", "bfloat16"): (1, 4, 0, 0), ("dkv", "float32"): (1, 4, 0, 0),
-    ("dq", "bfloat16"): (1, 4, 0, 0), ("dq", "float32"): (1, 4, 0, 0),
+    ("fwd", "bfloat16"): (0.95, 1.0, 4.5, 1.0), ("fwd", "float32"): (1.0, 2.0, 4.25, 1.0),
+    ("dkv", "bfloat16"): (0.0, 1.5, 9.25, 6.0), ("dkv", "float32"): (0.0, 4.5, 13.75, 10.0),
+    ("dq", "bfloat16"): (0.0, 1.25, 11.75, 2.0), ("dq", "float32"): (0.0, 3.75, 10.75, 7.25),
 }
 
 
@@ -55,11 +61,18 @@ def chip() -> Any:
         name = CHIPS[device_kind]
     else:
         name = os.environ.get("TUNER_TPU_CHIP", DEFAULT_CHIP)
+    return chip_info(name, "TUNER_TPU_CHIP")
+
+
+def chip_info(name: str, argument: str = "name") -> Any:
+    """`pltpu.TpuInfo` of the chip generation `name` ("v5e", ...); `ValueError` naming `argument`."""
+    from jax.experimental.pallas import tpu as pltpu
+
     try:
         version = pltpu.ChipVersion(name)
     except ValueError:
         known = ", ".join(v.value for v in pltpu.ChipVersion)
-        raise ValueError(f"TUNER_TPU_CHIP must be one of {known}, got {name!r}") from None
+        raise ValueError(f"{argument} must be one of {known}, got {name!r}") from None
     return pltpu.get_tpu_info_for_chip(version, 1)
 
 
@@ -121,4 +134,4 @@ def fitted_tiles(kernel: str, block_q: int, block_kv: int, head_dim: int, limit:
 
 
 __all__ = ["CHIPS", "DEFAULT_CHIP", "FALLBACK_TILES", "GENERATION_TILES", "LANES", "SUBLANES", "VMEM_MULTIPLES",
-           "chip", "fitted_tiles", "vmem_bytes", "vmem_limit_bytes", "vmem_terms"]
+           "chip", "chip_info", "fitted_tiles", "vmem_bytes", "vmem_limit_bytes", "vmem_terms"]
