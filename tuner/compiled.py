@@ -230,7 +230,8 @@ def variants_of(problem: Problem, mesh: Mesh) -> tuple[list[Variant], FwdParams,
     reason = backend.supports(problem.spec, jax.numpy.dtype(problem.dtype), problem.head_dim)
     if reason is not None:
         raise ValueError(f"the pallas_tpu backend does not support {reason}")
-    default_fwd, default_bwd = backend.default_params(problem.local_len, problem.local_len, problem.head_dim)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # the target chip's default tiles
+        default_fwd, default_bwd = backend.default_params(problem.local_len, problem.local_len, problem.head_dim)
     space = backend.search_space(problem.shapes, problem.spec)
 
     def constrain(variants: list[Variant]) -> list[Variant]:
