@@ -291,3 +291,85 @@ def check_low_precision(case: Case) -> None:
 
 def replace(case: Case, **changes) -> Case:
     return dataclasses.replace(case, **changes)
+
+
+# --------------------------------------------------------------------------------------------------
+# Exchanging implementations (all_to_all, all_gather): one attend under shard_map against float64 dense.
+# --------------------------------------------------------------------------------------------------
+
+
+def exchanged_step(name: str, case: Case, config):
+    """The jitted value-and-gradient of the registered implementation `name`'s attend under `shard_map` on
+    `case.ring` devices, over laid-out global arrays (`laid_out_args`): ((loss, (out, lse)), (dq, dk, dv,
+    dsinks))."""
+    from tuner import plan, registry
+
+    implementation = registry.get(name)
+    ring, layout = case.ring, case.layout
+    mesh = Mesh(np.array(jax.devices()[:ring]), ("sp",))
+    seq, lse_spec = P(None, "sp"), P(None, None, "sp")
+
+    def local(q, k, v, sinks, q_seg, kv_seg, pos):
+        arrays = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_positions=pos, kv_positions=pos,
+                      softmax_aux=sinks, bias=None)
+        resolved = plan.resolve(q, k, v, ring_size=ring, layout=layout, backend=name,
+                                target=registry.Target.here(), mask=case.options, arrays=arrays, return_lse=True)
+        assert resolved.implementation is implementation
+        return implementation.attend(q, k, v, spec=resolved.spec, config=config, axis_name="sp", layout=layout,
+                                     return_lse=True, **arrays)
+
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(seq, seq, seq, P(), seq, seq, seq),
+                            out_specs=(seq, lse_spec), check_vma=implementation.vma_checked(registry.Target.here()))
+
+    def loss(q, k, v, sinks, q_seg, kv_seg, pos, w, u):
+        out, lse = sharded(q, k, v, sinks, q_seg, kv_seg, pos)
+        return _loss(out, lse, w, u), (out, lse)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+
+
+def laid_out_args(case: Case, a: Arrays) -> tuple:
+    """The arguments of `exchanged_step`: the case's arrays laid out for its ring."""
+    def lay(x, axis=1):
+        return None if x is None else jnp.asarray(layouts.lay_out(jnp.asarray(x), case.layout, case.ring, axis=axis))
+
+    return (lay(a.q), lay(a.k), lay(a.v), None if a.sinks is None else jnp.asarray(a.sinks), lay(a.q_seg),
+            lay(a.kv_seg), lay(a.positions), lay(a.out_weight), lay(a.lse_weight, 2))
+
+
+def dense_step(case: Case, a: Arrays):
+    """`run_reference` (the float64 dense oracle) under one `jax.jit`: one compile, not one per operation."""
+    with jax.enable_x64(True):
+        def loss(q, k, v, sinks, q_seg, kv_seg, pos, w, u):
+            out, lse = dense_attention(q, k, v, q_positions=pos, kv_positions=pos, q_segment_ids=q_seg,
+                                       kv_segment_ids=kv_seg, softmax_aux=sinks, **case.options)
+            return jnp.vdot(out, w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * u), (out, lse)
+
+        f64 = [None if x is None else jnp.asarray(x, jnp.float64) for x in (a.q, a.k, a.v, a.sinks)]
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+        (_, (out, lse)), grads = step(*f64, a.q_seg, a.kv_seg, a.positions, jnp.asarray(a.out_weight, jnp.float64),
+                                      jnp.asarray(a.lse_weight, jnp.float64))
+        as64 = [None if x is None else np.asarray(x, np.float64) for x in (out, lse, *grads)]
+    return as64[0], as64[1], [*as64[2:5], None, as64[5]]
+
+
+def check_exchanged(name: str, case: Case, config) -> None:
+    """`name` against float64 dense at DESIGN section 10's float32 tolerances: 1e-5 forward and lse, 1e-4
+    gradients; rows that read nothing output exactly 0."""
+    a = make_arrays(case)
+    out_r, lse_r, grads_r = dense_step(case, a)
+
+    def back(x, axis=1):
+        return np.asarray(layouts.restore(x, case.layout, case.ring, axis=axis), np.float64)
+
+    (_, (out, lse)), (dq, dk, dv, dsinks) = exchanged_step(name, case, config)(*laid_out_args(case, a))
+    assert out.dtype == jnp.float32 and lse.dtype == jnp.float32
+    out, lse = back(out), back(lse, 2)
+    grads = [back(dq), back(dk), back(dv), None, None if dsinks is None else np.asarray(dsinks, np.float64)]
+    assert rel_err(out, out_r) <= 1e-5, f"forward error {rel_err(out, out_r):.2e}"
+    assert_lse_close(lse, lse_r, 1e-5)
+    assert np.all(out.transpose(0, 2, 1, 3)[np.isneginf(lse_r)] == 0.0), "empty rows must output exactly 0"
+    for grad, got, want in zip(GRAD_NAMES, grads, grads_r):
+        assert (got is None) == (want is None), grad
+        if got is not None:
+            assert rel_err(got, want) <= 1e-4, f"{grad} error {rel_err(got, want):.2e}"

@@ -12,74 +12,13 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from tests.cases import GRAD_NAMES, Case, _loss, assert_lse_close, make_arrays, rel_err, replace
-from tuner import BwdParams, FwdParams, all_gather, get_tuned_ring_attention, layouts, plan, registry
+from tests.cases import Case, check_exchanged, exchanged_step, laid_out_args, make_arrays, rel_err, replace
+from tuner import BwdParams, FwdParams, all_gather, get_tuned_ring_attention, registry
 from tuner.implementations import TileConfig
 from tuner.reference import dense_attention
 from tuner.spec import AttentionSpec, LocalShapes
 
 IMPL = registry.get("all_gather")
-
-
-def gradient_step(case: Case, config: TileConfig):
-    """The jitted value-and-gradient of `all_gather`'s attend under `shard_map` on `case.ring` devices,
-    over laid-out global arrays: ((loss, (out, lse)), (dq, dk, dv, dsinks))."""
-    ring, layout = case.ring, case.layout
-    mesh = Mesh(np.array(jax.devices()[:ring]), ("sp",))
-    seq, lse_spec = P(None, "sp"), P(None, None, "sp")
-
-    def local(q, k, v, sinks, q_seg, kv_seg, pos):
-        arrays = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_positions=pos, kv_positions=pos,
-                      softmax_aux=sinks, bias=None)
-        resolved = plan.resolve(q, k, v, ring_size=ring, layout=layout, backend="all_gather",
-                                target=registry.Target.here(), mask=case.options, arrays=arrays, return_lse=True)
-        assert resolved.implementation is IMPL
-        return IMPL.attend(q, k, v, spec=resolved.spec, config=config, axis_name="sp", layout=layout,
-                           return_lse=True, **arrays)
-
-    sharded = jax.shard_map(local, mesh=mesh, in_specs=(seq, seq, seq, P(), seq, seq, seq),
-                            out_specs=(seq, lse_spec), check_vma=IMPL.vma_checked(registry.Target.here()))
-
-    def loss(q, k, v, sinks, q_seg, kv_seg, pos, w, u):
-        out, lse = sharded(q, k, v, sinks, q_seg, kv_seg, pos)
-        return _loss(out, lse, w, u), (out, lse)
-
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
-
-
-def laid_out_args(case: Case, a) -> tuple:
-    def lay(x, axis=1):
-        return None if x is None else jnp.asarray(layouts.lay_out(jnp.asarray(x), case.layout, case.ring, axis=axis))
-
-    return (lay(a.q), lay(a.k), lay(a.v), None if a.sinks is None else jnp.asarray(a.sinks), lay(a.q_seg),
-            lay(a.kv_seg), lay(a.positions), lay(a.out_weight), lay(a.lse_weight, 2))
-
-
-def run_all_gather(case: Case, a, config: TileConfig):
-    """out, lse and the gradients of `gradient_step`, in natural token order."""
-    def back(x, axis=1):
-        return np.asarray(layouts.restore(x, case.layout, case.ring, axis=axis), np.float64)
-
-    (_, (out, lse)), (dq, dk, dv, dsinks) = gradient_step(case, config)(*laid_out_args(case, a))
-    assert out.dtype == jnp.float32 and lse.dtype == jnp.float32
-    return back(out), back(lse, 2), [back(dq), back(dk), back(dv), None,
-                                      None if dsinks is None else np.asarray(dsinks, np.float64)]
-
-
-def reference(case: Case, a):
-    """`tests.cases.run_reference` (the float64 dense oracle) under one `jax.jit`."""
-    with jax.enable_x64(True):
-        def loss(q, k, v, sinks, q_seg, kv_seg, pos, w, u):
-            out, lse = dense_attention(q, k, v, q_positions=pos, kv_positions=pos, q_segment_ids=q_seg,
-                                       kv_segment_ids=kv_seg, softmax_aux=sinks, **case.options)
-            return jnp.vdot(out, w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * u), (out, lse)
-
-        f64 = [None if x is None else jnp.asarray(x, jnp.float64) for x in (a.q, a.k, a.v, a.sinks)]
-        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
-        (_, (out, lse)), grads = step(*f64, a.q_seg, a.kv_seg, a.positions, jnp.asarray(a.out_weight, jnp.float64),
-                                      jnp.asarray(a.lse_weight, jnp.float64))
-        as64 = [None if x is None else np.asarray(x, np.float64) for x in (out, lse, *grads)]
-    return as64[0], as64[1], [*as64[2:5], None, as64[5]]
 
 
 SMALL = TileConfig(FwdParams(8, 16), BwdParams(16, 8))  # several tiles over the local queries and the full keys
@@ -96,17 +35,8 @@ BASE = Case(batch=1, length=64, heads=4, kv_heads=2, head_dim=16, ring=4, layout
 ], ids=["ring4-zigzag-causal-segments-softcap-sinks", "ring4-contiguous-window-chunk",
         "ring2-striped-positions-window-mqa", "ring8-zigzag-causal-segments"])
 def test_all_gather_equals_the_dense_reference(case, config):
-    """DESIGN section 10's float32 tolerances against float64: 1e-5 forward and lse, 1e-4 gradients."""
-    a = make_arrays(case)
-    out_r, lse_r, grads_r = reference(case, a)
-    out, lse, grads = run_all_gather(case, a, config)
-    assert rel_err(out, out_r) <= 1e-5, f"forward error {rel_err(out, out_r):.2e}"
-    assert_lse_close(lse, lse_r, 1e-5)
-    assert np.all(out.transpose(0, 2, 1, 3)[np.isneginf(lse_r)] == 0.0), "empty rows must output exactly 0"
-    for name, got, want in zip(GRAD_NAMES, grads, grads_r):
-        assert (got is None) == (want is None), name
-        if got is not None:
-            assert rel_err(got, want) <= 1e-4, f"{name} error {rel_err(got, want):.2e}"
+    """DESIGN section 10's float32 tolerances against float64, forward, lse and every gradient."""
+    check_exchanged("all_gather", case, config)
 
 
 def collectives(text: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -121,7 +51,7 @@ def collectives(text: str) -> list[tuple[str, tuple[int, ...]]]:
 def test_the_backward_reduce_scatters_dk_and_dv():
     case = replace(BASE, causal=True, sinks="head")
     args = laid_out_args(case, make_arrays(case))
-    text = str(jax.make_jaxpr(gradient_step(case, SMALL))(*args))
+    text = str(jax.make_jaxpr(exchanged_step("all_gather", case, SMALL))(*args))
     found = collectives(text)
     b, t, hkv, d, ring = case.batch, case.length, case.kv_heads, case.head_dim, case.ring
     shard, full = (b, t // ring, hkv, d), (b, t, hkv, d)
