@@ -64,14 +64,20 @@ def test_the_vmem_estimate_admits_no_kernel_the_compiler_rejects_and_bounds_ever
     point of each kernel compiled alone by the production TPU compiler, failures included), the VMEM
     estimate the constraint rules by is at least the use the compiler reports wherever it compiled, and
     over the chip's limit wherever it did not: the constraint never admits a variant the compiler
-    rejects. (How much it over-estimates is `python benchmarks/tpu_vmem_fit.py`'s report.)"""
+    rejects; likewise for the kernels `benchmarks/tpu_vmem.py` compiled inside the whole ring. (How much it
+    over-estimates is `python benchmarks/tpu_vmem_fit.py`'s report.)"""
     import json
+    import re
     from pathlib import Path
 
     from tuner.backends import tpu_memory
 
-    path = Path(__file__).parent.parent / "benchmarks" / "results" / "tpu_vmem_kernels.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines()]
+    results = Path(__file__).parent.parent / "benchmarks" / "results"
+    records = [json.loads(line) for line in (results / "tpu_vmem_kernels.jsonl").read_text().splitlines()]
+    for r in json.loads((results / "tpu_vmem.json").read_text()):  # inside the whole ring (tpu_vmem.py)
+        block_q, block_kv, *compute = (int(n) for n in re.findall(r"\d+", r["tiles"]))
+        records.append(dict(r, block_q=block_q, block_kv=block_kv, block_kv_compute=compute[0] if compute else None,
+                            vmem_given=r["vmem_limit"]))
     limits = {r["target"]: r["vmem_given"] for r in records if r["vmem_given"]}
     assert {r["target"] for r in records} == set(limits) and len(limits) >= 4, sorted(limits)
     assert {(r["kernel"], r["dtype"]) for r in records} == set(tpu_memory.VMEM_MULTIPLES)
