@@ -1,6 +1,6 @@
 """Reading a compiled program's scheduled HLO (`compiled.as_text()`) for what the ring cares about: in
-which order a loop body starts its transfers, runs its kernel and waits for the transfers, and how much
-VMEM each kernel asked for and uses."""
+which order a loop body starts its transfers, runs its kernel and waits for the transfers, how much
+VMEM each kernel asked for and uses, and how many bytes each kind of collective moves."""
 
 from __future__ import annotations
 
@@ -61,7 +61,6 @@ def overlap_problem(body: list[str]) -> str | None:
     if late or early:
         return f"{late} of {len(starts)} transfers start after the kernel, {early} complete before it"
     return None
-
 
 
 COLLECTIVE_KINDS = ("collective-permute", "all-to-all", "all-gather", "reduce-scatter")

@@ -33,8 +33,8 @@ GENERATION_TILES: dict[str, tuple[FwdParams, BwdParams]] = {
 }
 # Each kernel's VMEM estimate as multiples of the terms of `vmem_terms` (held blocks, float32 tile, row
 # block, column block), fitted by `python benchmarks/tpu_vmem_fit.py` so that it bounds what the
-# production compiler reports over the tile space of v4, v5e, v5p and v6e
-# (benchmarks/results/tpu_vmem_kernels.jsonl).
+# production compiler reports over the tile space of v4, v5e, v5p and v6e, kernels alone and inside the
+# ring (benchmarks/results/tpu_vmem_kernels.jsonl, tpu_vmem.json).
 VMEM_MULTIPLES: dict[tuple[str, str], tuple[float, float, float, float]] = {
     ("fwd", "bfloat16"): (0.95, 1.0, 4.5, 1.0), ("fwd", "float32"): (1.0, 4.0, 2.25, 2.75),
     ("dkv", "bfloat16"): (0.0, 1.5, 9.25, 6.0), ("dkv", "float32"): (0.0, 4.5, 13.75, 10.0),
@@ -118,8 +118,8 @@ def vmem_bytes(kernel: str, block_q: int, block_kv: int, head_dim: int, dtype: A
     return math.ceil(sum(m * t for m, t in zip(multiples, terms)))
 
 
-def fitted_tiles(kernel: str, block_q: int, block_kv: int, head_dim: int, limit: int, compute: int | None = None
-            ) -> tuple[int, int]:
+def fitted_tiles(kernel: str, block_q: int, block_kv: int, head_dim: int, limit: int,
+                 compute: int | None = None) -> tuple[int, int]:
     """`(block_q, block_kv)` halved, the longer first, until the kernel's VMEM estimate for float32 at
     `head_dim` (every id column) fits `limit`, or both are at the smallest TPU tile."""
     def estimate(q: int, kv: int) -> int:
