@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import json
+import os
 from typing import Any
 
 import jax
@@ -106,7 +107,11 @@ class QueryChunked:
 
 
 @pytest.fixture
-def toy():
+def toy(monkeypatch):
+    # The in-process CLI below asks the CPU client for its ring's devices: start the client first, with
+    # the suite's devices (tests/conftest.py), so later tests in this process keep them.
+    jax.devices()
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # restored after the CLI sets its own
     implementation = registry.register(QueryChunked())
     yield implementation
     registry.unregister(TOY)

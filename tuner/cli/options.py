@@ -25,13 +25,10 @@ def fail(message: str, status: int = 2) -> int:
 
 
 def simulate_cpu_devices(count: int) -> None:
-    """Before jax starts: make the CPU client expose at least `count` devices (never fewer than the
-    flags already ask for: a test process that simulates 8 keeps them), and tune on the CPU."""
-    flag = "--xla_force_host_platform_device_count"
-    flags = os.environ.get("XLA_FLAGS", "").split()
-    asked = [int(f.split("=", 1)[1]) for f in flags if f.startswith(flag + "=") and f.split("=", 1)[1].isdigit()]
-    others = [f for f in flags if not f.startswith(flag)]
-    os.environ["XLA_FLAGS"] = " ".join([*others, f"{flag}={max([count, *asked])}"])
+    """Before jax starts: make the CPU client expose `count` devices, and tune on the CPU."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={count}"])
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 
