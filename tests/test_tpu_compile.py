@@ -4,7 +4,7 @@ a TPU topology (`jax.experimental.topologies`) without a TPU. Checked here:
 - the loader and `ring_attention` pick the TPU kernel for a TPU mesh (the mesh decides, not the host);
 - in the scheduled program, every ring step's transfers overlap its kernel: in the loop body of the
   forward and of the backward, each collective-permute starts before the step's kernel (or the branch
-  that skips it) and completes after it, on v5e, v6e and v5p. The backward used to wait for its kernel
+  that skips it) and completes after it, on v5e, v6e, v5p and v4. The backward used to wait for its kernel
   before sending the dK/dV accumulators (`tuner.ring` now adds a step's block gradients after the
   accumulator arrives). Without a mask the kernel runs in a branch too, under an always-true predicate
   the compiler cannot fold: a bare kernel was scheduled before its transfers on v6e;
@@ -63,7 +63,8 @@ def test_a_tpu_mesh_gets_the_tpu_kernel(tmp_path):
 
 @pytest.mark.parametrize("topology, causal", [
     ("v5e:2x2", True), ("v5e:2x2", False), ("v6e:2x2", True), ("v6e:2x2", False),
-    ("v5p:2x2x1", True)], ids=["v5e-causal", "v5e-full", "v6e-causal", "v6e-full", "v5p-causal"])
+    ("v5p:2x2x1", True), ("v4:2x2x1", True)], ids=["v5e-causal", "v5e-full", "v6e-causal", "v6e-full", "v5p-causal",
+                                                   "v4-causal"])
 def test_every_ring_step_overlaps_its_transfers_forward_and_backward(topology, causal):
     text = compiled_ring(topology, causal)
     forward, backward = hlo.loop_bodies(text)
