@@ -198,15 +198,17 @@ class TunedRingAttention:
             self._writes = writes()
         memo = (problem.digest, fallback, return_lse)
         if memo not in self._decisions:
-            chosen, unusable, verdict = None, None, None
+            chosen, unusable, verdict, rows = None, None, None, []
             dtype, choosing = jnp.dtype(query.dtype), self.backend == "auto" and not target.interpret
             if choosing and self.strategy in ("auto", "ring"):
-                try:
-                    chosen = self._measured(problem, spec, dtype, target, return_lse)
+                try:  # the cache's decisions for this problem, read once for the measurement and the model
+                    rows = measured.decisions(Cache(self.db, busy_timeout=LOADER_BUSY_TIMEOUT_S), problem, spec)
                 except (CacheError, OSError) as error:  # reported by _lookup, which does not wait again
                     unusable = error
+                else:
+                    chosen = self._measured(rows, problem, spec, dtype, target, return_lse)
             if choosing and self.strategy == "auto":
-                verdict = self._modelled(problem, spec, dtype, target, return_lse, unusable)
+                verdict = self._modelled(rows, problem, spec, dtype, target, return_lse)
             if chosen is not None:
                 implementation, fallback = registry.get(chosen[0]), None
                 problem = dataclasses.replace(problem, backend=implementation.name)
@@ -237,12 +239,12 @@ class TunedRingAttention:
                          f"'zigzag' or 'striped' after tuner.layouts.lay_out), or pass mesh= and global arrays "
                          f"in token order, which the loader lays out itself ({DEFAULT_LAYOUT} by default)")
 
-    def _measured(self, key: ProblemKey, spec, dtype, target: registry.Target, return_lse: bool
-                  ) -> tuple[str, str] | None:
-        """What `auto` runs by measurement, and the reason to give (`tuner.measured`): only current,
-        valid measurements of implementations that can honour this call (and, with strategy="ring", are
-        rings) count; the measured ones that cannot are named with their reason. None to decide by the
-        platform's preference. `CacheError` or `OSError` when the cache cannot be read."""
+    def _measured(self, rows: list[dict[str, Any]], key: ProblemKey, spec, dtype, target: registry.Target,
+                  return_lse: bool) -> tuple[str, str] | None:
+        """What `auto` runs by measurement, and the reason to give (`tuner.measured`, from the problem's
+        cache `rows`): only current, valid measurements of implementations that can honour this call (and,
+        with strategy="ring", are rings) count; the measured ones that cannot are named with their reason.
+        None to decide by the platform's preference."""
         passed_over: dict[str, str] = {}
 
         def runnable(name: str) -> bool:
@@ -255,15 +257,16 @@ class TunedRingAttention:
                 passed_over[name] = reason
             return reason is None
 
-        chosen = measured.choose(Cache(self.db, busy_timeout=LOADER_BUSY_TIMEOUT_S), key, spec, runnable)
+        chosen = measured.choose(rows, key, runnable)
         if chosen is None or not passed_over:
             return chosen
         return chosen[0], f"{chosen[1]}; passed over: {'; '.join(f'{n} {r}' for n, r in passed_over.items())}"
 
-    def _modelled(self, key: ProblemKey, spec, dtype, target: registry.Target, return_lse: bool,
-                  unusable: CacheError | OSError | None) -> modelled.Verdict | None:
-        """The strategy model's verdict on this call (`tuner.modelled`), with the bench times of the cache
-        beside its predictions; None where the model does not decide (the CPU: a simulation platform)."""
+    def _modelled(self, rows: list[dict[str, Any]], key: ProblemKey, spec, dtype, target: registry.Target,
+                  return_lse: bool) -> modelled.Verdict | None:
+        """The strategy model's verdict on this call (`tuner.modelled`), with the bench times of the
+        problem's cache `rows` beside its predictions; None where the model does not decide (the CPU: a
+        simulation platform)."""
         platform = modelled.model_platform(target.platform, key.device_kind)
         problem = None if platform is None or key.ring_size == 1 else modelled.problem_of(key, spec, key.ring_size,
                                                                                            key.layout)
@@ -277,10 +280,6 @@ class TunedRingAttention:
             return registry.why_not(implementation, spec, dtype, key.head_dim, target, return_lse=return_lse,
                                     shapes=key, ring_size=key.ring_size)
 
-        try:
-            rows = [] if unusable else measured.decisions(Cache(self.db, busy_timeout=LOADER_BUSY_TIMEOUT_S), key, spec)
-        except (CacheError, OSError):  # reported by _lookup
-            rows = []
         return modelled.decide(problem, platform, runnable, measured=modelled.bench_seconds(rows, key.backend),
                                return_lse=return_lse)
 

@@ -53,12 +53,10 @@ def decisions(cache: Cache, key: ProblemKey, spec: AttentionSpec) -> list[dict[s
         current = [r for r in current if r["source"] != "bench"]
     return current
 
-def choose(cache: Cache, key: ProblemKey, spec: AttentionSpec, runnable: Callable[[str], bool]
-           ) -> tuple[str, str] | None:
+def choose(rows: list[dict[str, Any]], key: ProblemKey, runnable: Callable[[str], bool]) -> tuple[str, str] | None:
     """The implementation the rule of the module docstring picks for the problem of `key` (whose backend
-    is the platform's preferred one) among those `runnable` accepts, and the reason to give; None to
-    decide by preference. `CacheError` or `OSError` when the cache cannot be read."""
-    rows = decisions(cache, key, spec)
+    is the platform's preferred one) from its `decisions` rows, among those `runnable` accepts, and the
+    reason to give; None to decide by preference."""
     run = sorted((r for r in rows if r["source"] == "bench"), key=lambda r: r["best_s"])
     usable = [r for r in run if runnable(r["backend"])]
     if usable:
