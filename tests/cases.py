@@ -373,3 +373,29 @@ def check_exchanged(name: str, case: Case, config) -> None:
         assert (got is None) == (want is None), grad
         if got is not None:
             assert rel_err(got, want) <= 1e-4, f"{grad} error {rel_err(got, want):.2e}"
+
+
+
+def check_loader_by_name(name: str, ring: int, shape: tuple[int, int, int, int], kv_heads: int, window: int,
+                         caplog) -> None:
+    """The loader with `backend=name` over a mesh of `ring` devices, causal with a `window`, on queries of
+    `shape` `[B, T, H, D]`, returns output and lse equal to dense attention (1e-5), from the
+    implementation's defaults, without a warning (no fallback)."""
+    import logging
+
+    from tuner import get_tuned_ring_attention
+
+    mesh = Mesh(np.array(jax.devices()[:ring]), ("sp",))
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, sliding_window=(window, 0), mesh=mesh,
+                                    backend=name, layout="zigzag")
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((*shape[:2], kv_heads, shape[3])), jnp.float32) for _ in range(2))
+    decision = attn.explain(q, k, v, return_lse=True)
+    assert (decision.backend, decision.source) == (name, "default")
+    with caplog.at_level(logging.WARNING):
+        out, lse = jax.jit(lambda q, k, v: attn(q, k, v, return_lse=True))(q, k, v)  # one compile, not op by op
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], "it must not fall back"
+    want, want_lse = jax.jit(lambda q, k, v: dense_attention(q, k, v, causal=True, sliding_window=(window, 0)))(q, k, v)
+    assert rel_err(np.asarray(out), np.asarray(want)) <= 1e-5
+    assert rel_err(np.asarray(lse), np.asarray(want_lse)) <= 1e-5

@@ -2,7 +2,6 @@
 gradient) on rings of 2, 4 and 8 simulated devices, in every layout, with GQA and MQA; its backward
 reduce-scatters dK and dV; refused for a bias and for gathered K/V over half the device's memory."""
 
-import logging
 import re
 
 import jax
@@ -12,10 +11,9 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from tests.cases import Case, check_exchanged, exchanged_step, laid_out_args, make_arrays, rel_err, replace
+from tests.cases import Case, check_exchanged, check_loader_by_name, exchanged_step, laid_out_args, make_arrays, replace
 from tuner import BwdParams, FwdParams, all_gather, get_tuned_ring_attention, registry
 from tuner.implementations import TileConfig
-from tuner.reference import dense_attention
 from tuner.spec import AttentionSpec, LocalShapes
 
 IMPL = registry.get("all_gather")
@@ -63,20 +61,7 @@ def test_the_backward_reduce_scatters_dk_and_dv():
 
 
 def test_the_loader_runs_it_by_name_with_lse(caplog):
-    mesh = Mesh(np.array(jax.devices()[:4]), ("sp",))
-    attn = get_tuned_ring_attention(axis_name="sp", causal=True, sliding_window=(17, 0), mesh=mesh,
-                                    backend="all_gather", layout="zigzag")
-    rng = np.random.default_rng(0)
-    q = jnp.asarray(rng.standard_normal((1, 64, 4, 16)), jnp.float32)
-    k, v = (jnp.asarray(rng.standard_normal((1, 64, 1, 16)), jnp.float32) for _ in range(2))
-    decision = attn.explain(q, k, v, return_lse=True)
-    assert (decision.backend, decision.source) == ("all_gather", "default")
-    with caplog.at_level(logging.WARNING):
-        out, lse = jax.jit(lambda q, k, v: attn(q, k, v, return_lse=True))(q, k, v)  # one compile, not op by op
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], "it must not fall back"
-    want, want_lse = jax.jit(lambda q, k, v: dense_attention(q, k, v, causal=True, sliding_window=(17, 0)))(q, k, v)
-    assert rel_err(np.asarray(out), np.asarray(want)) <= 1e-5
-    assert rel_err(np.asarray(lse), np.asarray(want_lse)) <= 1e-5
+    check_loader_by_name("all_gather", 4, (1, 64, 4, 16), 1, 17, caplog)
 
 
 def test_a_bias_is_refused_by_name_and_skipped_under_auto():

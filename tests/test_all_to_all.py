@@ -2,7 +2,6 @@
 every gradient) on rings of 2, 4 and 8 simulated devices, in every layout, with GQA whose kv heads do
 and do not split over the ring; refused for what it cannot honour."""
 
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +10,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from tests.cases import Case, check_exchanged, rel_err, replace
+from tests.cases import Case, check_exchanged, check_loader_by_name, rel_err, replace
 from tuner import BwdParams, FwdParams, get_tuned_ring_attention, registry
 from tuner.all_to_all import kv_repeats
 from tuner.implementations import TileConfig
@@ -48,20 +47,7 @@ def test_kv_heads_repeat_to_the_fewest_copies():
 
 
 def test_the_loader_runs_it_by_name_with_lse(caplog):
-    mesh = Mesh(np.array(jax.devices()[:2]), ("sp",))
-    attn = get_tuned_ring_attention(axis_name="sp", causal=True, sliding_window=(9, 0), mesh=mesh,
-                                    backend="all_to_all", layout="zigzag")
-    rng = np.random.default_rng(0)
-    q = jnp.asarray(rng.standard_normal((1, 16, 4, 8)), jnp.float32)
-    k, v = (jnp.asarray(rng.standard_normal((1, 16, 2, 8)), jnp.float32) for _ in range(2))
-    decision = attn.explain(q, k, v, return_lse=True)
-    assert (decision.backend, decision.source) == ("all_to_all", "default")
-    with caplog.at_level(logging.WARNING):
-        out, lse = attn(q, k, v, return_lse=True)
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], "it must not fall back"
-    want, want_lse = dense_attention(q, k, v, causal=True, sliding_window=(9, 0))
-    assert rel_err(np.asarray(out), np.asarray(want)) <= 1e-5
-    assert rel_err(np.asarray(lse), np.asarray(want_lse)) <= 1e-5
+    check_loader_by_name("all_to_all", 2, (1, 16, 4, 8), 2, 9, caplog)
 
 
 def test_unsupported_calls_are_refused_by_name_and_skipped_under_auto():
