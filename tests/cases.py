@@ -298,25 +298,32 @@ def replace(case: Case, **changes) -> Case:
 # --------------------------------------------------------------------------------------------------
 
 
-def exchanged_step(name: str, case: Case, config):
+def exchanged_step(name: str, case: Case, config, a2a: int = 1):
     """The jitted value-and-gradient of the registered implementation `name`'s attend under `shard_map` on
-    `case.ring` devices, over laid-out global arrays (`laid_out_args`): ((loss, (out, lse)), (dq, dk, dv,
+    `case.ring` devices (with `a2a` > 1, the hybrid's `case.ring x a2a` mesh, axes ("ring", "a2a"), the
+    sequence over both), over laid-out global arrays (`laid_out_args`): ((loss, (out, lse)), (dq, dk, dv,
     dsinks))."""
     from tuner import plan, registry
 
     implementation = registry.get(name)
     ring, layout = case.ring, case.layout
-    mesh = Mesh(np.array(jax.devices()[:ring]), ("sp",))
-    seq, lse_spec = P(None, "sp"), P(None, None, "sp")
+    if a2a > 1:
+        axis_name = ("ring", "a2a")
+        mesh = Mesh(np.array(jax.devices()[:ring * a2a]).reshape(ring, a2a), axis_name)
+    else:
+        axis_name = "sp"
+        mesh = Mesh(np.array(jax.devices()[:ring]), (axis_name,))
+    seq, lse_spec = P(None, axis_name), P(None, None, axis_name)
 
     def local(q, k, v, sinks, q_seg, kv_seg, pos):
         arrays = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_positions=pos, kv_positions=pos,
                       softmax_aux=sinks, bias=None)
-        resolved = plan.resolve(q, k, v, ring_size=ring, layout=layout, backend=name,
-                                target=registry.Target.here(), mask=case.options, arrays=arrays, return_lse=True)
+        resolved = plan.resolve(q, k, v, ring_size=ring * a2a, layout=layout, backend=name,
+                                target=registry.Target.here(), mask=case.options, arrays=arrays, return_lse=True,
+                                axis_name=axis_name, a2a_size=a2a if a2a > 1 else None)
         assert resolved.implementation is implementation
-        return implementation.attend(q, k, v, spec=resolved.spec, config=config, axis_name="sp", layout=layout,
-                                     return_lse=True, **arrays)
+        return implementation.attend(q, k, v, spec=resolved.spec, config=config, axis_name=axis_name,
+                                     layout=layout, return_lse=True, **arrays)
 
     sharded = jax.shard_map(local, mesh=mesh, in_specs=(seq, seq, seq, P(), seq, seq, seq),
                             out_specs=(seq, lse_spec), check_vma=implementation.vma_checked(registry.Target.here()))
@@ -353,16 +360,16 @@ def dense_step(case: Case, a: Arrays):
     return as64[0], as64[1], [*as64[2:5], None, as64[5]]
 
 
-def check_exchanged(name: str, case: Case, config) -> None:
+def check_exchanged(name: str, case: Case, config, a2a: int = 1) -> None:
     """`name` against float64 dense at DESIGN section 10's float32 tolerances: 1e-5 forward and lse, 1e-4
-    gradients; rows that read nothing output exactly 0."""
+    gradients; rows that read nothing output exactly 0. `a2a`: the hybrid's all-to-all axis size."""
     a = make_arrays(case)
     out_r, lse_r, grads_r = dense_step(case, a)
 
     def back(x, axis=1):
         return np.asarray(layouts.restore(x, case.layout, case.ring, axis=axis), np.float64)
 
-    (_, (out, lse)), (dq, dk, dv, dsinks) = exchanged_step(name, case, config)(*laid_out_args(case, a))
+    (_, (out, lse)), (dq, dk, dv, dsinks) = exchanged_step(name, case, config, a2a)(*laid_out_args(case, a))
     assert out.dtype == jnp.float32 and lse.dtype == jnp.float32
     out, lse = back(out), back(lse, 2)
     grads = [back(dq), back(dk), back(dv), None, None if dsinks is None else np.asarray(dsinks, np.float64)]

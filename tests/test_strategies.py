@@ -114,15 +114,27 @@ def test_a_backend_of_another_strategy_is_refused_naming_both():
     get_tuned_ring_attention(axis_name="sp", mesh=cpu_mesh(), strategy="ring", backend="scan")
 
 
-def test_unknown_strategies_and_hybrid_are_refused():
+def test_unknown_strategies_and_axis_names_that_do_not_fit_the_strategy_are_refused():
     with pytest.raises(ValueError, match="strategy must be one of auto, ring, all_to_all, all_gather, hybrid, "
                                          "got 'ulysses'"):
         get_tuned_ring_attention(axis_name="sp", mesh=cpu_mesh(), strategy="ulysses")
-    with pytest.raises(ValueError, match="strategy='hybrid' .* is not implemented yet; use strategy='ring'"):
+    with pytest.raises(ValueError, match=r"strategy='hybrid' takes axis_name=\(ring_axis, a2a_axis\), two mesh axes, "
+                                         r"got axis_name='sp'"):
         get_tuned_ring_attention(axis_name="sp", mesh=cpu_mesh(), strategy="hybrid")
+    with pytest.raises(ValueError, match=r"axis_name=\('sp', 'x'\) is a pair of mesh axes, which only "
+                                         r"strategy='hybrid' runs \(got strategy='ring'\)"):
+        get_tuned_ring_attention(axis_name=("sp", "x"), strategy="ring")
+    for pair in (("sp", "sp"), ("sp", None), ("a", "b", "c")):
+        with pytest.raises(ValueError, match="two different mesh axes"):
+            get_tuned_ring_attention(axis_name=pair)  # "auto" with a pair is the hybrid
+    with pytest.raises(ValueError, match="backend 'scan' runs the 'ring' strategy, not strategy='hybrid'"):
+        get_tuned_ring_attention(axis_name=("sp", "x"), backend="scan")
     q, k, v = arrays(SMALL)
-    for strategy, message in (("hybrid", "not implemented yet"), ("auto", "strategy='auto' is get_tuned_ring"),
-                              ("ulysses", "strategy must be one of")):
+    with pytest.raises(ValueError, match=r"backend 'hybrid' runs over two mesh axes: pass axis_name=\(ring_axis, "
+                                         r"a2a_axis\) with strategy='hybrid', got axis_name='sp'"):
+        get_tuned_ring_attention(axis_name="sp", mesh=cpu_mesh(), backend="hybrid")(q, k, v)
+    for strategy, message in (("hybrid", "takes axis_name=\\(ring_axis, a2a_axis\\)"),
+                              ("auto", "strategy='auto' is get_tuned_ring"), ("ulysses", "strategy must be one of")):
         with pytest.raises(ValueError, match=message):
             ring_attention_of(strategy)(q, k, v)
 

@@ -4,11 +4,11 @@
 """
 
 from tuner import all_to_all, implementations  # noqa: F401 - registers the built-in implementations
-from tuner import all_gather  # noqa: F401 - registers the all-gather implementation
+from tuner import all_gather, hybrid  # noqa: F401 - register the all-gather and hybrid implementations
 from tuner.autotuning import autotune
 from tuner.dispatch import get_tuned_ring_attention
 from tuner.params import BwdParams, FwdParams
-from tuner.ring import ring_attention
+from tuner.attention import ring_attention
 
 __version__ = "0.1.0"
 

@@ -33,9 +33,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
-from tuner import layouts, measured, modelled, plan, record, registry
+from tuner import layouts, measured, meshed, modelled, plan, record, registry
 from tuner.cache import LOADER_BUSY_TIMEOUT_S, Cache, CacheError, row_config, warn_once, writes
 from tuner.checks import check_int
 from tuner.plan import Plan
@@ -49,7 +48,6 @@ log = logging.getLogger("tuner.dispatch")
 CALL_OPTIONS = (*plan.ARRAY_OPTIONS, "return_lse", "interpret")
 SOURCES = ("exact", "compiled", "nearest", "shipped", "default", "fallback", "measured")
 DEFAULT_LAYOUT = "zigzag"  # what `tuner search` tunes by default, and the loader uses with mesh=
-SEQUENCE_OPTIONS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")
 TUNED = ("exact", "compiled")  # config sources of a ring tuned for the problem: the model does not override it
 
 
@@ -68,13 +66,14 @@ class TunedRingAttention:
             raise ValueError(f"layout must be one of {', '.join(layouts.LAYOUTS)} or None, got {layout!r}")
         if backend != "auto":
             registry.get(backend)
-        plan.check_strategy(strategy, backend)
+        strategy = plan.check_strategy(strategy, backend, axis_name)
         if mesh is not None:
             if not isinstance(mesh, Mesh):
                 raise ValueError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
-            if axis_name is None or axis_name not in mesh.shape:
-                raise ValueError(f"with mesh=, axis_name must name one of its axes {tuple(mesh.shape)}, "
-                                 f"got {axis_name!r}")
+            names = axis_name if strategy == "hybrid" else (axis_name,)
+            if any(name is None or name not in mesh.shape for name in names):
+                raise ValueError(f"with mesh=, axis_name must name {'two' if len(names) > 1 else 'one'} of its "
+                                 f"axes {tuple(mesh.shape)}, got {axis_name!r}")
         if layout is None and mesh is not None:
             layout = DEFAULT_LAYOUT
         self.axis_name, self.layout, self.backend, self.mesh = axis_name, layout, backend, mesh
@@ -94,61 +93,58 @@ class TunedRingAttention:
         options = _check_call_options(per_call_options)
         if self.mesh is None:
             return self._local(query, key, value, options)
-        size = self.mesh.shape[self.axis_name]
+        size, ring = self._mesh_sizes()
         for x, name in ((query, "query"), (key, "key"), (value, "value")):
             _local_shape(x, size, name)
+        return meshed.call(self._local, self.mesh, self.axis_name, self.layout, ring, query, key, value, options)
 
-        def lay_out(x, axis: int = 1):
-            return x if x.shape[axis] == 1 else layouts.lay_out(x, self.layout, size, axis=axis)
-
-        seq = P(None, self.axis_name)
-        specs = {name: seq for name in SEQUENCE_OPTIONS}
-        specs["softmax_aux"] = P()
-        arrays = {n: x for n, x in options.items() if n in specs and x is not None}
-        arrays.update({n: lay_out(x) for n, x in arrays.items() if n in SEQUENCE_OPTIONS})
-        if options.get("bias") is not None:  # queries are sharded, the (laid-out) global key axis is not
-            bias = lay_out(lay_out(options["bias"], axis=2), axis=3)
-            arrays["bias"] = bias
-            specs["bias"] = P(None, None, self.axis_name if bias.shape[2] > 1 else None, None)
-        flags = {n: x for n, x in options.items() if n not in specs}
-        out_specs = (seq, P(None, None, self.axis_name)) if flags.get("return_lse") else seq
-        sharded = jax.shard_map(lambda q, k, v, x: self._local(q, k, v, {**x, **flags}), mesh=self.mesh,
-                                in_specs=(seq, seq, seq, {n: specs[n] for n in arrays}),
-                                out_specs=out_specs)
-        result = sharded(*(lay_out(x) for x in (query, key, value)), arrays)
-        if flags.get("return_lse"):
-            out, lse = result
-            return layouts.restore(out, self.layout, size), layouts.restore(lse, self.layout, size, axis=2)
-        return layouts.restore(result, self.layout, size)
-
-    def explain(self, query, key, value, *, ring_size: int | None = None, **per_call_options) -> Decision:
+    def explain(self, query, key, value, *, ring_size: int | tuple[int, int] | None = None,
+                **per_call_options) -> Decision:
         """The decision `attn(query, key, value, **per_call_options)` would take, without running it.
 
         Arrays (or `jax.ShapeDtypeStruct`s) are global with `mesh=`, else the local shards; `ring_size`
-        defaults to the mesh axis, or 1 without `axis_name`.
+        defaults to the mesh axis, or 1 without `axis_name`; for the hybrid it is the pair of its axes'
+        sizes `(R, A)`.
         """
         options = _check_call_options(per_call_options)
+        hybrid = self.strategy == "hybrid"
         if self.mesh is not None:
-            size = self.mesh.shape[self.axis_name]
-            if ring_size is not None and ring_size != size:
+            names = self.axis_name if hybrid else (self.axis_name,)
+            given = tuple(self.mesh.shape[name] for name in names) if hybrid else self.mesh.shape[self.axis_name]
+            if ring_size is not None and ring_size != given:
                 raise ValueError(f"ring_size={ring_size} does not match mesh axis {self.axis_name!r} of "
-                                 f"size {size}")
+                                 f"size {given}")
+            ring_size = given
+        elif ring_size is None and self.axis_name is not None:
+            raise ValueError(f"explain() needs ring_size= when axis_name is set without mesh="
+                             f"{' (the hybrid: the pair of its axes sizes, (R, A))' if hybrid else ''}")
+        if hybrid:
+            if not (isinstance(ring_size, tuple) and len(ring_size) == 2):
+                raise ValueError(f"ring_size must be the pair (R, A) of the hybrid's axes sizes, got {ring_size!r}")
+            for name, n in zip(("ring_size[0]", "ring_size[1]"), ring_size):
+                check_int(name, n)
+            size, a2a = ring_size[0] * ring_size[1], ring_size[1]
+        else:
+            size, a2a = check_int("ring_size", 1 if ring_size is None else ring_size), None
+        if self.mesh is not None:
             query, key, value = (_local_shape(x, size, name) for x, name in
                                  ((query, "query"), (key, "key"), (value, "value")))
-        elif ring_size is None:
-            if self.axis_name is not None:
-                raise ValueError("explain() needs ring_size= when axis_name is set without mesh=")
-            size = 1
-        else:
-            size = ring_size
-        check_int("ring_size", size)
-        return self._decide(query, key, value, size, options)
+        return self._decide(query, key, value, size, options, a2a)
 
     # ----------------------------------------------------------------------------------------------
 
+    def _mesh_sizes(self) -> tuple[int, int]:
+        """(devices the sequence is split over, ring positions the layout is over) of `mesh=`: the axis's
+        size twice, or for the hybrid R x A and R."""
+        if self.strategy == "hybrid":
+            ring, a2a = (self.mesh.shape[name] for name in self.axis_name)
+            return ring * a2a, ring
+        return self.mesh.shape[self.axis_name], self.mesh.shape[self.axis_name]
+
     def _local(self, query, key, value, options: dict[str, Any]):
         size, _ = ring_geometry(self.axis_name)
-        decision = self._decide(query, key, value, size, options)
+        a2a = jax.lax.axis_size(self.axis_name[1]) if self.strategy == "hybrid" else None
+        decision = self._decide(query, key, value, size, options, a2a)
         noted = self._note(query, key, value, size, options, decision)
         with record.scope(noted):
             return record.watch(noted, self._attend(query, key, value, options, decision))
@@ -176,23 +172,28 @@ class TunedRingAttention:
             caller="loader", query=record.struct_of(query), key=record.struct_of(key), value=record.struct_of(value),
             arrays={n: record.struct_of(x) for n, x in options.items() if n in plan.ARRAY_OPTIONS and x is not None},
             mask=self.options, ring_size=ring_size, layout=decision.layout, backend=self.backend,
+            strategy=self.strategy, a2a_size=ring_size // decision.key.ring_size if self.strategy == "hybrid" else 1,
             return_lse=bool(options.get("return_lse")), interpret=bool(options.get("interpret")),
             db=str(Cache(self.db).path), platform=platform, device_kind=device_kind,
             decision=dict(implementation=decision.backend, source=decision.source, reason=decision.reason,
                           key=decision.key.as_dict()))
 
-    def _decide(self, query, key, value, ring_size: int, options: dict[str, Any]) -> Decision:
+    def _decide(self, query, key, value, ring_size: int, options: dict[str, Any], a2a_size: int | None = None
+                ) -> Decision:
+        """The plan of this call on `ring_size` devices (the hybrid's R x A, with `a2a_size` A), decided once
+        per problem key."""
         platform, device_kind = compile_target(self.mesh)
         target = registry.Target(platform, bool(options.get("interpret")))
         return_lse = bool(options.get("return_lse"))
         layout = self._layout(ring_size)
         resolved = plan.resolve(query, key, value, ring_size=ring_size, layout=layout, backend=self.backend,
                                 target=target, mask=self.options, return_lse=return_lse, strategy=self.strategy,
-                                arrays={n: x for n, x in options.items() if n in plan.ARRAY_OPTIONS})
+                                arrays={n: x for n, x in options.items() if n in plan.ARRAY_OPTIONS},
+                                axis_name=self.axis_name, a2a_size=a2a_size)
         spec, shapes, implementation, fallback = (resolved.spec, resolved.shapes, resolved.implementation,
                                                   resolved.fallback)
         problem = ProblemKey.of(shapes, spec, backend=implementation.name, device_kind=device_kind,
-                                ring_size=ring_size, layout=layout)
+                                ring_size=ring_size, layout=layout, a2a_size=a2a_size or 1)
         if self._writes != writes():  # this process wrote to a cache since: decide again
             self._decisions.clear()
             self._writes = writes()
@@ -249,7 +250,8 @@ class TunedRingAttention:
 
         def runnable(name: str) -> bool:
             implementation = registry.find(name)
-            if implementation is None or self.strategy not in ("auto", registry.strategy_of(implementation)):
+            its = None if implementation is None else registry.strategy_of(implementation)
+            if its is None or its == "hybrid" or self.strategy not in ("auto", its):  # hybrid: over two axes
                 return False
             reason = registry.why_not(implementation, spec, dtype, key.head_dim, target, return_lse=return_lse,
                                       shapes=key, ring_size=key.ring_size)
@@ -277,6 +279,8 @@ class TunedRingAttention:
             implementation = registry.find(strategy)
             if implementation is None or registry.strategy_of(implementation) != strategy:
                 return "no implementation is registered for it"
+            if strategy == "hybrid":
+                return "it runs over two mesh axes: axis_name=(ring_axis, a2a_axis)"
             return registry.why_not(implementation, spec, dtype, key.head_dim, target, return_lse=return_lse,
                                     shapes=key, ring_size=key.ring_size)
 
@@ -374,7 +378,9 @@ def get_tuned_ring_attention(
     `strategy` says how the devices share the work: "ring", "all_to_all" or "all_gather" runs that one
     ("ring": over the kernel `backend` names, else the platform's); "auto" (the default) lets a
     measurement in the cache pick, else on a TPU or H100 the strategy model (`tuner.modelled`), else the
-    ring. "hybrid" is not implemented yet.
+    ring. "hybrid" (or "auto" with a pair `axis_name=(ring_axis, a2a_axis)`) runs all-to-all over the
+    second axis and the ring over the first (`tuner.hybrid`): with `mesh`, the sequence is sharded over
+    both axes, ring axis outer, and `layout` applies over the ring axis.
     """
     return TunedRingAttention(axis_name=axis_name, causal=causal, sliding_window=sliding_window,
                               chunk_size=chunk_size, logits_soft_cap=logits_soft_cap,

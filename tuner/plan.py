@@ -25,7 +25,7 @@ from tuner.registry import Config
 from tuner.spec import AttentionSpec, LocalShapes, build_spec, check_inputs, layout_span
 
 MASK_OPTIONS = ("causal", "sliding_window", "chunk_size", "logits_soft_cap", "softmax_scale")
-SELECTING = ("all_to_all", "all_gather")  # strategies of one implementation each, of the same name
+SELECTING = ("all_to_all", "all_gather", "hybrid")  # strategies of one implementation each, of the same name
 ARRAY_OPTIONS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions", "softmax_aux", "bias")
 
 
@@ -40,32 +40,56 @@ class Resolved:
     fallback: str | None
 
 
-def check_strategy(strategy: str, backend: str) -> None:
-    """`ValueError` naming `strategy` for a value that is not one, or "hybrid" (not implemented yet), and
-    naming both arguments when `backend` names an implementation of another strategy."""
+def check_strategy(strategy: str, backend: str, axis_name: Any = None) -> str:
+    """The strategy a call runs: `strategy`, or "hybrid" for "auto" with a pair `axis_name` (only the hybrid
+    runs over two axes). `ValueError` naming `strategy` for a value that is not one, naming `axis_name` when
+    it does not fit the strategy (a pair is the hybrid's, and the hybrid's is a pair), and naming both
+    `strategy` and `backend` when `backend` names an implementation of another strategy."""
     if not isinstance(strategy, str) or strategy not in ("auto", *registry.STRATEGIES):
         raise ValueError(f"strategy must be one of {', '.join(('auto', *registry.STRATEGIES))}, got {strategy!r}")
-    if strategy == "hybrid":
-        raise ValueError("strategy='hybrid' (all-to-all within groups of devices, a ring across them) is not "
-                         "implemented yet; use strategy='ring', 'all_to_all', 'all_gather' or 'auto'")
+    if isinstance(axis_name, tuple) and strategy in ("auto", "hybrid"):
+        strategy = "hybrid"
+        if len(axis_name) != 2 or None in axis_name or axis_name[0] == axis_name[1]:
+            raise ValueError(f"strategy='hybrid' takes axis_name=(ring_axis, a2a_axis), two different mesh axes "
+                             f"(the ring over the first, the all-to-all over the second), got {axis_name!r}")
+    elif isinstance(axis_name, tuple):
+        raise ValueError(f"axis_name={axis_name!r} is a pair of mesh axes, which only strategy='hybrid' runs "
+                         f"(got strategy={strategy!r}): pass strategy='hybrid', or one axis name")
+    elif strategy == "hybrid":
+        raise ValueError(f"strategy='hybrid' takes axis_name=(ring_axis, a2a_axis), two mesh axes, got "
+                         f"axis_name={axis_name!r}")
     if strategy == "auto" or backend == "auto":
-        return
+        return strategy
     its = registry.strategy_of(registry.get(backend))
     if its != strategy:
         raise ValueError(f"backend {backend!r} runs the {its!r} strategy, not strategy={strategy!r}: pass "
                          f"backend='auto' with strategy={strategy!r}, or strategy='auto' with backend={backend!r}")
+    return strategy
 
 
 def resolve(query, key, value, *, ring_size: int, layout: str, backend: str, target: registry.Target,
-            mask: dict[str, Any], arrays: dict[str, Any], return_lse: bool = False, strategy: str = "auto"
-            ) -> Resolved:
+            mask: dict[str, Any], arrays: dict[str, Any], return_lse: bool = False, strategy: str = "auto",
+            axis_name: Any = None, a2a_size: int | None = None) -> Resolved:
     """The `Resolved` call of `query`/`key`/`value` (local shards, or `ShapeDtypeStruct`s) on a ring of
     `ring_size` in `layout`, with the mask options `mask` (`MASK_OPTIONS`) and the per-call arrays
     `arrays` (`ARRAY_OPTIONS`, None when absent). `backend` names an implementation, or "auto" for
     the platform's preference; `strategy` ("auto" or one of `registry.STRATEGIES`) "all_to_all" or
-    "all_gather" selects that implementation, "ring" keeps `backend` to a ring's (`check_strategy`).
+    "all_gather" selects that implementation, "ring" keeps `backend` to a ring's (`check_strategy`). With
+    a pair `axis_name=(ring_axis, a2a_axis)` the call is the hybrid's: `ring_size` is then every device
+    the sequence is split over (R x A), `a2a_size` the a2a axis's A, and the layout applies over the R
+    positions of the ring axis, each holding A shards.
     `ValueError` naming the argument for anything that cannot run, its shapes on this ring included."""
-    check_strategy(strategy, backend)
+    strategy = check_strategy(strategy, backend, axis_name)
+    group = 1
+    if strategy == "hybrid" or (backend != "auto" and registry.strategy_of(registry.get(backend)) == "hybrid"):
+        if strategy != "hybrid" or a2a_size is None:
+            raise ValueError(f"backend {backend!r} runs over two mesh axes: pass axis_name=(ring_axis, a2a_axis) "
+                             f"with strategy='hybrid', got axis_name={axis_name!r}")
+        group = a2a_size
+        if query.shape[2] % group:
+            raise ValueError(f"axis_name={axis_name!r}: hybrid splits the query heads over its all-to-all axis "
+                             f"{axis_name[1]!r}: heads ({query.shape[2]}) must be a multiple of its size ({group}); "
+                             f"swap the axes, or use another strategy")
     unknown = sorted(set(mask) - set(MASK_OPTIONS)) + sorted(set(arrays) - set(ARRAY_OPTIONS))
     if unknown:
         raise TypeError(f"unknown option(s) {', '.join(unknown)}; mask options are {', '.join(MASK_OPTIONS)}, "
@@ -74,7 +98,7 @@ def resolve(query, key, value, *, ring_size: int, layout: str, backend: str, tar
     check_inputs(query, key, value, ring_size=ring_size, **arrays)
     for positions, x in (("q_positions", query), ("kv_positions", key)):
         if arrays[positions] is None:
-            layouts.check_layout(layout, x.shape[1])
+            layouts.check_layout(layout, group * x.shape[1])
     spec = build_spec(query, has_segments=arrays["q_segment_ids"] is not None, bias=arrays["bias"],
                       softmax_aux=arrays["softmax_aux"], **mask,
                       position_span=layout_span(ring_size, query.shape[1], key.shape[1], arrays["q_positions"],

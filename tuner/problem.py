@@ -8,6 +8,7 @@ builds the same key from the shapes it is traced with, so a search and a trainin
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -144,6 +145,18 @@ _DESCRIPTION = re.compile(r"B=(?P<batch>\d+) T=(?P<seq_len>\d+) H=(?P<heads>\d+)
                           r"tokens, (?P<layout>\w+)")
 
 
+def exchanged(shapes: LocalShapes, group: int) -> LocalShapes:
+    """One device's shapes after an all-to-all over `group` devices trades its sequence shard for a head
+    group: `group` times the tokens, `1 / group` of the query heads, and of the kv heads repeated to the
+    fewest copies that split (`group / gcd(Hkv, group)`; `tuner.all_to_all`). `ValueError` when the query
+    heads do not split."""
+    if shapes.heads % group:
+        raise ValueError(f"heads ({shapes.heads}) must be a multiple of the all-to-all group ({group})")
+    kv_heads = shapes.kv_heads * (group // math.gcd(shapes.kv_heads, group)) // group
+    return dataclasses.replace(shapes, q_len=group * shapes.q_len, kv_len=group * shapes.kv_len,
+                               heads=shapes.heads // group, kv_heads=kv_heads)
+
+
 def key_layout(layout: str, ring_size: int) -> str:
     """The layout a cache key records: every layout of a one-device ring holds the tokens in order, so
     such a key says "contiguous" whatever the layout asked for."""
@@ -164,9 +177,13 @@ class ProblemKey(LocalShapes):
 
     @classmethod
     def of(cls, shapes: LocalShapes, spec: AttentionSpec, *, backend: str, device_kind: str, ring_size: int,
-           layout: str) -> ProblemKey:
+           layout: str, a2a_size: int = 1) -> ProblemKey:
         """The key of one device's shapes and the spec on a ring of `ring_size` in `layout`: the one
-        place a key is built, by the search and the loader alike."""
+        place a key is built, by the search and the loader alike. With `a2a_size` > 1 (the hybrid, over
+        `ring_size` = R x A devices) it is the key of what its inner ring runs: `exchanged(shapes, A)` on a
+        ring of R."""
+        if a2a_size > 1:
+            shapes, ring_size = exchanged(shapes, a2a_size), ring_size // a2a_size
         return cls(**asdict(shapes), backend=backend, device_kind=device_kind, ring_size=ring_size,
                    layout=key_layout(layout, ring_size), features=spec.features())
 

@@ -33,6 +33,7 @@ import numpy as np
 
 import tuner
 from tuner.problem import Problem
+from tuner.registry import STRATEGIES
 from tuner.spec import LAYOUTS
 
 RECORD_VERSION = 1
@@ -51,7 +52,9 @@ _SCOPE_RE = re.compile(re.escape(SCOPE) + r"\[([0-9a-f]{16})\]")
 class Call:
     """One attention call as a trace saw it (module docstring). `decision` is what the loader decided:
     `implementation`, `source`, `reason` and the cache `key` (a dict); `gradients` whether the program
-    differentiates through the call."""
+    differentiates through the call. `strategy` is the one the call asked for ("auto" or one of
+    `tuner.registry.STRATEGIES`), and `a2a_size` the hybrid's all-to-all axis size (1 otherwise; its
+    `ring_size` is then every device of both axes)."""
 
     caller: str
     query: Struct
@@ -69,6 +72,8 @@ class Call:
     device_kind: str
     decision: dict[str, Any]
     gradients: bool = False
+    strategy: str = "auto"
+    a2a_size: int = 1
 
     def __post_init__(self) -> None:
         if self.caller not in CALLERS:
@@ -84,8 +89,15 @@ class Call:
         if not isinstance(self.mask, dict):
             raise ValueError(f"mask must be an object of mask options, got {self.mask!r}")
         object.__setattr__(self, "mask", {name: _plain(value) for name, value in self.mask.items()})
-        if not isinstance(self.ring_size, int) or isinstance(self.ring_size, bool) or self.ring_size < 1:
-            raise ValueError(f"ring_size must be a positive integer, got {self.ring_size!r}")
+        for name in ("ring_size", "a2a_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.strategy not in ("auto", *STRATEGIES):
+            raise ValueError(f"strategy must be one of {', '.join(('auto', *STRATEGIES))}, got {self.strategy!r}")
+        if (self.strategy == "hybrid") != (self.a2a_size > 1) or self.ring_size % self.a2a_size:
+            raise ValueError(f"a2a_size={self.a2a_size} > 1 goes with strategy='hybrid' and divides ring_size "
+                             f"({self.ring_size}); got strategy={self.strategy!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         for name in ("return_lse", "interpret", "gradients"):
@@ -97,8 +109,11 @@ class Call:
 
     @property
     def id(self) -> str:
-        """16 hex digits naming the call (everything but the decision and `gradients`)."""
-        fields = {k: v for k, v in self.to_json().items() if k not in ("decision", "gradients", "version", "tool")}
+        """16 hex digits naming the call (everything but the decision and `gradients`; the strategy fields
+        only where they are not their defaults, so the ids of calls recorded before them stay)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in ("strategy", "a2a_size")}
+        fields = {k: v for k, v in self.to_json().items() if k not in ("decision", "gradients", "version", "tool")
+                  and not (k in defaults and v == defaults[k])}
         text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -138,6 +153,9 @@ class Call:
                              "call get_tuned_ring_attention(...) instead to run tuned params")
         if self.interpret:
             raise ValueError("interpret=True runs the kernels in their interpreter: there is nothing to tune")
+        if self.strategy == "hybrid":
+            raise ValueError("tuner search does not search the hybrid strategy yet (it would need a 2-D mesh); "
+                             "the hybrid runs its inner scan ring's defaults, or a cache row of its inner problem")
         (b, tq, h, d), dtype = self.query
         (_, tk, hkv, _), _ = self.key
         if tq != tk:

@@ -7,8 +7,11 @@ heads, D head size, `item` bytes per element; T = S / P tokens per device):
 - "ring" (`tuner.ring`): P steps; each of the first P - 1 sends the visiting K, V shard (2 B T Hkv D item,
   plus int32 positions, and segment ids with packed documents) to the next device while the step's block is
   computed: a step takes max(compute, transfer). Backward: P steps of 2.5x the forward FLOPs (five matmuls
-  for two), P - 1 K,V sends and P sends of the float32 dK, dV accumulators, the last one not overlapped. With
-  a mask, the driver all-gathers every shard's position bounds once (`masks.ring_mask`).
+  for two), P - 1 K,V sends and P sends of the float32 dK, dV accumulators, the last one not overlapped and
+  in the input dtype (the compiler moves the final cast ahead of it; XLA:TPU does). A ring of 2 sends no
+  K,V in the backward: its one send is the forward's, same operands, and XLA merges the two. With a mask,
+  the driver all-gathers every shard's position bounds once (`masks.ring_mask`; XLA:TPU builds that as a
+  small all-reduce, which `hlo.collective_bytes` does not read).
 - "all_to_all" (`tuner.all_to_all`, Ulysses): q, k, v exchanged to head groups (kv heads repeated to a
   multiple of P, `kv_repeats`), the whole sequence attended on H / P heads, the output exchanged back; the
   backward exchanges dout in and dq, dk, dv back, in the input dtype (the inner ring returns its gradients
@@ -17,8 +20,9 @@ heads, D head size, `item` bytes per element; T = S / P tokens per device):
   every key. Backward: dK, dV reduce-scattered in the input dtype (the gathered K's cotangent has K's
   dtype); K, V are not gathered again: autodiff keeps the gathered copies from the forward, so they stay in
   memory until the backward (`gathered_bytes`). Refused, as the implementation does, when they would take
-  over half the device's memory.
-- "hybrid" (USP, no implementation yet): P = Pr x Pa; an all-to-all among Pa devices to H / Pa heads of
+  over half the device's memory. XLA:TPU builds the reduce-scatter as an all-reduce of the whole dK, dV
+  and keeps its slice (twice the link bytes); not modelled: the counts and rates are a reduce-scatter's.
+- "hybrid" (USP, `tuner.hybrid`): P = Pr x Pa; an all-to-all among Pa devices to H / Pa heads of
   S / Pr tokens, then a ring of Pr steps over those, then the all-to-all back. `axes=(Pr, Pa)`, or the
   fastest split with both > 1.
 
@@ -209,8 +213,8 @@ def _causal_share(problem: Problem, positions: int) -> float:
 
 def _ring(acc: _Pass, problem: Problem, size: int, heads: int, kv_heads: int, tokens: int, backward: bool) -> None:
     """A ring of `size` devices of `tokens` tokens each, on `heads` query and `kv_heads` key/value heads."""
-    b, d, ints = problem.batch, problem.head_dim, 2 if problem.segments else 1
-    shard = b * tokens * (2 * kv_heads * d * ITEMSIZE[problem.dtype] + 4 * ints)
+    b, d, ints, item = problem.batch, problem.head_dim, 2 if problem.segments else 1, ITEMSIZE[problem.dtype]
+    shard = b * tokens * (2 * kv_heads * d * item + 4 * ints)
     grads = b * tokens * 2 * kv_heads * d * 4
     block = _block_seconds(problem, acc.platform, heads, tokens, tokens, _causal_share(problem, size))
     if problem.spec.has_mask:
@@ -222,13 +226,14 @@ def _ring(acc: _Pass, problem: Problem, size: int, heads: int, kv_heads: int, to
         return
     block *= BACKWARD_FLOPS
     acc.compute_for(True, size * block)
-    if size > 1:  # step 0 sends keys; steps 1..P-2 keys and grads; step P-1 grads; then one last hop home
-        acc.wait(True, acc.collective("collective-permute", shard, size), overlap=block)
+    if size > 1:  # step 0 sends keys (with 2, the forward's send); 1..P-2 keys and grads; P-1 grads; one hop home
+        if size > 2:
+            acc.wait(True, acc.collective("collective-permute", shard, size), overlap=block)
         for _ in range(size - 2):
             pair = acc.collective("collective-permute", shard, size) + acc.collective("collective-permute", grads, size)
             acc.wait(True, pair, overlap=block)
         acc.wait(True, acc.collective("collective-permute", grads, size), overlap=block)
-        acc.wait(True, acc.collective("collective-permute", grads, size))
+        acc.wait(True, acc.collective("collective-permute", grads * item // 4, size))
 
 
 def _exchange(acc: _Pass, problem: Problem, group: int, tokens: int, backward: bool, return_lse: bool) -> int:

@@ -1,0 +1,132 @@
+"""The 2-D hybrid strategy (USP): all-to-all to head groups over one mesh axis, a ring over the other.
+
+The devices form a `R x A` mesh with axes `axis_name=(ring_axis, a2a_axis)`; the sequence is sharded over
+both, ring axis outer (`PartitionSpec(None, (ring_axis, a2a_axis))`), and the layout applies over the ring
+axis: ring position r holds the layout's r-th chunk of `T / R` tokens, cut evenly over the A devices of its
+all-to-all group. Each device `[B, T/(R A), H, D]`:
+
+1. exchanges its shards over the a2a axis (`jax.lax.all_to_all`) into its group's whole chunk of a head
+   group, `[B, T/R, H/A, D]` (only the Hkv key/value heads travel, repeated as in `tuner.all_to_all` when
+   `Hkv % A != 0`);
+2. runs the scan ring over the ring axis on that chunk (`tuner.ring.run_ring`): R steps, the layout's
+   positions for a ring of R, so causal, window and chunk masks are exact in every layout;
+3. exchanges the output (and lse) back over the a2a axis.
+
+The all-to-alls stay inside a group (on a GPU node, NVLink) and the ring crosses groups with `1 / A` of the
+keys a plain ring over all `R A` devices would send, overlapped with compute.
+
+- Heads: the H query heads split over the a2a axis (`H % A == 0`, `heads_violation`), else the call is
+  refused when it is resolved (`ValueError` naming `axis_name`).
+- Per-call arrays: explicit positions and segment ids are all-gathered over the a2a axis into the chunk's,
+  and travel around the ring as the ring's own do. Sinks: each device takes its head group's rows. No
+  bias, as for `tuner.all_to_all`.
+- Config: the inner scan ring's `TileConfig`. The cache key of a hybrid call is the key of what its inner
+  ring runs (`ProblemKey.of(..., a2a_size=A)`: one device's shapes after the exchange, on a ring of R), so
+  a tuned config follows the shapes the kernels see.
+- Backward: jax's autodiff through the all-to-alls and the inner ring's `custom_vjp`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable
+from typing import Any
+
+import jax.numpy as jnp
+from jax import lax
+
+from tuner import registry, vma
+from tuner.all_to_all import AllToAll
+from tuner.implementations import TileConfig
+from tuner.ring import run_ring
+from tuner.spec import AttentionSpec, LocalShapes
+
+INNER = "scan"
+BIAS_REASON = "bias: the hybrid's all-to-all does not carry a bias over the key axis; the ring supports it"
+
+
+def check_axis_name(axis_name: Any) -> tuple[Hashable, Hashable]:
+    """`axis_name` as the hybrid's `(ring_axis, a2a_axis)`: a pair of two different mesh axis names;
+    `ValueError` naming the argument otherwise."""
+    if not (isinstance(axis_name, tuple) and len(axis_name) == 2 and None not in axis_name
+            and axis_name[0] != axis_name[1]):
+        raise ValueError(f"strategy='hybrid' takes axis_name=(ring_axis, a2a_axis), two different mesh axes "
+                         f"(the ring over the first, the all-to-all over the second), got {axis_name!r}")
+    return axis_name
+
+
+def heads_violation(heads: int, a2a_size: int) -> str | None:
+    """Why `heads` query heads do not split over the `a2a_size` devices of the all-to-all axis, or None."""
+    if heads % a2a_size:
+        return (f"hybrid splits the query heads over its all-to-all axis: heads ({heads}) must be a multiple of "
+                f"that axis's size ({a2a_size}); swap the axes of axis_name, or use another strategy")
+    return None
+
+
+def kv_repeats(heads: int, kv_heads: int, a2a_size: int) -> int:
+    """Copies of each kv head that make the kv heads split over the a2a axis with every device's query heads
+    meeting their own (as `tuner.all_to_all.kv_repeats`); `ValueError` when the query heads do not split."""
+    reason = heads_violation(heads, a2a_size)
+    if reason is not None:
+        raise ValueError(reason)
+    return a2a_size // math.gcd(kv_heads, a2a_size)
+
+
+class Hybrid(AllToAll):
+    """USP: all-to-all over the a2a axis, the scan ring over the ring axis, all-to-all back (module
+    docstring). Its tile hooks are all_to_all's: the inner ring sees at most `H * T/(R A)` tokens."""
+
+    name = "hybrid"
+    summary = ("all-to-all to head groups over the second axis of axis_name (H % its size == 0), "
+               "the scan ring over the first, all-to-all back")
+    strategy = "hybrid"
+    bias_reason = BIAS_REASON
+
+    def shape_violation(self, shapes: LocalShapes, ring_size: int) -> str | None:
+        return None  # the head rule needs the a2a axis's size: `plan.resolve(a2a_size=)` checks it
+
+    def attend(self, query, key, value, *, spec: AttentionSpec, config: TileConfig, axis_name: Hashable | None,
+               layout: str, interpret: bool = False, **arrays: Any) -> Any:
+        return hybrid_attention(query, key, value, spec=spec, config=config, axis_name=axis_name, layout=layout,
+                                interpret=interpret, **arrays)
+
+
+def hybrid_attention(query, key, value, *, spec: AttentionSpec, config: TileConfig, axis_name: Any, layout: str,
+                     interpret: bool = False, q_segment_ids=None, kv_segment_ids=None, q_positions=None,
+                     kv_positions=None, softmax_aux=None, bias=None, return_lse: bool = False) -> Any:
+    """This device's output (and lse `[B, H, T/(R A)]`) for a call resolved to `spec`, under `shard_map` over
+    both axes of `axis_name=(ring_axis, a2a_axis)`, on shards in `layout` over the ring axis (module
+    docstring). Arrays as in `tuner.ring_attention`."""
+    if bias is not None or spec.has_bias:
+        raise ValueError(f"hybrid does not support {BIAS_REASON}")
+    ring_axis, a2a_axis = check_axis_name(axis_name)
+    groups, group_rank = lax.axis_size(a2a_axis), lax.axis_index(a2a_axis)
+    heads, kv_heads = query.shape[2], key.shape[2]
+    repeats = kv_repeats(heads, kv_heads, groups)
+    if repeats > 1:
+        key, value = jnp.repeat(key, repeats, axis=2), jnp.repeat(value, repeats, axis=2)
+
+    def to_heads(x):  # [B, T/(R A), h, D] -> [B, T/R, h/A, D]: the group's chunk, in order
+        return lax.all_to_all(x, a2a_axis, 2, 1, tiled=True)
+
+    def chunk(x):  # [B, T/(R A)] -> [B, T/R]
+        return None if x is None else lax.all_gather(x.astype(jnp.int32), a2a_axis, axis=1, tiled=True)
+
+    sinks = softmax_aux
+    if sinks is not None:
+        if a2a_axis not in vma.varying_axes(sinks):  # one set for every device: its gradient sums over the group
+            sinks = lax.pcast(sinks, (a2a_axis,), to="varying")
+        sinks = lax.dynamic_slice_in_dim(sinks, group_rank * (heads // groups), heads // groups, axis=0)
+    out, lse = run_ring(to_heads(query), to_heads(key), to_heads(value), spec=spec, backend=INNER,
+                        fwd_params=config.fwd, bwd_params=config.bwd, axis_name=ring_axis, layout=layout,
+                        interpret=interpret, q_segment_ids=chunk(q_segment_ids), kv_segment_ids=chunk(kv_segment_ids),
+                        q_positions=chunk(q_positions), kv_positions=chunk(kv_positions), softmax_aux=sinks,
+                        return_lse=True)
+    out = lax.all_to_all(out, a2a_axis, 1, 2, tiled=True)  # [B, T/R, H/A, D] -> [B, T/(R A), H, D]
+    lse = lax.all_to_all(lse, a2a_axis, 2, 1, tiled=True)  # [B, H/A, T/R] -> [B, H, T/(R A)]
+    return (out, lse) if return_lse else out
+
+
+registry.register(Hybrid())
+
+__all__ = ["Hybrid", "check_axis_name", "heads_violation", "hybrid_attention", "kv_repeats"]
