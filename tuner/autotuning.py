@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # the search (optuna) is imported when a search runs, not wit
     from tuner.search import SearchOptions
 
 COVERED = ("exact", "measured")  # sources that mean the problem's own decision is in the cache
-REPLAY_AXIS = "ring"
+REPLAY_AXES = ("ring", "a2a")  # the axis names a replayed call is explained with (the hybrid: both)
 
 
 @dataclass(frozen=True)
@@ -167,13 +167,14 @@ def replay(call: Call, db: str | None = None) -> Call:
         return call
     from tuner.dispatch import get_tuned_ring_attention
 
-    ring = call.ring_size > 1
-    attn = get_tuned_ring_attention(axis_name=REPLAY_AXIS if ring else None, layout=call.layout,
-                                    backend=call.backend, db=db or call.db, **call.mask)
+    ring, hybrid = call.ring_size > 1, call.strategy == "hybrid"
+    axis_name = REPLAY_AXES if hybrid else REPLAY_AXES[0] if ring else None
+    attn = get_tuned_ring_attention(axis_name=axis_name, layout=call.layout, backend=call.backend,
+                                    strategy=call.strategy, db=db or call.db, **call.mask)
     structs = {n: jax.ShapeDtypeStruct(shape, dtype) for n, (shape, dtype) in call.arrays.items()}
     q, k, v = (jax.ShapeDtypeStruct(*s) for s in (call.query, call.key, call.value))
-    plan = attn.explain(q, k, v, ring_size=call.ring_size if ring else None, return_lse=call.return_lse,
-                        interpret=call.interpret, **structs)
+    sizes = (call.ring_size // call.a2a_size, call.a2a_size) if hybrid else call.ring_size if ring else None
+    plan = attn.explain(q, k, v, ring_size=sizes, return_lse=call.return_lse, interpret=call.interpret, **structs)
     decision = dict(implementation=plan.backend, source=plan.source, reason=plan.reason, key=plan.key.as_dict())
     return dataclasses.replace(call, decision=decision)
 

@@ -95,9 +95,9 @@ class Call:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.strategy not in ("auto", *STRATEGIES):
             raise ValueError(f"strategy must be one of {', '.join(('auto', *STRATEGIES))}, got {self.strategy!r}")
-        if (self.strategy == "hybrid") != (self.a2a_size > 1) or self.ring_size % self.a2a_size:
-            raise ValueError(f"a2a_size={self.a2a_size} > 1 goes with strategy='hybrid' and divides ring_size "
-                             f"({self.ring_size}); got strategy={self.strategy!r}")
+        if (self.a2a_size > 1 and self.strategy != "hybrid") or self.ring_size % self.a2a_size:
+            raise ValueError(f"a2a_size={self.a2a_size} must divide ring_size ({self.ring_size}), and be 1 but for "
+                             f"strategy='hybrid'; got strategy={self.strategy!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         for name in ("return_lse", "interpret", "gradients"):
