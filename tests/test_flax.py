@@ -43,26 +43,38 @@ def compare(got_out, want_out, got_grads, want_grads):
         assert rel_err(np.asarray(g), np.asarray(w)) <= 1e-4
 
 
-@pytest.mark.parametrize("options", [dict(causal=True), dict(causal=True, sliding_window=24, logits_soft_cap=20.0),
-                                     dict(causal=False, chunk_size=16)], ids=["causal", "window-softcap", "chunk"])
-def test_layer_on_a_zigzag_ring_equals_the_dense_layer(options):
+def check_sharded(mesh: Mesh, axis_name, ring: int, options: dict) -> None:
+    """The layer under `shard_map` over `axis_name` of `mesh`, on the sequence laid out in zigzag over `ring`
+    positions, against the dense layer with the same weights: forward and every weight's gradient."""
     from flax import nnx
 
-    ring, dense = layers(axis_name="sp", layout="zigzag", **options)
+    ring_layer, dense = layers(axis_name=axis_name, layout="zigzag", **options)
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 128, 64)), jnp.float32)
-    graphdef, state = nnx.split(ring)
-    mesh = Mesh(np.array(jax.devices()[:RING]), ("sp",))
-    seq = P(None, "sp")
+    graphdef, state = nnx.split(ring_layer)
+    seq = P(None, axis_name)
     apply = jax.shard_map(lambda s, x: nnx.merge(graphdef, s)(x), mesh=mesh, in_specs=(P(), seq), out_specs=seq)
 
     def ring_loss(state):
-        out = layouts.restore(apply(state, layouts.lay_out(x, "zigzag", RING)), "zigzag", RING)
+        out = layouts.restore(apply(state, layouts.lay_out(x, "zigzag", ring)), "zigzag", ring)
         return (jnp.sin(out) * out).sum(), out
 
     (_, got), got_grads = jax.jit(jax.value_and_grad(ring_loss, has_aux=True))(state)
     (_, want), want_grads = nnx.value_and_grad(lambda m: ((lambda o: (jnp.sin(o) * o).sum())(m(x)), m(x)),
                                                has_aux=True)(dense)
     compare(got, want, got_grads, nnx.state(want_grads, nnx.Param))
+
+
+@pytest.mark.parametrize("options", [dict(causal=True), dict(causal=True, sliding_window=24, logits_soft_cap=20.0),
+                                     dict(causal=False, chunk_size=16)], ids=["causal", "window-softcap", "chunk"])
+def test_layer_on_a_zigzag_ring_equals_the_dense_layer(options):
+    check_sharded(Mesh(np.array(jax.devices()[:RING]), ("sp",)), "sp", RING, options)
+
+
+def test_hybrid_layer_on_a_2x2_mesh_equals_the_dense_layer():
+    """`axis_name=(ring_axis, a2a_axis)`: the loader runs the hybrid, and the rotary positions are the
+    hybrid's (zigzag over the 2 ring positions, each chunk cut over the a2a axis)."""
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("ring", "a2a"))
+    check_sharded(mesh, ("ring", "a2a"), 2, dict(causal=True, sliding_window=40))
 
 
 def test_layer_on_one_device_with_packed_documents_equals_the_dense_layer():

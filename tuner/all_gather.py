@@ -52,8 +52,9 @@ def gathered_bytes(shapes: LocalShapes, ring_size: int) -> int:
 
 
 def device_bytes_limit() -> int | None:
-    """The default device's memory limit in bytes, or None where it reports none (the CPU)."""
-    limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    """The memory limit in bytes of this process's first device (a device of another process cannot be asked),
+    or None where it reports none (the CPU)."""
+    limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
     return int(limit) if limit else None
 
 

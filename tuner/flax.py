@@ -5,6 +5,8 @@ heads), rotary position embeddings on the **global** positions of the tokens (fr
 so a token gets the same rotation whichever device holds it), the tuned ring attention of
 `get_tuned_ring_attention`, and an output projection. Inside `shard_map` over `axis_name` it takes
 each device's shard of the sequence; with `axis_name=None` it is ordinary attention on one device.
+`strategy` is the loader's ("auto", "ring", "all_to_all", "all_gather", or "hybrid" with
+`axis_name=(ring_axis, a2a_axis)`, the layout then over the ring axis).
 `attention="dense"` swaps the ring for dense attention over the same inputs (one device): the
 reference the layer is tested against.
 """
@@ -17,7 +19,7 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from tuner import layouts
+from tuner import hybrid, layouts
 from tuner.checks import check_int
 from tuner.dispatch import get_tuned_ring_attention
 from tuner.reference import dense_attention
@@ -50,7 +52,8 @@ class RingSelfAttention(nnx.Module):
                  causal: bool = True, sliding_window: int | tuple[int, int] | None = None,
                  chunk_size: int | None = None, logits_soft_cap: float | None = None, use_rope: bool = True,
                  rope_base: float = 10_000.0, backend: str = "auto", attention: str = "ring",
-                 dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, db=None, rngs: nnx.Rngs):
+                 strategy: str = "auto", dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, db=None,
+                 rngs: nnx.Rngs):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
             check_int(name, value)
@@ -81,10 +84,13 @@ class RingSelfAttention(nnx.Module):
         self.value = linear(embed_dim, num_kv_heads * head_dim)
         self.out = linear(num_heads * head_dim, embed_dim)
         self.ring = get_tuned_ring_attention(axis_name=axis_name, layout=layout, backend=backend, db=db,
-                                             **self.options)
+                                             strategy=strategy, **self.options)
 
     def positions(self, batch: int, length: int):
-        """Global positions `[batch, length]` of this device's tokens under the layout."""
+        """Global positions `[batch, length]` of this device's tokens under the layout (the hybrid's: over its
+        ring axis, each position's chunk cut over the a2a axis)."""
+        if isinstance(self.axis_name, tuple):
+            return jnp.broadcast_to(hybrid.local_positions(self.layout, length, self.axis_name), (batch, length))
         size, rank = ring_geometry(self.axis_name)
         layouts.check_layout(self.layout, length)
         return jnp.broadcast_to(layouts.local_positions(self.layout, length, size, rank), (batch, length))

@@ -35,7 +35,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
-from tuner import registry, vma
+from tuner import layouts, registry, vma
 from tuner.all_to_all import AllToAll
 from tuner.implementations import TileConfig
 from tuner.ring import run_ring
@@ -70,6 +70,16 @@ def kv_repeats(heads: int, kv_heads: int, a2a_size: int) -> int:
     if reason is not None:
         raise ValueError(reason)
     return a2a_size // math.gcd(kv_heads, a2a_size)
+
+
+def local_positions(layout: str, length: int, axis_name: tuple[Hashable, Hashable]) -> jnp.ndarray:
+    """Global positions (int32 `[length]`) of this device's `length` tokens under the hybrid's sharding, inside
+    `shard_map` over both axes: its a2a index's cut of its ring position's chunk of `layout`."""
+    ring_axis, a2a_axis = check_axis_name(axis_name)
+    groups = lax.axis_size(a2a_axis)
+    layouts.check_layout(layout, groups * length)
+    chunk = layouts.local_positions(layout, groups * length, lax.axis_size(ring_axis), lax.axis_index(ring_axis))
+    return lax.dynamic_slice_in_dim(chunk, lax.axis_index(a2a_axis) * length, length)
 
 
 class Hybrid(AllToAll):
@@ -129,4 +139,4 @@ def hybrid_attention(query, key, value, *, spec: AttentionSpec, config: TileConf
 
 registry.register(Hybrid())
 
-__all__ = ["Hybrid", "check_axis_name", "heads_violation", "hybrid_attention", "kv_repeats"]
+__all__ = ["Hybrid", "check_axis_name", "heads_violation", "hybrid_attention", "kv_repeats", "local_positions"]

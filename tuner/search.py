@@ -156,8 +156,14 @@ def check_device(device: str) -> str:
 def resolve_backend(name: str, problem: Problem, device: str, interpret: bool = False) -> registry.Implementation:
     """The implementation `name` ("auto": the device's preferred one that supports the problem),
     checked to run on `device`."""
-    return registry.choose(name, problem.spec, jax.numpy.dtype(problem.dtype), problem.head_dim,
-                           registry.Target(device, interpret))
+    implementation = registry.choose(name, problem.spec, jax.numpy.dtype(problem.dtype), problem.head_dim,
+                                     registry.Target(device, interpret), shapes=problem.shapes,
+                                     ring_size=problem.ring_size)
+    if registry.strategy_of(implementation) == "hybrid":
+        raise ValueError(f"backend {name!r} runs over two mesh axes (axis_name=(ring_axis, a2a_axis)); tuner search "
+                         f"tunes problems over one axis and cannot search it yet: it runs its inner scan ring's "
+                         f"defaults")
+    return implementation
 
 
 class _Search:
