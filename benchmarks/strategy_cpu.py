@@ -3,11 +3,11 @@ of ring, all_to_all, all_gather and every hybrid split R x A (both > 1) against 
 on the "cpu" platform (`measure_cpu()`: numpy matmul FLOP/s, memcpy bytes/s), over a stated grid:
 
     python benchmarks/strategy_cpu.py                      # the grid below, ~12 min on 2 cores
-    python benchmarks/strategy_cpu.py --rings 4 --seq-lens 2048 --runs 3   # a quick look
+    python benchmarks/strategy_cpu.py --rings 4 --heads-kv 8:4 --seq-lens 2048 --runs 3   # a quick look
 
-Grid (default): ring size P in {4, 8}; heads H in {4, 8}, kv heads in {1, H/2}; global sequence S in
-{2048, 4096}; batch 1, head_dim 64, float32, causal, zigzag. all_to_all needs H % P == 0; where it cannot
-run, a problem is ranked over the remaining strategies.
+Grid (default, 12 problems): ring size P in {4, 8}; (heads, kv heads) in {(4, 1), (8, 1), (8, 4)} (MQA and
+GQA); global sequence S in {2048, 4096}; batch 1, head_dim 64, float32, causal, zigzag. all_to_all needs
+H % P == 0; where it cannot run, a problem is ranked over the remaining strategies.
 
 Each strategy runs as a user gets it: `ring_attention(..., strategy=...)` with its default tiles under
 `jax.shard_map` over a 1-D mesh of P devices (hybrid: a 2-D mesh R x A, the layout over the ring axis), on
@@ -46,7 +46,7 @@ from scipy.stats import kendalltau  # noqa: E402
 from tuner import layouts, ring_attention  # noqa: E402
 from tuner.problem import Problem  # noqa: E402
 from tuner.strategy_model import measure_cpu, predict  # noqa: E402
-from tuner.timing import compile_timed, run_interleaved  # noqa: E402
+from tuner.timing import attention_flops, compile_timed, run_interleaved  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 FLAT = ("ring", "all_to_all", "all_gather")
@@ -123,7 +123,10 @@ def evaluate(problem: Problem, timings: dict[str, dict], noise: float) -> dict:
     split, measured and predicted apart) both orders, the picks, tau, the pick's measured cost."""
     runs = candidates(problem)
     predictions = {name: predict(problem, strategy, "cpu", axes=split) for name, (strategy, split) in runs.items()}
+    flops = attention_flops(problem.batch, problem.heads, problem.seq_len, problem.seq_len, problem.head_dim,
+                            causal=problem.causal, objective="fwd+bwd")
     per_candidate = {name: {**timings[name], "predicted_s": predictions[name].seconds,
+                            "gflop_per_s": flops / timings[name]["median_s"] / 1e9,
                             "predicted_compute_s": predictions[name].compute_s,
                             "predicted_link_bytes": predictions[name].link_bytes} for name in runs}
     hybrids = [name for name in runs if name.startswith("hybrid")]
@@ -138,13 +141,14 @@ def evaluate(problem: Problem, timings: dict[str, dict], noise: float) -> dict:
     # The model's pick as it would run: the hybrid at the model's split.
     pick_s = timings[best_predicted_split]["median_s"] if pick == "hybrid" else measured[pick]
     ratio = pick_s / measured[best]
+    margin = predicted[predicted_order[1]] / predicted[pick] - 1
     return {"problem": problem.describe(), "ring_size": problem.ring_size, "heads": problem.heads,
-            "kv_heads": problem.kv_heads, "seq_len": problem.seq_len, "candidates": per_candidate,
+            "kv_heads": problem.kv_heads, "seq_len": problem.seq_len, "flops": flops, "candidates": per_candidate,
             "unsupported": [s for s in STRATEGIES if s not in measured],
             "measured_s": measured, "predicted_s": predicted,
             "hybrid_split": {"measured": best_measured_split, "predicted": best_predicted_split},
             "measured_order": measured_order, "predicted_order": predicted_order,
-            "measured_pick": best, "model_pick": pick, "agree": pick == best,
+            "measured_pick": best, "model_pick": pick, "model_margin": margin, "agree": pick == best,
             "pick_over_best": ratio, "within_noise": pick != best and ratio < 1 + noise,
             "kendall_tau": tau(measured, predicted)}
 
@@ -152,7 +156,13 @@ def evaluate(problem: Problem, timings: dict[str, dict], noise: float) -> dict:
 def grid(args: argparse.Namespace) -> list[Problem]:
     return [Problem(batch=1, seq_len=s, heads=h, kv_heads=kv, head_dim=args.head_dim, dtype="float32", causal=True,
                     ring_size=p, layout="zigzag")
-            for p in args.rings for h in args.heads for kv in sorted({1, h // 2}) for s in args.seq_lens]
+            for p in args.rings for h, kv in args.heads_kv for s in args.seq_lens]
+
+
+def heads_kv(text: str) -> tuple[int, int]:
+    """"H:Hkv" as a pair of ints."""
+    heads, kv = text.split(":")
+    return int(heads), int(kv)
 
 
 def ms(seconds: float) -> str:
@@ -162,7 +172,7 @@ def ms(seconds: float) -> str:
 def table(records: list[dict], summary: dict, rates: dict, loads: dict) -> str:
     """The markdown table: per problem each strategy's measured / predicted ms, both picks, agreement."""
     lines = ["| P | H | Hkv | S | " + " | ".join(f"{s} ms meas / pred" for s in STRATEGIES)
-             + " | measured pick | model pick | agree | pick / best | tau |",
+             + " | measured pick | model pick (margin) | agree | pick / best | tau |",
              "|---|---|---|---|" + "---|" * len(STRATEGIES) + "---|---|---|---|---|"]
     for r in records:
         cells = []
@@ -175,15 +185,16 @@ def table(records: list[dict], summary: dict, rates: dict, loads: dict) -> str:
             cells.append(f"{ms(r['measured_s'][s])} / {ms(r['predicted_s'][s])}{split}")
         agree = "yes" if r["agree"] else ("no (within noise)" if r["within_noise"] else "no")
         lines.append(f"| {r['ring_size']} | {r['heads']} | {r['kv_heads']} | {r['seq_len']} | {' | '.join(cells)} | "
-                     f"{r['measured_pick']} | {r['model_pick']} | {agree} | {r['pick_over_best']:.2f} | "
-                     f"{r['kendall_tau']:.2f} |")
+                     f"{r['measured_pick']} | {r['model_pick']} ({r['model_margin']:.2%}) | {agree} | "
+                     f"{r['pick_over_best']:.2f} | {r['kendall_tau']:.2f} |")
     return "\n".join([
         *lines, "",
         f"Picks agree on {summary['agree']} of {summary['problems']} problems ({summary['within_noise']} more "
         f"within {summary['noise']:.0%} noise); mean Kendall tau {summary['mean_tau']:.2f}. Measured: median "
         f"forward+backward ms over {summary['runs']} interleaved runs of P simulated devices on this host's "
         f"cores; predicted: `strategy_model.predict(..., 'cpu')`, per device (absolute times not comparable: "
-        f"all simulated devices share the cores). hybrid: best split measured / predicted (R x A).",
+        f"all simulated devices share the cores). hybrid: best split measured / predicted (R x A). margin: the "
+        f"model's runner-up over its pick; pick / best: the measured time of the model's pick over the fastest.",
         f"cpu platform: {rates['flops'] / 1e9:.1f} GFLOP/s, {rates['p2p'] / 1e9:.1f} GB/s; "
         f"load average {loads['start'][0]:.1f} at start, {loads['end'][0]:.1f} at end."])
 
@@ -191,7 +202,8 @@ def table(records: list[dict], summary: dict, rates: dict, loads: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rings", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--heads", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--heads-kv", type=heads_kv, nargs="+", default=[(4, 1), (8, 1), (8, 4)],
+                        help="H:Hkv pairs")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 4096])
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--runs", type=int, default=5)
@@ -230,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     result = {"device": f"cpu ({host.processor() or host.machine()}, {os.cpu_count()} cores), {DEVICES} simulated",
               "date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "command": " ".join(["python", *sys.argv]),
-              "grid": {"ring_sizes": args.rings, "heads": args.heads, "kv_heads": "{1, H/2}",
+              "grid": {"ring_sizes": args.rings, "heads_kv": args.heads_kv,
                        "seq_lens": args.seq_lens, "batch": 1, "head_dim": args.head_dim, "dtype": "float32",
                        "causal": True, "layout": "zigzag", "objective": "fwd+bwd", "runs": args.runs,
                        "warmup": 1, "input_sets": args.sets},

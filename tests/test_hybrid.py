@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from tests.cases import Case, check_exchanged, rel_err, replace
 from tuner import BwdParams, FwdParams, autotuning, get_tuned_ring_attention, layouts, record, ring_attention
 from tuner.implementations import TileConfig
-from tuner.problem import exchanged
+from tuner.problem import Problem, exchanged
 from tuner.reference import dense_attention
 from tuner.spec import LocalShapes
 
@@ -111,3 +111,43 @@ def test_the_loader_runs_it_on_a_2x4_mesh_keyed_by_its_inner_ring_and_replays_th
         call.problem()
     with pytest.raises(ValueError, match=r"hybrid splits the query heads .* heads \(6\) must be a multiple"):
         attn(*(jnp.ones((1, 64, 6, 8)) for _ in range(3)))
+
+
+def test_tuner_search_tunes_the_hybrid_and_the_loader_call_it_prints_meets_the_entry(tmp_path):
+    """A hybrid problem (`a2a_size` > 1, `tuner search --a2a-size`): every trial is checked against the scan
+    ring over the same devices as one axis (`verify`), the winner is stored under the hybrid's key, and the
+    loader call the search prints runs it (source "exact"), equal to dense attention."""
+    from tuner.bench import bench_mechanisms
+    from tuner.search import SearchOptions, resolve_backend, search
+    from tuner.usage import loader_call
+
+    problem = Problem(batch=1, seq_len=128, heads=4, kv_heads=2, head_dim=16, causal=True, ring_size=4,
+                      a2a_size=2, segments=2, sinks=1)
+    assert problem.describe().endswith("| ring 2 x a2a 2 x 32 tokens, zigzag")
+    assert Problem.parse(problem.describe()) == problem
+    db = str(tmp_path / "tuning.sqlite")
+    result = search(problem, backend="hybrid", db=db, options=SearchOptions(
+        objective="fwd", trials=2, runs=1, final_runs=1, top=1, sampler="random",
+        storage=f"sqlite:///{tmp_path / 'studies.db'}"))
+    assert result.stored and result.failed == {} and result.key == problem.key("hybrid", "cpu")
+
+    lines = loader_call(problem)
+    assert lines[0] == 'mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("ring", "a2a"))'
+    scope = {"jax": jax, "np": np, "Mesh": Mesh, "get_tuned_ring_attention": get_tuned_ring_attention}
+    exec("\n".join(lines[:2]).replace("mesh=mesh)", f"mesh=mesh, db={db!r})"), scope)
+    q, k, v = random((1, 128, 4, 16), 6), random((1, 128, 2, 16), 7), random((1, 128, 2, 16), 8)
+    segments, sinks = jnp.repeat(jnp.arange(2, dtype=jnp.int32), 64)[None], random((4,), 9)
+    attn = scope["attn"]
+    arrays = dict(q_segment_ids=segments, kv_segment_ids=segments, softmax_aux=sinks)
+    decision = attn.explain(q, k, v, **arrays)
+    assert (decision.backend, decision.source, decision.key) == ("hybrid", "exact", result.key)
+    out = jax.jit(lambda q, k, v: attn(q, k, v, **arrays))(q, k, v)
+    want = dense_attention(q, k, v, causal=True, **arrays)[0]
+    assert rel_err(np.asarray(out), np.asarray(want)) <= 1e-5
+
+    with pytest.raises(ValueError, match="backend 'scan' with a2a_size=2: the hybrid runs over"):
+        resolve_backend("scan", problem, "cpu")
+    with pytest.raises(ValueError, match="--mechanisms compares the implementations over one mesh axis"):
+        bench_mechanisms(problem, device="cpu", db=db)
+    with pytest.raises(ValueError, match="a2a_size=3 must divide ring_size=4 and heads=4"):
+        Problem(ring_size=4, heads=4, kv_heads=2, a2a_size=3)

@@ -27,7 +27,7 @@ from tuner.search import resolve_backend
 from tuner.verify import ReferenceCheck
 from tuner.tables import describe_config, error_line, table
 from tuner.timing import attention_flops, run_interleaved
-from tuner.workload import Compiled, Workload
+from tuner.workload import AXIS, HYBRID_AXES, Compiled, Workload
 
 
 def bench(problem: Problem, *, device: str, backend: str = "auto", objective: str = "fwd+bwd",
@@ -40,8 +40,9 @@ def bench(problem: Problem, *, device: str, backend: str = "auto", objective: st
     rings = {
         f"tuned ({explained.source})": (explained.backend, explained.config),
         "default": (chosen.name, chosen.default_config(problem.shapes, problem.spec)),
-        "scan default": (scan.name, scan.default_config(problem.shapes, problem.spec)),
     }
+    if not workload.hybrid:  # the scan ring runs over one axis
+        rings["scan default"] = (scan.name, scan.default_config(problem.shapes, problem.spec))
     backward = objective != "fwd"
     sets = [workload.draw(seed=i) for i in range(3)]
     compiled: dict[str, Compiled] = {}
@@ -88,16 +89,21 @@ def bench(problem: Problem, *, device: str, backend: str = "auto", objective: st
 
 
 def _explain(problem: Problem, backend: str, db: str | None):
+    hybrid = problem.a2a_size > 1
     return get_tuned_ring_attention(
-        axis_name="sp", causal=problem.causal, sliding_window=problem.window, chunk_size=problem.chunk_size,
-        logits_soft_cap=problem.softcap, layout=problem.layout, backend=backend, db=db,
-    ).explain(*_local_structs(problem), ring_size=problem.ring_size, **_call_structs(problem))
+        axis_name=HYBRID_AXES if hybrid else AXIS, causal=problem.causal, sliding_window=problem.window,
+        chunk_size=problem.chunk_size, logits_soft_cap=problem.softcap, layout=problem.layout, backend=backend, db=db,
+    ).explain(*_local_structs(problem), ring_size=(problem.ring_positions, problem.a2a_size) if hybrid
+              else problem.ring_size, **_call_structs(problem))
 
 
 def bench_mechanisms(problem: Problem, *, device: str, objective: str = "fwd+bwd", runs: int = 5,
                      calls: int = 1, db: str | None = None) -> tuple[str, dict[str, Any]]:
     """Time every implementation that can run `problem` here (module docstring), each checked against
     the scan ring first; record the run in the cache. Returns the printed report and the winner's row."""
+    if problem.a2a_size > 1:
+        raise ValueError(f"a2a_size={problem.a2a_size}: --mechanisms compares the implementations over one mesh "
+                         f"axis, the hybrid runs over two; bench the hybrid alone (without --mechanisms)")
     workload = Workload(problem)
     spec, dtype = problem.spec, jax.numpy.dtype(problem.dtype)
     backward = objective != "fwd"

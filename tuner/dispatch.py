@@ -126,9 +126,13 @@ class TunedRingAttention:
             size, a2a = ring_size[0] * ring_size[1], ring_size[1]
         else:
             size, a2a = check_int("ring_size", 1 if ring_size is None else ring_size), None
-        if self.mesh is not None:
+        if self.mesh is not None:  # what each device's shard of the global arrays looks like
             query, key, value = (_local_shape(x, size, name) for x, name in
                                  ((query, "query"), (key, "key"), (value, "value")))
+            options = {n: _local_shape(x, size, n) if n in meshed.SEQUENCE_OPTIONS and x is not None else x
+                       for n, x in options.items()}
+            if options.get("bias") is not None and options["bias"].shape[2] > 1:  # sharded over its query axis
+                options["bias"] = _local_shape(options["bias"], size, "bias", axis=2)
         return self._decide(query, key, value, size, options, a2a)
 
     # ----------------------------------------------------------------------------------------------
@@ -344,10 +348,13 @@ def _check_call_options(options: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
-def _local_shape(x, size: int, name: str) -> jax.ShapeDtypeStruct:
-    if x.shape[1] % size:
-        raise ValueError(f"{name} length {x.shape[1]} is not divisible by the ring size {size}")
-    return jax.ShapeDtypeStruct((x.shape[0], x.shape[1] // size, *x.shape[2:]), x.dtype)
+def _local_shape(x, size: int, name: str, axis: int = 1) -> jax.ShapeDtypeStruct:
+    """One device's shard of the global `x`, split over `size` devices along its sequence `axis`."""
+    if x.shape[axis] % size:
+        raise ValueError(f"{name} length {x.shape[axis]} is not divisible by the ring size {size}")
+    shape = list(x.shape)
+    shape[axis] //= size
+    return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
 
 
 def get_tuned_ring_attention(

@@ -31,6 +31,9 @@ SAMPLERS = ("tpe", "gp", "random", "grid")
 class Problem:
     """One attention problem over a ring: global shapes, dtype, features, ring size and layout.
 
+    `ring_size` is every device the sequence is split over; `a2a_size` > 1 makes it the hybrid's problem
+    (`tuner.hybrid`): `ring_size / a2a_size` ring positions, each an all-to-all group of `a2a_size`
+    devices, the layout over the ring positions.
     `segments` is the number of packed documents per batch row (0: no segment ids); `sinks` the number
     of sink logits per head (0: none); `window` is `(left, right)` or None, kept as `clip_window` leaves
     it for a `seq_len`-token sequence (a window at least that long is None, and so is a chunk), as
@@ -52,9 +55,10 @@ class Problem:
     sinks: int = 0
     ring_size: int = 4
     layout: str = "zigzag"
+    a2a_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("batch", "seq_len", "heads", "kv_heads", "head_dim", "ring_size"):
+        for name in ("batch", "seq_len", "heads", "kv_heads", "head_dim", "ring_size", "a2a_size"):
             check_int(name, getattr(self, name))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
@@ -64,7 +68,10 @@ class Problem:
             raise ValueError(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
         if self.seq_len % self.ring_size:
             raise ValueError(f"seq_len={self.seq_len} must be divisible by ring_size={self.ring_size}")
-        layouts.check_layout(self.layout, self.local_len)
+        if self.ring_size % self.a2a_size or self.heads % self.a2a_size:
+            raise ValueError(f"a2a_size={self.a2a_size} must divide ring_size={self.ring_size} and heads={self.heads} "
+                             f"(the hybrid's all-to-all splits the heads over its group)")
+        layouts.check_layout(self.layout, self.a2a_size * self.local_len)
         if self.seq_len > INT32_MAX + 1:
             raise ValueError(f"seq_len must be at most 2**31 (int32 positions), got {self.seq_len}")
         window = normalize_window(self.window, name="window")
@@ -85,6 +92,11 @@ class Problem:
         return self.seq_len // self.ring_size
 
     @property
+    def ring_positions(self) -> int:
+        """Positions on the ring the layout is over: `ring_size`, or the hybrid's `ring_size / a2a_size`."""
+        return self.ring_size // self.a2a_size
+
+    @property
     def shapes(self) -> LocalShapes:
         """What each device's block kernels see."""
         return LocalShapes(self.batch, self.local_len, self.local_len, self.heads, self.kv_heads, self.head_dim,
@@ -98,7 +110,7 @@ class Problem:
 
     def key(self, backend: str, device_kind: str) -> ProblemKey:
         return ProblemKey.of(self.shapes, self.spec, backend=backend, device_kind=device_kind,
-                             ring_size=self.ring_size, layout=self.layout)
+                             ring_size=self.ring_size, layout=self.layout, a2a_size=self.a2a_size)
 
     def describe(self) -> str:
         """One line: shapes, dtype and the features that are on."""
@@ -108,7 +120,8 @@ class Problem:
                                         (f"softcap={self.softcap}", self.softcap),
                                         (f"sinks={self.sinks}", self.sinks)) if on]
         return (f"B={self.batch} T={self.seq_len} H={self.heads} Hkv={self.kv_heads} D={self.head_dim} "
-                f"{self.dtype} {' '.join(extras) or 'full'} | ring {self.ring_size} x {self.local_len} "
+                f"{self.dtype} {' '.join(extras) or 'full'} | ring {self.ring_positions} x "
+                f"{f'a2a {self.a2a_size} x ' if self.a2a_size > 1 else ''}{self.local_len} "
                 f"tokens, {self.layout}")
 
     @classmethod
@@ -120,7 +133,8 @@ class Problem:
                              f"tokens, layout): {str(text)[:80]!r}")
         fields = dict(batch=int(match["batch"]), seq_len=int(match["seq_len"]), heads=int(match["heads"]),
                       kv_heads=int(match["kv_heads"]), head_dim=int(match["head_dim"]), dtype=match["dtype"],
-                      ring_size=int(match["ring"]), layout=match["layout"], causal=False)
+                      ring_size=int(match["ring"]) * int(match["a2a"] or 1), a2a_size=int(match["a2a"] or 1),
+                      layout=match["layout"], causal=False)
         features = re.sub(r"\((\d+), (\d+)\)", r"(\1,\2)", match["features"])  # a window's "(left, right)"
         for word in features.split(" ") if features != "full" else ():
             name, _, value = word.partition("=")
@@ -141,8 +155,8 @@ class Problem:
 
 
 _DESCRIPTION = re.compile(r"B=(?P<batch>\d+) T=(?P<seq_len>\d+) H=(?P<heads>\d+) Hkv=(?P<kv_heads>\d+) "
-                          r"D=(?P<head_dim>\d+) (?P<dtype>\w+) (?P<features>.+?) \| ring (?P<ring>\d+) x \d+ "
-                          r"tokens, (?P<layout>\w+)")
+                          r"D=(?P<head_dim>\d+) (?P<dtype>\w+) (?P<features>.+?) \| ring (?P<ring>\d+) x "
+                          r"(?:a2a (?P<a2a>\d+) x )?\d+ tokens, (?P<layout>\w+)")
 
 
 def exchanged(shapes: LocalShapes, group: int) -> LocalShapes:

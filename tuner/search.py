@@ -155,14 +155,16 @@ def check_device(device: str) -> str:
 
 def resolve_backend(name: str, problem: Problem, device: str, interpret: bool = False) -> registry.Implementation:
     """The implementation `name` ("auto": the device's preferred one that supports the problem),
-    checked to run on `device`."""
-    implementation = registry.choose(name, problem.spec, jax.numpy.dtype(problem.dtype), problem.head_dim,
+    checked to run on `device`; the hybrid's problem (`a2a_size` > 1) takes "auto" or "hybrid" only."""
+    hybrid = problem.a2a_size > 1
+    implementation = registry.choose("hybrid" if hybrid and name == "auto" else name, problem.spec,
+                                     jax.numpy.dtype(problem.dtype), problem.head_dim,
                                      registry.Target(device, interpret), shapes=problem.shapes,
                                      ring_size=problem.ring_size)
-    if registry.strategy_of(implementation) == "hybrid":
-        raise ValueError(f"backend {name!r} runs over two mesh axes (axis_name=(ring_axis, a2a_axis)); tuner search "
-                         f"tunes problems over one axis and cannot search it yet: it runs its inner scan ring's "
-                         f"defaults")
+    if hybrid != (registry.strategy_of(implementation) == "hybrid"):
+        raise ValueError(f"backend {name!r} with a2a_size={problem.a2a_size}: the hybrid runs over a ring of "
+                         f"ring_size / a2a_size positions of a2a_size devices each (a2a_size > 1), every other "
+                         f"implementation over one axis (a2a_size 1)")
     return implementation
 
 

@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 def loader_call(problem: Problem) -> list[str]:
     """The runtime loader call that meets `problem`'s cache entry exactly, as lines of Python: the
     mesh, the arrays it takes and the call."""
-    ring = problem.ring_size > 1
-    options = ['axis_name="sp"'] if ring else []
+    ring, hybrid = problem.ring_size > 1, problem.a2a_size > 1
+    options = (['axis_name=("ring", "a2a")'] if hybrid else ['axis_name="sp"']) if ring else []
     options += [text for on, text in ((problem.causal, "causal=True"),
                                       (problem.window is not None, f"sliding_window={problem.window}"),
                                       (problem.chunk_size is not None, f"chunk_size={problem.chunk_size}"),
@@ -35,7 +35,10 @@ def loader_call(problem: Problem) -> list[str]:
         extras += ", softmax_aux=sinks"
         shapes += f", sinks [{problem.heads}{'' if problem.sinks == 1 else f', {problem.sinks}'}]"
     lines = []
-    if ring:
+    if hybrid:
+        lines.append(f"mesh = Mesh(np.array(jax.devices()[:{problem.ring_size}]).reshape({problem.ring_positions}, "
+                     f'{problem.a2a_size}), ("ring", "a2a"))')
+    elif ring:
         lines.append(f'mesh = Mesh(np.array(jax.devices()[:{problem.ring_size}]), ("sp",))')
     lines += [f"attn = get_tuned_ring_attention({', '.join(options)})",
               f"out = attn(q, k, v{extras})  # {problem.dtype} q [{problem.batch}, {problem.seq_len}, {problem.heads}, "

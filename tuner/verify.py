@@ -2,17 +2,23 @@
 
 The reference is the scan backend at its default tiles, on fixed random float32 inputs: every candidate
 of every implementation must reproduce its output within `FWD_TOLERANCE` and, for backward objectives,
-its gradients within `GRAD_TOLERANCE` (relative). A candidate that does not, or does not build, is a
-`TrialFailed` with a reason the search records.
+its gradients within `GRAD_TOLERANCE` (relative). For the hybrid's problem the reference is the scan ring
+over the same devices as one axis, on the same tokens in its own layout, its results laid out as the
+hybrid's. A candidate that does not, or does not build, is a `TrialFailed` with a reason the search
+records.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
 
-from tuner import registry
+import jax
+from jax.sharding import NamedSharding
+
+from tuner import layouts, registry
 from tuner.tables import error_line
 from tuner.workload import Compiled, Inputs, Workload, relative_error
 
@@ -47,16 +53,15 @@ class ReferenceCheck:
         problem = workload.problem
         scan = registry.get(registry.FALLBACK)
         default = scan.default_config(problem.shapes, problem.spec)
-        self.outputs = self.run(workload.compile(workload.attend(scan.name, default), self.inputs, self.dout,
-                                                 backward=backward))
+        if workload.hybrid:
+            self.outputs = _line_reference(workload, default, self.inputs, self.dout, backward)
+        else:
+            compiled = workload.compile(workload.attend(scan.name, default), self.inputs, self.dout, backward=backward)
+            self.outputs = _outputs(compiled, self.inputs, self.dout, backward)
 
     def run(self, compiled: Compiled) -> dict[str, Any]:
         """`compiled`'s output (and gradients) on the reference inputs."""
-        outputs = {"out": compiled.forward(self.inputs)}
-        if self.backward:
-            grads = compiled.gradients(self.inputs, self.dout)
-            outputs.update({f"d{name}": g for name, g in grads.items()})
-        return outputs
+        return _outputs(compiled, self.inputs, self.dout, self.backward)
 
     def mismatch(self, compiled: Compiled) -> str | None:
         """Which result of `compiled` differs from the reference beyond tolerance, and by how much."""
@@ -92,6 +97,34 @@ class ReferenceCheck:
         if mismatch is not None:
             raise TrialFailed("wrong", mismatch)
         return timed, compile_seconds
+
+
+def _outputs(compiled: Compiled, inputs: Inputs, dout: Any, backward: bool) -> dict[str, Any]:
+    """`compiled`'s output, and with `backward` its gradients (`d<input>`), on `inputs`."""
+    outputs = {"out": compiled.forward(inputs)}
+    if backward:
+        outputs.update({f"d{name}": g for name, g in compiled.gradients(inputs, dout).items()})
+    return outputs
+
+
+def _line_reference(workload: Workload, config: Any, inputs: Inputs, dout: Any, backward: bool) -> dict[str, Any]:
+    """The scan ring's results for the hybrid's `workload`: the same tokens laid out over its devices as one
+    axis (the layout over all of them instead of over the ring positions), run, and laid out back."""
+    problem = workload.problem
+    line = Workload(dataclasses.replace(problem, a2a_size=1), devices=list(workload.mesh.devices.flat))
+
+    def relayout(x, source: int, target: int):  # a global array laid out over `source` ring positions
+        return layouts.lay_out(layouts.restore(x, problem.layout, source), problem.layout, target)
+
+    def to_line(x, name: str):
+        return jax.device_put(relayout(x, problem.ring_positions, problem.ring_size),
+                              NamedSharding(line.mesh, line.specs[name]))
+
+    moved = {n: x if n == "sinks" else to_line(x, n) for n, x in inputs.items()}
+    compiled = line.compile(line.attend(registry.FALLBACK, config), moved, to_line(dout, "q"), backward=backward)
+    outputs = _outputs(compiled, moved, to_line(dout, "q"), backward)
+    return {n: x if n == "dsinks" else relayout(x, problem.ring_size, problem.ring_positions)
+            for n, x in outputs.items()}
 
 
 __all__ = ["FWD_TOLERANCE", "GRAD_TOLERANCE", "ReferenceCheck", "TrialFailed", "failure_reason"]

@@ -1,8 +1,10 @@
 """A `Problem` made runnable: a mesh, random inputs, and compiled forward / backward ring functions.
 
 Shared by the search (candidates, the reference check) and `tuner bench`. The ring runs under
-`shard_map` over the first `ring_size` devices; inputs are global arrays in the layout's order, so
-every device's shard carries the positions of its layout (segment ids are laid out to match).
+`shard_map` over the first `ring_size` devices (the hybrid's problem, `a2a_size` > 1: a mesh of
+`ring_positions x a2a_size` devices, axes `HYBRID_AXES`); inputs are global arrays in the layout's order
+over the ring positions, so every device's shard carries the positions of its layout (segment ids are
+laid out to match).
 
 The backward is compiled on its own, so that it can be timed on its own: the forward returns the
 residuals of `jax.vjp` as plain arrays, and the backward rebuilds the vjp from them.
@@ -27,6 +29,7 @@ from tuner.registry import Config
 from tuner.targets import compile_target
 
 AXIS = "sp"
+HYBRID_AXES = ("ring", "a2a")
 Inputs = dict[str, Any]
 
 
@@ -81,9 +84,12 @@ class Workload:
             raise ValueError(f"ring_size={problem.ring_size} needs {problem.ring_size} devices, "
                              f"{len(devices)} {devices[0].platform} device(s) are visible")
         self.problem = problem
-        self.mesh = Mesh(np.array(devices[:problem.ring_size]), (AXIS,))
+        self.hybrid = problem.a2a_size > 1
+        self.axis_name = HYBRID_AXES if self.hybrid else AXIS
+        grid = np.array(devices[:problem.ring_size]).reshape(problem.ring_positions, problem.a2a_size)
+        self.mesh = Mesh(grid, HYBRID_AXES) if self.hybrid else Mesh(grid.reshape(-1), (AXIS,))
         self.platform = compile_target(self.mesh)[0]
-        seq = P(None, AXIS)
+        seq = P(None, self.axis_name)
         self.specs: Inputs = {"q": seq, "k": seq, "v": seq}
         if problem.segments:
             self.specs["segment_ids"] = seq
@@ -106,7 +112,7 @@ class Workload:
             cuts = np.sort(rng.choice(np.arange(1, p.seq_len), size=p.segments - 1, replace=False), axis=-1) \
                 if p.segments > 1 else np.zeros(0, np.int64)
             natural = np.searchsorted(cuts, np.arange(p.seq_len), side="right").astype(np.int32)
-            order = layouts.global_order(p.layout, p.seq_len, p.ring_size)
+            order = layouts.global_order(p.layout, p.seq_len, p.ring_positions)
             host["segment_ids"] = np.broadcast_to(natural[order], (p.batch, p.seq_len)).copy()
         if p.sinks:
             host["sinks"] = normal(p.heads, p.sinks) if p.sinks > 1 else normal(p.heads)
@@ -147,9 +153,10 @@ class Workload:
             resolved = plan.resolve(x["q"], x["k"], x["v"], ring_size=p.ring_size, layout=p.layout, backend=name,
                                     target=registry.Target(self.platform, interpret), arrays=arrays,
                                     mask=dict(causal=p.causal, sliding_window=p.window, chunk_size=p.chunk_size,
-                                              logits_soft_cap=p.softcap, softmax_scale=None))
-            return implementation.attend(x["q"], x["k"], x["v"], spec=resolved.spec, config=config, axis_name=AXIS,
-                                         layout=p.layout, interpret=interpret, **arrays)
+                                              logits_soft_cap=p.softcap, softmax_scale=None),
+                                    axis_name=self.axis_name, a2a_size=p.a2a_size if self.hybrid else None)
+            return implementation.attend(x["q"], x["k"], x["v"], spec=resolved.spec, config=config,
+                                         axis_name=self.axis_name, layout=p.layout, interpret=interpret, **arrays)
 
         return jax.shard_map(local, mesh=self.mesh, in_specs=(self.specs,), out_specs=self.specs["q"],
                              check_vma=implementation.vma_checked(registry.Target(self.platform, interpret)))

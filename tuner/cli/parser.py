@@ -76,6 +76,9 @@ def _add_problem(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ring-size", type=int, default=None,
                        help=f"devices on the ring (CPU: simulated; default {d.ring_size} on the CPU, "
                             f"all devices elsewhere)")
+    group.add_argument("--a2a-size", type=int, default=1, metavar="A",
+                       help="the hybrid (--backend hybrid): an all-to-all over groups of A devices, the ring "
+                            "over ring-size / A positions; 1: one axis (default)")
     group.add_argument("--layout", choices=LAYOUTS, default=d.layout)
     group.add_argument("--backend", default="auto", help="auto (the device's best), or a registered implementation: "
                                                           "scan, triton, pallas_tpu, dense, jax_nn, ... (tuner info)")
@@ -215,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 POSITIVE = ("devices", "batch", "seq_len", "heads", "kv_heads", "head_dim", "runs", "calls", "trials",
-            "ring_size", "chunk", "timeout", "trial_timeout", "limit", "page")
+            "ring_size", "a2a_size", "chunk", "timeout", "trial_timeout", "limit", "page")
 
 
 def check_positive(args: argparse.Namespace) -> None:

@@ -84,6 +84,8 @@ def _dry_run(args: argparse.Namespace) -> int:
                          f"--device {args.device} search runs for real here)")
     if args.backend not in ("auto", "pallas_tpu"):
         raise UsageError(f"--dry-run checks the pallas_tpu backend, got --backend {args.backend}")
+    if args.a2a_size != 1:
+        raise UsageError(f"--dry-run checks the pallas_tpu ring over one axis, got --a2a-size {args.a2a_size}")
     if args.target:
         return targets.compile_targets(args)
     args.ring_size = args.ring_size or Problem().ring_size
