@@ -19,6 +19,11 @@ agree, Kendall's tau; a wrong pick within `--noise` of the measured best is repo
 
 Writes benchmarks/results/strategy_cpu-2cpu-<date>.json (records, the grid, the cpu platform's rates, the
 jax version, the load average at start and end) and benchmarks/results/strategy_cpu.md (a table).
+
+    python benchmarks/strategy_cpu.py --rescore benchmarks/results/strategy_cpu-2cpu-2026-11-23.json
+
+re-predicts a recorded run with the current model (the recorded measurements and cpu rates kept) and
+rewrites that file and the table, noting the rescore in the JSON.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from scipy.stats import kendalltau  # noqa: E402
 
 from tuner import layouts, ring_attention  # noqa: E402
 from tuner.problem import Problem  # noqa: E402
-from tuner.strategy_model import measure_cpu, predict  # noqa: E402
+from tuner.strategy_model import Platform, measure_cpu, predict  # noqa: E402
 from tuner.timing import attention_flops, compile_timed, run_interleaved  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -118,11 +123,12 @@ def tau(measured: dict[str, float], predicted: dict[str, float]) -> float:
     return float(kendalltau([measured[n] for n in names], [predicted[n] for n in names]).statistic)
 
 
-def evaluate(problem: Problem, timings: dict[str, dict], noise: float) -> dict:
-    """One problem's record: per candidate measured and predicted seconds; per strategy (hybrid at its best
-    split, measured and predicted apart) both orders, the picks, tau, the pick's measured cost."""
+def evaluate(problem: Problem, timings: dict[str, dict], noise: float, platform: Platform) -> dict:
+    """One problem's record: per candidate measured and predicted seconds (on `platform`); per strategy
+    (hybrid at its best split, measured and predicted apart) both orders, the picks, tau, the pick's
+    measured cost."""
     runs = candidates(problem)
-    predictions = {name: predict(problem, strategy, "cpu", axes=split) for name, (strategy, split) in runs.items()}
+    predictions = {name: predict(problem, strategy, platform, axes=split) for name, (strategy, split) in runs.items()}
     flops = attention_flops(problem.batch, problem.heads, problem.seq_len, problem.seq_len, problem.head_dim,
                             causal=problem.causal, objective="fwd+bwd")
     per_candidate = {name: {**timings[name], "predicted_s": predictions[name].seconds,
@@ -211,7 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--noise", type=float, default=0.10, help="a wrong pick this close to the best is noise")
     parser.add_argument("--out", type=Path, default=RESULTS / f"strategy_cpu-2cpu-{time.strftime('%Y-%m-%d')}.json")
     parser.add_argument("--table", type=Path, default=RESULTS / "strategy_cpu.md")
+    parser.add_argument("--rescore", type=Path, default=None, metavar="JSON",
+                        help="re-predict this recorded run with the current model; measures nothing")
     args = parser.parse_args(argv)
+    if args.rescore is not None:
+        return rescore(args.rescore, args.table, args.noise)
 
     start, load_start = time.perf_counter(), os.getloadavg()
     cpu = measure_cpu()
@@ -221,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     for problem in grid(args):
         began, load = time.perf_counter(), os.getloadavg()[0]
-        record = evaluate(problem, measure(problem, args.runs, args.sets), args.noise)
+        record = evaluate(problem, measure(problem, args.runs, args.sets), args.noise, cpu)
         record.update(load_average=load, seconds=time.perf_counter() - began)
         records.append(record)
         shown = "  ".join(f"{n} {ms(c['median_s'])}/{ms(c['predicted_s'])}" for n, c in record["candidates"].items())
@@ -229,15 +239,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{record['model_pick']}, tau {record['kendall_tau']:.2f} ({record['seconds']:.0f} s, load {load:.1f})",
               flush=True)
     loads = {"start": load_start, "end": os.getloadavg()}
-    summary = {"problems": len(records), "agree": sum(r["agree"] for r in records),
-               "within_noise": sum(r["within_noise"] for r in records), "noise": args.noise, "runs": args.runs,
-               "mean_tau": statistics.mean(r["kendall_tau"] for r in records),
-               "disagreements": [{"problem": r["problem"], "measured_pick": r["measured_pick"],
-                                  "model_pick": r["model_pick"], "pick_over_best": r["pick_over_best"],
-                                  "within_noise": r["within_noise"]} for r in records if not r["agree"]],
-               "measured_over_predicted": {s: statistics.median(r["measured_s"][s] / r["predicted_s"][s]
-                                                                for r in records if s in r["measured_s"])
-                                           for s in STRATEGIES}}
+    summary = summarize(records, args.noise, args.runs)
     text = table(records, summary, rates, loads)
     print(text)
     result = {"device": f"cpu ({host.processor() or host.machine()}, {os.cpu_count()} cores), {DEVICES} simulated",
@@ -253,6 +255,45 @@ def main(argv: list[str] | None = None) -> int:
     args.table.write_text(text + "\n")
     print(f"wrote {args.out} and {args.table}")
     return 0
+
+
+def rescore(path: Path, table_path: Path, noise: float) -> int:
+    """Re-predict the run recorded in `path` with the current model, on the cpu platform it recorded."""
+    result = json.loads(path.read_text())
+    rates = result["cpu_platform"]
+    cpu = Platform("cpu", rates["flops"], rates["flops"], 1.0, rates["p2p"], rates["all_gather"], rates["all_to_all"],
+                   0.0, None, "recorded by the run")
+    records = []
+    for old in result["records"]:
+        problem = Problem.parse(old["problem"])
+        timings = {name: {k: v for k, v in c.items() if not k.startswith("predicted") and k != "gflop_per_s"}
+                   for name, c in old["candidates"].items()}
+        records.append({**evaluate(problem, timings, noise, cpu), "load_average": old["load_average"],
+                        "seconds": old["seconds"]})
+    summary = summarize(records, noise, result["grid"]["runs"])
+    text = table(records, summary, rates, result["load_average"])
+    print(text)
+    result.update(records=records, summary=summary,
+                  rescored={"date": time.strftime("%Y-%m-%d"), "command": " ".join(["python", *sys.argv]),
+                            "why": "predictions recomputed by the current strategy model; measurements unchanged"})
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    table_path.write_text(text + "\n")
+    print(f"rewrote {path} and {table_path}")
+    return 0
+
+
+def summarize(records: list[dict], noise: float, runs: int) -> dict:
+    """Agreement over the grid: picks that agree, wrong picks within noise, mean tau, the disagreements, and
+    per strategy the median measured / predicted ratio."""
+    return {"problems": len(records), "agree": sum(r["agree"] for r in records),
+            "within_noise": sum(r["within_noise"] for r in records), "noise": noise, "runs": runs,
+            "mean_tau": statistics.mean(r["kendall_tau"] for r in records),
+            "disagreements": [{"problem": r["problem"], "measured_pick": r["measured_pick"],
+                               "model_pick": r["model_pick"], "pick_over_best": r["pick_over_best"],
+                               "within_noise": r["within_noise"]} for r in records if not r["agree"]],
+            "measured_over_predicted": {s: statistics.median(r["measured_s"][s] / r["predicted_s"][s]
+                                                             for r in records if s in r["measured_s"])
+                                        for s in STRATEGIES}}
 
 
 if __name__ == "__main__":

@@ -201,3 +201,41 @@ def test_rates_can_be_overridden_and_bad_inputs_are_refused_by_name():
         predict("B=1", "ring", "h100")
     with pytest.raises(ValueError, match=r"Platform\.p2p must be positive"):
         dataclasses.replace(PLATFORMS["h100"], p2p=0)
+
+
+TPU_LOOP = """HloModule m
+
+%cond (p: (s32[], f32[2])) -> pred[] {
+  %p = (s32[], f32[2]{0}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  %n = s32[]{:T(128)} constant(5)
+  ROOT %lt = pred[]{:T(512)} compare(%i, %n), direction=LT
+}
+
+%body (p: (s32[], f32[2])) -> (s32[], f32[2]) {
+  %p = (s32[], f32[2]{0}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  %c = s32[]{:T(128)} copy(%i)
+  %one = s32[]{:T(128)} constant(1)
+  %x = f32[2]{0} get-tuple-element(%p), index=1
+  %done = f32[2]{0} collective-permute(%x), source_target_pairs={{0,1},{1,0}}
+  %next = s32[]{:T(128)} add(%c, %one)
+  ROOT %t = (s32[], f32[2]{0}) tuple(%next, %done)
+}
+
+ENTRY %main (x: f32[2]) -> f32[2] {
+  %x = f32[2]{0} parameter(0)
+  %start = s32[]{:T(128)} constant(1)
+  %init = (s32[], f32[2]{0}) tuple(%start, %x)
+  %w = (s32[], f32[2]{0}) while(%init), condition=%cond, body=%body, backend_config={"flag_configs":[]}
+  ROOT %r = f32[2]{0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_trip_counts_the_tpu_compiler_leaves_out_are_read_from_the_loop():
+    """XLA:TPU writes no `known_trip_count` on its loops; `hlo.with_trip_counts` reads `for i = 1; i < 5; i++`
+    as 4 trips, and refuses a loop it cannot read rather than count it once."""
+    assert hlo.collective_bytes(TPU_LOOP)["collective-permute"] == 4 * 2 * 4
+    with pytest.raises(ValueError, match="cannot read the trip count"):
+        hlo.with_trip_counts(TPU_LOOP.replace("direction=LT", "direction=NE"))

@@ -283,8 +283,6 @@ class TunedRingAttention:
             implementation = registry.find(strategy)
             if implementation is None or registry.strategy_of(implementation) != strategy:
                 return "no implementation is registered for it"
-            if strategy == "hybrid":
-                return "it runs over two mesh axes: axis_name=(ring_axis, a2a_axis)"
             return registry.why_not(implementation, spec, dtype, key.head_dim, target, return_lse=return_lse,
                                     shapes=key, ring_size=key.ring_size)
 

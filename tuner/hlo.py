@@ -4,6 +4,7 @@ VMEM each kernel asked for and uses, and how many bytes each kind of collective 
 
 from __future__ import annotations
 
+import math
 import re
 
 RING_OPS = ("collective-permute-start", "collective-permute-done", "conditional")
@@ -99,20 +100,92 @@ def _callees(line: str, op: str) -> list[tuple[str, int]]:
     return called + [(name, 1) for name in re.findall(_NAME, branches.group(1))] if branches else called
 
 
-def collective_bytes(hlo: str) -> dict[str, int]:
+_LINE = re.compile(r"\s+(?:ROOT\s+)?%?([\w.\-]+) = .*? ([\w\-]+)\((.*?)\)")
+
+
+def _computations(text: str) -> dict[str, dict[str, tuple[str, list[str], str]]]:
+    """Per computation of an HLO module's text, its instructions by name: (opcode, operand names, line);
+    the root also under the key "ROOT"."""
+    computations: dict[str, dict[str, tuple[str, list[str], str]]] = {}
+    for line in text.split("\n"):
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            body = computations.setdefault(re.match(r"(?:ENTRY\s+)?%?([\w.\-]+)", line).group(1), {})
+        elif (match := _LINE.match(line)) and computations:
+            operands = re.findall(r"%([\w.\-]+)", match.group(3))
+            body[match.group(1)] = (match.group(2), operands, line)
+            if line.lstrip().startswith("ROOT"):
+                body["ROOT"] = body[match.group(1)]
+    return computations
+
+
+def _constant(body: dict, name: str) -> int | None:
+    """The integer `name` holds in `body`, followed through copies and bitcasts; None if not a constant."""
+    while name in body and body[name][0] in ("copy", "bitcast"):
+        name = body[name][1][0]
+    found = re.search(r"constant\((-?\d+)\)", body[name][2]) if name in body and body[name][0] == "constant" else None
+    return int(found.group(1)) if found else None
+
+
+def _element(body: dict, name: str) -> int | None:
+    """The tuple index of a `get-tuple-element` of the computation's parameter (through copies), else None."""
+    while name in body and body[name][0] in ("copy", "bitcast"):
+        name = body[name][1][0]
+    op, operands, line = body.get(name, ("", [], ""))
+    if op != "get-tuple-element" or body.get(operands[0], ("",))[0] != "parameter":
+        return None
+    return int(re.search(r"\bindex=(\d+)", line).group(1))
+
+
+def with_trip_counts(text: str) -> str:
+    """`text` with the trip count of every while loop that lacks one written into its backend config, where
+    `collective_bytes` reads it: the TPU compiler keeps its own config there, without
+    `known_trip_count`, so every loop would count once. A loop `for i = c; i < n; i += s` has
+    ceil((n - c) / s) trips, read from its condition, the init tuple and its body; `ValueError` for a loop
+    of another shape, rather than a wrong count."""
+    computations = _computations(text)
+    lines = text.split("\n")
+    for caller in computations.values():
+        for op, operands, line in [entry for key, entry in caller.items() if key != "ROOT"]:
+            if op != "while" or "known_trip_count" in line:
+                continue
+            cond, body = (computations[re.search(key + r"=%?([\w.\-]+)", line).group(1)]
+                          for key in ("condition", "body"))
+            compare, (left, right), compare_line = cond["ROOT"]
+            init = caller.get(operands[0])
+            index, bound = _element(cond, left), _constant(cond, right)
+            trips = None
+            if compare == "compare" and "direction=LT" in compare_line and None not in (index, bound) and init:
+                start = _constant(caller, init[1][index]) if init[0] == "tuple" else None
+                root = body["ROOT"]
+                add, operands = body.get(root[1][index], ("", []))[:2] if root[0] == "tuple" else ("", [])
+                step = _constant(body, operands[1]) if add == "add" and _element(body, operands[0]) == index else None
+                if start is not None and step is not None and step > 0:
+                    trips = max(0, math.ceil((bound - start) / step))
+            if trips is None:
+                raise ValueError(f"cannot read the trip count of this loop: {line.strip()[:200]}")
+            count = f'"known_trip_count":{{"n":"{trips}"}}'
+            annotated = (line.replace("backend_config={", "backend_config={" + count + ",", 1)
+                         if "backend_config={" in line else f"{line}, backend_config={{{count}}}")
+            lines[lines.index(line)] = annotated
+    return "\n".join(lines)
+
+
+def collective_bytes(hlo: str, kinds: tuple[str, ...] = COLLECTIVE_KINDS) -> dict[str, int]:
     """Bytes each device's collectives produce in a compiled module (`compiled.as_text()`), per kind of
     `COLLECTIVE_KINDS`: for every execution of a collective instruction, the size of its result on one
     device -- an all-gather's gathered buffer, an all-to-all's exchanged tensor, a collective-permute's
     received shard, a reduce-scatter's scattered piece -- summed over tuple results. An async pair counts
-    once, by its `-done` (a generic `async-start` by the collective in the computation it calls).
+    once, by its `-done` (a generic `async-start` by the collective in the computation it calls). `kinds`
+    may add "all-reduce" (its result: the whole reduced buffer).
 
     Executions, not instructions: an instruction in a while body counts the loop's `known_trip_count`
-    times (once where the compiler does not know it), nested loops multiply; each branch of a
+    times (read from the loop itself where the compiler does not write it: `with_trip_counts`), nested
+    loops multiply; each branch of a
     conditional counts once, as if it ran (an upper bound). `tuner.strategy_model` reports the same
     quantity, and from it the bytes each device puts on its links."""
     computations: dict[str, list[str]] = {}
     entry = name = None
-    for line in hlo.split("\n"):
+    for line in with_trip_counts(hlo).split("\n"):
         if line and not line[0].isspace() and line.rstrip().endswith("{"):
             name = re.match(r"(?:ENTRY\s+)?" + _NAME, line).group(1)
             computations[name] = []
@@ -123,7 +196,7 @@ def collective_bytes(hlo: str) -> dict[str, int]:
         raise ValueError("hlo is not an HLO module's text: it has no ENTRY computation")
     runs = dict.fromkeys(computations, 0)
     runs[entry] = 1
-    counts = dict.fromkeys(COLLECTIVE_KINDS, 0)
+    counts = dict.fromkeys(kinds, 0)
     for comp in reversed(list(computations)):  # callers print after their callees: walk from ENTRY down
         for match in filter(None, map(_INSTRUCTION.match, computations[comp] if runs[comp] else ())):
             op = match.group("op")
@@ -136,4 +209,4 @@ def collective_bytes(hlo: str) -> dict[str, int]:
     return counts
 
 
-__all__ = ["COLLECTIVE_KINDS", "collective_bytes", "kernel_vmem", "loop_bodies", "overlap_problem"]
+__all__ = ["COLLECTIVE_KINDS", "collective_bytes", "kernel_vmem", "loop_bodies", "overlap_problem", "with_trip_counts"]

@@ -23,7 +23,7 @@ from tuner.problem import Problem
 from tuner.spec import AttentionSpec, LocalShapes
 
 MARGIN = 0.10  # a strategy replaces the ring only when predicted to take at most 90% of the ring's time
-CANDIDATES = ("ring", "all_to_all", "all_gather")  # the implemented strategies ("hybrid" is not yet)
+CANDIDATES = ("ring", "all_to_all", "all_gather")  # the one-axis strategies (the hybrid runs over two axes)
 Predictions = tuple[tuple[str, float, float | None], ...]  # (strategy, predicted s, measured s or None)
 
 

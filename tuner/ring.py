@@ -216,7 +216,8 @@ def _backward(cfg: RingConfig, residuals, cotangents):
             visiting, outgoing, dq, dbias = lax.fori_loop(1, size - 1, step, (arriving, outgoing, dq, dbias))
             incoming = send(outgoing)
             dq, grads, dbias = block(visiting, size - 1, dq, dbias)
-            outgoing = send(add(incoming, grads))  # one last hop brings the accumulators home
+            # One last hop brings the finished accumulators home, already in the gradients' dtype.
+            outgoing = send(tuple(g.astype(x.dtype) for g, x in zip(add(incoming, grads), (k, v))))
     dk, dv = outgoing
 
     dsinks = None

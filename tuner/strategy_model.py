@@ -8,7 +8,7 @@ heads, D head size, `item` bytes per element; T = S / P tokens per device):
   plus int32 positions, and segment ids with packed documents) to the next device while the step's block is
   computed: a step takes max(compute, transfer). Backward: P steps of 2.5x the forward FLOPs (five matmuls
   for two), P - 1 K,V sends and P sends of the float32 dK, dV accumulators, the last one not overlapped and
-  in the input dtype (the compiler moves the final cast ahead of it; XLA:TPU does). A ring of 2 sends no
+  in the input dtype (the sums are finished: the ring casts them before that hop). A ring of 2 sends no
   K,V in the backward: its one send is the forward's, same operands, and XLA merges the two. With a mask,
   the driver all-gathers every shard's position bounds once (`masks.ring_mask`; XLA:TPU builds that as a
   small all-reduce, which `hlo.collective_bytes` does not read).
@@ -27,10 +27,14 @@ heads, D head size, `item` bytes per element; T = S / P tokens per device):
   fastest split with both > 1.
 
 Compute: FLOPs / (peak x efficiency), 4 B H Tq Tk D per full block; the efficiency is an assumption per
-platform (override it). Causal work: half of each block with a balanced layout (zigzag, striped) or where
-every device holds the whole sequence (all_to_all); with the contiguous layout the slowest device computes
-(n - 1/2) / n of its blocks over n ring positions. Windows, chunks and documents are not modelled (an upper
-bound), nor HBM traffic nor kernel overheads.
+platform (override it). Causal work is counted the way the kernels skip it, tile by tile (`_causal_share`):
+a query tile x key tile is computed unless every key in it comes after every query, over the token
+positions each strategy's kernels see (a ring's shards in its layout, all_to_all's whole sequence in the
+layout's order, all_gather's shard against it, the hybrid's chunks over its ring positions), and the
+slowest device's share counts. Tiles: the ring kernel's default forward tiles on the platform
+(`Platform.ring_tiles`), the scan kernel's inside the other strategies, cut to the lengths; the backward
+is taken to skip the same share. Windows, chunks and documents are not modelled (an upper bound), nor HBM
+traffic nor kernel overheads.
 
 Transfers: latency + bytes on the links / rate. `Prediction.bytes` counts what `tuner.hlo.collective_bytes`
 reads from a compiled program -- each collective's result size on one device -- from which a device puts
@@ -61,25 +65,31 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tuner import layouts
 from tuner.all_to_all import kv_repeats
+from tuner.backends import BACKENDS
+from tuner.backends.tpu_memory import GENERATION_TILES
 from tuner.hlo import COLLECTIVE_KINDS
 from tuner.problem import Problem
 from tuner.registry import STRATEGIES
+from tuner.spec import INT32_MAX
 from tuner.tpu_model import CHIPS, FLOAT32_PASSES
 
 BACKWARD_FLOPS = 2.5  # backward FLOPs per forward FLOP: five block matmuls (s, dp, dv, dk, dq) for two
-BALANCED = ("zigzag", "striped")  # layouts whose causal work is the same on every device
 TORUS_PORTS = {"v4": 6, "v5e": 4, "v5p": 6, "v6e": 4}
 TPU_MEMORY = {"v4": 32 * 2**30, "v5e": 16 * 2**30, "v5p": 95 * 2**30, "v6e": 32 * 2**30}
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 EFFICIENCY = 0.5  # assumed fraction of peak the attention kernels reach
+_SCAN = BACKENDS["scan"].default_params(INT32_MAX, INT32_MAX, 128)[0]
+SCAN_TILES = (_SCAN.block_q, _SCAN.block_kv)  # the scan kernel's (inside all_to_all, all_gather, the hybrid)
 
 
 @dataclass(frozen=True)
 class Platform:
     """Per-device rates of one platform: bf16/fp16 and float32 peak FLOP/s, the fraction of it attention
     reaches, bytes/s to one neighbour and per device in an all-gather (or reduce-scatter) and an
-    all-to-all, seconds of latency per collective, device memory in bytes (None: unbounded)."""
+    all-to-all, seconds of latency per collective, device memory in bytes (None: unbounded), and the ring
+    kernel's default forward tiles (query, key) there: the granularity at which it skips masked work."""
 
     name: str
     flops: float
@@ -91,6 +101,7 @@ class Platform:
     latency: float = 0.0
     memory: float | None = None
     source: str = ""
+    ring_tiles: tuple[int, int] = SCAN_TILES
 
     def __post_init__(self) -> None:
         for name in ("flops", "flops_f32", "efficiency", "p2p", "all_gather", "all_to_all"):
@@ -102,14 +113,17 @@ class Platform:
 
 def _tpu(name: str) -> Platform:
     chip, ports = CHIPS[name], TORUS_PORTS[name]
+    fwd = GENERATION_TILES[name][0]
     return Platform(name, chip.flops, chip.flops / FLOAT32_PASSES, EFFICIENCY, chip.ici_link, ports * chip.ici_link,
                     ports * chip.ici_link / 2, 5e-6, TPU_MEMORY[name],
-                    f"{chip.source}; collectives over {ports} ports, all-to-all at half (module docstring)")
+                    f"{chip.source}; collectives over {ports} ports, all-to-all at half (module docstring)",
+                    (fwd.block_q, fwd.block_kv))
 
 
 PLATFORMS = {"h100": Platform("h100", 989e12, 67e12, EFFICIENCY, 450e9, 450e9, 450e9, 10e-6, 80e9,
                               "NVIDIA H100 SXM datasheet: 989 TFLOP/s dense bf16, 67 float32, NVLink 4 900 GB/s "
-                              "bidirectional per GPU via NVSwitch, 80 GB"),
+                              "bidirectional per GPU via NVSwitch, 80 GB; the Triton kernel's 128x64 tiles",
+                              (128, 64)),
              **{name: _tpu(name) for name in CHIPS}}
 
 
@@ -204,19 +218,44 @@ def _block_seconds(problem: Problem, platform: Platform, heads: int, tq: int, tk
     return 4.0 * problem.batch * heads * tq * tk * problem.head_dim * share / rate
 
 
-def _causal_share(problem: Problem, positions: int) -> float:
-    """The fraction of its blocks the slowest device computes over `positions` ring positions."""
+def _shards(problem: Problem, positions: int) -> list[np.ndarray]:
+    """The token positions each of `positions` ring positions holds in the problem's layout."""
+    length = problem.seq_len // positions
+    return [layouts.local_positions_np(problem.layout, length, positions, r) for r in range(positions)]
+
+
+def _computed(queries: np.ndarray, keys: np.ndarray, tiles: tuple[int, int]) -> int:
+    """The logits a causal kernel computes of `queries` against `keys` (positions, in the order it walks
+    them) in tiles of `tiles`, cut to the lengths: every tile but those whose keys all follow its queries."""
+    block_q, block_kv = min(tiles[0], len(queries)), min(tiles[1], len(keys))
+
+    def cut(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        starts = np.arange(0, len(x), block)
+        return np.minimum.reduceat(x, starts), np.maximum.reduceat(x, starts), np.diff([*starts, len(x)])
+
+    _, q_last, q_size = cut(queries, block_q)
+    k_first, _, k_size = cut(keys, block_kv)
+    return int(np.sum(np.outer(q_size, k_size) * (k_first[None, :] <= q_last[:, None])))
+
+
+def _causal_share(problem: Problem, queries: list[np.ndarray], keys: list[np.ndarray],
+                  tiles: tuple[int, int]) -> float:
+    """The share of its logits the slowest device computes (1 without a causal mask): each device attends
+    its `queries[i]` to every shard of `keys` (a ring's steps, or one gathered sequence), in `tiles`."""
     if not problem.causal:
         return 1.0
-    return 0.5 if problem.layout in BALANCED or positions == 1 else (positions - 0.5) / positions
+    total = sum(len(k) for k in keys)
+    return max(sum(_computed(q, k, tiles) for k in keys) / (len(q) * total) for q in queries)
 
 
-def _ring(acc: _Pass, problem: Problem, size: int, heads: int, kv_heads: int, tokens: int, backward: bool) -> None:
-    """A ring of `size` devices of `tokens` tokens each, on `heads` query and `kv_heads` key/value heads."""
+def _ring(acc: _Pass, problem: Problem, size: int, heads: int, kv_heads: int, tokens: int, backward: bool,
+          share: float) -> None:
+    """A ring of `size` devices of `tokens` tokens each, on `heads` query and `kv_heads` key/value heads, the
+    slowest device computing `share` of its logits."""
     b, d, ints, item = problem.batch, problem.head_dim, 2 if problem.segments else 1, ITEMSIZE[problem.dtype]
     shard = b * tokens * (2 * kv_heads * d * item + 4 * ints)
     grads = b * tokens * 2 * kv_heads * d * 4
-    block = _block_seconds(problem, acc.platform, heads, tokens, tokens, _causal_share(problem, size))
+    block = _block_seconds(problem, acc.platform, heads, tokens, tokens, share)
     if problem.spec.has_mask:
         acc.wait(False, acc.collective("all-gather", size * 2 * ints * b * 4, size))
     acc.compute_for(False, size * block)
@@ -269,7 +308,9 @@ def _predict(problem: Problem, strategy: str, platform: Platform, backward: bool
     p, s, h, item = problem.ring_size, problem.seq_len, problem.heads, ITEMSIZE[problem.dtype]
     b, d, acc, gathered = problem.batch, problem.head_dim, _Pass(platform), 0
     if strategy == "ring":
-        _ring(acc, problem, p, h, problem.kv_heads, s // p, backward)
+        shards = _shards(problem, p)
+        _ring(acc, problem, p, h, problem.kv_heads, s // p, backward,
+              _causal_share(problem, shards, shards, platform.ring_tiles))
     elif strategy == "all_gather":
         kv = b * s * problem.kv_heads * d * item
         for _ in range(2):  # K and V (and back dK and dV)
@@ -278,7 +319,9 @@ def _predict(problem: Problem, strategy: str, platform: Platform, backward: bool
                 acc.wait(True, acc.collective("reduce-scatter", kv // p, p))
         if problem.segments:
             acc.wait(False, acc.collective("all-gather", b * s * 4, p))
-        block = _block_seconds(problem, platform, h, s // p, s, _causal_share(problem, p))
+        shards = _shards(problem, p)
+        share = _causal_share(problem, shards, [np.concatenate(shards)], SCAN_TILES)
+        block = _block_seconds(problem, platform, h, s // p, s, share)
         acc.compute_for(False, block)
         if backward:
             acc.compute_for(True, BACKWARD_FLOPS * block)
@@ -286,7 +329,11 @@ def _predict(problem: Problem, strategy: str, platform: Platform, backward: bool
     else:  # all_to_all is the hybrid with one ring position
         rows, group = axes or (1, p)
         kv_heads = _exchange(acc, problem, group, s // p, backward, return_lse)
-        _ring(acc, problem, rows, h // group, kv_heads // group, s // rows, backward)
+        # all_to_all's one position holds the sequence in the layout's order over p; the hybrid's chunks are
+        # laid out over its ring positions
+        chunks = [np.concatenate(_shards(problem, p))] if rows == 1 else _shards(problem, rows)
+        _ring(acc, problem, rows, h // group, kv_heads // group, s // rows, backward,
+              _causal_share(problem, chunks, chunks, SCAN_TILES))
         gathered = 2 * b * (s // rows) * (h + kv_heads) // group * d * item  # q, k, v and out of the head group
     return Prediction(strategy, platform.name, acc.seconds[0], acc.seconds[1], acc.compute, acc.bytes, acc.link,
                       gathered, axes)
