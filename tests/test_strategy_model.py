@@ -1,7 +1,8 @@
 """The strategy model: its bytes per collective kind are what the compiled programs of the ring, all_to_all
 and all_gather move on 8 simulated devices (read by `hlo.collective_bytes`, itself checked on a
-hand-written module with async pairs, tuples, loops and branches); what cannot run says why; its
-rankings follow from first principles; rates can be overridden; bad inputs are refused by name."""
+hand-written module with async pairs, tuples, loops and branches); its causal work is what the scan ring
+computes tile by tile; what cannot run says why; its rankings follow from first principles; rates can be
+overridden; bad inputs are refused by name."""
 
 import dataclasses
 import math
@@ -18,6 +19,7 @@ from tuner.all_to_all import kv_repeats
 from tuner.problem import Problem
 from tuner.strategy_model import PLATFORMS, STRATEGIES, Platform, explain, predict, rank
 from tuner.tpu_model import CHIPS
+from tuner.work import count_work
 
 MODULE = """HloModule m
 
@@ -64,7 +66,8 @@ def test_collective_bytes_reads_results_once_per_execution():
         "reduce-scatter": 2 * 8 * 2,  # the async-wrapped op, once: async-done names the same computation
     }
     without_trip_count = MODULE.replace(', backend_config={"known_trip_count":{"n":"5"}}', "")
-    assert hlo.collective_bytes(without_trip_count)["collective-permute"] == 4 * 8 * 4 + 2 * 3 * 4
+    with pytest.raises(ValueError, match="cannot read the trip count of this loop"):  # not counted once: refused
+        hlo.collective_bytes(without_trip_count)
     with pytest.raises(ValueError, match="no ENTRY"):
         hlo.collective_bytes("%f (x: f32[]) -> f32[] {\n  ROOT %x = f32[] parameter(0)\n}\n")
 
@@ -146,13 +149,31 @@ def links(rate: float) -> Platform:
     return dataclasses.replace(PLATFORMS["h100"], p2p=rate, all_gather=rate, all_to_all=rate, latency=0.0)
 
 
-def test_with_free_links_every_strategy_takes_its_compute_which_is_the_same():
-    problem = Problem(seq_len=32768, heads=8, kv_heads=2, head_dim=128, dtype="bfloat16", ring_size=8)
+def test_with_free_links_every_strategy_takes_its_compute_the_same_without_a_mask():
+    problem = Problem(seq_len=32768, heads=8, kv_heads=2, head_dim=128, dtype="bfloat16", ring_size=8, causal=False)
     for t in rank(problem, links(1e30)):
         assert t.seconds == pytest.approx(t.compute_s, rel=1e-9), t.strategy
         assert t.seconds == pytest.approx(rank(problem, links(1e30))[0].seconds, rel=1e-9), t.strategy
     slow = [t.seconds - t.compute_s for t in rank(problem, "v5e")]
     assert max(slow) > 0  # real links expose some transfers
+
+
+@pytest.mark.parametrize("ring, seq_len, layout", [(4, 8192, "zigzag"), (4, 4096, "contiguous"),
+                                                    (8, 8192, "striped")])
+def test_causal_work_is_what_the_scan_ring_computes_tile_by_tile(ring, seq_len, layout):
+    """The model's share of the logits the slowest device computes is the scan ring's, counted as it runs
+    (`tuner.work.count_work`) at its default tiles."""
+    mesh, seq = Mesh(np.array(jax.devices()[:ring]), ("sp",)), P(None, "sp")
+    attend = jax.shard_map(lambda q, k, v: ring_attention(q, k, v, causal=True, axis_name="sp", layout=layout),
+                           mesh=mesh, in_specs=(seq, seq, seq), out_specs=seq)
+    x = jnp.zeros((1, seq_len, 1, 8), jnp.float32)
+    with count_work() as counts:
+        jax.block_until_ready(jax.jit(attend)(x, x, x))
+    counted = max(counts["tile_area"].values()) / (seq_len // ring * seq_len)
+    problem = Problem(seq_len=seq_len, heads=1, kv_heads=1, head_dim=8, ring_size=ring, layout=layout)
+    shards = strategy_model._shards(problem, ring)
+    assert strategy_model._causal_share(problem, shards, shards, strategy_model.SCAN_TILES) == counted
+    assert 0.5 < counted < 1.0  # some tiles skipped, some crossing the diagonal
 
 
 @pytest.mark.parametrize("kv_heads, winner", [(8, "all_to_all"), (1, "all_gather")])

@@ -136,6 +136,26 @@ def _element(body: dict, name: str) -> int | None:
     return int(re.search(r"\bindex=(\d+)", line).group(1))
 
 
+def _trip_count(computations: dict, caller: dict, operands: list[str], line: str) -> int | None:
+    """The trips of the while loop `line` (in `caller`, on the init tuple `operands[0]`) when it counts
+    `i = start; i < bound; i += step` with constants, else None."""
+    cond, body = (computations.get(re.search(key + r"=%?([\w.\-]+)", line).group(1), {})
+                  for key in ("condition", "body"))
+    compare, compared, compare_line = cond.get("ROOT", ("", [], ""))
+    init = caller.get(operands[0]) if operands else None
+    if compare != "compare" or len(compared) != 2 or "direction=LT" not in compare_line or init is None:
+        return None
+    index, bound = _element(cond, compared[0]), _constant(cond, compared[1])
+    if index is None or bound is None or init[0] != "tuple" or body.get("ROOT", ("",))[0] != "tuple":
+        return None
+    start = _constant(caller, init[1][index])
+    add, added = body.get(body["ROOT"][1][index], ("", []))[:2]
+    step = _constant(body, added[1]) if add == "add" and _element(body, added[0]) == index else None
+    if start is None or step is None or step <= 0:
+        return None
+    return max(0, math.ceil((bound - start) / step))
+
+
 def with_trip_counts(text: str) -> str:
     """`text` with the trip count of every while loop that lacks one written into its backend config, where
     `collective_bytes` reads it: the TPU compiler keeps its own config there, without
@@ -148,19 +168,7 @@ def with_trip_counts(text: str) -> str:
         for op, operands, line in [entry for key, entry in caller.items() if key != "ROOT"]:
             if op != "while" or "known_trip_count" in line:
                 continue
-            cond, body = (computations[re.search(key + r"=%?([\w.\-]+)", line).group(1)]
-                          for key in ("condition", "body"))
-            compare, (left, right), compare_line = cond["ROOT"]
-            init = caller.get(operands[0])
-            index, bound = _element(cond, left), _constant(cond, right)
-            trips = None
-            if compare == "compare" and "direction=LT" in compare_line and None not in (index, bound) and init:
-                start = _constant(caller, init[1][index]) if init[0] == "tuple" else None
-                root = body["ROOT"]
-                add, operands = body.get(root[1][index], ("", []))[:2] if root[0] == "tuple" else ("", [])
-                step = _constant(body, operands[1]) if add == "add" and _element(body, operands[0]) == index else None
-                if start is not None and step is not None and step > 0:
-                    trips = max(0, math.ceil((bound - start) / step))
+            trips = _trip_count(computations, caller, operands, line)
             if trips is None:
                 raise ValueError(f"cannot read the trip count of this loop: {line.strip()[:200]}")
             count = f'"known_trip_count":{{"n":"{trips}"}}'
