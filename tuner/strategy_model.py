@@ -20,8 +20,9 @@ heads, D head size, `item` bytes per element; T = S / P tokens per device):
   every key. Backward: dK, dV reduce-scattered in the input dtype (the gathered K's cotangent has K's
   dtype); K, V are not gathered again: autodiff keeps the gathered copies from the forward, so they stay in
   memory until the backward (`gathered_bytes`). Refused, as the implementation does, when they would take
-  over half the device's memory. XLA:TPU builds the reduce-scatter as an all-reduce of the whole dK, dV
-  and keeps its slice (twice the link bytes); not modelled: the counts and rates are a reduce-scatter's.
+  over half the device's memory. XLA:TPU builds every reduce-scatter as an all-reduce of the whole buffer
+  and keeps its slice (`benchmarks/results/strategy_bytes.md`): on a TPU (`Platform.scatter_as_all_reduce`)
+  it is timed as that, twice a reduce-scatter's link bytes; `bytes` still counts the reduce-scatter asked.
 - "hybrid" (USP, `tuner.hybrid`): P = Pr x Pa; an all-to-all among Pa devices to H / Pa heads of
   S / Pr tokens, then a ring of Pr steps over those, then the all-to-all back. `axes=(Pr, Pa)`, or the
   fastest split with both > 1.
@@ -33,10 +34,8 @@ positions each strategy's kernels see (a ring's shards in its layout, all_to_all
 layout's order, all_gather's shard against it, the hybrid's chunks over its ring positions), and the
 slowest device's share counts. Tiles: the ring kernel's default forward tiles on the platform
 (`Platform.ring_tiles`), the scan kernel's inside the other strategies, cut to the lengths; the backward
-is taken to skip the same share. Windows, chunks and documents are not modelled (an upper bound), nor HBM
-traffic nor kernel overheads.
-
-Transfers: latency + bytes on the links / rate. `Prediction.bytes` counts what `tuner.hlo.collective_bytes`
+is taken to skip the same share. Windows, chunks, documents, HBM traffic and kernel overheads are not
+modelled. Transfers: latency + bytes on the links / rate. `Prediction.bytes` counts what `tuner.hlo.collective_bytes`
 reads from a compiled program -- each collective's result size on one device -- from which a device puts
 on its links (P-1)/P of an all-gather's or all-to-all's result, all of a collective-permute's and (P-1)
 times a reduce-scatter's (`link_bytes`). XLA:CPU widens bf16 collectives to float32; the model does not.
@@ -52,8 +51,7 @@ Rates, per device, one direction (`PLATFORMS`; `Platform` fields override them):
   half that rate (assumption). HBM: v4 32 GiB, v5e 16 GiB, v5p 95 GiB, v6e 32 GiB (cloud.google.com/tpu).
 - Assumed, not published: efficiency 0.5 of peak for the attention kernels (FlashAttention-2/3 reach
   ~0.35-0.75 of the H100's peak; this repository's kernels 0.4-0.7x cuDNN's), and 10 us (GPU) / 5 us (TPU)
-  of latency per collective.
-- cpu: `measure_cpu()`, timed on first use, never at import.
+  of latency per collective. cpu: `measure_cpu()`, timed on first use, never at import.
 """
 
 from __future__ import annotations
@@ -89,7 +87,8 @@ class Platform:
     """Per-device rates of one platform: bf16/fp16 and float32 peak FLOP/s, the fraction of it attention
     reaches, bytes/s to one neighbour and per device in an all-gather (or reduce-scatter) and an
     all-to-all, seconds of latency per collective, device memory in bytes (None: unbounded), and the ring
-    kernel's default forward tiles (query, key) there: the granularity at which it skips masked work."""
+    kernel's default forward tiles (query, key) there: the granularity at which it skips masked work; and
+    whether its compiler builds a reduce-scatter as an all-reduce of the whole buffer (XLA:TPU)."""
 
     name: str
     flops: float
@@ -102,6 +101,7 @@ class Platform:
     memory: float | None = None
     source: str = ""
     ring_tiles: tuple[int, int] = SCAN_TILES
+    scatter_as_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         for name in ("flops", "flops_f32", "efficiency", "p2p", "all_gather", "all_to_all"):
@@ -117,7 +117,7 @@ def _tpu(name: str) -> Platform:
     return Platform(name, chip.flops, chip.flops / FLOAT32_PASSES, EFFICIENCY, chip.ici_link, ports * chip.ici_link,
                     ports * chip.ici_link / 2, 5e-6, TPU_MEMORY[name],
                     f"{chip.source}; collectives over {ports} ports, all-to-all at half (module docstring)",
-                    (fwd.block_q, fwd.block_kv))
+                    (fwd.block_q, fwd.block_kv), scatter_as_all_reduce=True)
 
 
 PLATFORMS = {"h100": Platform("h100", 989e12, 67e12, EFFICIENCY, 450e9, 450e9, 450e9, 10e-6, 80e9,
@@ -205,7 +205,8 @@ class _Pass:
             return 0.0
         share, rate = {"collective-permute": (1, self.platform.p2p),
                        "all-gather": ((group - 1) / group, self.platform.all_gather),
-                       "reduce-scatter": (group - 1, self.platform.all_gather),
+                       "reduce-scatter": ((2 if self.platform.scatter_as_all_reduce else 1) * (group - 1),
+                                          self.platform.all_gather),
                        "all-to-all": ((group - 1) / group, self.platform.all_to_all)}[kind]
         self.bytes[kind] += int(result)
         self.link += share * result
