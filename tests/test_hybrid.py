@@ -81,7 +81,7 @@ def test_ring_attention_runs_the_hybrid_under_the_callers_shard_map_with_its_par
                       mesh=Mesh(np.array(jax.devices()[:8]).reshape(1, 8), AXES), in_specs=seq, out_specs=seq)(q)
 
 
-def test_the_loader_runs_it_on_a_2x4_mesh_keyed_by_its_inner_ring_and_replays_the_recorded_call(caplog):
+def test_the_loader_runs_it_on_a_2x4_mesh_keyed_by_its_inner_ring_and_records_the_call(caplog):
     mesh = mesh_of(2, 4)
     attn = get_tuned_ring_attention(axis_name=AXES, causal=True, sliding_window=(9, 0), mesh=mesh)
     q, k, v = random((1, 64, 8, 8), 3), random((1, 64, 2, 8), 4), random((1, 64, 2, 8), 5)
@@ -107,8 +107,9 @@ def test_the_loader_runs_it_on_a_2x4_mesh_keyed_by_its_inner_ring_and_replays_th
     [call] = record.calls_in(step, q, k, v)
     assert (call.strategy, call.ring_size, call.a2a_size, call.decision["key"]) == ("hybrid", 8, 4, key.as_dict())
     assert autotuning.replay(call).decision == call.decision  # explained again with both axes
-    with pytest.raises(ValueError, match="tuner search does not search the hybrid strategy yet"):
-        call.problem()
+    assert call.problem() == Problem(batch=1, seq_len=64, heads=8, kv_heads=2, head_dim=8, causal=True,
+                                     window=(9, 0), ring_size=8, a2a_size=4)  # what `tuner autotune` searches
+    assert call.problem().key("hybrid", "cpu") == key
     with pytest.raises(ValueError, match=r"hybrid splits the query heads .* heads \(6\) must be a multiple"):
         attn(*(jnp.ones((1, 64, 6, 8)) for _ in range(3)))
 

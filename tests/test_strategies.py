@@ -130,8 +130,9 @@ def test_unknown_strategies_and_axis_names_that_do_not_fit_the_strategy_are_refu
     with pytest.raises(ValueError, match="backend 'scan' runs the 'ring' strategy, not strategy='hybrid'"):
         get_tuned_ring_attention(axis_name=("sp", "x"), backend="scan")
     q, k, v = arrays(SMALL)
-    with pytest.raises(ValueError, match=r"backend 'hybrid' runs over two mesh axes: pass axis_name=\(ring_axis, "
-                                         r"a2a_axis\) with strategy='hybrid', got axis_name='sp'"):
+    with pytest.raises(ValueError, match=r"the hybrid \(backend 'hybrid', strategy 'auto'\) runs over two mesh axes: "
+                                         r"pass axis_name=\(ring_axis, a2a_axis\) with strategy='hybrid', got "
+                                         r"axis_name='sp'"):
         get_tuned_ring_attention(axis_name="sp", mesh=cpu_mesh(), backend="hybrid")(q, k, v)
     for strategy, message in (("hybrid", "takes axis_name=\\(ring_axis, a2a_axis\\)"),
                               ("auto", "strategy='auto' is get_tuned_ring"), ("ulysses", "strategy must be one of")):

@@ -109,8 +109,8 @@ class TunedRingAttention:
         options = _check_call_options(per_call_options)
         hybrid = self.strategy == "hybrid"
         if self.mesh is not None:
-            names = self.axis_name if hybrid else (self.axis_name,)
-            given = tuple(self.mesh.shape[name] for name in names) if hybrid else self.mesh.shape[self.axis_name]
+            devices, ring = self._mesh_sizes()
+            given = (ring, devices // ring) if hybrid else devices
             if ring_size is not None and ring_size != given:
                 raise ValueError(f"ring_size={ring_size} does not match mesh axis {self.axis_name!r} of "
                                  f"size {given}")

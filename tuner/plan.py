@@ -83,8 +83,8 @@ def resolve(query, key, value, *, ring_size: int, layout: str, backend: str, tar
     group = 1
     if strategy == "hybrid" or (backend != "auto" and registry.strategy_of(registry.get(backend)) == "hybrid"):
         if strategy != "hybrid" or a2a_size is None:
-            raise ValueError(f"backend {backend!r} runs over two mesh axes: pass axis_name=(ring_axis, a2a_axis) "
-                             f"with strategy='hybrid', got axis_name={axis_name!r}")
+            raise ValueError(f"the hybrid (backend {backend!r}, strategy {strategy!r}) runs over two mesh axes: pass "
+                             f"axis_name=(ring_axis, a2a_axis) with strategy='hybrid', got axis_name={axis_name!r}")
         group = a2a_size
         if query.shape[2] % group:
             raise ValueError(f"axis_name={axis_name!r}: hybrid splits the query heads over its all-to-all axis "

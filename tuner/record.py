@@ -153,9 +153,6 @@ class Call:
                              "call get_tuned_ring_attention(...) instead to run tuned params")
         if self.interpret:
             raise ValueError("interpret=True runs the kernels in their interpreter: there is nothing to tune")
-        if self.strategy == "hybrid":
-            raise ValueError("tuner search does not search the hybrid strategy yet (it would need a 2-D mesh); "
-                             "the hybrid runs its inner scan ring's defaults, or a cache row of its inner problem")
         (b, tq, h, d), dtype = self.query
         (_, tk, hkv, _), _ = self.key
         if tq != tk:
@@ -170,7 +167,7 @@ class Call:
                           causal=bool(self.mask.get("causal")), window=self.mask.get("sliding_window"),
                           chunk_size=self.mask.get("chunk_size"), softcap=self.mask.get("logits_soft_cap"),
                           segments=min(DOCUMENTS, seq_len) if "q_segment_ids" in self.arrays else 0,
-                          sinks=sinks, ring_size=self.ring_size, layout=self.layout)
+                          sinks=sinks, ring_size=self.ring_size, layout=self.layout, a2a_size=self.a2a_size)
         wanted = self.decision["key"]
         got = problem.key(self.decision["implementation"], self.device_kind).as_dict()
         differ = [f"{name} {got[name]!r} (call: {wanted.get(name)!r})" for name in got if got[name] != wanted.get(name)]
