@@ -163,8 +163,8 @@ def resolve_backend(name: str, problem: Problem, device: str, interpret: bool = 
                                      ring_size=problem.ring_size)
     if hybrid != (registry.strategy_of(implementation) == "hybrid"):
         raise ValueError(f"backend {name!r} with a2a_size={problem.a2a_size}: the hybrid runs over a ring of "
-                         f"ring_size / a2a_size positions of a2a_size devices each (a2a_size > 1), every other "
-                         f"implementation over one axis (a2a_size 1)")
+                         f"ring_size / a2a_size positions of a2a_size devices each (a2a_size > 1, --a2a-size), "
+                         f"every other implementation over one axis (a2a_size 1)")
     return implementation
 
 
