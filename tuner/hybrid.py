@@ -15,8 +15,8 @@ all-to-all group. Each device `[B, T/(R A), H, D]`:
 The all-to-alls stay inside a group (on a GPU node, NVLink) and the ring crosses groups with `1 / A` of the
 keys a plain ring over all `R A` devices would send, overlapped with compute.
 
-- Heads: the H query heads split over the a2a axis (`H % A == 0`, `heads_violation`), else the call is
-  refused when it is resolved (`ValueError` naming `axis_name`).
+- Heads: the H query heads split over the a2a axis (`H % A == 0`), else the call is refused when it is
+  resolved (`plan.check_hybrid_heads`: a `ValueError` naming `axis_name`).
 - Per-call arrays: explicit positions and segment ids are all-gathered over the a2a axis into the chunk's,
   and travel around the ring as the ring's own do. Sinks: each device takes its head group's rows. No
   bias, as for `tuner.all_to_all`.
@@ -35,7 +35,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
-from tuner import layouts, registry, vma
+from tuner import layouts, plan, registry, vma
 from tuner.all_to_all import AllToAll
 from tuner.implementations import TileConfig
 from tuner.ring import run_ring
@@ -46,30 +46,9 @@ BIAS_REASON = "bias: the hybrid's all-to-all does not carry a bias over the key 
 
 
 def check_axis_name(axis_name: Any) -> tuple[Hashable, Hashable]:
-    """`axis_name` as the hybrid's `(ring_axis, a2a_axis)`: a pair of two different mesh axis names;
-    `ValueError` naming the argument otherwise."""
-    if not (isinstance(axis_name, tuple) and len(axis_name) == 2 and None not in axis_name
-            and axis_name[0] != axis_name[1]):
-        raise ValueError(f"strategy='hybrid' takes axis_name=(ring_axis, a2a_axis), two different mesh axes "
-                         f"(the ring over the first, the all-to-all over the second), got {axis_name!r}")
+    """`axis_name` as the hybrid's `(ring_axis, a2a_axis)`; `ValueError` naming it otherwise."""
+    plan.check_strategy("hybrid", "auto", axis_name)
     return axis_name
-
-
-def heads_violation(heads: int, a2a_size: int) -> str | None:
-    """Why `heads` query heads do not split over the `a2a_size` devices of the all-to-all axis, or None."""
-    if heads % a2a_size:
-        return (f"hybrid splits the query heads over its all-to-all axis: heads ({heads}) must be a multiple of "
-                f"that axis's size ({a2a_size}); swap the axes of axis_name, or use another strategy")
-    return None
-
-
-def kv_repeats(heads: int, kv_heads: int, a2a_size: int) -> int:
-    """Copies of each kv head that make the kv heads split over the a2a axis with every device's query heads
-    meeting their own (as `tuner.all_to_all.kv_repeats`); `ValueError` when the query heads do not split."""
-    reason = heads_violation(heads, a2a_size)
-    if reason is not None:
-        raise ValueError(reason)
-    return a2a_size // math.gcd(kv_heads, a2a_size)
 
 
 def local_positions(layout: str, length: int, axis_name: tuple[Hashable, Hashable]) -> jnp.ndarray:
@@ -112,7 +91,8 @@ def hybrid_attention(query, key, value, *, spec: AttentionSpec, config: TileConf
     ring_axis, a2a_axis = check_axis_name(axis_name)
     groups, group_rank = lax.axis_size(a2a_axis), lax.axis_index(a2a_axis)
     heads, kv_heads = query.shape[2], key.shape[2]
-    repeats = kv_repeats(heads, kv_heads, groups)
+    plan.check_hybrid_heads(heads, groups, axis_name)
+    repeats = groups // math.gcd(kv_heads, groups)  # the fewest copies that split, as in all_to_all
     if repeats > 1:
         key, value = jnp.repeat(key, repeats, axis=2), jnp.repeat(value, repeats, axis=2)
 
@@ -139,4 +119,4 @@ def hybrid_attention(query, key, value, *, spec: AttentionSpec, config: TileConf
 
 registry.register(Hybrid())
 
-__all__ = ["Hybrid", "check_axis_name", "heads_violation", "hybrid_attention", "kv_repeats", "local_positions"]
+__all__ = ["Hybrid", "check_axis_name", "hybrid_attention", "local_positions"]

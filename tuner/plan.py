@@ -67,6 +67,14 @@ def check_strategy(strategy: str, backend: str, axis_name: Any = None) -> str:
     return strategy
 
 
+def check_hybrid_heads(heads: int, a2a_size: int, axis_name: Any) -> None:
+    """`ValueError` naming `axis_name` when the query heads do not split over the hybrid's a2a axis."""
+    if heads % a2a_size:
+        raise ValueError(f"axis_name={axis_name!r}: hybrid splits the query heads over its all-to-all axis "
+                         f"{axis_name[1]!r}: heads ({heads}) must be a multiple of its size ({a2a_size}); swap "
+                         f"the axes, or use another strategy")
+
+
 def resolve(query, key, value, *, ring_size: int, layout: str, backend: str, target: registry.Target,
             mask: dict[str, Any], arrays: dict[str, Any], return_lse: bool = False, strategy: str = "auto",
             axis_name: Any = None, a2a_size: int | None = None) -> Resolved:
@@ -86,10 +94,7 @@ def resolve(query, key, value, *, ring_size: int, layout: str, backend: str, tar
             raise ValueError(f"the hybrid (backend {backend!r}, strategy {strategy!r}) runs over two mesh axes: pass "
                              f"axis_name=(ring_axis, a2a_axis) with strategy='hybrid', got axis_name={axis_name!r}")
         group = a2a_size
-        if query.shape[2] % group:
-            raise ValueError(f"axis_name={axis_name!r}: hybrid splits the query heads over its all-to-all axis "
-                             f"{axis_name[1]!r}: heads ({query.shape[2]}) must be a multiple of its size ({group}); "
-                             f"swap the axes, or use another strategy")
+        check_hybrid_heads(query.shape[2], group, axis_name)
     unknown = sorted(set(mask) - set(MASK_OPTIONS)) + sorted(set(arrays) - set(ARRAY_OPTIONS))
     if unknown:
         raise TypeError(f"unknown option(s) {', '.join(unknown)}; mask options are {', '.join(MASK_OPTIONS)}, "
@@ -144,4 +149,5 @@ class Plan:
         return bwd if isinstance(bwd, BwdParams) else None
 
 
-__all__ = ["ARRAY_OPTIONS", "MASK_OPTIONS", "SELECTING", "Plan", "Resolved", "check_strategy", "resolve"]
+__all__ = ["ARRAY_OPTIONS", "MASK_OPTIONS", "SELECTING", "Plan", "Resolved", "check_hybrid_heads", "check_strategy",
+           "resolve"]
