@@ -51,10 +51,12 @@ def structs(mesh: Mesh):
 
 
 def test_a_tpu_mesh_gets_the_tpu_kernel(tmp_path):
-    """Nothing but the mesh says which chip: the loader with backend="auto", under `jax.jit` over a v5e
-    topology, decides for and compiles to the Pallas kernels on this CPU host."""
+    """Nothing but the mesh says which chip: the loader with backend="auto" (on the ring: at this small size
+    the strategy model picks all_gather, `tests/test_strategies.py`), under `jax.jit` over a v5e topology,
+    decides for and compiles to the Pallas kernels on this CPU host."""
     mesh = topology_mesh("v5e:2x2")
-    attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, db=str(tmp_path / "empty.sqlite"))
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, db=str(tmp_path / "empty.sqlite"),
+                                    strategy="ring")
     decision = attn.explain(*structs(mesh))
     assert decision.backend == "pallas_tpu" and decision.key.device_kind == "TPU v5 lite", decision
     text = jax.jit(attn).lower(*structs(mesh)).compile().as_text()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import signal
 import sys
 from typing import Any
 
@@ -57,10 +58,19 @@ def run_search(args: argparse.Namespace) -> int:
           f"{args.trials} trials ({args.sampler})", file=sys.stderr)
     bar = tqdm(total=args.trials, desc="search", unit="trial", file=sys.stderr, dynamic_ncols=True)
 
+    interrupted = []
+
+    def on_interrupt(signum: int, frame: Any) -> None:
+        interrupted.append(signum)  # seen after the trial if the interrupt lands where Python swallows it
+        raise KeyboardInterrupt
+
     def progress(done: int, total: int, status: str) -> None:
         bar.set_postfix_str(status, refresh=False)
         bar.update(done - bar.n)
+        if interrupted:  # a KeyboardInterrupt raised inside a gc callback (jax's) is printed and dropped
+            raise KeyboardInterrupt
 
+    previous = signal.signal(signal.SIGINT, on_interrupt)
     try:
         result = search(problem, device=args.device, backend=args.backend, options=options, db=args.db,
                         progress=progress)
@@ -72,6 +82,8 @@ def run_search(args: argparse.Namespace) -> int:
     except RuntimeError as error:  # no trial completed
         bar.close()
         return fail(str(error), status=1)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     bar.close()
     print("\n".join(search_summary(result)))
     return 0
