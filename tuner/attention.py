@@ -86,19 +86,22 @@ def ring_attention(
                 logits_soft_cap=logits_soft_cap, softmax_scale=softmax_scale)
     strategy = plan.check_strategy(strategy, backend, axis_name)
     size = ring_geometry(axis_name)[0]
+    a2a = lax.axis_size(axis_name[1]) if strategy == "hybrid" else None
     resolved = plan.resolve(query, key, value, ring_size=size, layout=layout, backend=backend, strategy=strategy,
                             target=registry.Target.here(bool(interpret)), mask=mask, arrays=arrays,
-                            axis_name=axis_name, a2a_size=lax.axis_size(axis_name[1]) if strategy == "hybrid" else None)
+                            axis_name=axis_name, a2a_size=a2a)
+    sizes = (size, a2a or 1)
     if strategy in plan.SELECTING:
         return _run_strategy(query, key, value, resolved, arrays, mask, fwd_params, bwd_params, axis_name=axis_name,
-                             layout=layout, backend=backend, interpret=bool(interpret), return_lse=return_lse)
+                             sizes=sizes, layout=layout, backend=backend, interpret=bool(interpret),
+                             return_lse=return_lse)
     chosen = block_kernel(resolved.implementation.name)
     default_fwd, default_bwd = chosen.default_params(query.shape[1], key.shape[1], query.shape[3])
     given = [name for name, params in (("fwd_params", fwd_params), ("bwd_params", bwd_params)) if params is not None]
     fwd_params = fwd_params or default_fwd
     bwd_params = bwd_params or default_bwd
     chosen.check_params(fwd_params, bwd_params)
-    noted = _note(query, key, value, arrays, mask, resolved, axis_name, layout, backend, bool(interpret), return_lse,
+    noted = _note(query, key, value, arrays, mask, resolved, sizes, layout, backend, bool(interpret), return_lse,
                   reason=f"{' and '.join(given) or 'no params'} given by the caller, the rest "
                          f"{chosen.name}'s defaults; ring_attention does not read the cache")
     with record.scope(noted):
@@ -108,8 +111,8 @@ def ring_attention(
 
 
 def _run_strategy(query, key, value, resolved: plan.Resolved, arrays: dict, mask: dict, fwd_params: FwdParams | None,
-                  bwd_params: BwdParams | None, *, axis_name: Hashable | None, layout: str, backend: str,
-                  interpret: bool, return_lse: bool):
+                  bwd_params: BwdParams | None, *, axis_name: Hashable | None, sizes: tuple[int, int], layout: str,
+                  backend: str, interpret: bool, return_lse: bool):
     """`ring_attention` of a strategy other than the ring: its implementation's `attend`, with its default
     config where the caller gave no params."""
     implementation = resolved.implementation
@@ -119,7 +122,7 @@ def _run_strategy(query, key, value, resolved: plan.Resolved, arrays: dict, mask
     config = registry.config_from_parts(implementation, *parts)
     implementation.check(config)
     named = [f"{p}_params" for p in registry.PARTS if given[p] is not None]
-    noted = _note(query, key, value, arrays, mask, resolved, axis_name, layout, backend, interpret, return_lse,
+    noted = _note(query, key, value, arrays, mask, resolved, sizes, layout, backend, interpret, return_lse,
                   reason=f"strategy {implementation.name}: {' and '.join(named) or 'no params'} given by the caller, "
                          f"the rest its defaults; ring_attention does not read the cache")
     with record.scope(noted):
@@ -128,12 +131,12 @@ def _run_strategy(query, key, value, resolved: plan.Resolved, arrays: dict, mask
             interpret=interpret, return_lse=return_lse, **arrays))
 
 
-def _note(query, key, value, arrays: dict, mask: dict, resolved: plan.Resolved, axis_name: Hashable | None,
+def _note(query, key, value, arrays: dict, mask: dict, resolved: plan.Resolved, sizes: tuple[int, int],
           layout: str, backend: str, interpret: bool, return_lse: bool, reason: str) -> record.Call:
-    """A `ring_attention` call as `tuner.record` keeps it (the doctor says it runs untuned params)."""
+    """A `ring_attention` call on `sizes` = (devices, the hybrid's a2a size or 1) as `tuner.record` keeps it
+    (the doctor says it runs untuned params)."""
     platform, device_kind = compile_target()
-    size, strategy = ring_geometry(axis_name)[0], registry.strategy_of(resolved.implementation)
-    a2a = lax.axis_size(axis_name[1]) if strategy == "hybrid" else 1
+    (size, a2a), strategy = sizes, registry.strategy_of(resolved.implementation)
     return record.Call(
         caller="ring_attention", query=record.struct_of(query), key=record.struct_of(key),
         value=record.struct_of(value), arrays={n: record.struct_of(x) for n, x in arrays.items() if x is not None},

@@ -149,7 +149,7 @@ class TunedRingAttention:
         size, _ = ring_geometry(self.axis_name)
         a2a = jax.lax.axis_size(self.axis_name[1]) if self.strategy == "hybrid" else None
         decision = self._decide(query, key, value, size, options, a2a)
-        noted = self._note(query, key, value, size, options, decision)
+        noted = self._note(query, key, value, size, a2a or 1, options, decision)
         with record.scope(noted):
             return record.watch(noted, self._attend(query, key, value, options, decision))
 
@@ -169,14 +169,15 @@ class TunedRingAttention:
             return fallback.attend(query, key, value, config=fallback.default_config(decision.key, decision.spec),
                                    **call)
 
-    def _note(self, query, key, value, ring_size: int, options: dict[str, Any], decision: Decision) -> record.Call:
+    def _note(self, query, key, value, ring_size: int, a2a_size: int, options: dict[str, Any], decision: Decision
+              ) -> record.Call:
         """The call as `tuner.record` keeps it: what `tuner autotune`, `record` and `doctor` read."""
         platform, device_kind = compile_target(self.mesh)
         return record.Call(
             caller="loader", query=record.struct_of(query), key=record.struct_of(key), value=record.struct_of(value),
             arrays={n: record.struct_of(x) for n, x in options.items() if n in plan.ARRAY_OPTIONS and x is not None},
             mask=self.options, ring_size=ring_size, layout=decision.layout, backend=self.backend,
-            strategy=self.strategy, a2a_size=ring_size // decision.key.ring_size if self.strategy == "hybrid" else 1,
+            strategy=self.strategy, a2a_size=a2a_size,
             return_lse=bool(options.get("return_lse")), interpret=bool(options.get("interpret")),
             db=str(Cache(self.db).path), platform=platform, device_kind=device_kind,
             decision=dict(implementation=decision.backend, source=decision.source, reason=decision.reason,

@@ -28,7 +28,6 @@ keys a plain ring over all `R A` devices would send, overlapped with compute.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable
 from typing import Any
 
@@ -36,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from tuner import layouts, plan, registry, vma
-from tuner.all_to_all import AllToAll
+from tuner.all_to_all import AllToAll, kv_repeats
 from tuner.implementations import TileConfig
 from tuner.ring import run_ring
 from tuner.spec import AttentionSpec, LocalShapes
@@ -92,7 +91,7 @@ def hybrid_attention(query, key, value, *, spec: AttentionSpec, config: TileConf
     groups, group_rank = lax.axis_size(a2a_axis), lax.axis_index(a2a_axis)
     heads, kv_heads = query.shape[2], key.shape[2]
     plan.check_hybrid_heads(heads, groups, axis_name)
-    repeats = groups // math.gcd(kv_heads, groups)  # the fewest copies that split, as in all_to_all
+    repeats = kv_repeats(heads, kv_heads, groups)
     if repeats > 1:
         key, value = jnp.repeat(key, repeats, axis=2), jnp.repeat(value, repeats, axis=2)
 

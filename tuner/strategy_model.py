@@ -321,7 +321,7 @@ def _predict(problem: Problem, strategy: str, platform: Platform, backward: bool
         if problem.segments:
             acc.wait(False, acc.collective("all-gather", b * s * 4, p))
         shards = _shards(problem, p)
-        share = _causal_share(problem, shards, [np.concatenate(shards)], SCAN_TILES)
+        share = _causal_share(problem, shards, [layouts.global_order(problem.layout, s, p)], SCAN_TILES)
         block = _block_seconds(problem, platform, h, s // p, s, share)
         acc.compute_for(False, block)
         if backward:
@@ -332,7 +332,7 @@ def _predict(problem: Problem, strategy: str, platform: Platform, backward: bool
         kv_heads = _exchange(acc, problem, group, s // p, backward, return_lse)
         # all_to_all's one position holds the sequence in the layout's order over p; the hybrid's chunks are
         # laid out over its ring positions
-        chunks = [np.concatenate(_shards(problem, p))] if rows == 1 else _shards(problem, rows)
+        chunks = [layouts.global_order(problem.layout, s, p)] if rows == 1 else _shards(problem, rows)
         _ring(acc, problem, rows, h // group, kv_heads // group, s // rows, backward,
               _causal_share(problem, chunks, chunks, SCAN_TILES))
         gathered = 2 * b * (s // rows) * (h + kv_heads) // group * d * item  # q, k, v and out of the head group

@@ -120,9 +120,9 @@ def _line_reference(workload: Workload, config: Any, inputs: Inputs, dout: Any, 
         return jax.device_put(relayout(x, problem.ring_positions, problem.ring_size),
                               NamedSharding(line.mesh, line.specs[name]))
 
-    moved = {n: x if n == "sinks" else to_line(x, n) for n, x in inputs.items()}
-    compiled = line.compile(line.attend(registry.FALLBACK, config), moved, to_line(dout, "q"), backward=backward)
-    outputs = _outputs(compiled, moved, to_line(dout, "q"), backward)
+    moved, moved_dout = {n: x if n == "sinks" else to_line(x, n) for n, x in inputs.items()}, to_line(dout, "q")
+    compiled = line.compile(line.attend(registry.FALLBACK, config), moved, moved_dout, backward=backward)
+    outputs = _outputs(compiled, moved, moved_dout, backward)
     return {n: x if n == "dsinks" else relayout(x, problem.ring_size, problem.ring_positions)
             for n, x in outputs.items()}
 
