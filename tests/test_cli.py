@@ -107,7 +107,7 @@ def test_list_show_export_clear_import(searched, tmp_path):
 
 def test_report_writes_html(searched, tmp_path):
     home, result = searched
-    page = tmp_path / "report.html"
+    page = tmp_path / "reports" / "today" / "report.html"  # its folder is created
     done = tuner("report", stored_key(result.stdout)[:8], "--out", str(page), home=home)
     assert done.returncode == 0, done.stderr
     text = page.read_text()

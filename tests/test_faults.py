@@ -850,7 +850,8 @@ def _invalid_rows() -> list[dict[str, Any]]:
             {**valid_row(Problem(**{**PROBLEM.__dict__, "batch": 4})), "batch": None},
             {**valid_row(Problem(**{**PROBLEM.__dict__, "batch": 5})), "bwd_params": b'{"blob": 1}'},
             {**valid_row(Problem(**{**PROBLEM.__dict__, "batch": 6})), "features": "garbage"},
-            {**valid_row(Problem(**{**PROBLEM.__dict__, "batch": 7})), "key": "0123456789abcdef"}]
+            {**valid_row(Problem(**{**PROBLEM.__dict__, "batch": 7})), "key": "0123456789abcdef"},
+            {**valid_row(Problem(**{**PROBLEM.__dict__, "batch": 8})), "best_s": None}]
 
 
 def test_cli_lists_shows_exports_invalid_rows(tmp_path):
@@ -863,7 +864,8 @@ def test_cli_lists_shows_exports_invalid_rows(tmp_path):
         assert row["key"] in listed.stdout
     statuses = [line for line in listed.stdout.splitlines() if any(r["key"] in line for r in rows)]
     assert len(statuses) == len(rows)
-    assert sum(line.endswith(" ok") for line in statuses) == 1 and sum("invalid (" in line for line in statuses) == 6
+    assert sum(line.endswith(" ok") for line in statuses) == 1
+    assert sum("invalid (" in line for line in statuses) == len(rows) - 1
     assert any("invalid (fwd_params is not JSON" in line for line in statuses), listed.stdout
 
     bad = rows[2]["key"]
@@ -876,8 +878,16 @@ def test_cli_lists_shows_exports_invalid_rows(tmp_path):
     out = tmp_path / "out.jsonl"
     exported = tuner("export", str(out), home=tmp_path)
     assert exported.returncode == 0 and "Traceback" not in exported.stderr, exported.stderr
+    assert f"exported 1 entry to {out}, skipped {len(rows) - 1} invalid" in exported.stdout, exported.stdout
+    warned = exported.stderr.strip().splitlines()
+    assert len(warned) == len(rows) - 1 and all(line.startswith("WARNING: entry ") for line in warned), warned
+    for row in rows[1:]:
+        assert any(f"entry {row['key']} not exported: invalid (" in line for line in warned), (row["key"], warned)
     valid, rejected = parse_jsonl(out)
-    assert [r["key"] for r in valid] == [rows[0]["key"]] and len(rejected) == len(rows) - 1
+    assert [r["key"] for r in valid] == [rows[0]["key"]] and rejected == []
+    imported = tuner("import", str(out), home=tmp_path / "other")
+    assert imported.returncode == 0 and "imported 1 entry" in imported.stdout, imported.stderr
+    assert [r["key"] for r in Cache(tmp_path / "other" / "tuning.sqlite").rows()] == [rows[0]["key"]]
 
     info = tuner("info", home=tmp_path)
     assert info.returncode == 0 and f"({len(rows)} tuned, 0 stale, {len(rows) - 1} invalid)" in info.stdout

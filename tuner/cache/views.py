@@ -111,14 +111,25 @@ def show_text(row: dict[str, Any]) -> str:
     return "\n".join([*lines, f"{'status'.ljust(width)}  {status(row)}"])
 
 
-def export(cache: Cache, path: str | os.PathLike, prefix: str | None = None) -> str:
-    """Write the rows (those whose key starts with `prefix`, when given) to the JSON-lines file `path`."""
+def export(cache: Cache, path: str | os.PathLike, prefix: str | None = None, *,
+           warn: Callable[[str], None]) -> str:
+    """Write the valid rows (those whose key starts with `prefix`, when given) to the JSON-lines file
+    `path`, so that `tuner import` of the file keeps every one. Each invalid row goes to `warn`, by key
+    and reason, and is left out: the loader skips it too."""
     rows = cache.find(prefix) if prefix else cache.rows()
+    valid = []
+    for row in rows:
+        problem = row_problem(row)
+        if problem is None:
+            valid.append(row)
+        else:
+            warn(f"WARNING: entry {row.get('key')} not exported: invalid ({problem})")
     try:
-        count = write_jsonl(path, rows)
+        count = write_jsonl(path, valid)
     except OSError as error:
         raise RequestError(f"cannot write {path} ({error.strerror or error}); give a writable path") from None
-    return f"exported {count} {_entries(count)} to {path}"
+    skipped = f", skipped {len(rows) - count} invalid" if count < len(rows) else ""
+    return f"exported {count} {_entries(count)} to {path}{skipped}"
 
 
 def import_file(cache: Cache, path: str | os.PathLike, *, skip_invalid: bool, warn: Callable[[str], None]) -> str:

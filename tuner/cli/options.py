@@ -82,9 +82,9 @@ def check_writable_cache(args: argparse.Namespace) -> None:
         raise UsageError(f"{source}: {error}") from None
 
 
-def check_output(path: str, flag: str, *, folder: bool = False) -> None:
-    """Before the work: `path` (a file, or with `folder` a folder) can be written; else one line
-    naming `flag`."""
+def prepare_output(path: str, flag: str, *, folder: bool = False) -> None:
+    """Before the work: `path` (a file, or with `folder` a folder) can be written, and the folder it goes
+    in exists (created when missing); else one line naming `flag`."""
     target = os.path.abspath(path)
     parent = target if folder else os.path.dirname(target)
     if not folder and os.path.isdir(target):
@@ -96,6 +96,10 @@ def check_output(path: str, flag: str, *, folder: bool = False) -> None:
         raise UsageError(f"{flag} {path}: {probe} is a file, not a folder; give a path in a folder")
     if not os.access(probe, os.W_OK) or (os.path.exists(target) and not os.access(target, os.W_OK)):
         raise UsageError(f"{flag} {path} is not writable; give a writable path")
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"{flag} {path}: cannot create {parent} ({error.strerror or error})") from None
 
 
 def check_storage(url: str) -> None:

@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 from tuner import record
-from tuner.cli.options import UsageError, calls_of, check_output, simulate_cpu_devices
+from tuner.cli.options import UsageError, calls_of, prepare_output, simulate_cpu_devices
 from tuner.problem import Problem
 
 FROM_FILE = dict(  # flags whose values --from takes from the file (the objective: from each call's gradients)
@@ -30,7 +30,7 @@ def record_command(args: argparse.Namespace) -> int:
     if not command:
         raise UsageError("give the command to record after --, e.g. tuner record --out problems.jsonl -- "
                          "python train.py")
-    check_output(args.out, "--out")
+    prepare_output(args.out, "--out")
     path = os.path.abspath(args.out)
     if os.path.exists(path):
         os.remove(path)

@@ -17,8 +17,8 @@ from typing import Any
 
 from tuner.cache import views
 from tuner.cli import recorded, targets
-from tuner.cli.options import (UsageError, cache_of, calls_of, check_output, check_storage, check_writable_cache, fail,
-                               prepare_device, problem_of, simulate_cpu_devices)
+from tuner.cli.options import (UsageError, cache_of, calls_of, check_storage, check_writable_cache, fail, prepare_device,
+                               prepare_output, problem_of, simulate_cpu_devices)
 from tuner.problem import Problem
 
 
@@ -166,9 +166,10 @@ def run_show(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    """`tuner export FILE`: the entries (or those under `--key`) as JSON lines."""
-    check_output(args.file, "export to")
-    print(views.export(cache_of(args), args.file, args.key))
+    """`tuner export FILE`: the valid entries (or those under `--key`) as JSON lines; each invalid one named
+    on stderr."""
+    prepare_output(args.file, "export to")
+    print(views.export(cache_of(args), args.file, args.key, warn=lambda line: print(line, file=sys.stderr)))
     return 0
 
 
@@ -216,7 +217,7 @@ def run_report(args: argparse.Namespace) -> int:
     from tuner.report import write_report
     from tuner.study import default_storage
 
-    check_output(args.out, "--out")
+    prepare_output(args.out, "--out")
     if args.storage is not None:
         check_storage(args.storage)
     row = views.find_one(cache_of(args), args.key)
@@ -241,10 +242,10 @@ def run_generate(args: argparse.Namespace) -> int:
         raise UsageError("--compile builds Triton kernels for GPU targets; use it with --backend triton")
     if args.lower and args.backend != "pallas_tpu":
         raise UsageError("--lower exports Pallas kernels for TPU; use it with --backend pallas_tpu")
-    check_output(str(args.out or codegen.generated_dir()), "--out" if args.out else "TUNER_HOME: the folder",
-                 folder=True)
+    prepare_output(str(args.out or codegen.generated_dir()), "--out" if args.out else "TUNER_HOME: the folder",
+                   folder=True)
     if args.json:
-        check_output(args.json, "--json")
+        prepare_output(args.json, "--json")
     targets = []
     for target in filter(None, (args.compile or "").split(",")):
         if not re.fullmatch(r"sm_\d{2,3}", target):
