@@ -162,21 +162,38 @@ def _loss(out, lse, arrays_w, arrays_u):
 
 
 def run_reference(case: Case, a: Arrays, dtype=jnp.float64):
-    """The dense oracle (float64 by default): out, lse and the gradients, NumPy float64."""
+    """The dense oracle (float64 by default) under one `jax.jit` (one compile, not one per operation):
+    out, lse and the gradients, NumPy float64."""
     with jax.enable_x64(True):
-        def loss(q, k, v, bias, sinks):
-            out, lse = dense_attention(
-                q, k, v, q_positions=a.positions, kv_positions=a.positions, q_segment_ids=a.q_seg,
-                kv_segment_ids=a.kv_seg, bias=bias, softmax_aux=sinks, **case.options)
-            w, u = jnp.asarray(a.out_weight, dtype), jnp.asarray(a.lse_weight, dtype)
+        def loss(q, k, v, bias, sinks, q_seg, kv_seg, pos, w, u):
+            out, lse = dense_attention(q, k, v, q_positions=pos, kv_positions=pos, q_segment_ids=q_seg,
+                                       kv_segment_ids=kv_seg, bias=bias, softmax_aux=sinks, **case.options)
             finite = jnp.isfinite(lse)
             value = jnp.vdot(out, w) + jnp.sum(jnp.where(finite, lse, 0.0) * u)
             return value.astype(jnp.float64), (out, lse)
 
         args = [None if x is None else jnp.asarray(x, dtype) for x in (a.q, a.k, a.v, a.bias, a.sinks)]
-        (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(*args)
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
+        (_, (out, lse)), grads = step(*args, a.q_seg, a.kv_seg, a.positions, jnp.asarray(a.out_weight, dtype),
+                                      jnp.asarray(a.lse_weight, dtype))
         as64 = lambda x: None if x is None else np.asarray(x, np.float64)  # noqa: E731
         return as64(out), as64(lse), [as64(g) for g in grads]
+
+
+def lay_np(x, layout: str, ring: int, axis: int = 1) -> np.ndarray | None:
+    """`layouts.lay_out` on the host (NumPy): no device program per shape, as an eager `jnp.take` would be."""
+    if x is None:
+        return None
+    x = np.asarray(x)
+    return np.take(x, layouts.global_order(layout, x.shape[axis], ring), axis=axis)
+
+
+def restore_np(x, layout: str, ring: int, axis: int = 1) -> np.ndarray | None:
+    """`layouts.restore` on the host, as float64."""
+    if x is None:
+        return None
+    x = np.asarray(x, np.float64)
+    return np.take(x, np.argsort(layouts.global_order(layout, x.shape[axis], ring)), axis=axis)
 
 
 def run_ring(case: Case, a: Arrays, *, use_axis: bool = True):
@@ -190,11 +207,10 @@ def run_ring(case: Case, a: Arrays, *, use_axis: bool = True):
     interpret = case.interpret and case.backend != "scan"
 
     def lay(x, axis=1):
-        return None if x is None else np.asarray(layouts.lay_out(jnp.asarray(x), layout, ring, axis=axis))
+        return lay_np(x, layout, ring, axis)
 
     def back(x, axis=1):
-        return None if x is None else np.asarray(layouts.restore(jnp.asarray(x), layout, ring, axis=axis),
-                                                 np.float64)
+        return restore_np(x, layout, ring, axis)
 
     bias = a.bias
     if bias is not None:
@@ -338,7 +354,7 @@ def exchanged_step(name: str, case: Case, config, a2a: int = 1):
 def laid_out_args(case: Case, a: Arrays) -> tuple:
     """The arguments of `exchanged_step`: the case's arrays laid out for its ring."""
     def lay(x, axis=1):
-        return None if x is None else jnp.asarray(layouts.lay_out(jnp.asarray(x), case.layout, case.ring, axis=axis))
+        return None if x is None else jnp.asarray(lay_np(x, case.layout, case.ring, axis))
 
     return (lay(a.q), lay(a.k), lay(a.v), None if a.sinks is None else jnp.asarray(a.sinks), lay(a.q_seg),
             lay(a.kv_seg), lay(a.positions), lay(a.out_weight), lay(a.lse_weight, 2))
@@ -367,7 +383,7 @@ def check_exchanged(name: str, case: Case, config, a2a: int = 1) -> None:
     out_r, lse_r, grads_r = dense_step(case, a)
 
     def back(x, axis=1):
-        return np.asarray(layouts.restore(x, case.layout, case.ring, axis=axis), np.float64)
+        return restore_np(x, case.layout, case.ring, axis)
 
     (_, (out, lse)), (dq, dk, dv, dsinks) = exchanged_step(name, case, config, a2a)(*laid_out_args(case, a))
     assert out.dtype == jnp.float32 and lse.dtype == jnp.float32

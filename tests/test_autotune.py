@@ -30,6 +30,7 @@ def quiet_mesh(size: int) -> Mesh:
     return Mesh(np.array(jax.devices()[:size]), ("sp",))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("flax") is None, reason="needs flax (pip install -e '.[flax]')")
 def test_autotune_records_tunes_and_then_runs_the_example_models_step(tmp_path, monkeypatch):
     """The Flax example's training step (forward and backward, 8 devices): exactly its one problem is

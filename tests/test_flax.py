@@ -109,6 +109,7 @@ def test_bad_arguments_name_themselves():
         RingSelfAttention(16, 2, layout="spiral", rngs=nnx.Rngs(0))
 
 
+@pytest.mark.slow
 def test_example_language_model_learns_the_long_range_task():
     """A short run of examples/long_context_lm.py on 8 simulated devices (the full one is in the README):
     512 tokens, 64 per device; the needle sits 377 to 511 positions before the questions, mostly on

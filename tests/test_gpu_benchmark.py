@@ -47,6 +47,7 @@ def test_back_to_back_calls_are_timed_per_call_on_distinct_inputs():
         run_interleaved({"sleep": thunk}, calls=0)
 
 
+@pytest.mark.slow
 @INTERPRETER
 def test_harness_checks_and_times_every_objective_on_the_cpu(tmp_path, capsys):
     status, result = run_interpreted(tmp_path, "--tokens", "64", "--hidden", "32", "--runs", "1", "--calls", "2",

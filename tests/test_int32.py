@@ -231,6 +231,7 @@ def _kernel_matches_scan(case: Case) -> None:
     _assert_close(got, run_ring(dataclasses.replace(case, backend="scan"), a), tol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None,
                     reason="needs triton and torch (pip install -e '.[test]')")
 def test_triton_kernels_at_the_ends_of_int32():
@@ -238,6 +239,7 @@ def test_triton_kernels_at_the_ends_of_int32():
                                              bwd=BwdParams(16, 16, 16, 16)))
 
 
+@pytest.mark.slow
 def test_pallas_tpu_kernels_at_the_ends_of_int32():
     _kernel_matches_scan(dataclasses.replace(KERNEL_CASE, backend="pallas_tpu", head_dim=8, fwd=FwdParams(8, 128),
                                              bwd=BwdParams(8, 128, 8, 128)))

@@ -81,6 +81,7 @@ def outcome(tmp_path_factory) -> dict:
     return {"ok": ok, "report": report, "result": json.loads(result.read_text()) if ok else None}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ring", "all_to_all", "all_gather", "hybrid", "loader"])
 def test_two_processes_match_dense(outcome: dict, strategy: str) -> None:
     """Over 2 processes x 2 CPU devices, `strategy` (or the loader, forward only) matches float64 dense

@@ -27,12 +27,14 @@ FEW = max(4, settings.default.max_examples // 2)
 BACKEND = pallas_tpu.PallasTpuBackend()
 
 
+@pytest.mark.slow
 @given(pallas_tpu_cases(ring_sizes=(1, 2, 4)))
 @settings(max_examples=FEW)
 def test_interpreted_kernels_in_the_ring_match_dense(case):
     check_case(case)
 
 
+@pytest.mark.slow
 @given(pallas_tpu_cases(ring_sizes=(1, 2), dtype="bfloat16"))
 @settings(max_examples=max(2, FEW // 2))
 def test_interpreted_bfloat16_within_twice_dense_error(case):
@@ -277,6 +279,7 @@ def test_search_on_tpu_without_one_exits_at_once_saying_what_to_do(tmp_path):
     assert proc.returncode == 2 and "use it with --device tpu" in proc.stderr
 
 
+@pytest.mark.slow
 def test_dry_run_lowers_the_space_and_checks_samples(tmp_path):
     proc = tuner("search", "--device", "tpu", "--dry-run", "--seq-len", "512", "--heads", "2", "--kv-heads", "1",
                  "--head-dim", "16", "--ring-size", "2", "--samples", "2", home=tmp_path)

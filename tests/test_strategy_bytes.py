@@ -34,6 +34,7 @@ PROBLEM = Problem(seq_len=4096, heads=8, kv_heads=2, head_dim=128, dtype="bfloat
                   layout="zigzag")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy, axes", [("ring", None), ("all_to_all", None), ("all_gather", None),
                                             ("hybrid", (2, 2))],
                          ids=["ring", "all_to_all", "all_gather", "hybrid-2x2"])

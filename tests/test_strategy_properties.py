@@ -8,6 +8,7 @@ drawn: these strategies refuse it (`tests/test_strategies.py`). Few examples in 
 import dataclasses
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -32,6 +33,7 @@ def strategy_cases(draw) -> tuple[str, Case, int]:
                                          length=local * case.ring * a2a), a2a
 
 
+@pytest.mark.slow
 @settings(max_examples=max(4, settings.default.max_examples // 5))
 @given(strategy_cases())
 def test_exchanging_strategies_equal_the_dense_reference(drawn):

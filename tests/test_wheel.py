@@ -51,6 +51,7 @@ def _files(folder: Path) -> set[Path]:
     return {p for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
 
 
+@pytest.mark.slow
 def test_the_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     wheel = _build_wheel(tmp_path)
     packaged = set(zipfile.ZipFile(wheel).namelist())

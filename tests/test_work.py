@@ -44,6 +44,7 @@ def test_non_causal_ring_computes_every_block():
     assert dict(counts["blocks"]) == {r: 4 for r in range(4)}
 
 
+@pytest.mark.slow
 def test_backward_skips_the_same_blocks():
     counts = _count(4, "contiguous", backward=True)
     # the forward (saved for the backward) and the backward each compute P(P+1)/2 blocks
