@@ -44,8 +44,9 @@ LOOKUP_TARGET_S = 0.050
 LIST_TARGET_S = 2.0
 SCAN = BACKENDS["scan"]
 FEATURE_SETS = [dict(causal=c, window=w, chunk_size=None, softcap=s, segments=g, bias=False, sinks=0)
-                for c, w, s, g in ((True, None, False, False), (False, None, False, False), (True, [128, 0], False, False),
-                                   (True, None, True, False), (True, None, False, True))]
+                for c, w, s, g in ((True, None, False, False), (False, None, False, False),
+                                   (True, [128, 0], False, False), (True, None, True, False),
+                                   (True, None, False, True))]
 
 
 def _key(device_kind: str, backend: str, head_dim: int, dtype: str, features: dict, ring: int, batch: int,
@@ -102,7 +103,8 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=100_000)
     parser.add_argument("--family-rows", type=int, default=5_000)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--out", default=None, help="JSON file (default benchmarks/results/cache_scale-<host>-<date>.json)")
+    parser.add_argument("--out", default=None,
+                        help="JSON file (default benchmarks/results/cache_scale-<host>-<date>.json)")
     args = parser.parse_args()
     for name in ("rows", "family_rows", "repeats"):
         if getattr(args, name) <= 0:

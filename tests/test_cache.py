@@ -175,7 +175,8 @@ def test_invalid_rows_are_skipped_with_one_warning_each(cache, caplog):
 
 @pytest.mark.parametrize("field, value, message", [
     ("best_s", float("nan"), "finite positive"), ("speedup", -1.0, "finite positive"), ("batch", 0, "positive integer"),
-    ("measured_at", "yesterday", "ISO date"), ("bwd_params", "null", "JSON object"), ("fwd_params", "[64, 64]", "JSON object"),
+    ("measured_at", "yesterday", "ISO date"), ("bwd_params", "null", "JSON object"),
+    ("fwd_params", "[64, 64]", "JSON object"),
     ("features", json.dumps({"causal": "yes"}), "features"), ("trials_failed", "{\"wrong\": -1}", "counts"),
 ])
 def test_row_validation_names_what_is_wrong(field, value, message):

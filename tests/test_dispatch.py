@@ -35,7 +35,8 @@ def arrays(problem: Problem, seed: int = 0):
 
 def store(db, problem: Problem, fwd: FwdParams, bwd: BwdParams, backend: str = "scan") -> str:
     row = make_row(problem.key(backend, jax.devices()[0].device_kind), fwd, bwd,
-                   versions=current_versions(BACKENDS[backend].code_hash(), triton=backend == "triton"), tool_version="test",
+                   versions=current_versions(BACKENDS[backend].code_hash(), triton=backend == "triton"),
+                   tool_version="test",
                    objective="fwd+bwd", best_s=1.0, default_s=1.5, speedup=1.5, trials_run=2, trials_pruned=0,
                    trials_failed={}, study="test")
     Cache(db).put(row)
@@ -133,8 +134,8 @@ def test_with_mesh_every_per_call_array_is_in_token_order(tmp_path):
     for layout in ("zigzag", "striped", "contiguous"):
         attn = get_tuned_ring_attention(axis_name="sp", causal=True, layout=layout, mesh=mesh,
                                         db=str(tmp_path / "none.sqlite"))
-        out, lse = jax.jit(lambda *a: attn(*a, q_segment_ids=seg, kv_segment_ids=seg, bias=bias,
-                                           return_lse=True))(q, k, v)
+        out, lse = jax.jit(lambda *a, attn=attn: attn(*a, q_segment_ids=seg, kv_segment_ids=seg, bias=bias,
+                                                      return_lse=True))(q, k, v)
         np.testing.assert_allclose(out, want, rtol=0, atol=2e-5, err_msg=layout)
         np.testing.assert_allclose(lse, want_lse, rtol=0, atol=2e-5, err_msg=layout)
 

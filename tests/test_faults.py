@@ -403,7 +403,8 @@ DENSE_FASTEST = {"winner": "dense", "seconds": json.dumps({"dense": 0.001, "ring
 MECHANISM_FAULTS = [
     MechanismFault("winner column missing", {}, "invalid", drop=("winner",)),
     MechanismFault("seconds column missing", {}, "invalid", drop=("seconds",)),
-    *(MechanismFault(f"winner={v!r}", {"winner": v}, "invalid") for v in (None, "", "unknown", "ring/Scan", "ring/", 42)),
+    *(MechanismFault(f"winner={v!r}", {"winner": v}, "invalid")
+      for v in (None, "", "unknown", "ring/Scan", "ring/", 42)),
     MechanismFault("winner=ring/nonexistent", {"winner": "ring/nonexistent",
                                                "seconds": json.dumps({"ring/nonexistent": 0.001, "dense": 0.002})},
                    "invalid"),
@@ -412,7 +413,8 @@ MECHANISM_FAULTS = [
         "null", "[1]", '{"ring/scan": "fast"}', '{"warp/drive": 1.0, "ring/scan": 1.0}', None, "[" * 100_000,
         '{"ring/scan": Infinity}', '{"ring/scan": 0}', b'{"ring/scan": 0.001}')),
     *(MechanismFault(f"measured_at={v!r}", {"measured_at": v}, "invalid") for v in ("yesterday", None, 7, "")),
-    *(MechanismFault(f"{f}=None", {f: None}, "invalid") for f in ("device_kind", "jax_version", "problem", "objective")),
+    *(MechanismFault(f"{f}=None", {f: None}, "invalid")
+      for f in ("device_kind", "jax_version", "problem", "objective")),
     MechanismFault("winner not the fastest", {"winner": "dense"}, "invalid"),
     MechanismFault("dense measured fastest", DENSE_FASTEST, "dense"),
     MechanismFault("ring/scan measured fastest", {}, "scan"),
@@ -980,7 +982,7 @@ _optional = st.none() | _positive
 _text = st.text(max_size=12)
 _seconds = st.floats(min_value=1e-300, max_value=1e300, allow_nan=False, allow_infinity=False)
 _dates = st.datetimes(min_value=dt.datetime(1970, 1, 2), max_value=dt.datetime(2200, 1, 1),
-                      timezones=st.none() | st.just(dt.timezone.utc)).map(lambda d: d.isoformat())
+                      timezones=st.none() | st.just(dt.UTC)).map(lambda d: d.isoformat())
 _features = st.fixed_dictionaries({
     "causal": st.booleans(), "window": st.none() | st.lists(st.integers(0, 2**31 - 1), min_size=2, max_size=2),
     "chunk_size": _optional, "softcap": st.booleans(), "segments": st.booleans(), "bias": st.booleans(),

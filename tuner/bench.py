@@ -149,7 +149,7 @@ def bench_mechanisms(problem: Problem, *, device: str, objective: str = "fwd+bwd
     winner = min(totals, key=totals.get)
 
     device_kind = jax.devices()[0].device_kind
-    run = f"bench {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}"
+    run = f"bench {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}"
     recorded = []
     for name in compiled:
         implementation, config = chosen[name]

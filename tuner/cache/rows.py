@@ -293,7 +293,7 @@ def make_row(key: ProblemKey, fwd: FwdParams | Config, bwd: BwdParams | None = N
     failed = measured.pop("trials_failed", {})
     row = {"key": row_digest(key, source), **fields_, "source": source, "fwd_params": json.dumps(parts["fwd"]),
            "bwd_params": json.dumps(parts["bwd"]), "trials_failed": json.dumps(failed, sort_keys=True),
-           "measured_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "measured_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
            "tool_version": tool_version, **versions, **measured}
     check_row(row)
     return row

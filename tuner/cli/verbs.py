@@ -17,8 +17,8 @@ from typing import Any
 
 from tuner.cache import views
 from tuner.cli import recorded, targets
-from tuner.cli.options import (UsageError, cache_of, calls_of, check_storage, check_writable_cache, fail, prepare_device,
-                               prepare_output, problem_of, simulate_cpu_devices)
+from tuner.cli.options import (UsageError, cache_of, calls_of, check_storage, check_writable_cache, fail,
+                               prepare_device, prepare_output, problem_of, simulate_cpu_devices)
 from tuner.problem import Problem
 
 
