@@ -100,6 +100,39 @@ def test_tuned_call_with_mesh_equals_dense_forward_and_gradients(tmp_path, monke
     assert set(used) == {("scan", FwdParams(4, 8), BwdParams(8, 4, 4, 8))}
 
 
+def test_a_call_on_a_mesh_outside_jit_compiles_once_and_again_after_a_cache_write(tmp_path, monkeypatch):
+    """Outside any trace the loader on a mesh runs under its own `jax.jit`: the second call of the same
+    shapes traces nothing (it used to lay out, `shard_map` and compile the ring at every call), and a
+    cache write in the process makes it trace, and decide, again."""
+    from tuner import meshed
+
+    traced = []
+
+    def counting(*args, **kwargs):
+        traced.append(1)
+        return meshed_call(*args, **kwargs)
+
+    meshed_call = meshed.call
+    monkeypatch.setattr(meshed, "call", counting)
+    db = tmp_path / "tuning.sqlite"
+    mesh = Mesh(np.array(jax.devices()[:RING]), ("sp",))
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, layout="zigzag", db=str(db), mesh=mesh)
+    q, k, v = arrays(PROBLEM)
+    first = attn(q, k, v)
+    second = attn(q, k, v)
+    assert len(traced) == 1 and attn.explain(q, k, v).source == "default"
+    np.testing.assert_array_equal(first, second)
+    with jax.enable_x64(True):
+        want = dense_attention(*(x.astype(jnp.float64) for x in (q, k, v)), causal=True)[0]
+    np.testing.assert_allclose(first, want, rtol=0, atol=2e-5)
+    out, lse = attn(q, k, v, return_lse=True)  # a static option: its own program
+    assert len(traced) == 2 and lse.shape == (PROBLEM.batch, PROBLEM.heads, PROBLEM.seq_len)
+
+    store(db, PROBLEM, FwdParams(4, 8), BwdParams(8, 4, 4, 8))
+    attn(q, k, v)
+    assert len(traced) == 3 and attn.explain(q, k, v).source == "exact"
+
+
 def test_inside_callers_shard_map_with_segments(tmp_path):
     """Without mesh=: called on local shards inside the caller's shard_map, per-call segment ids."""
     problem = Problem(**{**PROBLEM.__dict__, "segments": 3, "layout": "contiguous"})

@@ -86,6 +86,7 @@ class TunedRingAttention:
         self.db = db
         self._decisions: dict[tuple, Decision] = {}
         self._writes = writes()
+        self._compiled: tuple[int, Any] | None = None  # (cache writes when made, the jitted call on a mesh)
 
     # ----------------------------------------------------------------------------------------------
 
@@ -96,7 +97,17 @@ class TunedRingAttention:
         size, ring = self._mesh_sizes()
         for x, name in ((query, "query"), (key, "key"), (value, "value")):
             _local_shape(x, size, name)
+        if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((query, key, value, options))):
+            return self._compiled_call()(query, key, value, **options)
         return meshed.call(self._local, self.mesh, self.axis_name, self.layout, ring, query, key, value, options)
+
+    def _compiled_call(self):
+        """This call under `jax.jit`, for calls outside any trace: the layout, `shard_map` and ring compile
+        once per shape instead of at every call. Made again after a cache write in this process, so that
+        the loader decides again as it does under the caller's own trace."""
+        if self._compiled is None or self._compiled[0] != writes():
+            self._compiled = (writes(), jax.jit(self.__call__, static_argnames=("return_lse", "interpret")))
+        return self._compiled[1]
 
     def explain(self, query, key, value, *, ring_size: int | tuple[int, int] | None = None,
                 **per_call_options) -> Decision:
