@@ -138,7 +138,12 @@ def page_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def tiered(page: Path):
+    """The README's blocks run in the fast tier; the docs pages' (about a minute together) in the full run."""
+    return page if page.name == "README.md" and page.parent == ROOT else pytest.param(page, marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("page", [tiered(page) for page in PAGES], ids=page_id)
 def test_the_python_blocks_of_the_page_run_as_written(page: Path, tmp_path: Path):
     """The page's python blocks, minus the skipped ones, run in order in one fresh process."""
     blocks, _ = parse(page.read_text(encoding="utf-8"))
