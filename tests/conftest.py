@@ -5,14 +5,17 @@ hypothesis profiles.
     python -m pytest -q -m "not slow"       # the fast tier, while editing
     HYPOTHESIS_PROFILE=thorough pytest      # many more hypothesis examples, on demand
 
-JAX's persistent compilation cache is not used: on jax 0.10.2's CPU runtime a ring program loaded back
-from it can abort in a collective-permute rendezvous (`benchmarks/NOTES.md`).
+JAX's persistent compilation cache is off, even where `JAX_COMPILATION_CACHE_DIR` is set: on jax 0.10.2
+a multi-device CPU program loaded back from it is more likely to have two collectives of one kind in
+flight at once, which XLA:CPU cannot run (`benchmarks/NOTES.md`). The run's header says when the
+variable was dropped.
 """
 
 import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_DROPPED_CACHE = os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)  # tuner subprocesses inherit the removal
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 
@@ -25,6 +28,14 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_report_header() -> str | None:
+    """A line in the run's header when the caller's compilation cache folder was dropped."""
+    if _DROPPED_CACHE:
+        return (f"JAX_COMPILATION_CACHE_DIR={_DROPPED_CACHE} ignored: JAX's persistent compilation cache stays off "
+                "on the CPU (benchmarks/NOTES.md)")
+    return None
 
 
 def pytest_collection_modifyitems(items: list) -> None:

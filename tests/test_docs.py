@@ -131,8 +131,7 @@ for block in blocks:
 
 def page_env(tmp_path: Path) -> dict[str, str]:
     """The environment a reader's fresh shell would have, on the CPU, with a cache of its own. The
-    simulated device count is left to the page (its first block sets it, before jax is imported), and
-    the suite's `JAX_COMPILATION_CACHE_DIR`, where set, passes through."""
+    simulated device count is left to the page (its first block sets it, before jax is imported)."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "TUNER_DB", "TUNER_RECORD")}
     env.update(TUNER_HOME=str(tmp_path / "tuner-home"), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     return env

@@ -217,4 +217,36 @@ def collective_bytes(hlo: str, kinds: tuple[str, ...] = COLLECTIVE_KINDS) -> dic
     return counts
 
 
-__all__ = ["COLLECTIVE_KINDS", "collective_bytes", "kernel_vmem", "loop_bodies", "overlap_problem", "with_trip_counts"]
+def unordered_collectives(hlo: str, kind: str = "collective-permute") -> list[tuple[str, str]]:
+    """Pairs of instructions that may have a `kind` collective in flight at the same time: in one
+    computation, two that are such a collective or run one (a loop, a call, a conditional), with no data
+    path from either to the other. jax 0.10.2 gives every collective the same channel id, and XLA:CPU
+    then joins two collectives of one kind in flight at once into one rendezvous: it aborts, hangs or
+    corrupts its heap (benchmarks/NOTES.md). An empty list means the module cannot do that. `hlo` is a
+    compiled module's text (`compiled.as_text()`: scheduled, each operand defined before its use)."""
+    computations = _computations(hlo)
+    holding: dict[str, bool] = {}
+
+    def holds(name: str) -> bool:
+        if name not in holding:
+            holding[name] = False  # a computation does not call itself
+            holding[name] = any(_carries(op, line) for op, _, line in computations.get(name, {}).values())
+        return holding[name]
+
+    def _carries(op: str, line: str) -> bool:
+        return op in (kind, kind + "-start") or any(holds(callee) for callee, _ in _callees(line, op))
+
+    pairs = []
+    for body in computations.values():
+        names = [name for name in body if name != "ROOT"]
+        carriers = [name for name in names if _carries(body[name][0], body[name][2])]
+        before: dict[str, set[str]] = {}
+        for name in names:  # HLO text defines every operand before its use
+            before[name] = set().union(*({op} | before.get(op, set()) for op in body[name][1] if op in body))
+        pairs += [(a, b) for i, a in enumerate(carriers) for b in carriers[i + 1:]
+                  if a not in before[b] and b not in before[a]]
+    return pairs
+
+
+__all__ = ["COLLECTIVE_KINDS", "collective_bytes", "kernel_vmem", "loop_bodies", "overlap_problem",
+           "unordered_collectives", "with_trip_counts"]

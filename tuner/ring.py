@@ -65,9 +65,35 @@ def ring_geometry(axis_name: Hashable | None) -> tuple[int, Any]:
     return lax.axis_size(axis_name), lax.axis_index(axis_name)
 
 
-def _send_to_next(tree, axis_name: Hashable, size: int):
+def _after(x, deps: tuple):
+    """`x`, made to wait on the CPU until every array of `deps` is computed; elsewhere `x` itself.
+
+    jax 0.10.2 gives every collective of a program the same channel id, and XLA:CPU then meets two
+    collective-permutes in flight at once in one rendezvous: it aborts, hangs or corrupts its heap
+    (benchmarks/NOTES.md). On the CPU the ring therefore runs one send at a time, each waiting for the
+    arrays it follows. The wait is a real data dependency: a zero XLA cannot fold (an element < -inf)."""
+    if not deps or compile_target()[0] != "cpu":
+        return x
+    never = functools.reduce(jnp.logical_or, [jnp.ravel(d)[0].astype(F32) < -jnp.inf for d in deps])
+    return x + never.astype(x.dtype)
+
+
+def _travelling(k, v, kv_pos, kv_seg) -> tuple:
+    """The shards that travel the ring, all varying over the axes of the keys: on a 2-D mesh the
+    positions vary over the ring axis only, and `_after` ties each one to arrays that vary over both."""
+    return tuple(None if x is None else vma.like(x, k) for x in (k, v, kv_pos, kv_seg))
+
+
+def _send_to_next(tree, axis_name: Hashable, size: int, after: tuple = ()):
+    """Each array of `tree` sent to the next device on the ring; on the CPU one after the other, the
+    first after the arrays of `after` (`_after`)."""
     perm = [(i, (i + 1) % size) for i in range(size)]
-    return jax.tree.map(lambda x: lax.ppermute(x, axis_name, perm), tree)
+    leaves, treedef = jax.tree.flatten(tree)
+    sent = []
+    for x in leaves:
+        sent.append(lax.ppermute(_after(x, after), axis_name, perm))
+        after = (sent[-1],)
+    return treedef.unflatten(sent)
 
 
 def _bias_columns(bias, source, kv_len: int):
@@ -140,7 +166,7 @@ def _forward(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks
     with work.on_device(rank):
         out = vma.like(jnp.zeros((b, tq, h, d), F32), q)
         lse = vma.like(jnp.full((b, h, tq), -jnp.inf, F32), q)
-        visiting = (k, v, kv_pos, kv_seg)
+        visiting = _travelling(k, v, kv_pos, kv_seg)
         if size > 1:
             def step(i, carry):
                 visiting, out, lse = carry
@@ -191,8 +217,8 @@ def _backward(cfg: RingConfig, residuals, cotangents):
             return compute((dq, dbias))
         return lax.cond(visits, compute, lambda c: (c[0], zero_grads, c[1]), (dq, dbias))
 
-    def send(tree):
-        return _send_to_next(tree, cfg.axis_name, size)
+    def send(tree, after: tuple = ()):
+        return _send_to_next(tree, cfg.axis_name, size, after)
 
     def add(accumulated, grads):
         return jax.tree.map(jnp.add, accumulated, grads)
@@ -200,16 +226,19 @@ def _backward(cfg: RingConfig, residuals, cotangents):
     with work.on_device(rank):
         dq = vma.like(jnp.zeros(q.shape, F32), q)
         dbias = None if bias is None else vma.like(jnp.zeros(bias.shape, F32), q)
-        visiting = (k, v, kv_pos, kv_seg)
+        visiting = _travelling(k, v, kv_pos, kv_seg)
         # Step 0, this device's own keys; from step 1 on, the next keys and the accumulators of the keys
         # at hand (from the device that had them a step ago) travel while the kernel runs: neither
         # transfer waits for this step's result, so the scheduler can overlap both with the kernel.
-        arriving = send(visiting) if size > 1 else visiting
+        # On the CPU the first send waits for lse and dout, as the kernel does, so that it cannot meet
+        # the forward ring's sends or a later layer's in flight (`_after`).
+        arriving = send(visiting, after=(lse, dout)) if size > 1 else visiting
         dq, outgoing, dbias = block(visiting, 0, dq, dbias)
         if size > 1:
             def step(i, carry):
                 visiting, outgoing, dq, dbias = carry
-                arriving, incoming = send(visiting), send(outgoing)
+                arriving = send(visiting)
+                incoming = send(outgoing, after=jax.tree.leaves(arriving)[-1:])
                 dq, grads, dbias = block(visiting, i, dq, dbias)
                 return arriving, add(incoming, grads), dq, dbias
 
@@ -217,7 +246,11 @@ def _backward(cfg: RingConfig, residuals, cotangents):
             incoming = send(outgoing)
             dq, grads, dbias = block(visiting, size - 1, dq, dbias)
             # One last hop brings the finished accumulators home, already in the gradients' dtype.
-            outgoing = send(tuple(g.astype(x.dtype) for g, x in zip(add(incoming, grads), (k, v))))
+            outgoing = send(tuple(g.astype(x.dtype) for g, x in zip(add(incoming, grads), (k, v))),
+                            after=jax.tree.leaves(incoming)[-1:])
+            # On the CPU dq and dk wait for dv, the last send, so that the ring of an earlier layer,
+            # which needs them, cannot start sending while it is in flight (`_after`).
+            dq, outgoing = _after(dq, outgoing[1:]), (_after(outgoing[0], outgoing[1:]), outgoing[1])
     dk, dv = outgoing
 
     dsinks = None
