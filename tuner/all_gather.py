@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tuner import layouts, registry, vma
+from tuner import layouts, ordering, registry, vma
 from tuner.backends.base import SearchSpace
 from tuner.implementations import ExchangedScan, TileConfig, TileSpace
 from tuner.ring import ring_geometry, run_ring
@@ -134,17 +134,20 @@ def all_gather_attention(query, key, value, *, spec: AttentionSpec, config: Tile
 
     if q_positions is None:
         q_positions = jnp.broadcast_to(layouts.local_positions(layout, tq, size, rank), (b, tq))
+    # On the CPU one gather at a time (`tuner.ordering`).
+    key, value, kv_pos, kv_segment_ids = ordering.in_order(gathered, [
+        key, value, None if kv_positions is None else kv_positions.astype(jnp.int32),
+        None if kv_segment_ids is None else kv_segment_ids.astype(jnp.int32)])
     if kv_positions is None:
         order = jnp.asarray(layouts.global_order(layout, tk * size, size), jnp.int32)
         kv_positions = jnp.broadcast_to(order, (b, tk * size))
     else:
-        kv_positions = gathered(kv_positions.astype(jnp.int32))
-    kv_segment_ids = None if kv_segment_ids is None else gathered(kv_segment_ids.astype(jnp.int32))
+        kv_positions = kv_pos
 
     sinks = softmax_aux
     if sinks is not None and axis_name is not None and axis_name not in vma.varying_axes(sinks):
         sinks = lax.pcast(sinks, (axis_name,), to="varying")  # one set for every device: its gradient sums
-    return run_ring(query, gathered(key), gathered(value), spec=spec, backend=INNER, fwd_params=config.fwd,
+    return run_ring(query, key, value, spec=spec, backend=INNER, fwd_params=config.fwd,
                     bwd_params=config.bwd, axis_name=None, layout=layout, interpret=interpret,
                     q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_positions=q_positions,
                     kv_positions=kv_positions, softmax_aux=sinks, return_lse=return_lse)

@@ -35,7 +35,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
-from tuner import layouts, registry, vma
+from tuner import layouts, ordering, registry, vma
 from tuner.implementations import ExchangedScan, TileConfig, TileSpace
 from tuner.ring import ring_geometry, run_ring
 from tuner.spec import AttentionSpec, LocalShapes
@@ -120,9 +120,9 @@ def all_to_all_attention(query, key, value, *, spec: AttentionSpec, config: Tile
             return x
         return lax.all_gather(x.astype(jnp.int32), axis_name, axis=1, tiled=True)
 
-    def positions(explicit, local: int):
+    def positions(explicit, local: int):  # gathered already, or made here
         if explicit is not None:
-            return gathered(explicit)
+            return explicit
         order = jnp.asarray(layouts.global_order(layout, local * size, size), jnp.int32)
         return jnp.broadcast_to(order, (b, local * size))
 
@@ -132,14 +132,17 @@ def all_to_all_attention(query, key, value, *, spec: AttentionSpec, config: Tile
             sinks = lax.pcast(sinks, (axis_name,), to="varying")
         group = heads // size
         sinks = lax.dynamic_slice_in_dim(sinks, rank * group, group, axis=0)
-    out, lse = run_ring(to_heads(query), to_heads(key), to_heads(value), spec=spec, backend=INNER,
-                        fwd_params=config.fwd, bwd_params=config.bwd, axis_name=None, layout=layout,
-                        interpret=interpret, q_segment_ids=gathered(q_segment_ids),
-                        kv_segment_ids=gathered(kv_segment_ids), q_positions=positions(q_positions, tq),
-                        kv_positions=positions(kv_positions, tk), softmax_aux=sinks, return_lse=True)
+    # On the CPU one exchange at a time (`tuner.ordering`).
+    query, key, value = ordering.in_order(to_heads, [query, key, value])
+    q_seg, kv_seg, q_pos, kv_pos = ordering.in_order(gathered, [q_segment_ids, kv_segment_ids, q_positions,
+                                                                kv_positions])
+    out, lse = run_ring(query, key, value, spec=spec, backend=INNER, fwd_params=config.fwd, bwd_params=config.bwd,
+                        axis_name=None, layout=layout, interpret=interpret, q_segment_ids=q_seg,
+                        kv_segment_ids=kv_seg, q_positions=positions(q_pos, tq), kv_positions=positions(kv_pos, tk),
+                        softmax_aux=sinks, return_lse=True)
     if axis_name is not None:
-        out = lax.all_to_all(out, axis_name, 1, 2, tiled=True)  # [B, T, H/P, D] -> [B, T/P, H, D]
-        lse = lax.all_to_all(lse, axis_name, 2, 1, tiled=True)  # [B, H/P, T] -> [B, H, T/P]
+        out = ordering.ordered(lax.all_to_all(out, axis_name, 1, 2, tiled=True), value)  # -> [B, T/P, H, D]
+        lse = lax.all_to_all(ordering.ordered(lse, out), axis_name, 2, 1, tiled=True)  # [B, H/P, T] -> [B, H, T/P]
     return (out, lse) if return_lse else out
 
 

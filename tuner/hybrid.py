@@ -34,7 +34,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
-from tuner import layouts, plan, registry, vma
+from tuner import layouts, ordering, plan, registry, vma
 from tuner.all_to_all import AllToAll, kv_repeats
 from tuner.implementations import TileConfig
 from tuner.ring import run_ring
@@ -106,13 +106,15 @@ def hybrid_attention(query, key, value, *, spec: AttentionSpec, config: TileConf
         if a2a_axis not in vma.varying_axes(sinks):  # one set for every device: its gradient sums over the group
             sinks = lax.pcast(sinks, (a2a_axis,), to="varying")
         sinks = lax.dynamic_slice_in_dim(sinks, group_rank * (heads // groups), heads // groups, axis=0)
-    out, lse = run_ring(to_heads(query), to_heads(key), to_heads(value), spec=spec, backend=INNER,
-                        fwd_params=config.fwd, bwd_params=config.bwd, axis_name=ring_axis, layout=layout,
-                        interpret=interpret, q_segment_ids=chunk(q_segment_ids), kv_segment_ids=chunk(kv_segment_ids),
-                        q_positions=chunk(q_positions), kv_positions=chunk(kv_positions), softmax_aux=sinks,
+    # On the CPU one exchange at a time (`tuner.ordering`).
+    query, key, value = ordering.in_order(to_heads, [query, key, value])
+    q_seg, kv_seg, q_pos, kv_pos = ordering.in_order(chunk, [q_segment_ids, kv_segment_ids, q_positions, kv_positions])
+    out, lse = run_ring(query, key, value, spec=spec, backend=INNER, fwd_params=config.fwd, bwd_params=config.bwd,
+                        axis_name=ring_axis, layout=layout, interpret=interpret, q_segment_ids=q_seg,
+                        kv_segment_ids=kv_seg, q_positions=q_pos, kv_positions=kv_pos, softmax_aux=sinks,
                         return_lse=True)
-    out = lax.all_to_all(out, a2a_axis, 1, 2, tiled=True)  # [B, T/R, H/A, D] -> [B, T/(R A), H, D]
-    lse = lax.all_to_all(lse, a2a_axis, 2, 1, tiled=True)  # [B, H/A, T/R] -> [B, H, T/(R A)]
+    out = ordering.ordered(lax.all_to_all(out, a2a_axis, 1, 2, tiled=True), value)  # -> [B, T/(R A), H, D]
+    lse = lax.all_to_all(ordering.ordered(lse, out), a2a_axis, 2, 1, tiled=True)  # [B, H/A, T/R] -> [B, H, T/(R A)]
     return (out, lse) if return_lse else out
 
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tuner import layouts, masks
+from tuner import layouts, masks, ordering
 from tuner.reference import dense_attention
 from tuner.ring import ring_geometry
 from tuner.spec import AttentionSpec
@@ -57,7 +57,7 @@ def gathered_attention(query, key, value, *, mechanism: str, spec: AttentionSpec
         kv_positions = jnp.broadcast_to(layouts.local_positions(layout, tk, size, rank), (b, tk))
     kv = [key, value, kv_positions] + ([kv_segment_ids] if kv_segment_ids is not None else [])
     if size > 1:
-        kv = [lax.all_gather(x, axis_name, axis=1, tiled=True) for x in kv]
+        kv = ordering.in_order(lambda x: lax.all_gather(x, axis_name, axis=1, tiled=True), kv)  # one at a time
     key, value, kv_positions = kv[:3]
     kv_segment_ids = kv[3] if kv_segment_ids is not None else None
     if mechanism == "dense":

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tuner import layouts, masks, registry, vma, work
+from tuner import layouts, masks, ordering, registry, vma, work
 from tuner.backends.base import Backend
 from tuner.params import BwdParams, FwdParams
 from tuner.spec import AttentionSpec
@@ -65,33 +65,21 @@ def ring_geometry(axis_name: Hashable | None) -> tuple[int, Any]:
     return lax.axis_size(axis_name), lax.axis_index(axis_name)
 
 
-def _after(x, deps: tuple):
-    """`x`, made to wait on the CPU until every array of `deps` is computed; elsewhere `x` itself.
-
-    jax 0.10.2 gives every collective of a program the same channel id, and XLA:CPU then meets two
-    collective-permutes in flight at once in one rendezvous: it aborts, hangs or corrupts its heap
-    (benchmarks/NOTES.md). On the CPU the ring therefore runs one send at a time, each waiting for the
-    arrays it follows. The wait is a real data dependency: a zero XLA cannot fold (an element < -inf)."""
-    if not deps or compile_target()[0] != "cpu":
-        return x
-    never = functools.reduce(jnp.logical_or, [jnp.ravel(d)[0].astype(F32) < -jnp.inf for d in deps])
-    return x + never.astype(x.dtype)
-
-
 def _travelling(k, v, kv_pos, kv_seg) -> tuple:
     """The shards that travel the ring, all varying over the axes of the keys: on a 2-D mesh the
-    positions vary over the ring axis only, and `_after` ties each one to arrays that vary over both."""
+    positions vary over the ring axis only, and `ordering.after` ties each one to arrays that vary over
+    both."""
     return tuple(None if x is None else vma.like(x, k) for x in (k, v, kv_pos, kv_seg))
 
 
 def _send_to_next(tree, axis_name: Hashable, size: int, after: tuple = ()):
     """Each array of `tree` sent to the next device on the ring; on the CPU one after the other, the
-    first after the arrays of `after` (`_after`)."""
+    first after the arrays of `after` (`tuner.ordering`)."""
     perm = [(i, (i + 1) % size) for i in range(size)]
     leaves, treedef = jax.tree.flatten(tree)
     sent = []
     for x in leaves:
-        sent.append(lax.ppermute(_after(x, after), axis_name, perm))
+        sent.append(lax.ppermute(ordering.after(x, after), axis_name, perm))
         after = (sent[-1],)
     return treedef.unflatten(sent)
 
@@ -231,7 +219,7 @@ def _backward(cfg: RingConfig, residuals, cotangents):
         # at hand (from the device that had them a step ago) travel while the kernel runs: neither
         # transfer waits for this step's result, so the scheduler can overlap both with the kernel.
         # On the CPU the first send waits for lse and dout, as the kernel does, so that it cannot meet
-        # the forward ring's sends or a later layer's in flight (`_after`).
+        # the forward ring's sends or a later layer's in flight (`tuner.ordering`).
         arriving = send(visiting, after=(lse, dout)) if size > 1 else visiting
         dq, outgoing, dbias = block(visiting, 0, dq, dbias)
         if size > 1:
@@ -243,14 +231,14 @@ def _backward(cfg: RingConfig, residuals, cotangents):
                 return arriving, add(incoming, grads), dq, dbias
 
             visiting, outgoing, dq, dbias = lax.fori_loop(1, size - 1, step, (arriving, outgoing, dq, dbias))
-            incoming = send(outgoing)
+            incoming = send(outgoing, after=jax.tree.leaves(visiting)[-1:])  # a ring of 2 has no loop
             dq, grads, dbias = block(visiting, size - 1, dq, dbias)
             # One last hop brings the finished accumulators home, already in the gradients' dtype.
             outgoing = send(tuple(g.astype(x.dtype) for g, x in zip(add(incoming, grads), (k, v))),
                             after=jax.tree.leaves(incoming)[-1:])
             # On the CPU dq and dk wait for dv, the last send, so that the ring of an earlier layer,
-            # which needs them, cannot start sending while it is in flight (`_after`).
-            dq, outgoing = _after(dq, outgoing[1:]), (_after(outgoing[0], outgoing[1:]), outgoing[1])
+            # which needs them, cannot start sending while it is in flight (`tuner.ordering`).
+            dq, outgoing = ordering.after(dq, outgoing[1:]), (ordering.after(outgoing[0], outgoing[1:]), outgoing[1])
     dk, dv = outgoing
 
     dsinks = None
