@@ -9,6 +9,8 @@ jax differentiates through the collectives, so that their transposes run one at 
 
 The wait is a real data dependency that XLA cannot fold: the input plus zero, where the zero says
 whether one element of the awaited array is below -inf. On GPU and TPU both return their input.
+`ordered` is a custom VJP: like the ring, what it orders cannot be differentiated in forward mode
+(`jax.jvp`) on the CPU.
 """
 
 from __future__ import annotations
