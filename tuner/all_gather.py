@@ -135,14 +135,12 @@ def all_gather_attention(query, key, value, *, spec: AttentionSpec, config: Tile
     if q_positions is None:
         q_positions = jnp.broadcast_to(layouts.local_positions(layout, tq, size, rank), (b, tq))
     # On the CPU one gather at a time (`tuner.ordering`).
-    key, value, kv_pos, kv_segment_ids = ordering.in_order(gathered, [
+    key, value, kv_positions, kv_segment_ids = ordering.in_order(gathered, [
         key, value, None if kv_positions is None else kv_positions.astype(jnp.int32),
         None if kv_segment_ids is None else kv_segment_ids.astype(jnp.int32)])
     if kv_positions is None:
         order = jnp.asarray(layouts.global_order(layout, tk * size, size), jnp.int32)
         kv_positions = jnp.broadcast_to(order, (b, tk * size))
-    else:
-        kv_positions = kv_pos
 
     sinks = softmax_aux
     if sinks is not None and axis_name is not None and axis_name not in vma.varying_axes(sinks):

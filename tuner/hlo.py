@@ -230,16 +230,16 @@ def unordered_collectives(hlo: str, kind: str = "collective-permute") -> list[tu
     def holds(name: str) -> bool:
         if name not in holding:
             holding[name] = False  # a computation does not call itself
-            holding[name] = any(_carries(op, line) for op, _, line in computations.get(name, {}).values())
+            holding[name] = any(carries(op, line) for op, _, line in computations.get(name, {}).values())
         return holding[name]
 
-    def _carries(op: str, line: str) -> bool:
+    def carries(op: str, line: str) -> bool:
         return op in (kind, kind + "-start") or any(holds(callee) for callee, _ in _callees(line, op))
 
     pairs = []
     for body in computations.values():
         names = [name for name in body if name != "ROOT"]
-        carriers = [name for name in names if _carries(body[name][0], body[name][2])]
+        carriers = [name for name in names if carries(body[name][0], body[name][2])]
         before: dict[str, set[str]] = {}
         for name in names:  # HLO text defines every operand before its use
             before[name] = set().union(*({op} | before.get(op, set()) for op in body[name][1] if op in body))

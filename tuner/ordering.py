@@ -81,13 +81,13 @@ def ordered(x, deps):
     return _ordered(x, deps)
 
 
-def in_order(collective, xs: list) -> list:
-    """`collective` applied to each array of `xs` (None passes through), one after the other on the CPU."""
-    done, results = None, []
+def in_order(collective, xs: list, after=()) -> list:
+    """`collective` applied to each array of `xs` (None passes through), one after the other on the CPU,
+    the first after the arrays of `after`."""
+    done, results = after, []
     for x in xs:
         if x is not None:
-            x = collective(x if done is None else ordered(x, done))
-            done = x
+            x = done = collective(ordered(x, done))
         results.append(x)
     return results
 

@@ -67,7 +67,7 @@ def ring_geometry(axis_name: Hashable | None) -> tuple[int, Any]:
 
 def _travelling(k, v, kv_pos, kv_seg) -> tuple:
     """The shards that travel the ring, all varying over the axes of the keys: on a 2-D mesh the
-    positions vary over the ring axis only, and `ordering.after` ties each one to arrays that vary over
+    positions vary over the ring axis only, and `tuner.ordering` ties each one to arrays that vary over
     both."""
     return tuple(None if x is None else vma.like(x, k) for x in (k, v, kv_pos, kv_seg))
 
@@ -77,11 +77,7 @@ def _send_to_next(tree, axis_name: Hashable, size: int, after: tuple = ()):
     first after the arrays of `after` (`tuner.ordering`)."""
     perm = [(i, (i + 1) % size) for i in range(size)]
     leaves, treedef = jax.tree.flatten(tree)
-    sent = []
-    for x in leaves:
-        sent.append(lax.ppermute(ordering.after(x, after), axis_name, perm))
-        after = (sent[-1],)
-    return treedef.unflatten(sent)
+    return treedef.unflatten(ordering.in_order(lambda x: lax.ppermute(x, axis_name, perm), leaves, after))
 
 
 def _bias_columns(bias, source, kv_len: int):
@@ -234,11 +230,11 @@ def _backward(cfg: RingConfig, residuals, cotangents):
             incoming = send(outgoing, after=jax.tree.leaves(visiting)[-1:])  # a ring of 2 has no loop
             dq, grads, dbias = block(visiting, size - 1, dq, dbias)
             # One last hop brings the finished accumulators home, already in the gradients' dtype.
-            outgoing = send(tuple(g.astype(x.dtype) for g, x in zip(add(incoming, grads), (k, v))),
-                            after=jax.tree.leaves(incoming)[-1:])
+            dk, dv = send(tuple(g.astype(x.dtype) for g, x in zip(add(incoming, grads), (k, v))),
+                          after=jax.tree.leaves(incoming)[-1:])
             # On the CPU dq and dk wait for dv, the last send, so that the ring of an earlier layer,
             # which needs them, cannot start sending while it is in flight (`tuner.ordering`).
-            dq, outgoing = ordering.after(dq, outgoing[1:]), (ordering.after(outgoing[0], outgoing[1:]), outgoing[1])
+            dq, outgoing = ordering.after(dq, dv), (ordering.after(dk, dv), dv)
     dk, dv = outgoing
 
     dsinks = None
