@@ -61,13 +61,18 @@ def run_search(args: argparse.Namespace) -> int:
     interrupted = []
 
     def on_interrupt(signum: int, frame: Any) -> None:
-        interrupted.append(signum)  # seen after the trial if the interrupt lands where Python swallows it
-        raise KeyboardInterrupt
+        # The first Ctrl-C stops the search after the running trial: raised anywhere inside optuna's trial,
+        # a KeyboardInterrupt can leave its heartbeat thread running or a SQLite lock held, and the
+        # process then never exits. A second Ctrl-C stops at once.
+        if interrupted:
+            raise KeyboardInterrupt
+        interrupted.append(signum)
+        print("\ninterrupt: stopping after this trial (press Ctrl-C again to stop at once)", file=sys.stderr)
 
     def progress(done: int, total: int, status: str) -> None:
         bar.set_postfix_str(status, refresh=False)
         bar.update(done - bar.n)
-        if interrupted:  # a KeyboardInterrupt raised inside a gc callback (jax's) is printed and dropped
+        if interrupted:
             raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGINT, on_interrupt)
