@@ -36,9 +36,9 @@ import jax
 import jax.numpy as jnp
 
 from tuner import BwdParams, FwdParams, get_tuned_ring_attention
-from tuner.backends import BACKENDS
+from tuner.kernels import BACKENDS
 from tuner.cache import Cache, current_versions, make_row
-from tuner.problem import ProblemKey
+from tuner.semantics.problem import ProblemKey
 
 LOOKUP_TARGET_S = 0.050
 LIST_TARGET_S = 2.0

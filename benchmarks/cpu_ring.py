@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import tuner  # noqa: E402
 from tuner import ring_attention  # noqa: E402
-from tuner.timing import attention_flops, time_interleaved  # noqa: E402
+from tuner.tuning.timing import attention_flops, time_interleaved  # noqa: E402
 
 
 def ring_fn(mesh: Mesh, causal: bool, layout: str):

@@ -21,7 +21,7 @@ one device: the generated kernels plus the driver's float32 bookkeeping); `cudnn
 `jax.nn.dot_product_attention` with that implementation. An implementation that cannot run a point
 (cuDNN without a GPU, XLA out of memory) is recorded with its error instead of a timing.
 
-TFLOP/s count forward 4*B*H*S^2*D, half when causal, backward 2.5x that (`tuner.timing.attention_flops`).
+TFLOP/s count forward 4*B*H*S^2*D, half when causal, backward 2.5x that (`tuner.tuning.timing.attention_flops`).
 The targets of issue 3 are checked and printed: at D=128 and S >= 4k, forward >= 0.6x and backward
 >= 0.5x cuDNN's time-based throughput. JSON goes to `--out` (default
 benchmarks/results/gpu_attention-<device>-<date>.json).
@@ -45,9 +45,9 @@ import numpy as np
 
 import tuner
 from tuner import ring_attention
-from tuner.backends import BACKENDS
-from tuner.tables import error_line
-from tuner.timing import Timing, attention_flops, compile_timed, run_interleaved
+from tuner.kernels import BACKENDS
+from tuner.support.tables import error_line
+from tuner.tuning.timing import Timing, attention_flops, compile_timed, run_interleaved
 
 OBJECTIVES = ("fwd", "bwd", "fwd+bwd")
 IMPLEMENTATIONS = ("ring", "cudnn", "xla")

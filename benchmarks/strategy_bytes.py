@@ -8,9 +8,9 @@ For each topology (a ring of all its chips), each problem (H:Hkv:T; bf16, D=128,
 and each strategy -- the hybrid on every 2-D mesh ring x all-to-all with both axes > 1 -- compiles the
 forward, and the value and gradient of a weighted sum of the output (a training step), under `jax.jit` of a
 `shard_map` over the topology's devices; reads the bytes of each kind of collective from the compiled HLO
-(`tuner.hlo.collective_bytes`: each collective's result on one device, per execution; the loops' trip counts,
+(`tuner.models.hlo.collective_bytes`: each collective's result on one device, per execution; the loops' trip counts,
 which XLA:TPU does not write, read from the loops themselves; all-reduces counted too) and puts them beside
-`tuner.strategy_model.predict`'s `bytes`, flagging kinds more than 10% off. Prints the table, writes the
+`tuner.models.strategy_model.predict`'s `bytes`, flagging kinds more than 10% off. Prints the table, writes the
 records as JSON (default benchmarks/results/strategy_bytes.json, rewritten after each compile) and a markdown
 table beside it.
 """
@@ -32,9 +32,11 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from tuner import hlo, registry, ring_attention, strategy_model  # noqa: E402
-from tuner.problem import Problem  # noqa: E402
-from tuner.tables import table  # noqa: E402
+from tuner.models import hlo
+from tuner import registry, ring_attention  # noqa: E402
+from tuner.models import strategy_model  # noqa: E402
+from tuner.semantics.problem import Problem  # noqa: E402
+from tuner.support.tables import table  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 TOPOLOGIES = "v5e:2x2,v5e:2x4"

@@ -13,7 +13,7 @@ Each strategy runs as a user gets it: `ring_attention(..., strategy=...)` with i
 `jax.shard_map` over a 1-D mesh of P devices (hybrid: a 2-D mesh R x A, the layout over the ring axis), on
 arrays already laid out (`layouts.lay_out`). Timed: `jax.value_and_grad` of a fixed random projection of
 the output, jitted, compile excluded, one warm-up, the candidates of one problem interleaved round by
-round (`tuner.timing.run_interleaved`), medians. The hybrid is ranked by its best split, measured and
+round (`tuner.tuning.timing.run_interleaved`), medians. The hybrid is ranked by its best split, measured and
 predicted (as `rank` does). Per problem: measured and predicted seconds, both orders, whether the picks
 agree, Kendall's tau; a wrong pick within `--noise` of the measured best is reported as within noise.
 
@@ -48,10 +48,11 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from scipy.stats import kendalltau  # noqa: E402
 
-from tuner import layouts, ring_attention  # noqa: E402
-from tuner.problem import Problem  # noqa: E402
-from tuner.strategy_model import Platform, measure_cpu, predict  # noqa: E402
-from tuner.timing import attention_flops, compile_timed, run_interleaved  # noqa: E402
+from tuner.semantics import layouts  # noqa: E402
+from tuner import ring_attention  # noqa: E402
+from tuner.semantics.problem import Problem  # noqa: E402
+from tuner.models.strategy_model import Platform, measure_cpu, predict  # noqa: E402
+from tuner.tuning.timing import attention_flops, compile_timed, run_interleaved  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 FLAT = ("ring", "all_to_all", "all_gather")

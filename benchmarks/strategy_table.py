@@ -1,4 +1,4 @@
-"""Which context-parallel strategy the analytic model (`tuner.strategy_model`) picks, and why, on 8 devices:
+"""Which context-parallel strategy the analytic model (`tuner.models.strategy_model`) picks, and why, on 8 devices:
 bf16, D=128, causal, zigzag, batch 1; heads 8 and 32, kv heads 1 and 8, 32k and 128k tokens; on an H100
 SXM node (NVLink through NVSwitch) and on TPU v5e. Predictions of the model, never measurements.
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tuner.problem import Problem
-from tuner.strategy_model import STRATEGIES, get_platform, rank, verdict
+from tuner.semantics.problem import Problem
+from tuner.models.strategy_model import STRATEGIES, get_platform, rank, verdict
 
 RESULTS = Path(__file__).parent / "results"
 PLATFORMS = ("h100", "v5e")

@@ -6,7 +6,7 @@ nothing runs, nothing is timed.
 For each generation with kernel compile results (`benchmarks/tpu_vmem_kernels.py`: every tile point of
 each kernel compiled alone by the production TPU compiler, bf16 at D=128, 8192 tokens per device), the
 candidates are the tiles that compiled there and that the VMEM constraint admits for float32 at the same
-head dim (so a default never depends on the dtype being bf16). The analytic model (`tuner.tpu_model`)
+head dim (so a default never depends on the dtype being bf16). The analytic model (`tuner.models.tpu_model`)
 times them on a causal zigzag ring of 4 over 32768 tokens (H=8, Hkv=2): the fastest forward tiles (ties,
 which the model cannot tell apart since it ignores the compute slice, go to the larger slice), then
 the fastest dK/dV tiles beside the generic dQ tiles, then the fastest dQ tiles beside those. Prints the
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from tuner import tpu_model
-from tuner.backends import tpu_memory
-from tuner.params import BwdParams, FwdParams
-from tuner.problem import Problem
+from tuner.models import tpu_model
+from tuner.kernels import tpu_memory
+from tuner.kernels.params import BwdParams, FwdParams
+from tuner.semantics.problem import Problem
 
 RESULTS = Path(__file__).parent / "results"
 PROBLEM = Problem(seq_len=32768, heads=8, kv_heads=2, head_dim=128, dtype="bfloat16", causal=True, ring_size=4)

@@ -24,7 +24,8 @@ from jax.experimental import topologies  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from tuner import hlo, ring_attention  # noqa: E402
+from tuner.models import hlo
+from tuner import ring_attention  # noqa: E402
 
 
 def main() -> None:

@@ -24,9 +24,9 @@ from pathlib import Path
 
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
-from tuner import compiled  # noqa: E402
-from tuner.problem import Problem  # noqa: E402
-from tuner.tables import table  # noqa: E402
+from tuner.tuning import compiled  # noqa: E402
+from tuner.semantics.problem import Problem  # noqa: E402
+from tuner.support.tables import table  # noqa: E402
 
 PROBLEMS = "bfloat16:128,float32:256"
 RESULTS = Path(__file__).parent / "results"

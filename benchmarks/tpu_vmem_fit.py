@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import linprog
 
-from tuner.backends import tpu_memory
+from tuner.kernels import tpu_memory
 
 DATA = Path(__file__).parent / "results" / "tpu_vmem_kernels.jsonl"
 RING = Path(__file__).parent / "results" / "tpu_vmem.json"

@@ -5,7 +5,7 @@ this host (needs libtpu: `pip install -e '.[tpu]'`); nothing runs.
                                           [--local-len 8192] [--min-tile 128] [--out FILE]
 
 For each target chip and problem (dtype:head_dim; B=1, H=8, Hkv=2, causal, `--local-len` tokens per
-device), compiles one ring step's kernels alone (`tuner.compiled.compile_step`) for every forward tile
+device), compiles one ring step's kernels alone (`tuner.tuning.compiled.compile_step`) for every forward tile
 point of the pallas_tpu search space and every backward tile pair (the dK/dV and dQ kernels with the
 same tiles) with no tile under `--min-tile`, those the VMEM constraint rules out included, and records
 per kernel the compiler's verdict, the VMEM it reports the kernel uses and the constraint's estimate.
@@ -24,10 +24,10 @@ from pathlib import Path
 
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
-from tuner import compiled  # noqa: E402
-from tuner.backends import pallas_tpu, tpu_memory  # noqa: E402
-from tuner.params import BwdParams, FwdParams  # noqa: E402
-from tuner.problem import Problem  # noqa: E402
+from tuner.tuning import compiled  # noqa: E402
+from tuner.kernels import pallas_tpu, tpu_memory  # noqa: E402
+from tuner.kernels.params import BwdParams, FwdParams  # noqa: E402
+from tuner.semantics.problem import Problem  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "tpu_vmem_kernels.jsonl"
 

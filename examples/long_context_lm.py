@@ -71,7 +71,7 @@ def build(config: Config):
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
-    from tuner import layouts
+    from tuner.semantics import layouts
     from tuner.flax import RingSelfAttention
 
     class Block(nnx.Module):

@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from tuner import BwdParams, FwdParams, layouts, ring_attention
-from tuner.backends import check_vma
-from tuner.reference import dense_attention
+from tuner import BwdParams, FwdParams, ring_attention
+from tuner.semantics import layouts
+from tuner.kernels import check_vma
+from tuner.semantics.reference import dense_attention
 
 GRAD_NAMES = ("dq", "dk", "dv", "dbias", "dsinks")
 
@@ -319,7 +320,8 @@ def exchanged_step(name: str, case: Case, config, a2a: int = 1):
     `case.ring` devices (with `a2a` > 1, the hybrid's `case.ring x a2a` mesh, axes ("ring", "a2a"), the
     sequence over both), over laid-out global arrays (`laid_out_args`): ((loss, (out, lse)), (dq, dk, dv,
     dsinks))."""
-    from tuner import plan, registry
+    from tuner.runtime import plan
+    from tuner import registry
 
     implementation = registry.get(name)
     ring, layout = case.ring, case.layout
@@ -336,7 +338,7 @@ def exchanged_step(name: str, case: Case, config, a2a: int = 1):
                       softmax_aux=sinks, bias=None)
         resolved = plan.resolve(q, k, v, ring_size=ring * a2a, layout=layout, backend=name,
                                 target=registry.Target.here(), mask=case.options, arrays=arrays, return_lse=True,
-                                axis_name=axis_name, a2a_size=a2a if a2a > 1 else None)
+                                axis_name=axis_name, group=a2a if a2a > 1 else None)
         assert resolved.implementation is implementation
         return implementation.attend(q, k, v, spec=resolved.spec, config=config, axis_name=axis_name,
                                      layout=layout, return_lse=True, **arrays)

@@ -24,7 +24,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tests.cases import Arrays, Case, dense_step, make_arrays, rel_err
-from tuner import get_tuned_ring_attention, layouts, ring_attention
+from tuner import get_tuned_ring_attention, ring_attention
+from tuner.semantics import layouts
 
 CASE = Case(batch=1, length=64, heads=4, kv_heads=2, head_dim=8, layout="zigzag", causal=True, seed=0)
 PROCESSES = 2

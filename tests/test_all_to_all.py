@@ -12,10 +12,10 @@ from jax.sharding import PartitionSpec as P
 
 from tests.cases import Case, check_exchanged, check_loader_by_name, rel_err, replace
 from tuner import BwdParams, FwdParams, get_tuned_ring_attention, registry
-from tuner.all_to_all import kv_repeats
-from tuner.implementations import TileConfig
-from tuner.reference import dense_attention
-from tuner.spec import AttentionSpec, LocalShapes
+from tuner.strategies.all_to_all import kv_repeats
+from tuner.strategies.implementations import TileConfig
+from tuner.semantics.reference import dense_attention
+from tuner.semantics.spec import AttentionSpec, LocalShapes
 
 IMPL = registry.get("all_to_all")
 

@@ -1,4 +1,4 @@
-"""Tune what the model runs (`tuner.record`, `tuner.autotune`, `tuner record|doctor|search --from`): the
+"""Tune what the model runs (`tuner.runtime.record`, `tuner.autotune`, `tuner record|doctor|search --from`): the
 example language model's training step is traced, its attention problems recorded exactly, tuned, and the
 same step then runs the tuned decisions with unchanged results; record files are read line by line, bad
 lines reported and skipped; the verbs round-trip a real recorded program."""
@@ -19,9 +19,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from tests.cases import rel_err
-from tuner import autotuning, get_tuned_ring_attention, record, ring_attention
+from tuner.tuning import autotuning
+from tuner import get_tuned_ring_attention, ring_attention
+from tuner.runtime import record
 from tuner.cli import main
-from tuner.search import SearchOptions
+from tuner.tuning.search import SearchOptions
 
 QUICK = SearchOptions(runs=1, final_runs=1, top=1)  # a search in seconds: these tests check wiring, not speed
 

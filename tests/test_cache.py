@@ -10,11 +10,11 @@ import textwrap
 
 import pytest
 
-from tuner import BwdParams, FwdParams
-from tuner.backends import BACKENDS
+from tuner import BwdParams, FwdParams, registry
+from tuner.kernels import BACKENDS
 from tuner.cache import (Cache, CacheError, current_versions, make_row, read_jsonl, row_params, row_problem,
                          write_jsonl)
-from tuner.problem import Problem
+from tuner.semantics.problem import Problem
 
 SCAN = BACKENDS["scan"]
 
@@ -24,7 +24,7 @@ def versions():
 
 
 def row_for(problem: Problem, block_q: int = 64, **overrides):
-    row = make_row(problem.key("scan", "cpu"), FwdParams(block_q, 128), BwdParams(block_q, 128),
+    row = make_row(registry.problem_key(problem, "scan", "cpu"), FwdParams(block_q, 128), BwdParams(block_q, 128),
                    versions=versions(), tool_version="test", objective="fwd+bwd", best_s=1.0, default_s=2.0,
                    speedup=2.0, trials_run=3, trials_pruned=0, trials_failed={"wrong": 1}, study="s")
     row.update(overrides)
@@ -33,7 +33,7 @@ def row_for(problem: Problem, block_q: int = 64, **overrides):
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    monkeypatch.setattr("tuner.resources.shipped_dir", lambda: tmp_path / "shipped")
+    monkeypatch.setattr("tuner.support.resources.shipped_dir", lambda: tmp_path / "shipped")
     return Cache(tmp_path / "tuning.sqlite")
 
 
@@ -58,7 +58,7 @@ def test_rows_are_checked_before_writing(cache):
 
 def test_lookup_order_exact_nearest_shipped_default(cache, tmp_path):
     problem = Problem(seq_len=2048)
-    key = problem.key("scan", "cpu")
+    key = registry.problem_key(problem, "scan", "cpu")
     assert cache.lookup(key, versions()).source == "default"
 
     shipped = tmp_path / "shipped"
@@ -81,7 +81,7 @@ def test_lookup_order_exact_nearest_shipped_default(cache, tmp_path):
 def test_stale_rows_are_kept_but_not_used(cache):
     problem = Problem()
     cache.put(row_for(problem, jax_version="0.0.1"))
-    found = cache.lookup(problem.key("scan", "cpu"), versions())
+    found = cache.lookup(registry.problem_key(problem, "scan", "cpu"), versions())
     assert found.source == "default"
     assert "jax_version 0.0.1 ->" in found.reason
     assert len(cache.rows()) == 1
@@ -90,7 +90,7 @@ def test_stale_rows_are_kept_but_not_used(cache):
 def test_accept_can_reject_a_row(cache):
     problem = Problem()
     cache.put(row_for(problem))
-    found = cache.lookup(problem.key("scan", "cpu"), versions(), accept=lambda row: "tiles too big")
+    found = cache.lookup(registry.problem_key(problem, "scan", "cpu"), versions(), accept=lambda row: "tiles too big")
     assert found.source == "default" and "tiles too big" in found.reason
 
 
@@ -124,7 +124,7 @@ def test_two_processes_writing_at_once_lose_nothing(tmp_path):
         import sys
         from tests.test_cache import row_for
         from tuner.cache import Cache
-        from tuner.problem import Problem
+        from tuner.semantics.problem import Problem
         cache = Cache({str(db)!r})
         offset = int(sys.argv[1])
         for i in range(40):
@@ -166,7 +166,7 @@ def test_invalid_rows_are_skipped_with_one_warning_each(cache, caplog):
         conn.execute(f"INSERT INTO tuned ({', '.join(bad)}) VALUES ({', '.join('?' * len(bad))})", list(bad.values()))
     with caplog.at_level(logging.WARNING, logger="tuner.cache"):
         for _ in range(3):
-            found = cache.lookup(problem.key("scan", "cpu"), versions())
+            found = cache.lookup(registry.problem_key(problem, "scan", "cpu"), versions())
     assert (found.source, found.row["key"]) == ("nearest", good["key"])
     assert "unknown key(s) tile" in found.reason
     warnings = [r.getMessage() for r in caplog.records if bad["key"] in r.getMessage()]

@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import Mesh
 
 from tuner import get_tuned_ring_attention
-from tuner.reference import dense_attention
+from tuner.semantics.reference import dense_attention
 
 PROBLEM = ["--seq-len", "128", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--ring-size", "2"]
 
@@ -239,7 +239,7 @@ def test_gpu_timing_issues_several_calls_per_run_unless_told():
 
 
 def test_a_reported_error_is_one_line_even_without_a_message():
-    from tuner.tables import error_line
+    from tuner.support.tables import error_line
 
     assert error_line(ValueError("first\nsecond")) == "ValueError: first"
     assert error_line(AssertionError()) == "AssertionError: "
@@ -249,7 +249,7 @@ def test_a_reported_error_is_one_line_even_without_a_message():
 def test_target_flags_refuse_what_they_cannot_do(monkeypatch, capsys):
     """`--target` compiles for TPU topologies only in a TPU dry run, says how to get libtpu where it is
     missing, and is not silently dropped by `--from`."""
-    from tuner import compiled
+    from tuner.tuning import compiled
     from tuner.cli import main
 
     assert main(["search", "--device", "cpu", "--target", "v5e:2x2"]) == 2

@@ -12,10 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tuner import codegen, ring_attention
-from tuner.backends import pallas_tpu
-from tuner.backends import triton as triton_backend
-from tuner.spec import AttentionSpec
+from tuner.kernels import codegen
+from tuner import ring_attention
+from tuner.kernels import pallas_tpu
+from tuner.kernels import triton as triton_backend
+from tuner.semantics.spec import AttentionSpec
 
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None,

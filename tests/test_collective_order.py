@@ -13,7 +13,8 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from tuner import get_tuned_ring_attention, hlo, ring_attention
+from tuner import get_tuned_ring_attention, ring_attention
+from tuner.models import hlo
 
 RING = 4
 SEQ = P(None, "sp")

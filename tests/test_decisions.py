@@ -20,8 +20,8 @@ from tuner import get_tuned_ring_attention, registry
 from tuner.cache import COLUMNS, TABLE, Cache, make_row, row_digest
 from tuner.cache import legacy
 from tuner.cache.views import list_text
-from tuner.params import BwdParams, FwdParams
-from tuner.problem import Problem
+from tuner.kernels.params import BwdParams, FwdParams
+from tuner.semantics.problem import Problem, ProblemKey
 
 DEVICE_KIND = jax.devices()[0].device_kind
 TUNED = (FwdParams(8, 8), BwdParams(8, 8))
@@ -29,7 +29,8 @@ TUNED = (FwdParams(8, 8), BwdParams(8, 8))
 
 def search_row(problem: Problem = PROBLEM) -> dict:
     scan = registry.get("scan")
-    return make_row(problem.key("scan", DEVICE_KIND), *TUNED, versions=registry.versions(scan), tool_version="test",
+    return make_row(registry.problem_key(problem, "scan", DEVICE_KIND), *TUNED, versions=registry.versions(scan),
+                    tool_version="test",
                     objective="fwd+bwd", best_s=0.004, default_s=0.006, speedup=1.5, trials_run=3, trials_pruned=0,
                     study="decisions")
 
@@ -39,7 +40,8 @@ def bench_run(seconds: dict[str, float], problem: Problem = PROBLEM, study: str 
     for name, best_s in seconds.items():
         implementation = registry.get(name)
         config = implementation.default_config(problem.shapes, problem.spec)
-        rows.append(make_row(problem.key(name, DEVICE_KIND), config, versions=registry.versions(implementation),
+        rows.append(make_row(registry.problem_key(problem, name, DEVICE_KIND), config,
+                             versions=registry.versions(implementation),
                              tool_version="test", source="bench",
                              objective="fwd+bwd", best_s=best_s, default_s=None, speedup=None, trials_run=2,
                              trials_pruned=0, study=study))
@@ -48,7 +50,9 @@ def bench_run(seconds: dict[str, float], problem: Problem = PROBLEM, study: str 
 
 def legacy_row(winner: str = "dense", seconds: dict | None = None, device_kind: str = DEVICE_KIND) -> dict:
     seconds = seconds or {"dense": 0.001, "ring/scan": 0.004}
-    return {"key": PROBLEM.key("auto", DEVICE_KIND).digest, "device_kind": device_kind, "problem": PROBLEM.describe(),
+    auto = ProblemKey.of(PROBLEM.shapes, PROBLEM.spec, backend="auto", device_kind=DEVICE_KIND,
+                         ring_size=PROBLEM.ring_size, layout=PROBLEM.layout)  # a legacy row's key
+    return {"key": auto.digest, "device_kind": device_kind, "problem": PROBLEM.describe(),
             "objective": "fwd+bwd", "winner": winner, "seconds": json.dumps(seconds),
             "jax_version": registry.versions(registry.get("scan"))["jax_version"],
             "jaxlib_version": registry.versions(registry.get("scan"))["jaxlib_version"], "tool_version": "old",
@@ -80,9 +84,9 @@ def test_bench_and_search_rows_live_side_by_side_and_a_run_replaces_the_last(tmp
     rows = cache.rows()
     assert sorted((r["backend"], r["source"]) for r in rows) == [("jax_nn", "bench"), ("scan", "bench"),
                                                                  ("scan", "search")]
-    scan_key = PROBLEM.key("scan", DEVICE_KIND)
+    scan_key = registry.problem_key(PROBLEM, "scan", DEVICE_KIND)
     assert {r["key"] for r in rows} == {scan_key.digest, row_digest(scan_key, "bench"),
-                                       row_digest(PROBLEM.key("jax_nn", DEVICE_KIND), "bench")}
+                                       row_digest(registry.problem_key(PROBLEM, "jax_nn", DEVICE_KIND), "bench")}
     decision = explain(path)
     assert decision.backend == "jax_nn"
     assert decision.reason.startswith("tuner bench --mechanisms measured jax_nn fastest for this problem (1.0 ms; "
@@ -104,7 +108,8 @@ def test_bench_and_search_rows_live_side_by_side_and_a_run_replaces_the_last(tmp
 
 def compiled_row(problem: Problem = PROBLEM, tiles=(FwdParams(16, 16), BwdParams(16, 16))) -> dict:
     scan = registry.get("scan")
-    return make_row(problem.key("scan", DEVICE_KIND), *tiles, versions=registry.versions(scan), tool_version="test",
+    return make_row(registry.problem_key(problem, "scan", DEVICE_KIND), *tiles, versions=registry.versions(scan),
+                    tool_version="test",
                     source="compiled", objective="fwd+bwd", best_s=0.002, default_s=None, speedup=None,
                     trials_run=7, trials_pruned=2, study="compiled for v5e:2x2, ranked by the model")
 
@@ -120,9 +125,10 @@ def test_a_compiled_row_is_used_only_where_nothing_measured_the_problem(tmp_path
     assert (decision.backend, decision.source, decision.config.to_dict()["fwd"]["block_q"]) == ("scan", "compiled", 16)
     assert "compiled entry" in decision.reason and "not measured" in decision.reason, decision.reason
     with pytest.raises(ValueError, match="must be null in a compiled row"):
-        make_row(PROBLEM.key("scan", DEVICE_KIND), *TUNED, versions=registry.versions(registry.get("scan")),
-                 tool_version="test", source="compiled", objective="fwd+bwd", best_s=0.002, default_s=0.003,
-                 speedup=1.5, trials_run=1, trials_pruned=0, study="x")
+        make_row(registry.problem_key(PROBLEM, "scan", DEVICE_KIND), *TUNED,
+                 versions=registry.versions(registry.get("scan")), tool_version="test", source="compiled",
+                 objective="fwd+bwd", best_s=0.002, default_s=0.003, speedup=1.5,
+                 trials_run=1, trials_pruned=0, study="x")
     other = Problem(batch=1, seq_len=128, heads=4, kv_heads=2, head_dim=8, causal=True, ring_size=RING,
                     layout="zigzag")
     attn = get_tuned_ring_attention(axis_name="sp", causal=True, layout="zigzag", db=str(path),

@@ -11,14 +11,15 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from tuner import BwdParams, FwdParams, get_tuned_ring_attention
-from tuner.ring import run_ring
-from tuner import dispatch as dispatch_module
-from tuner import implementations, registry
-from tuner.backends import BACKENDS
-from tuner.backends.scan import ScanBackend
+from tuner.strategies.ring import run_ring
+from tuner.runtime import dispatch as dispatch_module
+from tuner.strategies import implementations
+from tuner import registry
+from tuner.kernels import BACKENDS
+from tuner.kernels.scan import ScanBackend
 from tuner.cache import Cache, current_versions, make_row
-from tuner.problem import Problem
-from tuner.reference import dense_attention
+from tuner.semantics.problem import Problem
+from tuner.semantics.reference import dense_attention
 
 RING = 4
 PROBLEM = Problem(batch=1, seq_len=64, heads=4, kv_heads=2, head_dim=8, causal=True, ring_size=RING,
@@ -34,7 +35,7 @@ def arrays(problem: Problem, seed: int = 0):
 
 
 def store(db, problem: Problem, fwd: FwdParams, bwd: BwdParams, backend: str = "scan") -> str:
-    row = make_row(problem.key(backend, jax.devices()[0].device_kind), fwd, bwd,
+    row = make_row(registry.problem_key(problem, backend, jax.devices()[0].device_kind), fwd, bwd,
                    versions=current_versions(BACKENDS[backend].code_hash(), triton=backend == "triton"),
                    tool_version="test",
                    objective="fwd+bwd", best_s=1.0, default_s=1.5, speedup=1.5, trials_run=2, trials_pruned=0,
@@ -104,7 +105,7 @@ def test_a_call_on_a_mesh_outside_jit_compiles_once_and_again_after_a_cache_writ
     """Outside any trace the loader on a mesh runs under its own `jax.jit`: the second call of the same
     shapes traces nothing (it used to lay out, `shard_map` and compile the ring at every call), and a
     cache write in the process makes it trace, and decide, again."""
-    from tuner import meshed
+    from tuner.runtime import meshed
 
     traced = []
 
@@ -218,7 +219,7 @@ def unbuildable():
 def test_a_backend_that_fails_to_build_falls_back_to_scan(unbuildable, caplog, tmp_path):
     attn = get_tuned_ring_attention(causal=True, backend="unbuildable", db=str(tmp_path / "t.sqlite"))
     q, k, v = arrays(PROBLEM)
-    with caplog.at_level(logging.WARNING, logger="tuner.dispatch"):
+    with caplog.at_level(logging.WARNING, logger="tuner.runtime.dispatch"):
         out = jax.jit(attn)(q, k, v)
     assert "backend unbuildable with params from default failed to build" in caplog.text
     assert "kernel does not compile" in caplog.text

@@ -39,23 +39,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh
 
-from tuner import BwdParams, FwdParams, get_tuned_ring_attention
-from tuner.backends import BACKENDS
+from tuner import BwdParams, FwdParams, get_tuned_ring_attention, registry
+from tuner.kernels import BACKENDS
 from tuner.cache import (COLUMNS, FEATURES, SOURCES, TABLE, VERSION_FIELDS, Cache, current_versions, make_row,
                          parse_jsonl, row_digest, row_key, row_params, write_jsonl)
 from tuner.cache.legacy import COLUMNS as MECHANISM_COLUMNS
 from tuner.cache.legacy import TABLE as MECHANISM_TABLE
-from tuner.problem import DTYPES, OBJECTIVES, Problem
-from tuner.reference import dense_attention
-from tuner.spec import LAYOUTS
+from tuner.semantics.problem import DTYPES, OBJECTIVES, Problem, ProblemKey
+from tuner.semantics.reference import dense_attention
+from tuner.semantics.spec import LAYOUTS
 
 REPO = Path(__file__).resolve().parents[1]
 RING = 2
 PROBLEM = Problem(batch=1, seq_len=32, heads=2, kv_heads=1, head_dim=8, causal=True, ring_size=RING,
                   layout="zigzag")
 DEVICE_KIND = jax.devices()[0].device_kind
-KEY = PROBLEM.key("scan", DEVICE_KIND)
-MECHANISM_KEY = PROBLEM.key("auto", DEVICE_KIND).digest
+KEY = registry.problem_key(PROBLEM, "scan", DEVICE_KIND)
+MECHANISM_KEY = ProblemKey.of(PROBLEM.shapes, PROBLEM.spec, backend="auto", device_kind=DEVICE_KIND,
+                              ring_size=PROBLEM.ring_size, layout=PROBLEM.layout).digest
 SCAN = BACKENDS["scan"]
 VERSIONS = current_versions(SCAN.code_hash())
 DEFAULTS = SCAN.default_params(KEY.q_len, KEY.kv_len, KEY.head_dim)
@@ -138,7 +139,7 @@ def no_shipped_entries(tmp_path_factory):
     """Lookups in this module never fall through to entries shipped with the package."""
     empty = tmp_path_factory.mktemp("shipped")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("tuner.resources.shipped_dir", lambda: empty)
+        patch.setattr("tuner.support.resources.shipped_dir", lambda: empty)
         yield
 
 
@@ -178,7 +179,7 @@ def cache_warnings():
 def valid_row(problem: Problem = PROBLEM, params=TUNED, **measured) -> dict[str, Any]:
     fields = dict(objective="fwd+bwd", best_s=1.0, default_s=1.5, speedup=1.5, trials_run=2, trials_pruned=0,
                   trials_failed={}, study="faults")
-    return make_row(problem.key("scan", DEVICE_KIND), *params, versions=VERSIONS, tool_version="test",
+    return make_row(registry.problem_key(problem, "scan", DEVICE_KIND), *params, versions=VERSIONS, tool_version="test",
                     **{**fields, **measured})
 
 
@@ -730,7 +731,7 @@ READ_ONLY_CHECK = textwrap.dedent("""
     from jax.sharding import Mesh
     from tuner import get_tuned_ring_attention
     from tuner.cache import Cache
-    from tuner.problem import ProblemKey
+    from tuner.semantics.problem import ProblemKey
     key, versions = ProblemKey(**json.loads(sys.argv[1])), json.loads(sys.argv[2])
     mesh = Mesh(np.array(jax.devices()[:2]), ("sp",))
     shapes = [jax.ShapeDtypeStruct(tuple(s), np.float32) for s in json.loads(sys.argv[3])]

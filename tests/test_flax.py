@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from tests.cases import rel_err
-from tuner import layouts
+from tuner.semantics import layouts
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("flax") is None,
                                 reason="needs flax (pip install -e '.[flax]')")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tuner.timing import attention_flops, run_interleaved
+from tuner.tuning.timing import attention_flops, run_interleaved
 
 ROOT = Path(__file__).resolve().parents[1]
 

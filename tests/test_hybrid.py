@@ -13,11 +13,15 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from tests.cases import Case, check_exchanged, rel_err, replace
-from tuner import BwdParams, FwdParams, autotuning, get_tuned_ring_attention, layouts, record, ring_attention
-from tuner.implementations import TileConfig
-from tuner.problem import Problem, exchanged
-from tuner.reference import dense_attention
-from tuner.spec import LocalShapes
+from tuner import BwdParams, FwdParams, get_tuned_ring_attention, registry, ring_attention
+from tuner.tuning import autotuning
+from tuner.semantics import layouts
+from tuner.runtime import record
+from tuner.strategies.implementations import TileConfig
+from tuner.semantics.problem import Problem
+from tuner.strategies.hybrid import exchanged
+from tuner.semantics.reference import dense_attention
+from tuner.semantics.spec import LocalShapes
 
 AXES = ("ring", "a2a")
 SMALL = TileConfig(FwdParams(8, 16), BwdParams(16, 8))  # several tiles over the chunk
@@ -109,7 +113,7 @@ def test_the_loader_runs_it_on_a_2x4_mesh_keyed_by_its_inner_ring_and_records_th
     assert autotuning.replay(call).decision == call.decision  # explained again with both axes
     assert call.problem() == Problem(batch=1, seq_len=64, heads=8, kv_heads=2, head_dim=8, causal=True,
                                      window=(9, 0), ring_size=8, a2a_size=4)  # what `tuner autotune` searches
-    assert call.problem().key("hybrid", "cpu") == key
+    assert registry.problem_key(call.problem(), "hybrid", "cpu") == key
     with pytest.raises(ValueError, match=r"hybrid splits the query heads .* heads \(6\) must be a multiple"):
         attn(*(jnp.ones((1, 64, 6, 8)) for _ in range(3)))
 
@@ -118,9 +122,9 @@ def test_tuner_search_tunes_the_hybrid_and_the_loader_call_it_prints_meets_the_e
     """A hybrid problem (`a2a_size` > 1, `tuner search --a2a-size`): every trial is checked against the scan
     ring over the same devices as one axis (`verify`), the winner is stored under the hybrid's key, and the
     loader call the search prints runs it (source "exact"), equal to dense attention."""
-    from tuner.bench import bench_mechanisms
-    from tuner.search import SearchOptions, resolve_backend, search
-    from tuner.usage import loader_call
+    from tuner.tuning.bench import bench_mechanisms
+    from tuner.tuning.search import SearchOptions, resolve_backend, search
+    from tuner.cli.usage import loader_call
 
     problem = Problem(batch=1, seq_len=128, heads=4, kv_heads=2, head_dim=16, causal=True, ring_size=4,
                       a2a_size=2, segments=2, sinks=1)
@@ -130,7 +134,7 @@ def test_tuner_search_tunes_the_hybrid_and_the_loader_call_it_prints_meets_the_e
     result = search(problem, backend="hybrid", db=db, options=SearchOptions(
         objective="fwd", trials=2, runs=1, final_runs=1, top=1, sampler="random",
         storage=f"sqlite:///{tmp_path / 'studies.db'}"))
-    assert result.stored and result.failed == {} and result.key == problem.key("hybrid", "cpu")
+    assert result.stored and result.failed == {} and result.key == registry.problem_key(problem, "hybrid", "cpu")
 
     lines = loader_call(problem)
     assert lines[0] == 'mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("ring", "a2a"))'
@@ -146,7 +150,7 @@ def test_tuner_search_tunes_the_hybrid_and_the_loader_call_it_prints_meets_the_e
     want = dense_attention(q, k, v, causal=True, **arrays)[0]
     assert rel_err(np.asarray(out), np.asarray(want)) <= 1e-5
 
-    with pytest.raises(ValueError, match="backend 'scan' with a2a_size=2: the hybrid runs over"):
+    with pytest.raises(ValueError, match="backend 'scan' with a2a_size=2: it runs over 1 mesh axis"):
         resolve_backend("scan", problem, "cpu")
     with pytest.raises(ValueError, match="--mechanisms compares the implementations over one mesh axis"):
         bench_mechanisms(problem, device="cpu", db=db)

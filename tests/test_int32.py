@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 
 from tests.cases import GRAD_NAMES, Case, assert_lse_close, make_arrays, rel_err, run_reference, run_ring
-from tuner import BwdParams, FwdParams, masks, ring_attention
-from tuner.problem import Problem
-from tuner.spec import INT32_MAX, INT32_MIN, AttentionSpec, build_spec
+from tuner import BwdParams, FwdParams, registry, ring_attention
+from tuner.semantics import masks
+from tuner.semantics.problem import Problem
+from tuner.semantics.spec import INT32_MAX, INT32_MIN, AttentionSpec, build_spec
 
 LOCAL = 16
 BASE = Case(batch=1, length=2 * LOCAL, heads=2, kv_heads=1, head_dim=8, ring=2, layout="contiguous",
@@ -86,8 +87,8 @@ def test_problem_treats_a_window_as_long_as_the_sequence_as_none():
     assert Problem(**small, causal=True, window=(64, 0)).window is None
     assert Problem(**small, causal=False, window=63).window is None
     assert Problem(**small, causal=False, window=(10**6, 3)).window == (63, 3)
-    assert (Problem(**small, causal=True, window=INT32_MAX).key("scan", "cpu")
-            == Problem(**small, causal=True).key("scan", "cpu"))
+    assert (registry.problem_key(Problem(**small, causal=True, window=INT32_MAX), "scan", "cpu")
+            == registry.problem_key(Problem(**small, causal=True), "scan", "cpu"))
 
 
 def test_a_chunk_as_long_as_the_sequence_is_no_chunk_and_the_loader_meets_the_search():

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tuner import layouts
+from tuner.semantics import layouts
 
 
 @pytest.mark.parametrize("layout", layouts.LAYOUTS)

@@ -16,13 +16,13 @@ from tests.test_dispatch import PROBLEM, RING, arrays
 from tuner import get_tuned_ring_attention
 from tuner import registry
 from tuner.cache import Cache, make_row
-from tuner.implementations import NoConfig
-from tuner.mechanisms import gathered_attention
-from tuner.problem import Problem
-from tuner.reference import dense_attention
-from tuner.spec import AttentionSpec
-from tuner.verify import ReferenceCheck
-from tuner.workload import Workload
+from tuner.strategies.implementations import NoConfig
+from tuner.strategies.mechanisms import gathered_attention
+from tuner.semantics.problem import Problem
+from tuner.semantics.reference import dense_attention
+from tuner.semantics.spec import AttentionSpec
+from tuner.tuning.verify import ReferenceCheck
+from tuner.tuning.workload import Workload
 
 SMALL = dict(batch=1, seq_len=64, heads=4, kv_heads=2, head_dim=8, ring_size=RING)
 
@@ -61,7 +61,7 @@ def record(db, problem: Problem, winner: str, seconds: dict, jax_version: str | 
     for label, time in seconds.items():
         implementation = registry.get(label.removeprefix("ring/"))
         versions = {**registry.versions(implementation), **({"jax_version": jax_version} if jax_version else {})}
-        rows.append(make_row(problem.key(implementation.name, device_kind),
+        rows.append(make_row(registry.problem_key(problem, implementation.name, device_kind),
                              implementation.default_config(problem.shapes, problem.spec), versions=versions,
                              tool_version="test", source="bench", objective="fwd+bwd", best_s=time, default_s=None,
                              speedup=None, trials_run=2, trials_pruned=0, study="bench test"))
@@ -122,5 +122,5 @@ def test_bench_mechanisms_records_the_winner_and_the_loader_uses_it(tmp_path):
     kv = jax.ShapeDtypeStruct((1, 64, 2, 16), jnp.float32)
     decision = attn.explain(local, kv, kv, ring_size=2)
     assert decision.backend == winner.group(1).removeprefix("ring/")
-    assert decision.key.digest == problem.key(decision.backend, jax.devices()[0].device_kind).digest
+    assert decision.key.digest == registry.problem_key(problem, decision.backend, jax.devices()[0].device_kind).digest
     assert decision.reason.startswith(f"tuner bench --mechanisms measured {winner.group(1)} fastest")

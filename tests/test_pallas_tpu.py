@@ -15,13 +15,15 @@ from hypothesis import given, settings
 
 from tests.cases import check_case, check_low_precision, pallas_tpu_cases
 from tests.test_cli import tuner
-from tuner import BwdParams, FwdParams, codegen, ring_attention
-from tuner import masks, registry
-from tuner.backends import pallas_tpu
-from tuner.problem import Problem
-from tuner.reference import dense_attention
-from tuner.search import SearchOptions, search
-from tuner.spec import AttentionSpec
+from tuner import BwdParams, FwdParams, ring_attention
+from tuner.kernels import codegen
+from tuner.semantics import masks
+from tuner import registry
+from tuner.kernels import pallas_tpu
+from tuner.semantics.problem import Problem
+from tuner.semantics.reference import dense_attention
+from tuner.tuning.search import SearchOptions, search
+from tuner.semantics.spec import AttentionSpec
 
 FEW = max(4, settings.default.max_examples // 2)
 BACKEND = pallas_tpu.PallasTpuBackend()

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 
 from tests.cases import cases, check_case, check_low_precision
-from tuner.layouts import LAYOUTS
+from tuner.semantics.layouts import LAYOUTS
 
 
 @pytest.mark.slow

@@ -1,7 +1,9 @@
 """The registry is open: a toy implementation, defined and registered by this test alone (no module of
 `tuner/` names it), is searched by `tuner search`, stored in the cache, chosen by the loader's `auto`,
-explained, listed, and exact against the dense reference. Also: the built-in implementations' configs
-round-trip through `to_dict` / `from_dict`, and registering checks names."""
+explained, listed, and exact against the dense reference. A second toy runs over two mesh axes, as the
+hybrid does: `tuner search --a2a-size` tunes it and the loader runs it on a 2-D mesh, with no edit of the
+tuning or runtime layers. Also: the built-in implementations' configs round-trip through `to_dict` /
+`from_dict`, and registering checks names."""
 
 from __future__ import annotations
 
@@ -20,11 +22,12 @@ from jax.sharding import Mesh
 from tuner import BwdParams, FwdParams, get_tuned_ring_attention, registry
 from tuner.cache import Cache
 from tuner.cli import main
-from tuner.implementations import NoConfig, TileConfig
-from tuner.reference import dense_attention
-from tuner.spec import AttentionSpec
+from tuner.strategies.implementations import NoConfig, TileConfig
+from tuner.semantics.reference import dense_attention
+from tuner.semantics.spec import AttentionSpec
 
 TOY = "toy_chunked"
+TOY_GRID = "toy_grid"
 PROBLEM = ["--seq-len", "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--ring-size", "4"]
 
 
@@ -84,26 +87,52 @@ class QueryChunked:
 
     def attend(self, query, key, value, *, spec: AttentionSpec, config: ChunkConfig, axis_name, layout: str,
                interpret: bool = False, **arrays):
-        from tuner import layouts
+        from tuner.semantics import layouts
 
         size, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
-        b, tq, h, d = query.shape
-        q_pos = layouts.local_positions(layout, tq, size, rank)
+        q_pos = layouts.local_positions(layout, query.shape[1], size, rank)
         kv_pos = lax.all_gather(layouts.local_positions(layout, key.shape[1], size, rank), axis_name, tiled=True)
-        key, value = (jnp.repeat(lax.all_gather(x, axis_name, axis=1, tiled=True), h // x.shape[2], axis=2)
-                      for x in (key, value))
-        scale, causal = spec.scale, spec.causal
+        key, value = (lax.all_gather(x, axis_name, axis=1, tiled=True) for x in (key, value))
+        return chunked_attention(query, key, value, q_pos, kv_pos, spec, config)
 
-        def chunk(start):
-            q = lax.dynamic_slice_in_dim(query, start, config.chunk, axis=1).astype(jnp.float32)
-            logits = jnp.einsum("bqhd,bkhd->bhqk", q, key.astype(jnp.float32)) * scale
-            if causal:
-                pos = lax.dynamic_slice_in_dim(q_pos, start, config.chunk)
-                logits = jnp.where(kv_pos[None, None, None, :] <= pos[None, None, :, None], logits, -jnp.inf)
-            return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), value.astype(jnp.float32))
 
-        out = lax.map(chunk, jnp.arange(0, tq, config.chunk))  # [chunks, B, chunk, H, D]
-        return jnp.moveaxis(out, 0, 1).reshape(b, tq, h, d).astype(query.dtype)
+def chunked_attention(query, key, value, q_pos, kv_pos, spec: AttentionSpec, config: ChunkConfig):
+    """The local queries (at positions `q_pos`) against the whole gathered K/V (at `kv_pos`), `config.chunk`
+    queries at a time, in jax.numpy."""
+    b, tq, h, d = query.shape
+    key, value = (jnp.repeat(x, h // x.shape[2], axis=2) for x in (key, value))
+
+    def chunk(start):
+        q = lax.dynamic_slice_in_dim(query, start, config.chunk, axis=1).astype(jnp.float32)
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, key.astype(jnp.float32)) * spec.scale
+        if spec.causal:
+            pos = lax.dynamic_slice_in_dim(q_pos, start, config.chunk)
+            logits = jnp.where(kv_pos[None, None, None, :] <= pos[None, None, :, None], logits, -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), value.astype(jnp.float32))
+
+    out = lax.map(chunk, jnp.arange(0, tq, config.chunk))  # [chunks, B, chunk, H, D]
+    return jnp.moveaxis(out, 0, 1).reshape(b, tq, h, d).astype(query.dtype)
+
+
+class GridChunked(QueryChunked):
+    """The toy over two mesh axes `(ring_axis, group_axis)`: all-gather K/V over both, then the queries a
+    chunk at a time. Declaring the hybrid's strategy is what makes it run over two axes."""
+
+    name = TOY_GRID
+    summary = "over two mesh axes: all-gather K/V over both, jax.numpy attention a query chunk at a time"
+    strategy = "hybrid"
+
+    def shape_violation(self, shapes, ring_size: int, group: int) -> str | None:
+        return None if shapes.q_len % 8 == 0 else f"each device's {shapes.q_len} queries are not a multiple of 8"
+
+    def attend(self, query, key, value, *, spec: AttentionSpec, config: ChunkConfig, axis_name, layout: str,
+               interpret: bool = False, **arrays):
+        from tuner.semantics import layouts
+
+        q_pos = layouts.grouped_positions(layout, query.shape[1], axis_name)
+        kv_pos = lax.all_gather(layouts.grouped_positions(layout, key.shape[1], axis_name), axis_name, tiled=True)
+        key, value = (lax.all_gather(x, axis_name, axis=1, tiled=True) for x in (key, value))
+        return chunked_attention(query, key, value, q_pos, kv_pos, spec, config)
 
 
 @pytest.fixture
@@ -144,6 +173,41 @@ def test_a_toy_registered_here_is_searched_stored_chosen_and_explained(toy, tmp_
     assert main(["list", "--db", str(db)]) == 0
     listed = capsys.readouterr().out
     assert TOY in listed and "invalid" not in listed
+
+
+@pytest.fixture
+def toy_grid(monkeypatch):
+    jax.devices()  # as in `toy`
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    implementation = registry.register(GridChunked())
+    yield implementation
+    registry.unregister(TOY_GRID)
+
+
+def test_a_toy_over_two_axes_is_searched_and_run_by_the_loader_on_a_2d_mesh(toy_grid, tmp_path, capsys):
+    db = tmp_path / "tuning.sqlite"
+    status = main(["search", "--device", "cpu", "--backend", TOY_GRID, *PROBLEM, "--a2a-size", "2",
+                   "--trials", "3", "--runs", "1", "--db", str(db)])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    [row] = Cache(db).rows()
+    assert (row["backend"], row["ring_size"], row["q_len"]) == (TOY_GRID, 4, 64)  # its own shapes: no key hook
+    stored = ChunkConfig.from_dict({"fwd": json.loads(row["fwd_params"]), "bwd": {}})
+
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("ring", "a2a"))
+    attn = get_tuned_ring_attention(axis_name=("ring", "a2a"), causal=True, mesh=mesh, db=db, backend=TOY_GRID)
+    rng = np.random.default_rng(1)
+    query = jnp.asarray(rng.standard_normal((1, 256, 4, 16)), jnp.float32)
+    key, value = (jnp.asarray(rng.standard_normal((1, 256, 2, 16)), jnp.float32) for _ in range(2))
+    decision = attn.explain(query, key, value)
+    assert (decision.backend, decision.source, decision.config) == (TOY_GRID, "exact", stored)
+    want, _ = dense_attention(query, key, value, causal=True)
+    np.testing.assert_allclose(np.asarray(attn(query, key, value)), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+    with pytest.raises(ValueError, match=f"backend '{TOY_GRID}' runs over 2 mesh axis"):
+        get_tuned_ring_attention(axis_name="sp", backend=TOY_GRID)
+    with pytest.raises(ValueError, match="queries are not a multiple of 8"):  # its shape hook, asked with the group
+        attn.explain(*(x[:, :16] for x in (query, key, value)))
 
 
 def test_without_the_toy_its_rows_are_passed_over_not_fatal(toy, tmp_path, capsys):

@@ -11,8 +11,8 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from tuner import masks
-from tuner.spec import AttentionSpec
+from tuner.semantics import masks
+from tuner.semantics.spec import AttentionSpec
 
 RING, BATCH, LOCAL = 4, 2, 8
 SPECS = [AttentionSpec(scale=1.0, causal=True), AttentionSpec(scale=1.0, window=(3, 0)),

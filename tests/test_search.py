@@ -9,13 +9,13 @@ import optuna
 import pytest
 
 from tuner import BwdParams, FwdParams, registry
-from tuner.backends.base import SearchSpace
-from tuner.backends.scan import ScanBackend
+from tuner.kernels.base import SearchSpace
+from tuner.kernels.scan import ScanBackend
 from tuner.cache import Cache
-from tuner.implementations import Ring, TileConfig, TileSpace
-from tuner.problem import Problem
-from tuner.search import SearchOptions, search
-from tuner.study import default_storage, study_name
+from tuner.strategies.implementations import Ring, TileConfig, TileSpace
+from tuner.semantics.problem import Problem
+from tuner.tuning.search import SearchOptions, search
+from tuner.tuning.study import default_storage, study_name
 
 TINY = Problem(batch=1, seq_len=64, heads=2, kv_heads=1, head_dim=16, causal=True, ring_size=2,
                layout="zigzag")
@@ -74,7 +74,7 @@ def test_every_outcome_is_recorded_and_the_search_goes_on(faulty, tmp_path):
     assert by_point[(16, 8)].user_attrs["compile_s"] > 0
 
     (row,) = Cache(db).rows()
-    assert row["key"] == TINY.key("faulty", "cpu").digest
+    assert row["key"] == registry.problem_key(TINY, "faulty", "cpu").digest
     assert json.loads(row["fwd_params"])["block_q"] == 16
     assert json.loads(row["trials_failed"]) == {"compile": 1, "wrong": 1}
     assert row["best_s"] > 0 and row["default_s"] > 0
@@ -135,7 +135,7 @@ def test_grid_covers_forward_and_backward_spaces_side_by_side():
 
 
 def test_study_names_change_with_versions():
-    key = TINY.key("scan", "cpu")
+    key = registry.problem_key(TINY, "scan", "cpu")
     assert study_name(key, "fwd", {"jax_version": "1"}) != study_name(key, "fwd", {"jax_version": "2"})
     assert study_name(key, "fwd", {"jax_version": "1"}) != study_name(key, "bwd", {"jax_version": "1"})
 

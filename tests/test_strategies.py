@@ -19,9 +19,11 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from tuner import dispatch, get_tuned_ring_attention, layouts, modelled, registry, ring_attention  # noqa: E402
+from tuner.runtime import dispatch, modelled
+from tuner import get_tuned_ring_attention, registry, ring_attention  # noqa: E402
+from tuner.semantics import layouts
 from tuner.cache import Cache, make_row  # noqa: E402
-from tuner.problem import Problem  # noqa: E402
+from tuner.semantics.problem import Problem  # noqa: E402
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="libtpu is not installed: pip install -e '.[tpu]' compiles for TPU topologies")
@@ -67,7 +69,8 @@ def bench_rows(problem: Problem, seconds: dict[str, float], device_kind: str) ->
     rows = []
     for name, best_s in seconds.items():
         implementation = registry.get(name)
-        rows.append(make_row(problem.key(name, device_kind), implementation.default_config(problem.shapes,
+        rows.append(make_row(registry.problem_key(problem, name, device_kind),
+                             implementation.default_config(problem.shapes,
                                                                                              problem.spec),
                              versions=registry.versions(implementation), tool_version="test", source="bench",
                              objective="fwd+bwd", best_s=best_s, default_s=None, speedup=None, trials_run=2,
@@ -118,11 +121,11 @@ def test_unknown_strategies_and_axis_names_that_do_not_fit_the_strategy_are_refu
     with pytest.raises(ValueError, match="strategy must be one of auto, ring, all_to_all, all_gather, hybrid, "
                                          "got 'ulysses'"):
         get_tuned_ring_attention(axis_name="sp", mesh=cpu_mesh(), strategy="ulysses")
-    with pytest.raises(ValueError, match=r"strategy='hybrid' takes axis_name=\(ring_axis, a2a_axis\), two mesh axes, "
-                                         r"got axis_name='sp'"):
+    with pytest.raises(ValueError, match=r"strategy='hybrid' runs over 2 mesh axis\(es\), got axis_name='sp': "
+                                         r"pass axis_name=\(ring_axis, group_axis\)"):
         get_tuned_ring_attention(axis_name="sp", mesh=cpu_mesh(), strategy="hybrid")
-    with pytest.raises(ValueError, match=r"axis_name=\('sp', 'x'\) is a pair of mesh axes, which only "
-                                         r"strategy='hybrid' runs \(got strategy='ring'\)"):
+    with pytest.raises(ValueError, match=r"strategy='ring' runs over 1 mesh axis\(es\), got "
+                                         r"axis_name=\('sp', 'x'\): pass one axis name"):
         get_tuned_ring_attention(axis_name=("sp", "x"), strategy="ring")
     for pair in (("sp", "sp"), ("sp", None), ("a", "b", "c")):
         with pytest.raises(ValueError, match="two different mesh axes"):
@@ -130,11 +133,10 @@ def test_unknown_strategies_and_axis_names_that_do_not_fit_the_strategy_are_refu
     with pytest.raises(ValueError, match="backend 'scan' runs the 'ring' strategy, not strategy='hybrid'"):
         get_tuned_ring_attention(axis_name=("sp", "x"), backend="scan")
     q, k, v = arrays(SMALL)
-    with pytest.raises(ValueError, match=r"the hybrid \(backend 'hybrid', strategy 'auto'\) runs over two mesh axes: "
-                                         r"pass axis_name=\(ring_axis, a2a_axis\) with strategy='hybrid', got "
-                                         r"axis_name='sp'"):
+    with pytest.raises(ValueError, match=r"backend 'hybrid' runs over 2 mesh axis\(es\), got axis_name='sp': "
+                                         r"pass axis_name=\(ring_axis, group_axis\)"):
         get_tuned_ring_attention(axis_name="sp", mesh=cpu_mesh(), backend="hybrid")(q, k, v)
-    for strategy, message in (("hybrid", "takes axis_name=\\(ring_axis, a2a_axis\\)"),
+    for strategy, message in (("hybrid", "runs over 2 mesh axis\\(es\\)"),
                               ("auto", "strategy='auto' is get_tuned_ring"), ("ulysses", "strategy must be one of")):
         with pytest.raises(ValueError, match=message):
             ring_attention_of(strategy)(q, k, v)
@@ -165,7 +167,7 @@ def test_all_to_all_with_heads_that_do_not_split_is_refused_when_asked_for_and_s
 
 
 def test_all_gather_over_the_memory_limit_is_refused_at_resolve(monkeypatch):
-    from tuner import all_gather
+    from tuner.strategies import all_gather
 
     monkeypatch.setattr(all_gather, "device_bytes_limit", lambda: 1024)
     attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=cpu_mesh(), strategy="all_gather")
@@ -237,9 +239,9 @@ def test_on_a_tpu_topology_a_measurement_or_a_tuned_ring_outranks_the_model(tmp_
     tuned = tmp_path / "tuned.sqlite"
     pallas = registry.get("pallas_tpu")
     config = pallas.default_config(FAVOURS_ALL_GATHER.shapes, FAVOURS_ALL_GATHER.spec)
-    Cache(tuned).put(make_row(FAVOURS_ALL_GATHER.key("pallas_tpu", kind), config, versions=registry.versions(pallas),
-                              tool_version="test", objective="fwd+bwd", best_s=0.001, default_s=0.002, speedup=2.0,
-                              trials_run=2, trials_pruned=0, study="test"))
+    Cache(tuned).put(make_row(registry.problem_key(FAVOURS_ALL_GATHER, "pallas_tpu", kind), config,
+                              versions=registry.versions(pallas), tool_version="test", objective="fwd+bwd",
+                              best_s=0.001, default_s=0.002, speedup=2.0, trials_run=2, trials_pruned=0, study="test"))
     decision = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, db=str(tuned)).explain(q, k, v)
     assert (decision.backend, decision.source) == ("pallas_tpu", "exact"), decision
     assert "picked all_gather, but pallas_tpu is tuned for this problem" in decision.reason, decision.reason

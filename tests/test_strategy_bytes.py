@@ -21,8 +21,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # one host: libtpu's worker list, without a warning
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes may hold libtpu
 
-from tuner import hlo  # noqa: E402
-from tuner.problem import Problem  # noqa: E402
+from tuner.models import hlo  # noqa: E402
+from tuner.semantics.problem import Problem  # noqa: E402
 
 _SPEC = importlib.util.spec_from_file_location("strategy_bytes",
                                                Path(__file__).parent.parent / "benchmarks" / "strategy_bytes.py")

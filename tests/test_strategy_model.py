@@ -14,12 +14,14 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tuner import hlo, plan, registry, ring_attention, strategy_model
-from tuner.all_to_all import kv_repeats
-from tuner.problem import Problem
-from tuner.strategy_model import PLATFORMS, STRATEGIES, Platform, explain, predict, rank
-from tuner.tpu_model import CHIPS
-from tuner.work import count_work
+from tuner.models import hlo, strategy_model
+from tuner.runtime import plan
+from tuner import registry, ring_attention
+from tuner.strategies.all_to_all import kv_repeats
+from tuner.semantics.problem import Problem
+from tuner.models.strategy_model import PLATFORMS, STRATEGIES, Platform, explain, predict, rank
+from tuner.models.tpu_model import CHIPS
+from tuner.support.work import count_work
 
 MODULE = """HloModule m
 
@@ -162,7 +164,7 @@ def test_with_free_links_every_strategy_takes_its_compute_the_same_without_a_mas
                                                     (8, 8192, "striped")])
 def test_causal_work_is_what_the_scan_ring_computes_tile_by_tile(ring, seq_len, layout):
     """The model's share of the logits the slowest device computes is the scan ring's, counted as it runs
-    (`tuner.work.count_work`) at its default tiles."""
+    (`tuner.support.work.count_work`) at its default tiles."""
     mesh, seq = Mesh(np.array(jax.devices()[:ring]), ("sp",)), P(None, "sp")
     attend = jax.shard_map(lambda q, k, v: ring_attention(q, k, v, causal=True, axis_name="sp", layout=layout),
                            mesh=mesh, in_specs=(seq, seq, seq), out_specs=seq)

@@ -5,7 +5,7 @@ a TPU topology (`jax.experimental.topologies`) without a TPU. Checked here:
 - in the scheduled program, every ring step's transfers overlap its kernel: in the loop body of the
   forward and of the backward, each collective-permute starts before the step's kernel (or the branch
   that skips it) and completes after it, on v5e, v6e, v5p and v4. The backward used to wait for its kernel
-  before sending the dK/dV accumulators (`tuner.ring` now adds a step's block gradients after the
+  before sending the dK/dV accumulators (`tuner.strategies.ring` now adds a step's block gradients after the
   accumulator arrives). Without a mask the kernel runs in a branch too, under an always-true predicate
   the compiler cannot fold: a bare kernel was scheduled before its transfers on v6e;
 - each kernel asks Mosaic for half the VMEM of the chip the mesh is made of (not a fallback chip's),
@@ -31,7 +31,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from tuner import get_tuned_ring_attention, hlo, ring_attention  # noqa: E402
+from tuner import get_tuned_ring_attention, ring_attention  # noqa: E402
+from tuner.models import hlo  # noqa: E402
 
 RING, T, H, HKV, D = 4, 4 * 2048, 8, 2, 128
 
@@ -113,8 +114,8 @@ def test_the_compiled_dry_run_ranks_what_the_compiler_accepts_and_the_loader_use
     every admitted variant compiles, the compiler never reports more VMEM than the estimate the
     constraints rule by (so they never admit a variant over the limit; the margin is in the report),
     and the stored `compiled` row is what the loader runs on that topology, saying so."""
-    from tuner import compiled
-    from tuner.problem import Problem
+    from tuner.tuning import compiled
+    from tuner.semantics.problem import Problem
 
     problem = Problem(seq_len=4 * 1024, heads=H, kv_heads=HKV, head_dim=D, dtype="bfloat16", causal=True,
                       ring_size=RING)
@@ -144,8 +145,8 @@ def test_the_largest_variants_the_vmem_constraint_admits_compile_on_the_smallest
     with the largest VMEM estimate compiles within the limit, inside the whole ring, and uses no more
     than the estimate. (`python benchmarks/tpu_vmem.py` does this on every generation;
     `benchmarks/tpu_vmem_kernels.py` over the whole tile space.)"""
-    from tuner import compiled
-    from tuner.problem import Problem
+    from tuner.tuning import compiled
+    from tuner.semantics.problem import Problem
 
     problem = Problem(seq_len=4 * 2048, heads=H, kv_heads=HKV, head_dim=D, dtype="bfloat16", causal=True,
                       ring_size=RING)
@@ -165,8 +166,8 @@ def test_the_largest_float32_tiles_the_vmem_constraint_admits_on_v4_compile_with
     the largest VMEM estimate, compiled alone (`compiled.compile_step`), compile and use no more than
     the estimate. Before the estimate was fitted to the compiler, it admitted a forward the compiler
     rejected here (256x1024: estimated 7.6 MiB of 8)."""
-    from tuner import compiled
-    from tuner.problem import Problem
+    from tuner.tuning import compiled
+    from tuner.semantics.problem import Problem
 
     problem = Problem(seq_len=8 * 4096, heads=H, kv_heads=HKV, head_dim=256, dtype="float32", causal=True,
                       ring_size=8)

@@ -1,12 +1,12 @@
-"""The analytic TPU model (`tuner.tpu_model`) that ranks compiled variants: its FLOPs are those of the
+"""The analytic TPU model (`tuner.models.tpu_model`) that ranks compiled variants: its FLOPs are those of the
 tiles the schedules visit, a transfer-bound ring takes its transfers' time, and every rate it uses
 names its source."""
 
 import pytest
 
-from tuner import tpu_model
-from tuner.params import BwdParams, FwdParams
-from tuner.problem import Problem
+from tuner.models import tpu_model
+from tuner.kernels.params import BwdParams, FwdParams
+from tuner.semantics.problem import Problem
 
 CHIP = tpu_model.CHIPS["v5e"]
 
@@ -46,7 +46,7 @@ def test_every_chip_names_its_source():
 def test_a_kernels_vmem_is_read_from_its_scoped_region_not_from_the_start_of_vmem():
     """The compiler reports how far into VMEM a kernel's use reaches; where XLA keeps VMEM below the
     kernel's region (v5p: 4 MiB), the kernel's own use is the reach less the region's offset."""
-    from tuner import hlo
+    from tuner.models import hlo
 
     def line(name, offset, size, reach):
         return (f'  %{name} = f32[8]{{0}} custom-call(), custom_call_target="tpu_custom_call", backend_config='
@@ -70,7 +70,7 @@ def test_the_vmem_estimate_admits_no_kernel_the_compiler_rejects_and_bounds_ever
     import re
     from pathlib import Path
 
-    from tuner.backends import tpu_memory
+    from tuner.kernels import tpu_memory
 
     results = Path(__file__).parent.parent / "benchmarks" / "results"
     records = [json.loads(line) for line in (results / "tpu_vmem_kernels.jsonl").read_text().splitlines()]
@@ -98,7 +98,7 @@ def test_each_generations_default_tiles_are_the_ones_chosen_from_its_compile_res
     import json
     from pathlib import Path
 
-    from tuner.backends import tpu_memory
+    from tuner.kernels import tpu_memory
 
     chosen = json.loads((Path(__file__).parent.parent / "benchmarks" / "results" / "tpu_defaults.json").read_text())
     by_chip = {c["chip"]: (FwdParams(**c["fwd"]), BwdParams(**c["bwd"])) for c in chosen["chips"]}

@@ -12,11 +12,12 @@ import pytest
 from hypothesis import given, settings
 
 from tests.cases import check_case, check_low_precision, triton_cases
-from tuner import BwdParams, FwdParams, codegen, ring_attention
-from tuner.backends import triton as triton_backend
-from tuner.problem import Problem
-from tuner.search import SearchOptions, search
-from tuner.spec import AttentionSpec
+from tuner import BwdParams, FwdParams, ring_attention
+from tuner.kernels import codegen
+from tuner.kernels import triton as triton_backend
+from tuner.semantics.problem import Problem
+from tuner.tuning.search import SearchOptions, search
+from tuner.semantics.spec import AttentionSpec
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None,

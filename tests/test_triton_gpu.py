@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.cases import Case, check_case, check_low_precision, triton_cases
-from tuner.backends import BACKENDS
+from tuner.kernels import BACKENDS
 
 WHY_NOT = BACKENDS["triton"].unavailable_reason()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"needs a CUDA GPU with jax-triton: {WHY_NOT}")

@@ -99,7 +99,7 @@ def test_the_wheel_installs_and_runs_outside_the_checkout(tmp_path):
         from jax.sharding import Mesh
 
         from tuner import get_tuned_ring_attention
-        from tuner.reference import dense_attention
+        from tuner.semantics.reference import dense_attention
 
         mesh = Mesh(np.array(jax.devices()[:2]), ("sp",))
         attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh)  # the loader's defaults

@@ -8,7 +8,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from tuner import FwdParams, BwdParams, ring_attention
-from tuner.work import count_work
+from tuner.support.work import count_work
 
 
 def _count(ring: int, layout: str, *, causal: bool = True, local: int = 16, backward: bool = False,
@@ -74,8 +74,8 @@ def test_tile_schedule_lists_every_allowed_tile_and_unmasks_only_whole_allowed_o
     """Against the token-level rule: every tile with an allowed pair is among the first `count`; the
     first `full` ones are allowed pair by pair and lie inside the lengths; and a tile that is whole and
     allowed everywhere is unmasked whenever its position and segment ranges show it."""
-    from tuner import masks
-    from tuner.spec import AttentionSpec
+    from tuner.semantics import masks
+    from tuner.semantics.spec import AttentionSpec
 
     spec = AttentionSpec(scale=1.0, **features)
     q_len, kv_len, block_q, block_kv = 44, 52, 8, 16  # both ends with a partial tile

@@ -3,13 +3,13 @@
     from tuner import get_tuned_ring_attention, ring_attention, autotune, FwdParams, BwdParams
 """
 
-from tuner import all_to_all, implementations  # noqa: F401 - registers the built-in implementations
-from tuner import all_gather, hybrid  # noqa: F401 - register the all-gather and hybrid implementations
-from tuner.autotuning import autotune
-from tuner.dispatch import get_tuned_ring_attention
-from tuner.params import BwdParams, FwdParams
-from tuner.attention import ring_attention
+from tuner.strategies import all_gather, all_to_all, hybrid, implementations  # noqa: F401 - register themselves
+from tuner.tuning.autotuning import autotune
+from tuner.runtime.dispatch import get_tuned_ring_attention
+from tuner.kernels.params import BwdParams, FwdParams
+from tuner.runtime.attention import ring_attention
+from tuner.semantics import layouts
+from tuner.support.version import __version__
 
-__version__ = "0.1.0"
 
-__all__ = ["BwdParams", "FwdParams", "autotune", "get_tuned_ring_attention", "ring_attention", "__version__"]
+__all__ = ["BwdParams", "FwdParams", "autotune", "get_tuned_ring_attention", "layouts", "ring_attention", "__version__"]

@@ -19,11 +19,11 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from tuner import hybrid, layouts
-from tuner.checks import check_int
-from tuner.dispatch import get_tuned_ring_attention
-from tuner.reference import dense_attention
-from tuner.ring import ring_geometry
+from tuner.semantics import layouts
+from tuner.support.checks import check_int
+from tuner.runtime.dispatch import get_tuned_ring_attention
+from tuner.semantics.reference import dense_attention
+from tuner.strategies.ring import ring_geometry
 
 ATTENTIONS = ("ring", "dense")
 
@@ -87,10 +87,10 @@ class RingSelfAttention(nnx.Module):
                                              strategy=strategy, **self.options)
 
     def positions(self, batch: int, length: int):
-        """Global positions `[batch, length]` of this device's tokens under the layout (the hybrid's: over its
-        ring axis, each position's chunk cut over the a2a axis)."""
+        """Global positions `[batch, length]` of this device's tokens under the layout (over two axes: over the
+        ring axis, each position's chunk cut over the group axis)."""
         if isinstance(self.axis_name, tuple):
-            return jnp.broadcast_to(hybrid.local_positions(self.layout, length, self.axis_name), (batch, length))
+            return jnp.broadcast_to(layouts.grouped_positions(self.layout, length, self.axis_name), (batch, length))
         size, rank = ring_geometry(self.axis_name)
         layouts.check_layout(self.layout, length)
         return jnp.broadcast_to(layouts.local_positions(self.layout, length, size, rank), (batch, length))

@@ -1,7 +1,8 @@
-"""The tuning cache (DESIGN section 8): SQLite through sqlite-utils, one table of decisions.
+"""The tuning cache (DESIGN section 8): SQLite through sqlite-utils, one table of decisions. It imports
+`support`, `semantics`, `kernels` (the tile params) and `registry` (configs, the version rule) only.
 
 A row is one decision -- an implementation and its config for a problem -- with what measured it: the
-problem key (`tuner.problem.ProblemKey`, whose backend is the implementation), the config, the measured
+problem key (`tuner.semantics.problem.ProblemKey`, whose backend is the implementation), the config, the measured
 times, the trial counts, the versions it was measured with (jax, jaxlib, triton, the implementation's
 code hash) and its `source`: `search` (the best config `tuner search` found) or `bench` (the time of
 one implementation in a `tuner bench --mechanisms` run of every implementation side by side). A row
@@ -24,7 +25,7 @@ The cache sits on the path of every training step, so it trusts nothing it reads
   `tuner search` processes can write at once; they create the indexes that keep lookups fast.
 
 The runtime loader with `backend="auto"` chooses the implementation from the decisions of every
-implementation for the problem by one rule (`tuner.measured`). Files written before the `source`
+implementation for the problem by one rule (`tuner.runtime.measured`). Files written before the `source`
 column hold search rows only, and may hold a `mechanisms` table of bench runs: readers read both as
 the current schema, writers migrate them (`legacy`).
 
@@ -37,8 +38,9 @@ statuses). This module exports the names the rest of ring-tuner uses.
 
 from tuner.cache.files import Rejected, parse_jsonl, read_jsonl, read_shipped, write_jsonl
 from tuner.cache.lookup import Lookup
-from tuner.cache.rows import (COLUMNS, FEATURES, SOURCES, TABLE, VERSION_FIELDS, current_versions, make_row,
-                              row_config, row_digest, row_key, row_params, row_problem, stale_reason, warn_once)
+from tuner.cache.rows import (COLUMNS, FEATURES, SOURCES, TABLE, make_row, row_config, row_digest, row_key, row_params,
+                              row_problem, warn_once)
+from tuner.registry.versions import VERSION_FIELDS, current_versions, stale_reason
 from tuner.cache.store import LOADER_BUSY_TIMEOUT_S, Cache, CacheError, Listing, writes
 
 __all__ = ["COLUMNS", "FEATURES", "LOADER_BUSY_TIMEOUT_S", "SOURCES", "TABLE", "VERSION_FIELDS", "Cache",

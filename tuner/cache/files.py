@@ -3,7 +3,7 @@
 A JSON-lines file holds one cache row per line, sorted keys, so that a diff of two exports reviews
 well. Reading one validates every line as strictly as the loader validates the database
 (`tuner.cache.rows.row_problem`); the shipped files (`cache_db/*.jsonl`, found through
-`tuner.resources.shipped_dir`) are parsed once per file version, their bad lines warned about once.
+`tuner.support.resources.shipped_dir`) are parsed once per file version, their bad lines warned about once.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tuner import resources
+from tuner.support import resources
 from tuner.cache.rows import parse_json, row_problem, upgrade, warn_once
 
 

@@ -14,7 +14,7 @@ module turns it into that run's bench rows of the `tuned` table (`bench_rows`):
 
 A writer migrates every legacy row it can into the `tuned` table and drops the legacy table once empty
 (`tuner.cache.store`); a reader of a file no writer has opened since reads the legacy row of the problem
-it decides (`tuner.dispatch`), so an old file keeps deciding as it did, read-only files included.
+it decides (`tuner.runtime.dispatch`), so an old file keeps deciding as it did, read-only files included.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Any
 
 from tuner import registry
 from tuner.cache.rows import HEX_KEY, check_date, is_number, json_object, make_row
-from tuner.problem import OBJECTIVES, Problem, ProblemKey
-from tuner.spec import AttentionSpec
+from tuner.semantics.problem import OBJECTIVES, Problem, ProblemKey
+from tuner.semantics.spec import AttentionSpec
 
 TABLE = "mechanisms"
 COLUMNS: dict[str, type] = {
@@ -83,7 +83,8 @@ def problem_of(row: dict[str, Any]) -> tuple[ProblemKey, AttentionSpec]:
     """The `auto` key and the spec of a valid legacy row, from its problem description; `ValueError`
     when the description does not parse or does not hash to the row's key."""
     problem = Problem.parse(row["problem"])
-    key = problem.key("auto", row["device_kind"])
+    key = ProblemKey.of(problem.shapes, problem.spec, backend="auto", device_kind=row["device_kind"],
+                        ring_size=problem.ring_size, layout=problem.layout)
     if key.digest != row["key"]:
         raise ValueError(f"its problem {row['problem']!r} on {row['device_kind']} has key {key.digest}, not "
                          f"{row['key']}")

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tuner import resources
+from tuner.support import resources
 from tuner.cache.files import read_shipped
-from tuner.cache.rows import (FAMILY_FIELDS, SIZE_FIELDS, TABLE, VERSION_FIELDS, features_text, is_int, row_digest,
-                              row_key, row_problem, stale_reason, warn_once)
-from tuner.problem import ProblemKey
+from tuner.cache.rows import (FAMILY_FIELDS, SIZE_FIELDS, TABLE, features_text, is_int, row_digest, row_key,
+                              row_problem, warn_once)
+from tuner.registry.versions import VERSION_FIELDS, stale_reason
+from tuner.semantics.problem import ProblemKey
 
 
 @dataclass(frozen=True)

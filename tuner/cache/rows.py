@@ -8,7 +8,7 @@ The `tuned` table holds every decision the tools measured, told apart by `source
   implementation side by side on the same inputs (`study` names the run, `trials_run` counts its timed
   runs; `default_s` and `speedup` are null: the run times one config per implementation);
 - `compiled`: the config `tuner search --dry-run --target` chose for a TPU target among the variants
-  the TPU compiler accepted, ranked by the analytic model of `tuner.tpu_model` (`best_s` is the
+  the TPU compiler accepted, ranked by the analytic model of `tuner.models.tpu_model` (`best_s` is the
   model's time, not a measurement; `default_s` and `speedup` are null; `trials_run` counts the
   variants compiled, `trials_pruned` those the constraints ruled out).
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
-import importlib.metadata
 import json
 import logging
 import math
@@ -36,10 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from tuner import registry
-from tuner.params import BwdParams, FwdParams
-from tuner.problem import DTYPES, OBJECTIVES, ProblemKey
+from tuner.kernels.params import BwdParams, FwdParams
+from tuner.semantics.problem import DTYPES, OBJECTIVES, ProblemKey
 from tuner.registry import Config
-from tuner.spec import LAYOUTS
+from tuner.registry.versions import VERSION_FIELDS
+from tuner.semantics.spec import LAYOUTS
 
 log = logging.getLogger("tuner.cache")
 
@@ -48,7 +48,6 @@ SIZE_FIELDS = ("ring_size", "batch", "q_len", "kv_len", "heads", "kv_heads", "he
 KEY_FIELDS = ("op", "backend", "device_kind", "ring_size", "layout", "batch", "q_len", "kv_len", "heads",
               "kv_heads", "head_dim", "dtype", "features")
 FAMILY_FIELDS = ("op", "backend", "device_kind", "head_dim", "dtype", "features")
-VERSION_FIELDS = ("jax_version", "jaxlib_version", "triton_version", "code_hash")
 TIME_FIELDS = ("best_s", "default_s", "speedup")
 COLUMNS: dict[str, type] = {
     "key": str, **{f: (int if f in SIZE_FIELDS else str) for f in KEY_FIELDS},
@@ -64,26 +63,6 @@ INDEXES = {"tuned_family": FAMILY_FIELDS, "tuned_measured_at": ("measured_at",)}
 FEATURES: dict[str, str] = {"causal": "bool", "window": "window", "chunk_size": "positive or null",
                             "softcap": "bool", "segments": "bool", "bias": "bool", "sinks": "count"}
 HEX_KEY = re.compile(r"^[0-9a-f]{16}$")
-
-
-def current_versions(code_hash: str, *, triton: bool = False) -> dict[str, str]:
-    """The versions an entry measured now would carry, for a backend whose code hash is `code_hash`;
-    the triton version only for a backend built on Triton ("-" otherwise, so that installing or
-    upgrading triton does not make scan entries stale)."""
-    def version(package: str) -> str:
-        try:
-            return importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            return "-"
-
-    return {"jax_version": version("jax"), "jaxlib_version": version("jaxlib"),
-            "triton_version": version("triton") if triton else "-", "code_hash": code_hash}
-
-
-def stale_reason(row: dict[str, Any], versions: dict[str, str]) -> str | None:
-    """Which version of `row` differs from `versions`, or None when the row is current."""
-    changed = [f"{f} {row.get(f)} -> {versions[f]}" for f in VERSION_FIELDS if row.get(f) != versions[f]]
-    return ", ".join(changed) or None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -26,8 +26,8 @@ from tuner.cache import legacy
 from tuner.cache.lookup import Lookup, find_entry
 from tuner.cache.rows import (COLUMNS, INDEXES, KEY_FIELDS, TABLE, VERSION_FIELDS, canonical, check_row, row_problem,
                               upgrade, warn_once)
-from tuner.problem import ProblemKey
-from tuner.resources import tuner_home
+from tuner.semantics.problem import ProblemKey
+from tuner.support.resources import tuner_home
 
 WRITE_BUSY_TIMEOUT_S = 60.0
 READ_BUSY_TIMEOUT_S = 10.0

@@ -17,9 +17,10 @@ from typing import Any
 
 from tuner import registry
 from tuner.cache.files import parse_jsonl, write_jsonl
-from tuner.cache.rows import row_problem, stale_reason
+from tuner.cache.rows import row_problem
+from tuner.registry.versions import stale_reason
 from tuner.cache.store import Cache
-from tuner.tables import table
+from tuner.support.tables import table
 
 # The key fields `tuner list` filters on, with the type of each flag's value.
 LIST_FILTERS: dict[str, type] = {"backend": str, "device_kind": str, "layout": str, "dtype": str, "head_dim": int,

@@ -20,7 +20,9 @@ arguments are checked (on the CPU the ring size decides how many devices jax sim
 
 The package: `parser` (the verbs' flags and value types), `options` (parsed options to the API's inputs,
 checked before any work), `verbs` (a function per verb: call the API, print what it returns),
-`recorded` (`record`, `doctor`, `search --from`) and `targets` (`search --dry-run --target`).
+`recorded` (`record`, `doctor`, `search --from`), `targets` (`search --dry-run --target`), and the texts
+and reports of `info`, `usage` (after a search), `demo` and `generate`. The top layer: it may import every
+layer below.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import os
 import sys
 
 from tuner.cache import Cache, CacheError
-from tuner.problem import Problem
+from tuner.semantics.problem import Problem
 
 
 class UsageError(Exception):

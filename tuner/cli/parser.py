@@ -11,8 +11,8 @@ from typing import NoReturn
 from tuner.cache.views import LIST_FILTERS
 from tuner.cli import verbs
 from tuner.cli.options import UsageError
-from tuner.problem import DEVICES, DTYPES, OBJECTIVES, SAMPLERS, Problem
-from tuner.spec import LAYOUTS
+from tuner.semantics.problem import DEVICES, DTYPES, OBJECTIVES, SAMPLERS, Problem
+from tuner.semantics.spec import LAYOUTS
 
 
 class _Parser(argparse.ArgumentParser):

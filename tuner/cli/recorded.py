@@ -12,9 +12,9 @@ import os
 import subprocess
 import sys
 
-from tuner import record
+from tuner.runtime import record
 from tuner.cli.options import UsageError, calls_of, prepare_output, simulate_cpu_devices
-from tuner.problem import Problem
+from tuner.semantics.problem import Problem
 
 FROM_FILE = dict(  # flags whose values --from takes from the file (the objective: from each call's gradients)
     objective="fwd+bwd", batch=Problem().batch, seq_len=Problem().seq_len, heads=Problem().heads,
@@ -65,7 +65,7 @@ def _read(path: str) -> record.Recording:
 
 
 def doctor_file(args: argparse.Namespace) -> int:
-    from tuner.autotuning import COVERED, doctor, render_doctor
+    from tuner.tuning.autotuning import COVERED, doctor, render_doctor
 
     recording = _read(args.file)
     checked = doctor(recording.calls, args.db)
@@ -88,8 +88,8 @@ def search_from(args: argparse.Namespace) -> int:
         simulate_cpu_devices(max(c.ring_size for c in recording.calls))
     import dataclasses
 
-    from tuner.autotuning import COVERED, Report, replay, tune
-    from tuner.search import SearchOptions
+    from tuner.tuning.autotuning import COVERED, Report, replay, tune
+    from tuner.tuning.search import SearchOptions
 
     try:
         options = SearchOptions(trials=args.trials, timeout=args.timeout, trial_timeout=args.trial_timeout,

@@ -12,7 +12,7 @@ from tuner.cli.options import UsageError, check_writable_cache, problem_of
 
 def compile_targets(args: argparse.Namespace) -> int:
     """0 when every target has a config (a forward and a backward variant compiled), else 1."""
-    from tuner import compiled
+    from tuner.tuning import compiled
 
     missing = compiled.libtpu_missing()
     if missing:

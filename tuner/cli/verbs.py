@@ -19,7 +19,7 @@ from tuner.cache import views
 from tuner.cli import recorded, targets
 from tuner.cli.options import (UsageError, cache_of, calls_of, check_storage, check_writable_cache, fail,
                                prepare_device, prepare_output, problem_of, simulate_cpu_devices)
-from tuner.problem import Problem
+from tuner.semantics.problem import Problem
 
 
 def run_search(args: argparse.Namespace) -> int:
@@ -34,8 +34,8 @@ def run_search(args: argparse.Namespace) -> int:
         raise UsageError("--samples goes with --dry-run (how many variants to run in the interpreter)")
     if args.target:
         raise UsageError("--target compiles for TPU topologies without a TPU: use it with --device tpu --dry-run")
-    from tuner.search import SearchOptions, check_device, resolve_backend, search
-    from tuner.usage import search_summary
+    from tuner.tuning.search import SearchOptions, check_device, resolve_backend, search
+    from tuner.cli.usage import search_summary
 
     prepare_device(args)
     problem = problem_of(args)
@@ -114,8 +114,8 @@ def _dry_run(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from tuner.backends import tpu_memory
-    from tuner.dryrun import dry_run
+    from tuner.kernels import tpu_memory
+    from tuner.tuning.dryrun import dry_run
 
     try:
         chip = tpu_memory.chip()
@@ -193,14 +193,14 @@ def run_clear(args: argparse.Namespace) -> int:
 
 def run_bench(args: argparse.Namespace) -> int:
     """`tuner bench`: the tuned, default, scan and dense attention timed side by side (or the mechanisms)."""
-    from tuner.bench import bench, bench_mechanisms
+    from tuner.tuning.bench import bench, bench_mechanisms
 
     prepare_device(args)
     problem = problem_of(args)
     if args.mechanisms and args.backend != "auto":
         raise UsageError("--mechanisms times every mechanism that runs here; leave --backend at auto")
     try:
-        from tuner.search import check_device
+        from tuner.tuning.search import check_device
 
         check_device(args.device)
         if args.mechanisms:
@@ -219,8 +219,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def run_report(args: argparse.Namespace) -> int:
     """`tuner report KEY`: the HTML report of the study behind an entry."""
-    from tuner.report import write_report
-    from tuner.study import default_storage
+    from tuner.tuning.report import write_report
+    from tuner.tuning.study import default_storage
 
     prepare_output(args.out, "--out")
     if args.storage is not None:
@@ -237,8 +237,8 @@ def run_report(args: argparse.Namespace) -> int:
 
 def run_generate(args: argparse.Namespace) -> int:
     """`tuner generate`: render the standard variants, and compile or lower them."""
-    from tuner import codegen
-    from tuner.generate import TEMPLATED, generate
+    from tuner.kernels import codegen
+    from tuner.cli.generate import TEMPLATED, generate
 
     if args.backend not in TEMPLATED:
         raise UsageError(f"--backend must be one of {', '.join(TEMPLATED)} (the backends with templates), "
@@ -267,7 +267,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def run_info(args: argparse.Namespace) -> int:
     """`tuner info`: devices, versions, implementations, caches."""
-    from tuner.info import info
+    from tuner.cli.info import info
 
     for line in info(cache_of(args)):
         print(line)
@@ -276,7 +276,7 @@ def run_info(args: argparse.Namespace) -> int:
 
 def run_demo(args: argparse.Namespace) -> int:
     """`tuner demo`: a ring on simulated CPU devices, checked and timed."""
-    from tuner.demo import demo
+    from tuner.cli.demo import demo
 
     simulate_cpu_devices(args.devices)
     try:

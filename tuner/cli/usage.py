@@ -1,0 +1,76 @@
+"""What a finished search tells its user: the summary `tuner search` prints, and the exact runtime
+loader call that meets the entry it stored.
+
+These are texts about a `SearchResult` and a `Problem`, apart from `tuner.tuning.search` (the search
+machinery: optuna, compiled candidates, timing), so that printing them needs none of it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tuner.semantics.problem import Problem
+from tuner.support.tables import describe_config, table
+
+if TYPE_CHECKING:
+    from tuner.tuning.search import SearchResult
+
+
+def loader_call(problem: Problem) -> list[str]:
+    """The runtime loader call that meets `problem`'s cache entry exactly, as lines of Python: the
+    mesh, the arrays it takes and the call."""
+    ring, hybrid = problem.ring_size > 1, problem.a2a_size > 1
+    options = (['axis_name=("ring", "a2a")'] if hybrid else ['axis_name="sp"']) if ring else []
+    options += [text for on, text in ((problem.causal, "causal=True"),
+                                      (problem.window is not None, f"sliding_window={problem.window}"),
+                                      (problem.chunk_size is not None, f"chunk_size={problem.chunk_size}"),
+                                      (problem.softcap is not None, f"logits_soft_cap={problem.softcap}")) if on]
+    if ring:
+        options += [f'layout="{problem.layout}"', "mesh=mesh"]
+    extras, shapes = "", ""
+    if problem.segments:
+        extras += ", q_segment_ids=segment_ids, kv_segment_ids=segment_ids"
+        shapes += f", segment_ids [{problem.batch}, {problem.seq_len}]"
+    if problem.sinks:
+        extras += ", softmax_aux=sinks"
+        shapes += f", sinks [{problem.heads}{'' if problem.sinks == 1 else f', {problem.sinks}'}]"
+    lines = []
+    if hybrid:
+        lines.append(f"mesh = Mesh(np.array(jax.devices()[:{problem.ring_size}]).reshape({problem.ring_positions}, "
+                     f'{problem.a2a_size}), ("ring", "a2a"))')
+    elif ring:
+        lines.append(f'mesh = Mesh(np.array(jax.devices()[:{problem.ring_size}]), ("sp",))')
+    lines += [f"attn = get_tuned_ring_attention({', '.join(options)})",
+              f"out = attn(q, k, v{extras})  # {problem.dtype} q [{problem.batch}, {problem.seq_len}, {problem.heads}, "
+              f"{problem.head_dim}], k/v [{problem.batch}, {problem.seq_len}, {problem.kv_heads}, {problem.head_dim}]"
+              f"{shapes}{', global, in token order' if ring else ''}"]
+    return lines
+
+
+def search_summary(result: SearchResult) -> list[str]:
+    """The report of a finished search, line by line: the default and the winner timed side by side,
+    the study's trials, where the winner went (stored, or kept: a better row of the study's workers),
+    the study, the loader call that uses the entry and what to run next."""
+    rows = []
+    for name, measured in (("default", result.default), ("best", result.best)):
+        times = [f"{t.median * 1e3:.1f}" if t is not None else "-" for t in (measured.fwd, measured.bwd)]
+        rows.append([name, *times, f"{measured.seconds * 1e3:.1f}",
+                     f"{result.default.seconds / measured.seconds:.2f}x",
+                     describe_config(measured.config)])
+    failed = ", ".join(f"{reason} {count}" for reason, count in sorted(result.failed.items())) or "none"
+    lines = [f"{result.backend} backend on {result.device_kind}: {result.problem.describe()}",
+             table(["", "fwd ms", "bwd ms", "total ms", "speedup", "params"], rows),
+             f"trials   {result.trials_run} in the study ({result.new_trials} run now): "
+             f"{result.trials_run - result.trials_pruned - sum(result.failed.values())} complete, "
+             f"{result.trials_pruned} pruned, failed: {failed}"]
+    lines += [f"re-timing skipped {failure}" for failure in result.failures]
+    if result.stored:
+        lines.append(f"stored   key {result.key.digest} in {result.db_path}")
+    else:
+        lines.append(f"kept     key {result.key.digest} in {result.db_path}: an earlier result of this study's "
+                     f"workers ({result.stored_speedup:.2f}x) beats this run's ({result.speedup:.2f}x)")
+    lines.append(f"study    {result.study} in {result.storage}  ({result.seconds:.0f} s)")
+    lines += [f"use      {line}" for line in loader_call(result.problem)]
+    lines.append(f"next     `tuner bench` with the same options times them against dense attention; "
+                 f"`tuner show {result.key.digest[:8]}` prints the entry")
+    return lines

@@ -1,0 +1,116 @@
+"""The contract every backend publishes (DESIGN section 3): one op, several implementations.
+
+A backend computes attention between one block of queries and one block of keys -- it knows nothing
+about rings. The ring driver (`tuner.strategies.ring`) calls it once per ring step and merges the results.
+
+    block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec, params, interpret)
+        -> o_f32 [B,Tq,H,D], lse_f32 [B,H,Tq]
+    block_bwd(q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec, params, interpret)
+        -> dq, dk, dv (float32), dbias (bias's shape and float32, or None without bias)
+
+Positions and segment ids are int32 `[B, T]`; `q_seg`/`kv_seg` are None without segments. `bias` is
+the slice for this key block (`[B|1, H|1, Tq|1, Tk|1]`) or None. `lse` and `delta` are those of the
+final softmax (all ring steps and sinks), so a block's probabilities are `exp(logits - lse)`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from tuner.kernels.params import BwdParams, FwdParams
+from tuner.semantics.spec import AttentionSpec, LocalShapes
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The tunable choices of one backend for one problem (DESIGN section 6).
+
+    `fwd` maps `FwdParams` fields to their candidate values, `bwd` the `BwdParams` fields other than the
+    dq tiles; `dq_tiles` are the candidates for `block_q_dq` and `block_kv_dq` of a separate dq pass
+    (empty: dq is always fused); `dq_passes` says whether dq may be "fused" into the dk/dv pass and/or
+    run as a "separate" pass. Cross-field constraints are the backend's `violation`.
+    """
+
+    fwd: dict[str, tuple[int, ...]]
+    bwd: dict[str, tuple[int, ...]]
+    dq_tiles: tuple[int, ...] = ()
+    dq_passes: tuple[str, ...] = ("fused", "separate")
+
+    def fwd_points(self) -> Iterator[FwdParams]:
+        names = list(self.fwd)
+        for values in itertools.product(*self.fwd.values()):
+            yield FwdParams(**dict(zip(names, values)))
+
+    def bwd_points(self) -> Iterator[BwdParams]:
+        names = list(self.bwd)
+        dq_options = [(None, None)] if "fused" in self.dq_passes else []
+        if "separate" in self.dq_passes:
+            dq_options += itertools.product(self.dq_tiles, self.dq_tiles)
+        for values in itertools.product(*self.bwd.values()):
+            for block_q_dq, block_kv_dq in dq_options:
+                yield BwdParams(**dict(zip(names, values)), block_q_dq=block_q_dq, block_kv_dq=block_kv_dq)
+
+
+def source_hash(*paths: Path) -> str:
+    """First 12 hex digits of the sha256 of these files: the version of a backend's kernel code."""
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+class Backend(Protocol):
+    """What `tuner.strategies.ring` and the tuner need from a backend."""
+
+    name: str
+
+    def unavailable_reason(self, interpret: bool = False, platform: str | None = None) -> str | None:
+        """None when this backend's kernels can be built for `platform` (default: the program being
+        traced, `tuner.support.targets.compile_target`), or run in their interpreter with `interpret`; else why
+        not."""
+
+    def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int) -> str | None:
+        """None when every feature of `spec` is honoured, else the first one that is not."""
+
+    def check_params(self, fwd: FwdParams, bwd: BwdParams) -> None:
+        """Raise `ValueError` naming the field for parameters this backend cannot honour."""
+
+    def default_params(self, q_len: int, kv_len: int, head_dim: int) -> tuple[FwdParams, BwdParams]:
+        """The heuristic default for a local problem of these lengths."""
+
+    def search_space(self, shapes: LocalShapes, spec: AttentionSpec) -> SearchSpace:
+        """The candidate tiles (and launch settings) worth trying for these local shapes."""
+
+    def violation(self, shapes: LocalShapes, spec: AttentionSpec, fwd: FwdParams | None, bwd: BwdParams | None
+                  ) -> str | None:
+        """Why this point cannot run for these shapes (checked before compiling), or None when it can."""
+
+    def code_hash(self) -> str:
+        """Version of the code that builds this backend's kernels (template text for generated ones):
+        part of every cache entry, so tuned entries go stale when the kernels change."""
+
+    def block_fwd(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec,
+                  params: FwdParams, interpret: bool): ...
+
+    def block_bwd(self, q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *,
+                  spec: AttentionSpec, params: BwdParams, interpret: bool): ...
+
+
+def reject_settings(backend: str, fwd: FwdParams, bwd: BwdParams, *, launch: bool, compute_slice: bool) -> None:
+    """`ValueError` naming a setting that `backend` cannot honour: the GPU launch settings
+    (`num_warps`, `num_stages`) unless it has `launch` ones, `block_kv_compute` unless it computes a
+    key tile in slices (`compute_slice`)."""
+    if not launch:
+        for owner, params in (("fwd_params", fwd), ("bwd_params", bwd)):
+            for field in ("num_warps", "num_stages"):
+                if getattr(params, field) is not None:
+                    raise ValueError(f"{owner}.{field} is a GPU launch setting that the {backend} backend "
+                                     f"cannot honour; leave it None")
+    if not compute_slice and fwd.block_kv_compute is not None:
+        raise ValueError(f"fwd_params.block_kv_compute is a TPU kernel setting that the {backend} backend "
+                         f"cannot honour; leave it None")

@@ -1,0 +1,336 @@
+"""The Pallas TPU backend: generated Pallas/Mosaic kernels (`templates/pallas_tpu/attention.py.j2`).
+
+On a TPU the kernels compile with Mosaic. With `interpret=True` the same rendered kernels -- grid,
+block specs, scalar-prefetched schedules and all -- run in Pallas's interpreter on the CPU, and `lower`
+exports them for the TPU platform without one (`jax.export(..., platforms=["tpu"])`), which runs
+Pallas's Mosaic lowering and its TPU tiling checks. Neither proves speed, and Mosaic's own compile in
+libtpu only happens on a TPU. (Pallas's more faithful TPU interpret mode, `pltpu.InterpretParams`,
+simulates each device's memories; under `shard_map` on simulated CPU devices it did not finish a
+2-device ring in 300 s, so the plain interpreter is used.)
+
+Layout: TPU blocks need their last two dims to be multiples of (8, 128) or whole, so the block
+functions here transpose q/k/v to heads-major `[B, H, T, D]` (a copy in HBM, in the input dtype) and
+pad local lengths to whole tiles when a tile does not divide them. dq is a kernel of its own (a fused
+dq would need atomics), and bias and float16 are not supported (`backend="auto"` takes scan for them).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from tuner.kernels import codegen
+from tuner.semantics import masks
+from tuner.support import vma
+from tuner.kernels.base import SearchSpace, reject_settings, source_hash
+from tuner.kernels.params import BwdParams, FwdParams
+from tuner.semantics.spec import AttentionSpec, LocalShapes
+from tuner.kernels.tpu_memory import FALLBACK_TILES, GENERATION_TILES, LANES, chip, fitted_tiles, vmem_bytes
+from tuner.kernels.tpu_memory import vmem_limit_bytes
+from tuner.support.targets import compile_target
+
+TEMPLATE = "attention.py.j2"
+DTYPES = ("bfloat16", "float32")
+Q_ALIGN, KV_ALIGN = 8, 128  # a tile shorter than the sequence: sublane multiple (queries), lane multiple (keys)
+Q_TILES = (128, 256, 512, 1024)
+KV_TILES = (128, 256, 512, 1024, 2048)
+COMPUTE_TILES = (128, 256, 512)
+def _dtype_name(dtype: Any) -> str:
+    return jnp.dtype(dtype).name
+
+
+def variant(spec: AttentionSpec, dtype: Any, head_dim: int) -> codegen.Variant:
+    """The rendered module for these features (window / cap values and tiles are trace-time arguments)."""
+    return codegen.Variant("pallas_tpu", TEMPLATE, {
+        "causal": spec.causal, "window": spec.window is not None, "chunk": spec.chunk_size is not None,
+        "segments": spec.has_segments, "softcap": spec.softcap is not None, "dtype": _dtype_name(dtype),
+        "head_dim": head_dim})
+
+
+def standard_variants() -> list[codegen.Variant]:
+    """`codegen.STANDARD_FEATURES` in bfloat16 and float32, head dims 64 and 128."""
+    return [codegen.Variant("pallas_tpu", TEMPLATE, {**f, "dtype": dtype, "head_dim": d})
+            for f in codegen.STANDARD_FEATURES for dtype in DTYPES for d in (64, 128)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Tiles and the chip's memory.
+# --------------------------------------------------------------------------------------------------
+
+
+def _tile(name: str, requested: int, length: int, align: int) -> int:
+    """The tile used for a sequence of `length`: the request, cut to the length. A tile shorter than
+    the sequence must be a multiple of `align` (TPU tiling); the sequence is padded to whole tiles."""
+    tile = min(requested, length)
+    if tile < length and tile % align:
+        raise ValueError(f"{name}={requested} must be a multiple of {align} (TPU tiling) or at least the "
+                         f"local length {length}")
+    return tile
+
+
+def fwd_tiles(params: FwdParams, q_len: int, kv_len: int) -> tuple[int, int, int]:
+    """(block_q, block_kv, block_kv_compute) as run for these local lengths; `ValueError` naming the field.
+    A compute slice that does not divide a key tile cut to the whole sequence becomes that tile."""
+    block_q = _tile("fwd_params.block_q", params.block_q, q_len, Q_ALIGN)
+    block_kv = _tile("fwd_params.block_kv", params.block_kv, kv_len, KV_ALIGN)
+    compute = min(params.block_kv_compute or block_kv, block_kv)
+    if block_kv == kv_len and block_kv % compute:
+        compute = block_kv  # the key tile was cut to a sequence the slice does not divide: one slice
+    if block_kv % compute or (compute < block_kv and compute % LANES):
+        raise ValueError(f"fwd_params.block_kv_compute={params.block_kv_compute} must divide the key tile "
+                         f"{block_kv} and be a multiple of {LANES}")
+    return block_q, block_kv, compute
+
+
+def bwd_tiles(params: BwdParams, q_len: int, kv_len: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((block_q, block_kv) of dk/dv, (block_q, block_kv) of dq) as run for these local lengths."""
+    return ((_tile("bwd_params.block_q_dkv", params.block_q_dkv, q_len, Q_ALIGN),
+             _tile("bwd_params.block_kv_dkv", params.block_kv_dkv, kv_len, KV_ALIGN)),
+            (_tile("bwd_params.block_q_dq", params.block_q_dq, q_len, Q_ALIGN),
+             _tile("bwd_params.block_kv_dq", params.block_kv_dq, kv_len, KV_ALIGN)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Calling the kernels: heads-major padded arrays, id arrays, schedules.
+# --------------------------------------------------------------------------------------------------
+
+
+def _interpret_mode(interpret: bool, q) -> bool:
+    """Pallas's `interpret` for these kernels; with it, refuse what Pallas's interpreter cannot run."""
+    if interpret and vma.varying_axes(q):
+        raise ValueError("interpret=True with backend='pallas_tpu' cannot run under shard_map's varying-axes "
+                         "check (Pallas's interpreter evaluates the scalar-prefetch index maps without it): "
+                         "pass check_vma=False to jax.shard_map, or run the kernels on a TPU")
+    return interpret
+
+
+def _heads_major(x, length: int):
+    """`[B, T, H, D]` -> `[B, H, length, D]`, zero-padded along T."""
+    x = jnp.swapaxes(x, 1, 2)
+    return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, 0)))
+
+
+def _padded(length: int, tile: int) -> int:
+    return -(-length // tile) * tile
+
+
+def _ids(spec: AttentionSpec, pos, seg, length: int, *, keys: bool):
+    """Per-token ids the kernels compare -- position, chunk id (position // chunk), segment id --
+    padded to `length`: `[B, length, IDS]` for queries, `[B, IDS, length]` for keys."""
+    columns = [pos]
+    if spec.chunk_size is not None:
+        columns.append(jnp.floor_divide(pos, spec.chunk_size))
+    if spec.has_segments:
+        columns.append(seg)
+    ids = jnp.stack(columns, axis=1).astype(jnp.int32)
+    ids = jnp.pad(ids, ((0, 0), (0, 0), (0, length - pos.shape[1])))
+    return ids if keys else jnp.swapaxes(ids, 1, 2)
+
+
+def _row_stats(x, length: int, fill: float):
+    """`[B, H, Tq]` lse or delta -> `[B, H, length, 1]`, padded with `fill`."""
+    return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2])), constant_values=fill)[..., None]
+
+
+def _flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec: AttentionSpec, block_q: int, block_kv: int, by_key=False):
+    """The kernels' scalar-prefetched `schedule, count, unmasked` (`masks.tile_schedule`), flattened."""
+    schedule = masks.tile_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, block_q, block_kv, by_key=by_key)
+    return tuple(x.reshape(-1) for x in (schedule.order, schedule.count, schedule.unmasked))
+
+
+def schedule_smem_bytes(kernel: str, batch: int, q_tiles: int, kv_tiles: int) -> int:
+    """SMEM bytes of one kernel's scalar-prefetched schedule: int32 `schedule [B, held, streamed]`,
+    `count` and `unmasked [B, held]`, where the dk/dv kernel holds key tiles and streams query tiles,
+    the others the reverse."""
+    held, streamed = (kv_tiles, q_tiles) if kernel == "dkv" else (q_tiles, kv_tiles)
+    return 4 * batch * held * (streamed + 2)
+
+
+def _mask_values(spec: AttentionSpec) -> dict[str, Any]:
+    left, right = spec.window if spec.window is not None else (0, 0)
+    return dict(scale=float(spec.scale), softcap=float(spec.softcap or 1.0), window_left=left, window_right=right)
+
+
+# --------------------------------------------------------------------------------------------------
+# The backend.
+# --------------------------------------------------------------------------------------------------
+
+
+class PallasTpuBackend:
+    """Generated Pallas kernels for TPUs (or Pallas's TPU interpret mode on the CPU for checks)."""
+
+    name = "pallas_tpu"
+
+    def unavailable_reason(self, interpret: bool = False, platform: str | None = None) -> str | None:
+        if interpret:
+            return None
+        building_for_tpu = (platform or compile_target()[0]) == "tpu"
+        # a TPU present compiles for itself; libtpu compiles for a TPU topology on any host
+        if not building_for_tpu or (jax.default_backend() != "tpu" and importlib.util.find_spec("libtpu") is None):
+            return "no TPU visible to jax (interpret=True runs the kernels on the CPU)"
+        return None
+
+    def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int) -> str | None:
+        if spec.has_bias:
+            return "bias (the scan backend supports it)"
+        if _dtype_name(dtype) not in DTYPES:
+            return f"dtype {_dtype_name(dtype)} (TPU kernels take {' or '.join(DTYPES)})"
+        return None
+
+    def check_params(self, fwd: FwdParams, bwd: BwdParams) -> None:
+        reject_settings(self.name, fwd, bwd, launch=False, compute_slice=True)
+        if bwd.fused_dq:
+            raise ValueError("bwd_params.block_q_dq and block_kv_dq must be set: the pallas_tpu backend "
+                             "computes dq in its own kernel")
+
+    def default_params(self, q_len: int, kv_len: int, head_dim: int) -> tuple[FwdParams, BwdParams]:
+        """The tiles of the target chip's generation (`GENERATION_TILES`, chosen from compile results;
+        `FALLBACK_TILES` elsewhere), each kernel's halved until the VMEM estimate for float32 at this
+        head dim fits the chip's limit (the defaults never depend on the dtype), cut to the local
+        lengths. Not yet measured on a TPU."""
+        info = chip()
+        fwd, bwd = GENERATION_TILES.get(info.chip_version.value, FALLBACK_TILES)
+        limit = vmem_limit_bytes(info)
+        fwd_q, fwd_kv = fitted_tiles("fwd", fwd.block_q, fwd.block_kv, head_dim, limit, fwd.block_kv_compute)
+        dkv_q, dkv_kv = fitted_tiles("dkv", bwd.block_q_dkv, bwd.block_kv_dkv, head_dim, limit)
+        dq_q, dq_kv = fitted_tiles("dq", bwd.block_q_dq, bwd.block_kv_dq, head_dim, limit)
+        return (FwdParams(block_q=min(fwd_q, q_len), block_kv=min(fwd_kv, kv_len),
+                          block_kv_compute=min(fwd.block_kv_compute, fwd_kv, kv_len)),
+                BwdParams(block_q_dkv=min(dkv_q, q_len), block_kv_dkv=min(dkv_kv, kv_len),
+                          block_q_dq=min(dq_q, q_len), block_kv_dq=min(dq_kv, kv_len)))
+
+    def search_space(self, shapes: LocalShapes, spec: AttentionSpec) -> SearchSpace:
+        """Tiles shorter than the local length from the lists above, and the whole length when it is
+        not longer than the longest; `violation` removes what does not fit."""
+        local = max(shapes.q_len, shapes.kv_len)
+
+        def tiles(options: tuple[int, ...]) -> tuple[int, ...]:
+            return tuple(t for t in options if t < local) + ((local,) if local <= options[-1] else ())
+
+        q_tiles, kv_tiles = tiles(Q_TILES), tiles(KV_TILES)
+        compute = tuple(sorted({t for t in COMPUTE_TILES if t < local} | ({local} if local <= 512 else set())))
+        return SearchSpace(fwd={"block_q": q_tiles, "block_kv": kv_tiles, "block_kv_compute": compute},
+                           bwd={"block_q_dkv": q_tiles, "block_kv_dkv": tiles(Q_TILES)},
+                           dq_tiles=tiles(Q_TILES), dq_passes=("separate",))
+
+    def violation(self, shapes: LocalShapes, spec: AttentionSpec, fwd: FwdParams | None, bwd: BwdParams | None
+                  ) -> str | None:
+        """TPU tiling of each tile, the VMEM estimate of each kernel against the scoped limit the
+        kernels request, and the scalar-prefetched schedules against SMEM."""
+        q_len, kv_len, head_dim = shapes.q_len, shapes.kv_len, shapes.head_dim
+        info = chip()
+        limit = vmem_limit_bytes(info)
+        ids = 1 + (spec.chunk_size is not None) + spec.has_segments
+        kernels = []
+        if fwd is not None and fwd.block_kv_compute is not None and fwd.block_kv_compute > min(fwd.block_kv, kv_len):
+            return (f"block_kv_compute={fwd.block_kv_compute} is longer than the key tile, so it is cut to it: "
+                    f"the point with block_kv_compute={min(fwd.block_kv, kv_len)}")
+        try:
+            if fwd is not None:
+                block_q, block_kv, compute = fwd_tiles(fwd, q_len, kv_len)
+                kernels.append(("fwd", block_q, block_kv, compute))
+            if bwd is not None:
+                (dkv_q, dkv_kv), (dq_q, dq_kv) = bwd_tiles(bwd, q_len, kv_len)
+                kernels += [("dkv", dkv_q, dkv_kv, None), ("dq", dq_q, dq_kv, None)]
+        except ValueError as error:
+            return str(error)
+        for kernel, block_q, block_kv, compute in kernels:
+            used = vmem_bytes(kernel, block_q, block_kv, head_dim, shapes.dtype, ids, compute)
+            if used > limit:
+                return (f"{kernel} kernel needs about {used / 2**20:.1f} MiB of VMEM with {block_q}x{block_kv} "
+                        f"tiles, over the {limit / 2**20:.0f} MiB scoped limit on TPU {info.chip_version.value}")
+            q_tiles, kv_tiles = _padded(q_len, block_q) // block_q, _padded(kv_len, block_kv) // block_kv
+            schedule = schedule_smem_bytes(kernel, shapes.batch, q_tiles, kv_tiles)
+            if schedule > info.smem_capacity_bytes // 2:
+                return (f"{kernel} kernel's tile schedule needs {schedule // 1024} KiB of SMEM, over half the "
+                        f"{info.smem_capacity_bytes // 1024} KiB of TPU {info.chip_version.value}")
+        return None
+
+    def code_hash(self) -> str:
+        return source_hash(codegen.template_path("pallas_tpu", TEMPLATE), Path(__file__))
+
+    def block_fwd(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec,
+                  params: FwdParams, interpret: bool = False):
+        tq, tk = q.shape[1], k.shape[1]
+        block_q, block_kv, compute = fwd_tiles(params, tq, tk)
+        q_len, kv_len = _padded(tq, block_q), _padded(tk, block_kv)
+        module = codegen.load(variant(spec, q.dtype, q.shape[3]))
+        out, lse = module.attention_fwd(
+            *_flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, block_q, block_kv),
+            _heads_major(q, q_len), _heads_major(k, kv_len), _heads_major(v, kv_len),
+            _ids(spec, q_pos, q_seg, q_len, keys=False), _ids(spec, kv_pos, kv_seg, kv_len, keys=True),
+            kv_len=tk, block_q=block_q, block_kv=block_kv, block_kv_compute=compute, **_mask_values(spec),
+            vmem_limit_bytes=vmem_limit_bytes(), interpret=_interpret_mode(interpret, q))
+        return jnp.swapaxes(out[:, :, :tq], 1, 2), lse[:, :, :tq, 0]
+
+    def block_bwd(self, q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *,
+                  spec: AttentionSpec, params: BwdParams, interpret: bool = False):
+        tq, tk = q.shape[1], k.shape[1]
+        module = codegen.load(variant(spec, q.dtype, q.shape[3]))
+        lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # a row that read nothing: p = exp(s - inf) = 0
+        common = dict(kv_len=tk, **_mask_values(spec), vmem_limit_bytes=vmem_limit_bytes(),
+                      interpret=_interpret_mode(interpret, q))
+
+        def operands(block_q: int, block_kv: int):
+            q_len, kv_len = _padded(tq, block_q), _padded(tk, block_kv)
+            return (_heads_major(q, q_len), _heads_major(k, kv_len), _heads_major(v, kv_len),
+                    _heads_major(do.astype(q.dtype), q_len), _row_stats(lse, q_len, jnp.inf),
+                    _row_stats(delta, q_len, 0.0), _ids(spec, q_pos, q_seg, q_len, keys=False),
+                    _ids(spec, kv_pos, kv_seg, kv_len, keys=True))
+
+        (dkv_q, dkv_kv), (dq_q, dq_kv) = bwd_tiles(params, tq, tk)
+        dk, dv = module.attention_dkv(
+            *_flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, dkv_q, dkv_kv, by_key=True),
+            *operands(dkv_q, dkv_kv), block_q=dkv_q, block_kv=dkv_kv, **common)
+        dq = module.attention_dq(*_flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, dq_q, dq_kv),
+                                 *operands(dq_q, dq_kv), block_q=dq_q, block_kv=dq_kv, **common)
+        return (jnp.swapaxes(dq[:, :, :tq], 1, 2), jnp.swapaxes(dk[:, :, :tk], 1, 2),
+                jnp.swapaxes(dv[:, :, :tk], 1, 2), None)
+
+
+# --------------------------------------------------------------------------------------------------
+# Lowering for TPU without one.
+# --------------------------------------------------------------------------------------------------
+
+
+def step_programs(shapes: LocalShapes, spec: AttentionSpec, fwd: FwdParams | None = None,
+                  bwd: BwdParams | None = None, sharding: Any = None) -> list[tuple[Any, tuple]]:
+    """One ring step's kernels for these local shapes as jitted programs with their argument structs
+    (`sharding` on each): the forward block when `fwd` is given, the backward block (dK/dV and dQ
+    kernels) when `bwd` is."""
+    backend = PallasTpuBackend()
+    b, tq, tk, h, hkv, d = shapes.batch, shapes.q_len, shapes.kv_len, shapes.heads, shapes.kv_heads, shapes.head_dim
+
+    def struct(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
+
+    q, k, o, do = (struct((b, t, n, d), dtype) for t, n, dtype in
+                   ((tq, h, shapes.dtype), (tk, hkv, shapes.dtype), (tq, h, shapes.dtype), (tq, h, jnp.float32)))
+    lse, q_pos, kv_pos = struct((b, h, tq), jnp.float32), struct((b, tq), jnp.int32), struct((b, tk), jnp.int32)
+    q_seg, kv_seg = (q_pos, kv_pos) if spec.has_segments else (None, None)
+    programs = []
+    if fwd is not None:
+        def forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+            return backend.block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, None, spec=spec, params=fwd)
+
+        programs.append((jax.jit(forward), (q, k, k, q_pos, kv_pos, q_seg, kv_seg)))
+    if bwd is not None:
+        def backward(q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg):
+            return backend.block_bwd(q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, None, spec=spec,
+                                     params=bwd)
+
+        programs.append((jax.jit(backward), (q, k, k, o, lse, do, lse, q_pos, kv_pos, q_seg, kv_seg)))
+    return programs
+
+
+def lower(shapes: LocalShapes, spec: AttentionSpec, fwd: FwdParams | None = None, bwd: BwdParams | None = None
+          ) -> int:
+    """Export the block kernels for these local shapes (one ring step) for the TPU platform with
+    `jax.export(..., platforms=["tpu"])`, which runs the Mosaic lowering of every kernel; returns how
+    many Mosaic kernels the exported modules hold. Raises what the lowering raises."""
+    return sum(jax.export.export(program, platforms=["tpu"])(*args).mlir_module().count("tpu_custom_call")
+               for program, args in step_programs(shapes, spec, fwd, bwd))

@@ -1,0 +1,83 @@
+"""The scan backend: blockwise flash attention in pure JAX (`tuner.kernels.scan_kernel`).
+
+Every feature, every platform: it is the fallback of the runtime loader and the verifier of the
+kernel backends. This module holds its side of the backend contract (availability, support, params,
+search space and constraints); the tiled computation itself is the kernel module's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tuner.kernels import scan_kernel, scan_tiling
+from tuner.kernels.base import SearchSpace, reject_settings, source_hash
+from tuner.kernels.params import BwdParams, FwdParams
+from tuner.semantics.spec import AttentionSpec, LocalShapes
+
+TILE_BYTES_LIMIT = 256 * 2**20
+
+
+class ScanBackend:
+    """Pure-JAX blockwise attention; honours every feature on every platform."""
+
+    name = "scan"
+
+    def unavailable_reason(self, interpret: bool = False, platform: str | None = None) -> str | None:
+        return None
+
+    def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int) -> str | None:
+        return None
+
+    def check_params(self, fwd: FwdParams, bwd: BwdParams) -> None:
+        reject_settings(self.name, fwd, bwd, launch=False, compute_slice=False)
+
+    def default_params(self, q_len: int, kv_len: int, head_dim: int) -> tuple[FwdParams, BwdParams]:
+        """Tall query tiles, short key tiles, dq fused: the best of a sweep on a 2-core x86 CPU
+        (local T=1024, H=8, D=64, float32); half a 1024-token shard keeps zigzag chunks tile-aligned.
+        Tiles are cut to the local lengths (the same computation, named as the search space names it)."""
+        block_q, block_kv = min(512, q_len), min(256, kv_len)
+        return (FwdParams(block_q=block_q, block_kv=block_kv),
+                BwdParams(block_q_dkv=block_q, block_kv_dkv=block_kv))
+
+    def search_space(self, shapes: LocalShapes, spec: AttentionSpec) -> SearchSpace:
+        """Powers of two from 32 up to the local length (and the local length itself): a longer tile
+        would only be shortened to the sequence, a point already in the space."""
+        local = max(shapes.q_len, shapes.kv_len)
+        tiles = tuple(sorted({t for t in (32, 64, 128, 256, 512, 1024, 2048, 4096) if t <= local}
+                             | {min(local, 4096)}))
+        return SearchSpace(fwd={"block_q": tiles, "block_kv": tiles},
+                           bwd={"block_q_dkv": tiles, "block_kv_dkv": tiles}, dq_tiles=tiles)
+
+    def violation(self, shapes: LocalShapes, spec: AttentionSpec, fwd: FwdParams | None, bwd: BwdParams | None
+                  ) -> str | None:
+        """A float32 logits tile for every (batch, head) must fit in `TILE_BYTES_LIMIT`: larger tiles
+        thrash the caches on a CPU and exhaust memory on an accelerator."""
+        tiles = []
+        if fwd is not None:
+            tiles.append(("fwd", fwd.block_q, fwd.block_kv))
+        if bwd is not None:
+            tiles.append(("bwd dk/dv", bwd.block_q_dkv, bwd.block_kv_dkv))
+            if not bwd.fused_dq:
+                tiles.append(("bwd dq", bwd.block_q_dq, bwd.block_kv_dq))
+        for name, block_q, block_kv in tiles:
+            rows, cols = min(block_q, shapes.q_len), min(block_kv, shapes.kv_len)
+            size = 4 * shapes.batch * shapes.heads * rows * cols
+            if size > TILE_BYTES_LIMIT:
+                return (f"{name} logits tile {rows}x{cols} x B*H={shapes.batch * shapes.heads} is "
+                        f"{size / 2**20:.0f} MiB, over the {TILE_BYTES_LIMIT // 2**20} MiB tile limit")
+        return None
+
+    def code_hash(self) -> str:
+        return source_hash(Path(__file__), Path(scan_kernel.__file__), Path(scan_tiling.__file__))
+
+    def block_fwd(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec,
+                  params: FwdParams, interpret: bool = False):
+        return scan_kernel.forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, spec=spec, block_q=params.block_q,
+                                   block_kv=params.block_kv)
+
+    def block_bwd(self, q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *,
+                  spec: AttentionSpec, params: BwdParams, interpret: bool = False):
+        dq_tiles = None if params.fused_dq else (params.block_q_dq, params.block_kv_dq)
+        return scan_kernel.backward(q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, spec=spec,
+                                    dkv_tiles=(params.block_q_dkv, params.block_kv_dkv), dq_tiles=dq_tiles)

@@ -1,0 +1,262 @@
+"""The scan backend's kernel: blockwise flash attention in pure JAX, with `lax.scan` over tiles.
+
+Queries are cut into `block_q` tiles and keys into `block_kv` tiles; for each query tile an online
+softmax runs over the key tiles. A tile pair whose position / segment ranges exclude every pair
+(`masks.may_attend`) is skipped under `lax.cond`, not computed and thrown away.
+
+Heads stay grouped: queries are viewed as `[B, Hkv, G, T, D]` (G = H // Hkv query heads per kv head),
+so grouped-query attention never repeats keys or values. Lengths that are not a multiple of the tile
+are padded; padded keys are masked out and padded query rows are dropped. The tiled operands are
+`tuner.kernels.scan_tiling`'s; this module holds the tile loops.
+
+`forward` and `backward` are the entry points; `tuner.kernels.scan` wraps them in the backend
+contract. The arguments are those of `block_fwd` / `block_bwd` (`tuner.kernels.base`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from tuner.support import vma, work
+from tuner.kernels.scan_tiling import Operands, Tiling
+from tuner.semantics.spec import AttentionSpec
+
+F32 = jnp.float32
+
+
+def _widen() -> bool:
+    """On the CPU, matmuls of 16-bit operands run in float32: XLA:CPU cannot execute some
+    bf16 x bf16 -> f32 dots ("Unsupported element type for DotThunk"), and there is no 16-bit matmul
+    unit to gain speed from. Elsewhere they run in the input dtype, accumulating in float32."""
+    return jax.default_backend() == "cpu"
+
+
+def _operand(x, dtype):
+    """A float32 intermediate (probabilities, their gradient) as a matmul operand: rounded to the input
+    dtype where matmuls run in it, kept float32 where they are widened anyway."""
+    return x if _widen() else x.astype(dtype)
+
+
+def _einsum(subscripts: str, a, b):
+    """`jnp.einsum` accumulating in float32 (16-bit operands widened on the CPU: a product of two
+    16-bit floats is exact in float32)."""
+    if _widen():
+        a, b = a.astype(F32), b.astype(F32)
+    return jnp.einsum(subscripts, a, b, preferred_element_type=F32)
+
+
+def _logits(ops: Operands, spec: AttentionSpec, q_tile, i, j, masked: bool, transposed: bool = False):
+    """Logits of tile (i, j), masked to -inf, and the softcap's tanh (or None).
+
+    `[B, Hkv, G, bq, bk]` (query rows), or with `transposed` `[B, Hkv, bk, G, bq]` (key rows), which
+    lets the dk/dv matmuls contract over the trailing (G, bq) axes without transposing the tile.
+    """
+    if transposed:
+        s = _einsum("bhkd,bhgqd->bhkgq", ops.k[j], q_tile)
+    else:
+        s = _einsum("bhgqd,bhkd->bhgqk", q_tile, ops.k[j])
+    s = s * spec.scale
+    orient = (lambda x: jnp.moveaxis(x, -1, 2)) if transposed else (lambda x: x)
+    tanh = None
+    if spec.softcap is not None:
+        tanh = jnp.tanh(s / spec.softcap)
+        s = spec.softcap * tanh
+    bias = ops.bias_tile(i, j)
+    if bias is not None:
+        s = s + orient(bias.astype(F32))
+    mask = ops.mask(spec, i, j, masked)
+    if mask is not None:
+        s = jnp.where(orient(mask), s, -jnp.inf)
+    return s, tanh
+
+
+def _visit_tile(ops: Operands, spec: AttentionSpec, i, j, compute, carry):
+    """Run `compute(carry, masked)` for tile (i, j): skipped when the masks exclude the whole tile,
+    with `masked=False` (no mask built) when they exclude no pair of it, else with `masked=True`."""
+    def counted(masked: bool):
+        def run(c):
+            work.record("tile_area", ops.tiling.block_q * ops.tiling.block_kv)
+            return compute(c, masked)
+        return run
+
+    if not spec.has_mask:
+        return counted(False)(carry)
+    branch = jnp.where(ops.may_attend(spec, i, j), jnp.where(ops.fully_allowed(spec, i, j), 1, 2), 0)
+    return lax.switch(branch, [lambda c: c, counted(False), counted(True)], carry)
+
+
+# --------------------------------------------------------------------------------------------------
+# Forward: for each query tile, an online softmax over the key tiles.
+# --------------------------------------------------------------------------------------------------
+
+
+def _forward(ops: Operands, spec: AttentionSpec):
+    tiles = ops.tiling
+
+    def query_tile(i):
+        q_tile = ops.q[i]
+        stat_shape = q_tile.shape[:-1]
+
+        def key_tile(carry, j):
+            def compute(carry, masked):
+                row_max, row_sum, acc = carry
+                s, _ = _logits(ops, spec, q_tile, i, j, masked)
+                new_max = jnp.maximum(row_max, s.max(axis=-1))
+                safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+                p = jnp.exp(s - safe_max[..., None])
+                rescale = jnp.exp(row_max - safe_max)
+                row_sum = rescale * row_sum + p.sum(axis=-1)
+                pv = _einsum("bhgqk,bhkd->bhgqd", _operand(p, ops.v.dtype), ops.v[j])
+                return new_max, row_sum, rescale[..., None] * acc + pv
+
+            return _visit_tile(ops, spec, i, j, compute, carry), None
+
+        init = (jnp.full(stat_shape, -jnp.inf, F32), jnp.zeros(stat_shape, F32),
+                jnp.zeros(q_tile.shape, F32))
+        init = jax.tree.map(lambda x: vma.like(x, q_tile), init)
+        (row_max, row_sum, acc), _ = lax.scan(key_tile, init, jnp.arange(tiles.num_kv))
+        has_mass = row_sum > 0
+        safe_sum = jnp.where(has_mass, row_sum, 1.0)
+        out = acc / safe_sum[..., None]
+        lse = jnp.where(has_mass, row_max + jnp.log(safe_sum), -jnp.inf)
+        return out, lse
+
+    out, lse = lax.map(query_tile, jnp.arange(tiles.num_q))  # [nq,B,Hkv,G,bq,(D)]
+    return ops.untile_query(out), ops.untile_row_stat(lse)
+
+
+# --------------------------------------------------------------------------------------------------
+# Backward: a dk/dv pass (key tile held, query tiles streamed) and dq, fused into it or separate.
+# --------------------------------------------------------------------------------------------------
+
+
+class _Grads:
+    """Gradient pieces of tile (i, j), from the final-softmax statistics.
+
+    The dk/dv pass works `transposed` (key rows, see `_logits`); the separate dq pass does not.
+    """
+
+    def __init__(self, ops: Operands, spec: AttentionSpec, do, lse, delta, i, j, masked: bool,
+                 transposed: bool):
+        self.transposed = transposed
+        q_tile, do_tile = ops.q[i], do[i]
+        s, tanh = _logits(ops, spec, q_tile, i, j, masked, transposed)
+        row = (lambda x: x[:, :, None]) if transposed else (lambda x: x[..., None])
+        p = jnp.exp(s - row(lse[i]))
+        if transposed:
+            dp = _einsum("bhkd,bhgqd->bhkgq", ops.v[j], do_tile)
+        else:
+            dp = _einsum("bhgqd,bhkd->bhgqk", do_tile, ops.v[j])
+        self.dlogits = p * (dp - row(delta[i]))
+        ds = self.dlogits if tanh is None else self.dlogits * (1.0 - tanh * tanh)
+        self.ds = ds * spec.scale
+        self.p = p
+        self.q_tile, self.do_tile = q_tile, do_tile
+
+    def dk(self, ops: Operands):
+        return _einsum("bhkgq,bhgqd->bhkd", _operand(self.ds, ops.q.dtype), self.q_tile)
+
+    def dv(self, ops: Operands):
+        return _einsum("bhkgq,bhgqd->bhkd", _operand(self.p, self.do_tile.dtype), self.do_tile)
+
+    def dq(self, ops: Operands, j):
+        """`[B, Hkv, G, bq, D]`, or `[B, Hkv, D, G, bq]` when transposed (a plain matmul by k^T)."""
+        if self.transposed:
+            return _einsum("bhdk,bhkgq->bhdgq", jnp.swapaxes(ops.k[j], -1, -2),
+                              _operand(self.ds, ops.k.dtype))
+        return _einsum("bhgqk,bhkd->bhgqd", _operand(self.ds, ops.k.dtype), ops.k[j])
+
+    def dbias(self, ops: Operands, i, j):
+        dlogits = jnp.moveaxis(self.dlogits, 2, -1) if self.transposed else self.dlogits
+        target = ops.bias[ops.bias_index(i, j)].shape
+        axes = tuple(a for a, (got, want) in enumerate(zip(dlogits.shape, target)) if want == 1 < got)
+        return dlogits.sum(axis=axes, keepdims=True)
+
+
+def _backward(ops: Operands, spec: AttentionSpec, do, lse, delta, dq_ops: Operands | None,
+              dq_do=None, dq_lse=None, dq_delta=None):
+    tiles = ops.tiling
+    k_tile_shape = ops.k.shape[1:]
+    fused = dq_ops is None
+
+    def key_tile(outer, j):
+        def query_tile(inner, i):
+            def compute(inner, masked):
+                dk, dv, dq, dbias = inner
+                grads = _Grads(ops, spec, do, lse, delta, i, j, masked, transposed=True)
+                dk, dv = dk + grads.dk(ops), dv + grads.dv(ops)
+                if fused:
+                    dq = dq.at[i].add(grads.dq(ops, j))
+                if dbias is not None:
+                    dbias = dbias.at[ops.bias_index(i, j)].add(grads.dbias(ops, i, j))
+                return dk, dv, dq, dbias
+
+            return _visit_tile(ops, spec, i, j, compute, inner), None
+
+        dq, dbias = outer
+        zeros = vma.like(jnp.zeros(k_tile_shape, F32), ops.q)
+        (dk, dv, dq, dbias), _ = lax.scan(query_tile, (zeros, zeros, dq, dbias), jnp.arange(tiles.num_q))
+        return (dq, dbias), (dk, dv)
+
+    nq, b, hkv, g, bq, d = ops.q.shape
+    dq0 = vma.like(jnp.zeros((nq, b, hkv, d, g, bq), F32), ops.q) if fused else None  # transposed
+    dbias0 = None if ops.bias is None else vma.like(jnp.zeros(ops.bias.shape, F32), ops.q)
+    (dq, dbias), (dk, dv) = lax.scan(key_tile, (dq0, dbias0), jnp.arange(tiles.num_kv))
+    if fused:
+        dq = jnp.moveaxis(dq, 3, -1)
+    else:
+        dq = _dq_pass(dq_ops, spec, dq_do, dq_lse, dq_delta)
+    return dq, dk, dv, dbias
+
+
+def _dq_pass(ops: Operands, spec: AttentionSpec, do, lse, delta):
+    def query_tile(i):
+        def key_tile(dq, j):
+            def compute(dq, masked):
+                grads = _Grads(ops, spec, do, lse, delta, i, j, masked, transposed=False)
+                return dq + grads.dq(ops, j)
+            return _visit_tile(ops, spec, i, j, compute, dq), None
+
+        dq0 = vma.like(jnp.zeros(ops.q.shape[1:], F32), ops.q)
+        dq, _ = lax.scan(key_tile, dq0, jnp.arange(ops.tiling.num_kv))
+        return dq
+
+    return lax.map(query_tile, jnp.arange(ops.tiling.num_q))
+
+
+# --------------------------------------------------------------------------------------------------
+# Entry points.
+# --------------------------------------------------------------------------------------------------
+
+
+def forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec, block_q: int, block_kv: int):
+    """`(o, lse)` in float32 of one query block against one key block, in `block_q` x `block_kv` tiles."""
+    tiling = Tiling.make(q.shape[1], k.shape[1], block_q, block_kv)
+    return _forward(Operands(q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, tiling, q.shape[2]), spec)
+
+
+def backward(q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec,
+             dkv_tiles: tuple[int, int], dq_tiles: tuple[int, int] | None):
+    """`(dq, dk, dv, dbias)` in float32: a dk/dv pass in `dkv_tiles` (query, key) tiles, which also
+    accumulates dq when `dq_tiles` is None, else a separate dq pass in `dq_tiles`."""
+    def prepared(block_q, block_kv):
+        tiling = Tiling.make(q.shape[1], k.shape[1], block_q, block_kv)
+        ops = Operands(q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, tiling, q.shape[2])
+        safe_lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # p = exp(-inf - inf) = 0, no NaN
+        return (ops, ops.query_side(do), ops.row_stat(safe_lse, jnp.inf),
+                ops.row_stat(delta, 0.0))
+
+    ops, do_t, lse_t, delta_t = prepared(*dkv_tiles)
+    if dq_tiles is None:
+        dq, dk, dv, dbias = _backward(ops, spec, do_t, lse_t, delta_t, None)
+        dq = ops.untile_query(dq)
+    else:
+        dq_ops, dq_do, dq_lse, dq_delta = prepared(*dq_tiles)
+        dq, dk, dv, dbias = _backward(ops, spec, do_t, lse_t, delta_t, dq_ops, dq_do, dq_lse, dq_delta)
+        dq = dq_ops.untile_query(dq)
+    dk, dv = ops.untile_key(dk), ops.untile_key(dv)
+    if dbias is not None:
+        dbias = ops.untile_bias(dbias)
+    return dq, dk, dv, dbias

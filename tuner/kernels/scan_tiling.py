@@ -1,0 +1,173 @@
+"""The scan kernel's operands, tiled: heads moved in front, the sequence padded to whole tiles, the
+tile index first.
+
+`Operands` holds the inputs of one block call so tiled (query-side arrays `[nq, ...]`, key-side
+`[nk, ...]`, queries grouped by kv head), answers the mask questions of a tile pair, and turns tiled
+results back into the caller's shapes. `tuner.kernels.scan_kernel` runs its tile loops over them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+
+from tuner.semantics import masks
+from tuner.semantics.spec import AttentionSpec
+
+
+def _pad_to(x, axis: int, length: int, mode: str = "constant", value: float = 0):
+    pad = length - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    if mode == "edge":
+        return jnp.pad(x, widths, mode="edge")
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _split(x, axis: int, block: int):
+    """`[..., n*block, ...]` -> `[n, ..., block, ...]` (tile index first)."""
+    n = x.shape[axis] // block
+    x = x.reshape(x.shape[:axis] + (n, block) + x.shape[axis + 1:])
+    return jnp.moveaxis(x, axis, 0)
+
+
+def _merge(x, axis: int):
+    """Inverse of `_split`: `[n, ..., block, ...]` -> `[..., n*block, ...]`."""
+    x = jnp.moveaxis(x, 0, axis)
+    return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """Tile sizes and counts of one block call (tiles never longer than the sequence)."""
+
+    q_len: int
+    kv_len: int
+    block_q: int
+    block_kv: int
+
+    @classmethod
+    def make(cls, q_len: int, kv_len: int, block_q: int, block_kv: int) -> Tiling:
+        return cls(q_len, kv_len, min(block_q, q_len), min(block_kv, kv_len))
+
+    @property
+    def num_q(self) -> int:
+        return -(-self.q_len // self.block_q)
+
+    @property
+    def num_kv(self) -> int:
+        return -(-self.kv_len // self.block_kv)
+
+    @property
+    def kv_padded(self) -> bool:
+        return self.num_kv * self.block_kv != self.kv_len
+
+
+class Operands:
+    """The inputs of one block call, tiled. Query-side arrays are `[nq, ...]`, key-side `[nk, ...]`."""
+
+    def __init__(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, tiling: Tiling, num_heads: int):
+        h, hkv = q.shape[2], k.shape[2]
+        self.tiling = tiling
+        self.group = h // hkv
+        tq, tk = tiling.num_q * tiling.block_q, tiling.num_kv * tiling.block_kv
+
+        self.q = self.query_side(q)
+        self.k = _split(_pad_to(jnp.moveaxis(k, 1, 2), 2, tk), 2, tiling.block_kv)  # [nk,B,Hkv,bk,D]
+        self.v = _split(_pad_to(jnp.moveaxis(v, 1, 2), 2, tk), 2, tiling.block_kv)
+        self.q_pos = _split(_pad_to(q_pos, 1, tq, "edge"), 1, tiling.block_q)  # [nq,B,bq]
+        self.kv_pos = _split(_pad_to(kv_pos, 1, tk, "edge"), 1, tiling.block_kv)  # [nk,B,bk]
+        self.q_seg = None if q_seg is None else _split(_pad_to(q_seg, 1, tq, "edge"), 1, tiling.block_q)
+        self.kv_seg = None if kv_seg is None else _split(_pad_to(kv_seg, 1, tk, "edge"), 1,
+                                                         tiling.block_kv)
+        self.kv_valid = _split(jnp.arange(tk) < tiling.kv_len, 0, tiling.block_kv)  # [nk,bk]
+
+        self.bias = None
+        self.bias_shape = None if bias is None else bias.shape
+        if bias is not None:
+            bb, bh, bq, bk = bias.shape
+            heads = (hkv, self.group) if bh == num_heads else (1, 1)
+            grouped = bias.reshape((bb,) + heads + (bq, bk))
+            self.bias_q_tiled, self.bias_kv_tiled = bq > 1, bk > 1
+            if self.bias_kv_tiled:
+                grouped = _split(_pad_to(grouped, 4, tk), 4, tiling.block_kv)
+            else:
+                grouped = grouped[None]
+            if self.bias_q_tiled:
+                grouped = _split(_pad_to(grouped, 4, tq), 4, tiling.block_q)
+            else:
+                grouped = grouped[None]
+            self.bias = grouped  # [nq|1, nk|1, Bb, Hkv|1, G|1, bq|1, bk|1]
+
+    def query_side(self, x):
+        """`[B, T, H, D]` -> `[nq, B, Hkv, G, bq, D]` tiles (pads with zeros)."""
+        b, t, h, d = x.shape
+        x = jnp.moveaxis(x.reshape(b, t, h // self.group, self.group, d), 1, 3)
+        return _split(_pad_to(x, 3, self.tiling.num_q * self.tiling.block_q), 3, self.tiling.block_q)
+
+    def row_stat(self, x, pad_value: float):
+        """`[B, H, T]` row statistic -> `[nq, B, Hkv, G, bq]` tiles."""
+        b, h, t = x.shape
+        x = x.reshape(b, h // self.group, self.group, t)
+        return _split(_pad_to(x, 3, self.tiling.num_q * self.tiling.block_q, value=pad_value), 3,
+                      self.tiling.block_q)
+
+    def untile_query(self, x):
+        """Inverse of `query_side`: `[nq, B, Hkv, G, bq, D]` tiles -> `[B, Tq, H, D]`."""
+        x = _merge(x, 3)[:, :, :, :self.tiling.q_len]
+        b, hkv, g, t, d = x.shape
+        return jnp.moveaxis(x, 3, 1).reshape(b, t, hkv * g, d)
+
+    def untile_row_stat(self, x):
+        """Inverse of `row_stat`: `[nq, B, Hkv, G, bq]` tiles -> `[B, H, Tq]`."""
+        x = _merge(x, 3)[..., :self.tiling.q_len]
+        b, hkv, g, t = x.shape
+        return x.reshape(b, hkv * g, t)
+
+    def untile_key(self, x):
+        """`[nk, B, Hkv, bk, D]` tiles (a key-side gradient) -> `[B, Tk, Hkv, D]`."""
+        return jnp.moveaxis(_merge(x, 2)[:, :, :self.tiling.kv_len], 2, 1)
+
+    def untile_bias(self, x):
+        """Inverse of the bias tiling: `[nq|1, nk|1, Bb, Hkv|1, G|1, bq|1, bk|1]` -> the bias's own shape."""
+        x = _merge(x, 4) if self.bias_q_tiled else x[0]
+        x = _merge(x, 4) if self.bias_kv_tiled else x[0]
+        bq, bk = self.bias_shape[2:]
+        return x[..., :bq, :bk].reshape(self.bias_shape)
+
+    def bias_index(self, i, j):
+        return (i if self.bias_q_tiled else 0, j if self.bias_kv_tiled else 0)
+
+    def bias_tile(self, i, j):
+        if self.bias is None:
+            return None
+        return self.bias[self.bias_index(i, j)]
+
+    def segments(self, i, j):
+        """Segment ids of query tile i and key tile j (None, None without segments)."""
+        if self.q_seg is None:
+            return None, None
+        return self.q_seg[i], self.kv_seg[j]
+
+    def may_attend(self, spec: AttentionSpec, i, j):
+        return masks.may_attend(self.q_pos[i], self.kv_pos[j], *self.segments(i, j), spec)
+
+    def fully_allowed(self, spec: AttentionSpec, i, j):
+        return masks.fully_allowed(self.q_pos[i], self.kv_pos[j], *self.segments(i, j), spec)
+
+    def mask(self, spec: AttentionSpec, i, j, masked: bool):
+        """Bool `[B, 1, 1, bq, bk]` of readable pairs of tile (i, j), or None if all are readable.
+
+        With `masked=False` the caller knows the spec excludes no pair of this tile; only padding is
+        masked then.
+        """
+        mask = None
+        if masked:
+            mask = masks.allowed(self.q_pos[i], self.kv_pos[j], *self.segments(i, j), spec)
+        if self.tiling.kv_padded:
+            valid = self.kv_valid[j][None, None, :]
+            mask = valid if mask is None else mask & valid
+        return None if mask is None else mask[:, None, None]

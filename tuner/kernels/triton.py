@@ -1,0 +1,393 @@
+"""The Triton backend: generated Triton kernels (`templates/triton/attention.py.j2`) for NVIDIA GPUs.
+
+On a GPU the kernels run through `jax_triton.triton_call`. With `interpret=True` the same rendered
+kernels run in Triton's interpreter on the CPU, on torch CPU tensors, in a separate process
+(`triton_worker.py`: Triton fixes at import time whether it interprets), reached from JAX through
+`jax.pure_callback`; simulated devices call back from several threads, and the interpreter is not
+thread-safe, so the calls are serialized. Nothing is imported until it is used: `import tuner` works
+without triton, torch or jax-triton.
+
+The backward is two kernels: dk/dv (a key tile against every query tile of its head group, so grouped
+heads need no atomics) and dq. dq is therefore never fused (`BwdParams.block_q_dq/block_kv_dq` are
+required), and bias is not supported (`backend="auto"` takes scan for it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import importlib
+import importlib.util
+import os
+import pickle
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tuner.kernels import codegen
+from tuner.semantics import masks
+from tuner.kernels.base import SearchSpace, reject_settings, source_hash
+from tuner.kernels.params import BwdParams, FwdParams
+from tuner.semantics.spec import AttentionSpec, LocalShapes
+from tuner.support.targets import compile_target
+from tuner.support.tables import error_line
+
+TEMPLATE = "attention.py.j2"
+TILES = (16, 32, 64, 128)
+WARPS = (1, 2, 4, 8, 16)
+SHARED_MEMORY_BYTES = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+
+
+def _dtype_name(dtype: Any) -> str:
+    return jnp.dtype(dtype).name
+
+
+def _pow2_at_least(n: int) -> int:
+    return max(16, 1 << (max(n, 1) - 1).bit_length())
+
+
+def variant(spec: AttentionSpec, dtype: Any, head_dim: int) -> codegen.Variant:
+    """The rendered module for these features (window / chunk / softcap values stay compile-time
+    parameters, so one module serves every value)."""
+    name = _dtype_name(dtype)
+    return codegen.Variant("triton", TEMPLATE, {
+        "causal": spec.causal, "window": spec.window is not None, "chunk": spec.chunk_size is not None,
+        "segments": spec.has_segments, "softcap": spec.softcap is not None, "dtype": name,
+        "head_dim": head_dim, "precision": "ieee" if name == "float32" else "tf32"})
+
+
+def standard_variants() -> list[codegen.Variant]:
+    """The feature sets `tuner generate` renders: full, causal, causal + segments, causal + window,
+    causal + chunk, causal + softcap; in bfloat16, float16 and float32; head dims 64 and 128."""
+    return [codegen.Variant("triton", TEMPLATE, {**f, "dtype": dtype, "head_dim": d,
+                                                 "precision": "ieee" if dtype == "float32" else "tf32"})
+            for f in codegen.STANDARD_FEATURES for dtype in ("bfloat16", "float16", "float32") for d in (64, 128)]
+
+
+def _constants(spec: AttentionSpec, q_len: int, kv_len: int, heads: int, kv_heads: int, head_dim: int,
+               block_q: int, block_kv: int) -> dict[str, Any]:
+    left, right = spec.window if spec.window is not None else (0, 0)
+    block_q, block_kv = min(block_q, _pow2_at_least(q_len)), min(block_kv, _pow2_at_least(kv_len))
+    return dict(Q_LEN=q_len, KV_LEN=kv_len, HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+                SCALE=float(spec.scale), SOFTCAP=float(spec.softcap or 0.0), WINDOW_LEFT=left,
+                WINDOW_RIGHT=right, CHUNK=spec.chunk_size or 1, BLOCK_Q=block_q, BLOCK_KV=block_kv,
+                NUM_Q_TILES=-(-q_len // block_q), NUM_KV_TILES=-(-kv_len // block_kv))
+
+
+# --------------------------------------------------------------------------------------------------
+# Launching: jax_triton on a GPU, or the interpreter through a host callback.
+# --------------------------------------------------------------------------------------------------
+
+
+class _Interpreter:
+    """The interpreter process (`triton_worker.py`), started on first use; one request at a time."""
+
+    def __init__(self):
+        self._process: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+
+    def _start(self) -> subprocess.Popen:
+        if self._process is None or self._process.poll() is not None:
+            worker = Path(__file__).with_name("triton_worker.py")
+            self._process = subprocess.Popen([sys.executable, "-P", str(worker)], stdin=subprocess.PIPE,
+                                             stdout=subprocess.PIPE, env={**os.environ, "TRITON_INTERPRET": "1"})
+            atexit.register(self._process.kill)
+        return self._process
+
+    def _ask(self, request: dict) -> dict:
+        with self._lock:
+            process = self._start()
+            pickle.dump(request, process.stdin)
+            process.stdin.flush()
+            try:
+                return pickle.load(process.stdout)
+            except EOFError:
+                raise RuntimeError(f"the Triton interpreter process exited (status {process.wait()})") from None
+
+    def run(self, source: codegen.Variant, module: Path, kernel: str, grid: tuple, arrays: list[np.ndarray],
+            out_shapes: list, constants: dict) -> list[np.ndarray]:
+        """Run `kernel` of the variant's rendered `module`. The process runs the file only if it holds the
+        variant's rendering (by sha256); one that does not (changed or removed since it was rendered) is
+        rendered again and the request retried once."""
+        packed = []
+        for a in arrays:
+            a = np.ascontiguousarray(a)
+            name = a.dtype.name
+            packed.append(((a.view(np.int16) if name == "bfloat16" else a).tobytes(), name if name ==
+                           "bfloat16" else a.dtype.str, a.shape))
+        request = {"module": str(module.absolute()), "sha256": codegen.sha256(codegen.render_source(source)),
+                   "kernel": kernel, "grid": grid, "args": packed, "out_shapes": [tuple(s.shape) for s in out_shapes],
+                   "constants": constants}
+        reply = self._ask(request)
+        if "mismatch" in reply:
+            codegen.render(source, module.parent)
+            reply = self._ask(request)
+        if "mismatch" in reply:
+            raise RuntimeError(f"Triton's interpreter refused {kernel}: {reply['mismatch']}")
+        if "error" in reply:
+            raise RuntimeError(f"{kernel} failed in Triton's interpreter:\n{reply['error']}")
+        return reply["outputs"]
+
+
+_INTERPRETER = _Interpreter()
+
+
+def _interpret(source: codegen.Variant, kernel: str, grid, inputs, out_shapes, constants):
+    module = codegen.render(source)
+
+    def host(*arrays):
+        return tuple(_INTERPRETER.run(source, module, kernel, grid, [np.asarray(a) for a in arrays], out_shapes,
+                                      constants))
+
+    return jax.pure_callback(host, tuple(out_shapes), *inputs, vmap_method="sequential")
+
+
+def _launch(kernel_name: str, spec: AttentionSpec, inputs: list, out_shapes: list, grid: tuple,
+            constants: dict, num_warps: int | None, num_stages: int | None, interpret: bool, q):
+    source = variant(spec, q.dtype, q.shape[-1])
+    if interpret:
+        return _interpret(source, kernel_name, grid, inputs, out_shapes, constants)
+    import jax_triton
+
+    kernel = getattr(codegen.load(source), kernel_name)
+
+    launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
+    return jax_triton.triton_call(*inputs, kernel=kernel, out_shape=out_shapes, grid=grid, **launch,
+                                  **constants)
+
+
+# --------------------------------------------------------------------------------------------------
+# Resources: compile for a GPU target without a GPU, read shared memory and registers.
+# --------------------------------------------------------------------------------------------------
+
+
+KERNEL_ARGS = {
+    "attention_fwd": ("Q", "K", "V", "QPos", "KPos", "QSeg", "KSeg", "Schedule", "Count", "Full", "Out", "Lse"),
+    "attention_dkv": ("Q", "K", "V", "DO", "Lse", "Delta", "QPos", "KPos", "QSeg", "KSeg", "Schedule", "Count",
+                      "Full", "DK", "DV"),
+    "attention_dq": ("Q", "K", "V", "DO", "Lse", "Delta", "QPos", "KPos", "QSeg", "KSeg", "Schedule", "Count",
+                     "Full", "DQ"),
+}
+
+
+def _pointer_type(arg: str, dtype: str) -> str:
+    if arg in ("QPos", "KPos", "QSeg", "KSeg", "Schedule", "Count", "Full"):
+        return "*i32"
+    if arg in ("Q", "K", "V", "DO"):
+        return {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}[dtype]
+    return "*fp32"
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(source_variant: codegen.Variant, kernel_name: str, constants: tuple, num_warps: int,
+              num_stages: int, capability: int):
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's current default, made explicit
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    module = codegen.load(source_variant)
+    kernel = getattr(module, kernel_name)
+    dtype = source_variant.features["dtype"]
+    signature = {arg: _pointer_type(arg, dtype) for arg in KERNEL_ARGS[kernel_name]}
+    signature.update({name: "constexpr" for name, _ in constants})
+    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=dict(constants))
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def resources(source_variant: codegen.Variant, kernel_name: str, constants: dict, *, num_warps: int = 4,
+              num_stages: int = 2, capability: int = 90) -> dict[str, Any]:
+    """Compile one kernel for `sm_<capability>` (no GPU needed) and report its shared memory (bytes),
+    registers per thread and stack frame bytes (spills; from `cuobjdump -res-usage` on the cubin), and
+    whether the matrix products use Hopper's warpgroup MMA (`HGMMA` in the SASS) or the older `HMMA`."""
+    compiled = _compiled(source_variant, kernel_name, tuple(sorted(constants.items())), num_warps,
+                         num_stages, capability)
+    report: dict[str, Any] = {"shared": compiled.metadata.shared, "registers": None, "spill_bytes": None,
+                              "mma": None}
+    tools = Path(importlib.util.find_spec("triton").origin).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as folder:
+        cubin = Path(folder) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True,
+                               text=True).stdout
+        sass = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True,
+                              text=True).stdout
+    if match := re.search(r"REG:(\d+)", usage):
+        report["registers"] = int(match.group(1))
+    if match := re.search(r"STACK:(\d+)", usage):
+        report["spill_bytes"] = int(match.group(1))
+    report["mma"] = "HGMMA" if "HGMMA" in sass else "HMMA" if "HMMA" in sass else "none"
+    return report
+
+
+def standard_resources(source_variant: codegen.Variant, capability: int, local_len: int = 4096,
+                       heads: int = 16) -> list[dict[str, Any]]:
+    """Resources of the three kernels of a variant at the backend's default params for a local length,
+    compiled for `sm_<capability>` (what `tuner generate --compile` reports)."""
+    head_dim = source_variant.features["head_dim"]
+    _, spec = codegen.standard_shapes(source_variant, local_len, heads, kv_heads=heads)
+    fwd, bwd = TritonBackend().default_params(local_len, local_len, head_dim)
+    rows = []
+    for kernel, block_q, block_kv, params in (("attention_fwd", fwd.block_q, fwd.block_kv, fwd),
+                                              ("attention_dkv", bwd.block_q_dkv, bwd.block_kv_dkv, bwd),
+                                              ("attention_dq", bwd.block_q_dq, bwd.block_kv_dq, bwd)):
+        constants = _constants(spec, local_len, local_len, heads, heads, head_dim, block_q, block_kv)
+        report = resources(source_variant, kernel, constants, num_warps=params.num_warps,
+                           num_stages=params.num_stages, capability=capability)
+        rows.append({"kernel": kernel, "target": f"sm_{capability}", "block_q": block_q, "block_kv": block_kv,
+                     "num_warps": params.num_warps, "num_stages": params.num_stages, **report})
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# The backend.
+# --------------------------------------------------------------------------------------------------
+
+
+class TritonBackend:
+    """Generated Triton kernels; NVIDIA GPUs (or Triton's interpreter on the CPU for checks)."""
+
+    name = "triton"
+
+    def unavailable_reason(self, interpret: bool = False, platform: str | None = None) -> str | None:
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed (pip install 'ring-tuner[gpu]')"
+        if interpret:
+            if importlib.util.find_spec("torch") is None:
+                return "Triton's interpreter needs torch CPU tensors (pip install torch)"
+            return None
+        if (platform or compile_target()[0]) != "gpu" or not any(d.platform == "gpu" for d in jax.devices()):
+            return "no CUDA GPU visible to jax"
+        try:
+            importlib.import_module("jax_triton")
+        except ImportError as error:
+            return f"jax-triton cannot be imported ({error})"
+        return None
+
+    def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int) -> str | None:
+        if spec.has_bias:
+            return "bias (the scan backend supports it)"
+        if head_dim < 16 or head_dim & (head_dim - 1):
+            return f"head_dim {head_dim} (Triton tiles need a power of two >= 16)"
+        if _dtype_name(dtype) not in ("bfloat16", "float16", "float32"):
+            return f"dtype {dtype}"
+        return None
+
+    def check_params(self, fwd: FwdParams, bwd: BwdParams) -> None:
+        tiles = [("fwd_params.block_q", fwd.block_q), ("fwd_params.block_kv", fwd.block_kv),
+                 ("bwd_params.block_q_dkv", bwd.block_q_dkv), ("bwd_params.block_kv_dkv", bwd.block_kv_dkv)]
+        if bwd.fused_dq:
+            raise ValueError("bwd_params.block_q_dq and block_kv_dq must be set: the triton backend "
+                             "computes dq in its own kernel")
+        tiles += [("bwd_params.block_q_dq", bwd.block_q_dq), ("bwd_params.block_kv_dq", bwd.block_kv_dq)]
+        for name, tile in tiles:
+            if tile < 16 or tile & (tile - 1):
+                raise ValueError(f"{name} must be a power of two >= 16 for Triton tiles, got {tile}")
+        reject_settings(self.name, fwd, bwd, launch=True, compute_slice=False)
+        for owner, params in (("fwd_params", fwd), ("bwd_params", bwd)):
+            if params.num_warps is not None and params.num_warps not in WARPS:
+                raise ValueError(f"{owner}.num_warps must be one of {WARPS}, got {params.num_warps}")
+
+    def default_params(self, q_len: int, kv_len: int, head_dim: int) -> tuple[FwdParams, BwdParams]:
+        """Head dim 128: 128x64 forward tiles with 4 warps and 3 stages; 64x64 dk/dv and dq tiles with 4
+        warps and 3 stages -- the fastest of the shapes timed on an H100 (causal, S=8192, B=2, H=16;
+        2026-11-22): forward 0.65x cuDNN, backward 0.66x. Smaller head dims keep shapes chosen from the
+        sm_90 compiler report, not yet timed against alternatives: 128x64 forward tiles with 8 warps
+        and 3 stages; 64x128 dk/dv and 128x64 dq tiles with 8 warps and 2 stages. Tiles are cut to the
+        (power-of-two-rounded) local lengths."""
+        q = _pow2_at_least(q_len)
+        kv = _pow2_at_least(kv_len)
+        if head_dim > 64:
+            return (FwdParams(block_q=min(128, q), block_kv=min(64, kv), num_warps=4, num_stages=3),
+                    BwdParams(block_q_dkv=min(64, q), block_kv_dkv=min(64, kv), block_q_dq=min(64, q),
+                              block_kv_dq=min(64, kv), num_warps=4, num_stages=3))
+        return (FwdParams(block_q=min(128, q), block_kv=min(64, kv), num_warps=8, num_stages=3),
+                BwdParams(block_q_dkv=min(64, q), block_kv_dkv=min(128, kv), block_q_dq=min(128, q),
+                          block_kv_dq=min(64, kv), num_warps=8, num_stages=2))
+
+    def code_hash(self) -> str:
+        return source_hash(codegen.template_path("triton", TEMPLATE), Path(__file__))
+
+    def search_space(self, shapes: LocalShapes, spec: AttentionSpec) -> SearchSpace:
+        tiles = tuple(t for t in TILES if t <= _pow2_at_least(max(shapes.q_len, shapes.kv_len)))
+        return SearchSpace(
+            fwd={"block_q": tiles, "block_kv": tiles, "num_warps": (4, 8), "num_stages": (2, 3, 4)},
+            bwd={"block_q_dkv": tiles, "block_kv_dkv": tiles, "num_warps": (4, 8), "num_stages": (1, 2, 3)},
+            dq_tiles=tiles, dq_passes=("separate",))
+
+    def violation(self, shapes: LocalShapes, spec: AttentionSpec, fwd: FwdParams | None, bwd: BwdParams | None
+                  ) -> str | None:
+        """Shared memory of each kernel, compiled with `triton.compile` for this GPU's architecture
+        (sm_90 when there is none), against what one block may use there."""
+        capability = _capability()
+        limit = SHARED_MEMORY_BYTES.get(capability, 99 * 1024)
+        source = variant(spec, shapes.dtype, shapes.head_dim)
+        launches = []
+        if fwd is not None:
+            launches.append(("attention_fwd", fwd.block_q, fwd.block_kv, fwd))
+        if bwd is not None:
+            launches.append(("attention_dkv", bwd.block_q_dkv, bwd.block_kv_dkv, bwd))
+            launches.append(("attention_dq", bwd.block_q_dq, bwd.block_kv_dq, bwd))
+        for kernel, block_q, block_kv, params in launches:
+            constants = _constants(spec, shapes.q_len, shapes.kv_len, shapes.heads, shapes.kv_heads,
+                                   shapes.head_dim, block_q, block_kv)
+            try:
+                used = resources(source, kernel, constants, num_warps=params.num_warps or 4,
+                                 num_stages=params.num_stages or 2, capability=capability)["shared"]
+            except Exception as error:  # noqa: BLE001 - a point the compiler rejects cannot run
+                return f"{kernel} does not compile for sm_{capability}: {error_line(error, limit=200)}"
+            if used > limit:
+                return (f"{kernel} needs {used // 1024} KiB of shared memory with {params.num_stages} stages, "
+                        f"over the {limit // 1024} KiB of sm_{capability}")
+        return None
+
+    def block_fwd(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec,
+                  params: FwdParams, interpret: bool = False):
+        b, tq, h, d = q.shape
+        tk, hkv = k.shape[1], k.shape[2]
+        constants = _constants(spec, tq, tk, h, hkv, d, params.block_q, params.block_kv)
+        q_seg, kv_seg = (q_pos, kv_pos) if q_seg is None else (q_seg, kv_seg)
+        schedule = masks.tile_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, constants["BLOCK_Q"],
+                                       constants["BLOCK_KV"])
+        out_shapes = [jax.ShapeDtypeStruct((b, tq, h, d), jnp.float32), jax.ShapeDtypeStruct((b, h, tq), jnp.float32)]
+        grid = (constants["NUM_Q_TILES"], b * h)
+        out, lse = _launch("attention_fwd", spec, [q, k, v, q_pos, kv_pos, q_seg, kv_seg, *schedule], out_shapes,
+                           grid, constants, params.num_warps, params.num_stages, interpret, q)
+        return out, lse
+
+    def block_bwd(self, q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *,
+                  spec: AttentionSpec, params: BwdParams, interpret: bool = False):
+        b, tq, h, d = q.shape
+        tk, hkv = k.shape[1], k.shape[2]
+        q_seg, kv_seg = (q_pos, kv_pos) if q_seg is None else (q_seg, kv_seg)
+        inputs = [q, k, v, do.astype(q.dtype), lse, delta, q_pos, kv_pos, q_seg, kv_seg]
+        dkv = _constants(spec, tq, tk, h, hkv, d, params.block_q_dkv, params.block_kv_dkv)
+        by_key = masks.tile_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, dkv["BLOCK_Q"], dkv["BLOCK_KV"],
+                                     by_key=True)
+        kv_shape = jax.ShapeDtypeStruct((b, tk, hkv, d), jnp.float32)
+        dk, dv = _launch("attention_dkv", spec, [*inputs, *by_key], [kv_shape, kv_shape],
+                         (dkv["NUM_KV_TILES"], b * hkv), dkv, params.num_warps, params.num_stages, interpret, q)
+        dq_constants = _constants(spec, tq, tk, h, hkv, d, params.block_q_dq, params.block_kv_dq)
+        by_query = masks.tile_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, dq_constants["BLOCK_Q"],
+                                       dq_constants["BLOCK_KV"])
+        (dq,) = _launch("attention_dq", spec, [*inputs, *by_query], [jax.ShapeDtypeStruct((b, tq, h, d), jnp.float32)],
+                        (dq_constants["NUM_Q_TILES"], b * h), dq_constants, params.num_warps,
+                        params.num_stages, interpret, q)
+        return dq, dk, dv, None
+
+
+def _capability() -> int:
+    """Compute capability of the first GPU as an int (90 for sm_90); 90 without a GPU."""
+    for device in jax.devices():
+        if device.platform == "gpu" and getattr(device, "compute_capability", None):
+            major, minor = str(device.compute_capability).split(".")[:2]
+            return int(major) * 10 + int(minor)
+    return 90

@@ -1,0 +1,252 @@
+"""Reading a compiled program's scheduled HLO (`compiled.as_text()`) for what the ring cares about: in
+which order a loop body starts its transfers, runs its kernel and waits for the transfers, how much
+VMEM each kernel asked for and uses, and how many bytes each kind of collective moves."""
+
+from __future__ import annotations
+
+import math
+import re
+
+RING_OPS = ("collective-permute-start", "collective-permute-done", "conditional")
+KERNEL_TARGETS = ("tpu_custom_call",)  # Mosaic kernels
+
+
+def loop_bodies(hlo: str) -> list[list[str]]:
+    """For each while loop of the module, in the order the loops appear, the ring-relevant instructions
+    of its body in scheduled order: "collective-permute-start", "collective-permute-done",
+    "conditional" (a step's skippable kernel) and "kernel" (a Mosaic custom call)."""
+    computations = {}
+    for block in re.split(r"\n(?=\S.*\{\n)", hlo):
+        name = re.match(r"%?(\S+)", block.split("\n", 1)[0])
+        ops = []
+        for line in block.split("\n")[1:]:
+            op = next((op for op in RING_OPS if f" {op}(" in line), None)
+            if op is None and any(target in line for target in KERNEL_TARGETS):
+                op = "kernel"
+            if op is not None:
+                ops.append(op)
+        computations[name.group(1) if name else ""] = ops
+    bodies = re.findall(r"\swhile\(.*?body=%?([\w.\-]+)", hlo)
+    return [computations[body] for body in bodies if body in computations]
+
+
+def kernel_vmem(hlo: str) -> dict[str, tuple[int, int]]:
+    """Per Mosaic kernel of the module (by instruction name), the scoped VMEM it was given and the
+    VMEM it uses, in bytes. Its backend config says where its scoped region starts and how long it is
+    (`scoped_memory_configs`: offset, size) and how far into VMEM its use reaches
+    (`used_scoped_memory_configs`, from offset 0); where XLA keeps VMEM of its own below the region
+    (v5p: 4 MiB), the kernel's use is the reach less the region's offset."""
+    kernels = {}
+    for line in hlo.split("\n"):
+        if "tpu_custom_call" not in line:
+            continue
+        name = re.match(r"\s*%?(\S+) =", line)
+        region = re.search(r'"scoped_memory_configs":\[\{[^]]*?"offset":"(\d+)","size":"(\d+)"', line)
+        reach = re.search(r'"used_scoped_memory_configs":\[\{[^]]*?"offset":"(\d+)","size":"(\d+)"', line)
+        if name and region and reach:
+            offset, size = int(region.group(1)), int(region.group(2))
+            kernels[name.group(1)] = (size, int(reach.group(1)) + int(reach.group(2)) - offset)
+    return kernels
+
+
+def overlap_problem(body: list[str]) -> str | None:
+    """Why the transfers of a loop body (from `loop_bodies`) do not all overlap its compute -- some
+    collective-permute starting after the kernel (or its branch) or completing before it -- or None."""
+    compute = [i for i, op in enumerate(body) if op in ("conditional", "kernel")]
+    starts = [i for i, op in enumerate(body) if op == "collective-permute-start"]
+    dones = [i for i, op in enumerate(body) if op == "collective-permute-done"]
+    if not compute or not starts:
+        return f"no {'kernel' if not compute else 'transfer'} in the loop body"
+    late = sum(i > min(compute) for i in starts)
+    early = sum(i < max(compute) for i in dones)
+    if late or early:
+        return f"{late} of {len(starts)} transfers start after the kernel, {early} complete before it"
+    return None
+
+
+COLLECTIVE_KINDS = ("collective-permute", "all-to-all", "all-gather", "reduce-scatter")
+_ELEMENT_BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16,
+                 "s32": 32, "u32": 32, "f32": 32, "s64": 64, "u64": 64, "f64": 64, "c64": 64, "c128": 128, "token": 0}
+_INSTRUCTION = re.compile(r"\s+(?:ROOT\s+)?%?[\w.\-]+ = (?P<type>.*?) (?P<op>[\w\-]+)\(")
+_NAME = r"%?([\w.\-]+)"
+
+
+def _type_bytes(text: str) -> int:
+    """Bytes of an HLO type: an array such as `bf16[1,256,2,64]{3,2,1,0}`, or a tuple of them (summed)."""
+    total = 0
+    for element, dims in re.findall(r"\b(\w+)\[([\d,<=]*)\]", text):
+        bits = 8 if element.startswith("f8") else _ELEMENT_BITS.get(element)
+        if bits is None:
+            raise ValueError(f"unknown HLO element type {element!r} in {text[:80]!r}")
+        size = 1
+        for dim in filter(None, dims.replace("<=", "").split(",")):
+            size *= int(dim)
+        total += -(-size * bits // 8)
+    return total
+
+
+def _callees(line: str, op: str) -> list[tuple[str, int]]:
+    """The computations an instruction runs, each with how many times per execution of the instruction:
+    a while body its known trip count (1 if unknown), anything else it calls once (an async-done or
+    -update names the computation its async-start already ran; a loop condition holds no collective)."""
+    if op in ("async-done", "async-update"):
+        return []
+    body = re.search(r"\bbody=" + _NAME, line)
+    trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+    called = [(body.group(1), int(trips.group(1)) if trips else 1)] if body else []
+    called += [(name, 1) for name in re.findall(r"\b(?:calls|to_apply|true_computation|false_computation)=" + _NAME,
+                                                 line)]
+    branches = re.search(r"\bbranch_computations=\{([^}]*)\}", line)
+    return called + [(name, 1) for name in re.findall(_NAME, branches.group(1))] if branches else called
+
+
+_LINE = re.compile(r"\s+(?:ROOT\s+)?%?([\w.\-]+) = .*? ([\w\-]+)\((.*?)\)")
+
+
+def _computations(text: str) -> dict[str, dict[str, tuple[str, list[str], str]]]:
+    """Per computation of an HLO module's text, its instructions by name: (opcode, operand names, line);
+    the root also under the key "ROOT"."""
+    computations: dict[str, dict[str, tuple[str, list[str], str]]] = {}
+    for line in text.split("\n"):
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            body = computations.setdefault(re.match(r"(?:ENTRY\s+)?%?([\w.\-]+)", line).group(1), {})
+        elif (match := _LINE.match(line)) and computations:
+            operands = re.findall(r"%([\w.\-]+)", match.group(3))
+            body[match.group(1)] = (match.group(2), operands, line)
+            if line.lstrip().startswith("ROOT"):
+                body["ROOT"] = body[match.group(1)]
+    return computations
+
+
+def _constant(body: dict, name: str) -> int | None:
+    """The integer `name` holds in `body`, followed through copies and bitcasts; None if not a constant."""
+    while name in body and body[name][0] in ("copy", "bitcast"):
+        name = body[name][1][0]
+    found = re.search(r"constant\((-?\d+)\)", body[name][2]) if name in body and body[name][0] == "constant" else None
+    return int(found.group(1)) if found else None
+
+
+def _element(body: dict, name: str) -> int | None:
+    """The tuple index of a `get-tuple-element` of the computation's parameter (through copies), else None."""
+    while name in body and body[name][0] in ("copy", "bitcast"):
+        name = body[name][1][0]
+    op, operands, line = body.get(name, ("", [], ""))
+    if op != "get-tuple-element" or body.get(operands[0], ("",))[0] != "parameter":
+        return None
+    return int(re.search(r"\bindex=(\d+)", line).group(1))
+
+
+def _trip_count(computations: dict, caller: dict, operands: list[str], line: str) -> int | None:
+    """The trips of the while loop `line` (in `caller`, on the init tuple `operands[0]`) when it counts
+    `i = start; i < bound; i += step` with constants, else None."""
+    cond, body = (computations.get(re.search(key + r"=%?([\w.\-]+)", line).group(1), {})
+                  for key in ("condition", "body"))
+    compare, compared, compare_line = cond.get("ROOT", ("", [], ""))
+    init = caller.get(operands[0]) if operands else None
+    if compare != "compare" or len(compared) != 2 or "direction=LT" not in compare_line or init is None:
+        return None
+    index, bound = _element(cond, compared[0]), _constant(cond, compared[1])
+    if index is None or bound is None or init[0] != "tuple" or body.get("ROOT", ("",))[0] != "tuple":
+        return None
+    start = _constant(caller, init[1][index])
+    add, added = body.get(body["ROOT"][1][index], ("", []))[:2]
+    step = _constant(body, added[1]) if add == "add" and _element(body, added[0]) == index else None
+    if start is None or step is None or step <= 0:
+        return None
+    return max(0, math.ceil((bound - start) / step))
+
+
+def with_trip_counts(text: str) -> str:
+    """`text` with the trip count of every while loop that lacks one written into its backend config, where
+    `collective_bytes` reads it: the TPU compiler keeps its own config there, without
+    `known_trip_count`, so every loop would count once. A loop `for i = c; i < n; i += s` has
+    ceil((n - c) / s) trips, read from its condition, the init tuple and its body; `ValueError` for a loop
+    of another shape, rather than a wrong count."""
+    computations = _computations(text)
+    lines = text.split("\n")
+    for caller in computations.values():
+        for op, operands, line in [entry for key, entry in caller.items() if key != "ROOT"]:
+            if op != "while" or "known_trip_count" in line:
+                continue
+            trips = _trip_count(computations, caller, operands, line)
+            if trips is None:
+                raise ValueError(f"cannot read the trip count of this loop: {line.strip()[:200]}")
+            count = f'"known_trip_count":{{"n":"{trips}"}}'
+            annotated = (line.replace("backend_config={", "backend_config={" + count + ",", 1)
+                         if "backend_config={" in line else f"{line}, backend_config={{{count}}}")
+            lines[lines.index(line)] = annotated
+    return "\n".join(lines)
+
+
+def collective_bytes(hlo: str, kinds: tuple[str, ...] = COLLECTIVE_KINDS) -> dict[str, int]:
+    """Bytes each device's collectives produce in a compiled module (`compiled.as_text()`), per kind of
+    `COLLECTIVE_KINDS`: for every execution of a collective instruction, the size of its result on one
+    device -- an all-gather's gathered buffer, an all-to-all's exchanged tensor, a collective-permute's
+    received shard, a reduce-scatter's scattered piece -- summed over tuple results. An async pair counts
+    once, by its `-done` (a generic `async-start` by the collective in the computation it calls). `kinds`
+    may add "all-reduce" (its result: the whole reduced buffer).
+
+    Executions, not instructions: an instruction in a while body counts the loop's `known_trip_count`
+    times (read from the loop itself where the compiler does not write it: `with_trip_counts`), nested
+    loops multiply; each branch of a
+    conditional counts once, as if it ran (an upper bound). `tuner.models.strategy_model` reports the same
+    quantity, and from it the bytes each device puts on its links."""
+    computations: dict[str, list[str]] = {}
+    entry = name = None
+    for line in with_trip_counts(hlo).split("\n"):
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            name = re.match(r"(?:ENTRY\s+)?" + _NAME, line).group(1)
+            computations[name] = []
+            entry = name if line.startswith("ENTRY") else entry
+        elif line[:1].isspace() and name is not None:
+            computations[name].append(line)
+    if entry is None:
+        raise ValueError("hlo is not an HLO module's text: it has no ENTRY computation")
+    runs = dict.fromkeys(computations, 0)
+    runs[entry] = 1
+    counts = dict.fromkeys(kinds, 0)
+    for comp in reversed(list(computations)):  # callers print after their callees: walk from ENTRY down
+        for match in filter(None, map(_INSTRUCTION.match, computations[comp] if runs[comp] else ())):
+            op = match.group("op")
+            kind = op.removesuffix("-done")
+            if kind in counts:
+                counts[kind] += runs[comp] * _type_bytes(match.group("type"))
+            for callee, times in _callees(match.string, op):
+                if callee in runs:
+                    runs[callee] += runs[comp] * times
+    return counts
+
+
+def unordered_collectives(hlo: str, kind: str = "collective-permute") -> list[tuple[str, str]]:
+    """Pairs of instructions that may have a `kind` collective in flight at the same time: in one
+    computation, two that are such a collective or run one (a loop, a call, a conditional), with no data
+    path from either to the other. jax 0.10.2 gives every collective the same channel id, and XLA:CPU
+    then joins two collectives of one kind in flight at once into one rendezvous: it aborts, hangs or
+    corrupts its heap (benchmarks/NOTES.md). An empty list means the module cannot do that. `hlo` is a
+    compiled module's text (`compiled.as_text()`: scheduled, each operand defined before its use)."""
+    computations = _computations(hlo)
+    holding: dict[str, bool] = {}
+
+    def holds(name: str) -> bool:
+        if name not in holding:
+            holding[name] = False  # a computation does not call itself
+            holding[name] = any(carries(op, line) for op, _, line in computations.get(name, {}).values())
+        return holding[name]
+
+    def carries(op: str, line: str) -> bool:
+        return op in (kind, kind + "-start") or any(holds(callee) for callee, _ in _callees(line, op))
+
+    pairs = []
+    for body in computations.values():
+        names = [name for name in body if name != "ROOT"]
+        carriers = [name for name in names if carries(body[name][0], body[name][2])]
+        before: dict[str, set[str]] = {}
+        for name in names:  # HLO text defines every operand before its use
+            before[name] = set().union(*({op} | before.get(op, set()) for op in body[name][1] if op in body))
+        pairs += [(a, b) for i, a in enumerate(carriers) for b in carriers[i + 1:]
+                  if a not in before[b] and b not in before[a]]
+    return pairs
+
+
+__all__ = ["COLLECTIVE_KINDS", "collective_bytes", "kernel_vmem", "loop_bodies", "overlap_problem",
+           "unordered_collectives", "with_trip_counts"]

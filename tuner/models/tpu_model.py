@@ -1,0 +1,141 @@
+"""An analytic time model of the pallas_tpu ring on a TPU generation: how `tuner search --dry-run
+--target` ranks the variants the TPU compiler accepted, where nothing can be timed.
+
+For every ring step and every device, the tile schedule the kernels run (`tuner.semantics.masks.tile_schedule`
+on the positions the layout gives that device and the shard visiting it) says which tile pairs are
+visited; a masked pair costs as much as a full one (the MXU computes the whole tile). A step's kernel
+time is the larger of its FLOPs over the chip's peak and its HBM bytes over the chip's bandwidth, plus
+a fixed cost per grid iteration (every iteration of the grid runs, visited or not); the step takes the
+larger of that and the time the step's transfers need over one ICI link; the ring waits for its
+slowest device at every step. Segment ids are not modelled (the schedule is that of the positions
+alone: an upper bound when documents would let tiles be skipped).
+
+Rates are the published per-chip figures (`CHIPS`, each with its source); what is assumed rather than
+published says so. The model ranks tiles against each other on one chip; its absolute times are
+estimates, never measurements, and are stored as such (source `compiled`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+import numpy as np
+
+from tuner.semantics import layouts, masks
+from tuner.kernels.params import BwdParams, FwdParams
+from tuner.semantics.problem import Problem
+
+GRID_STEP_S = 0.35e-6  # assumed cost of one Pallas grid iteration on a TPU (pipeline bookkeeping, DMA issue)
+FLOAT32_PASSES = 6  # float32 matmuls at HIGHEST precision run as 6 bf16 passes (jax.lax.Precision docs)
+
+
+@dataclass(frozen=True)
+class Chip:
+    """Peak rates of one TPU chip: bf16 FLOP/s, HBM bytes/s, and bytes/s of one ICI link in one
+    direction (the ring sends each step's shard to one neighbour)."""
+
+    name: str
+    flops: float
+    hbm: float
+    ici_link: float
+    source: str
+
+
+CHIPS = {
+    "v4": Chip("v4", 275e12, 1200e9, 4800e9 / 8 / 6 / 2,
+               "cloud.google.com/tpu/docs/v4: 275 TFLOPs bf16, 1200 GBps HBM; that page gives no ICI rate, so the "
+               "link is assumed to be v5p's"),
+    "v5e": Chip("v5e", 197e12, 819e9, 400e9 / 4 / 2,
+                "cloud.google.com/tpu/docs/v5e: 197 TFLOPs bf16, 819 GBps HBM, 400 GBps bidirectional ICI per chip "
+                "over 4 ports"),
+    "v5p": Chip("v5p", 459e12, 2765e9, 4800e9 / 8 / 6 / 2,
+                "cloud.google.com/tpu/docs/v5p: 459 TFLOPs bf16, 2765 GBps HBM, 4800 Gbps ICI per chip, taken as "
+                "both directions over 6 ports (3-D torus)"),
+    "v6e": Chip("v6e", 918e12, 1638e9, 800e9 / 4 / 2,
+                "cloud.google.com/tpu/docs/v6e: 918 TFLOPs bf16, 1638 GBps HBM, 800 GBps bidirectional ICI per chip "
+                "over 4 ports"),
+}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The model's time of one pass of the ring, and what it is made of: FLOPs and HBM bytes summed
+    over the ring's steps for the slowest device of each step, the bytes every device sends, and the
+    grid iterations of the kernel calls of every device."""
+
+    seconds: float
+    flops: float
+    hbm_bytes: float
+    ici_bytes: float
+    grid_steps: int
+
+
+@functools.lru_cache(maxsize=256)
+def _visited(problem: Problem, block_q: int, block_kv: int, by_key: bool) -> np.ndarray:
+    """Visited tile pairs per (step, device) of the ring: `[ring_size, ring_size]`."""
+    p, t = problem.ring_size, problem.local_len
+    positions = [jnp.broadcast_to(layouts.local_positions(problem.layout, t, p, r), (1, t)) for r in range(p)]
+    counts = np.zeros((p, p), np.int64)
+    for step in range(p):
+        for device in range(p):
+            schedule = masks.tile_schedule(positions[device], positions[(device - step) % p], None, None,
+                                           problem.spec, block_q, block_kv, by_key=by_key)
+            counts[step, device] = int(schedule.count.sum())
+    return counts
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    """One kernel over the ring: per (step, device) its FLOPs and HBM bytes, and its grid iterations."""
+
+    flops: np.ndarray
+    hbm: np.ndarray
+    grid: int
+
+    def seconds(self, chip: Chip, peak: float) -> np.ndarray:
+        """Per (step, device): the larger of compute and memory time, plus the grid's fixed cost; 0 on a
+        step the ring skips (no visited tile: the kernel is not called)."""
+        busy = np.maximum(self.flops / peak, self.hbm / chip.hbm) + self.grid * GRID_STEP_S
+        return np.where(self.flops > 0, busy, 0.0)
+
+
+def predict(problem: Problem, chip: Chip, fwd: FwdParams | None = None, bwd: BwdParams | None = None) -> Prediction:
+    """The model's time of the forward ring with `fwd` tiles, or of the backward ring with `bwd` tiles
+    (exactly one of them), on `problem` over chips of kind `chip`."""
+    if (fwd is None) == (bwd is None):
+        raise ValueError("predict() takes fwd or bwd params, exactly one of them")
+    b, h, hkv, d, t = problem.batch, problem.heads, problem.kv_heads, problem.head_dim, problem.local_len
+    item = jnp.dtype(problem.dtype).itemsize
+    peak = chip.flops / (FLOAT32_PASSES if problem.dtype == "float32" else 1)
+    shard = b * t * (2 * hkv * d * item + 4)  # the k and v shards and their positions
+
+    def kernel(block_q: int, block_kv: int, by_key: bool, matmuls: int, tile_bytes: int, row_bytes: int) -> _Kernel:
+        """A kernel of `matmuls` [bq, bk, d] products per visited tile pair and head, reading
+        `tile_bytes` per pair and `row_bytes` per token and head once."""
+        pairs = _visited(problem, block_q, block_kv, by_key) * b * h
+        grid = b * h * -(-t // block_q) * -(-t // block_kv)
+        return _Kernel(pairs * 2.0 * matmuls * block_q * block_kv * d,
+                       pairs * float(tile_bytes) + b * h * t * d * row_bytes, grid)
+
+    if fwd is not None:  # s = q k^T, o += p v: the key tile's k and v per pair; q in, o (float32) out
+        bq, bk = min(fwd.block_q, t), min(fwd.block_kv, t)
+        kernels = [kernel(bq, bk, False, 2, 2 * bk * d * item, item + 4)]
+        ici = shard
+    else:  # dK/dV: s, dp, dv, dk (q and do tiles per pair); dQ: s, dp, dq (k and v tiles per pair)
+        dkv_q, dkv_kv = min(bwd.block_q_dkv, t), min(bwd.block_kv_dkv, t)
+        dq_q, dq_kv = min(bwd.block_q_dq, t), min(bwd.block_kv_dq, t)
+        kernels = [kernel(dkv_q, dkv_kv, True, 4, 2 * dkv_q * d * item, 2 * (item + 4)),
+                   kernel(dq_q, dq_kv, False, 3, 2 * dq_kv * d * item, 2 * item + 4)]
+        ici = shard + b * t * 2 * hkv * d * 4  # and the dk, dv accumulators, float32
+    kernel_s = sum(k.seconds(chip, peak) for k in kernels)
+    step_s = np.maximum(kernel_s, ici / chip.ici_link).max(axis=1)  # each step waits for its slowest device
+    slowest = kernel_s.argmax(axis=1)
+    steps = np.arange(problem.ring_size)
+    return Prediction(float(step_s.sum()), float(sum(k.flops[steps, slowest].sum() for k in kernels)),
+                      float(sum(k.hbm[steps, slowest].sum() for k in kernels)), float(ici * problem.ring_size),
+                      sum(k.grid * int((k.flops > 0).sum()) for k in kernels))
+
+
+__all__ = ["CHIPS", "Chip", "GRID_STEP_S", "Prediction", "predict"]

@@ -1,0 +1,408 @@
+"""The runtime loader (DESIGN section 9): tuned ring attention, decided at trace time from the cache.
+
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh)  # zigzag, laid out for you
+    out = attn(q, k, v)                                 # global arrays in token order
+    attn.explain(q, k, v)                               # what it would run, and why
+
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, layout="contiguous")
+    out = attn(q, k, v, q_segment_ids=seg, kv_segment_ids=seg)   # local shards, inside shard_map over "sp"
+
+At trace time the callable resolves the call once (`tuner.runtime.plan.resolve`: its spec, one device's shapes,
+the platform's implementation), builds the problem key from the shapes it sees, picks the implementation
+from `tuner.registry` (`auto`: by measurement, `tuner.runtime.measured` -- the one `tuner bench --mechanisms`
+measured fastest for this problem, a ring or gathered dense attention when that is faster at this
+length, else the one whose tuned entry for this problem is the fastest -- else, on a TPU or an H100, the
+strategy model's pick (`tuner.runtime.modelled`: all_to_all or all_gather when predicted 10% faster than an
+untuned ring) -- else the platform's preferred ring, else scan when that one is missing, does not support
+the features, or fails to build; `strategy=` narrows the choice to one strategy) and its
+config (cache lookup: exact, nearest, shipped, else the implementation's default). The result is a
+`tuner.runtime.plan.Plan` (`explain()` returns it), and the implementation runs from its spec, config and
+layout. It never tunes. Whatever the cache holds, a training step traces, runs and is exact: a missing,
+unreadable, corrupt or locked cache file (waited for at most `tuner.cache.LOADER_BUSY_TIMEOUT_S`) and
+every invalid row cost speed only, with one WARNING naming the file, the row and what is wrong; a tuned
+variant that fails to build falls back to the scan backend's defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Hashable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from tuner.semantics import layouts
+from tuner.runtime import measured, meshed, modelled, plan, record
+from tuner import registry
+from tuner.cache import LOADER_BUSY_TIMEOUT_S, Cache, CacheError, row_config, warn_once, writes
+from tuner.support.checks import check_int
+from tuner.runtime.plan import Plan
+from tuner.semantics.problem import ProblemKey
+from tuner.strategies.ring import ring_geometry
+from tuner.semantics.spec import LocalShapes, build_spec, normalize_window
+from tuner.support.targets import compile_target
+
+log = logging.getLogger("tuner.runtime.dispatch")
+
+CALL_OPTIONS = (*plan.ARRAY_OPTIONS, "return_lse", "interpret")
+SOURCES = ("exact", "compiled", "nearest", "shipped", "default", "fallback", "measured")
+DEFAULT_LAYOUT = "zigzag"  # what `tuner search` tunes by default, and the loader uses with mesh=
+TUNED = ("exact", "compiled")  # config sources of a ring tuned for the problem: the model does not override it
+
+
+Decision = Plan  # what `explain()` returns: the plan of the call (`tuner.runtime.plan.Plan`)
+
+
+class TunedRingAttention:
+    """`attn(query, key, value, **per_call_options)`: ring attention with tuned params (see the module
+    docstring). Per-call options: q/kv segment ids and positions, `softmax_aux`, `bias`, `return_lse`,
+    `interpret` -- as in `tuner.ring_attention`."""
+
+    def __init__(self, *, axis_name: Hashable | None, causal: bool, sliding_window, chunk_size,
+                 logits_soft_cap, softmax_scale, layout: str, backend: str, db, mesh: Mesh | None,
+                 strategy: str = "auto"):
+        if layout is not None and (not isinstance(layout, str) or layout not in layouts.LAYOUTS):
+            raise ValueError(f"layout must be one of {', '.join(layouts.LAYOUTS)} or None, got {layout!r}")
+        if backend != "auto":
+            registry.get(backend)
+        strategy = plan.check_strategy(strategy, backend, axis_name)
+        if mesh is not None:
+            if not isinstance(mesh, Mesh):
+                raise ValueError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
+            names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+            if any(name is None or name not in mesh.shape for name in names):
+                raise ValueError(f"with mesh=, axis_name must name {'two' if len(names) > 1 else 'one'} of its "
+                                 f"axes {tuple(mesh.shape)}, got {axis_name!r}")
+        if layout is None and mesh is not None:
+            layout = DEFAULT_LAYOUT
+        self.axis_name, self.layout, self.backend, self.mesh = axis_name, layout, backend, mesh
+        self.strategy = strategy
+        self.options = dict(causal=causal, sliding_window=normalize_window(sliding_window),
+                            chunk_size=chunk_size, logits_soft_cap=logits_soft_cap,
+                            softmax_scale=softmax_scale)
+        build_spec(jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32), has_segments=False, bias=None,
+                   softmax_aux=None, **self.options)  # the scalar options fail here, not at trace time
+        self.db = db
+        self._decisions: dict[tuple, Decision] = {}
+        self._writes = writes()
+        self._compiled: tuple[int, Any] | None = None  # (cache writes when made, the jitted call on a mesh)
+
+    # ----------------------------------------------------------------------------------------------
+
+    def __call__(self, query, key, value, **per_call_options):
+        options = _check_call_options(per_call_options)
+        if self.mesh is None:
+            return self._local(query, key, value, options)
+        size, ring = self._mesh_sizes()
+        for x, name in ((query, "query"), (key, "key"), (value, "value")):
+            _local_shape(x, size, name)
+        if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((query, key, value, options))):
+            return self._compiled_call()(query, key, value, **options)
+        return meshed.call(self._local, self.mesh, self.axis_name, self.layout, ring, query, key, value, options)
+
+    def _compiled_call(self):
+        """This call under `jax.jit`, for calls outside any trace: the layout, `shard_map` and ring compile
+        once per shape instead of at every call. Made again after a cache write in this process, so that
+        the loader decides again as it does under the caller's own trace."""
+        if self._compiled is None or self._compiled[0] != writes():
+            self._compiled = (writes(), jax.jit(self.__call__, static_argnames=("return_lse", "interpret")))
+        return self._compiled[1]
+
+    def explain(self, query, key, value, *, ring_size: int | tuple[int, int] | None = None,
+                **per_call_options) -> Decision:
+        """The decision `attn(query, key, value, **per_call_options)` would take, without running it.
+
+        Arrays (or `jax.ShapeDtypeStruct`s) are global with `mesh=`, else the local shards; `ring_size`
+        defaults to the mesh axis, or 1 without `axis_name`; over two axes it is the pair of their sizes
+        `(R, A)`.
+        """
+        options = _check_call_options(per_call_options)
+        pair = isinstance(self.axis_name, tuple)
+        if self.mesh is not None:
+            devices, ring = self._mesh_sizes()
+            given = (ring, devices // ring) if pair else devices
+            if ring_size is not None and ring_size != given:
+                raise ValueError(f"ring_size={ring_size} does not match mesh axis {self.axis_name!r} of "
+                                 f"size {given}")
+            ring_size = given
+        elif ring_size is None and self.axis_name is not None:
+            raise ValueError(f"explain() needs ring_size= when axis_name is set without mesh="
+                             f"{' (over two axes: the pair of their sizes, (R, A))' if pair else ''}")
+        if pair:
+            if not (isinstance(ring_size, tuple) and len(ring_size) == 2):
+                raise ValueError(f"ring_size must be the pair (R, A) of the sizes of axis_name={self.axis_name!r}, "
+                                 f"got {ring_size!r}")
+            for name, n in zip(("ring_size[0]", "ring_size[1]"), ring_size):
+                check_int(name, n)
+            size, a2a = ring_size[0] * ring_size[1], ring_size[1]
+        else:
+            size, a2a = check_int("ring_size", 1 if ring_size is None else ring_size), None
+        if self.mesh is not None:  # what each device's shard of the global arrays looks like
+            query, key, value = (_local_shape(x, size, name) for x, name in
+                                 ((query, "query"), (key, "key"), (value, "value")))
+            options = {n: _local_shape(x, size, n) if n in meshed.SEQUENCE_OPTIONS and x is not None else x
+                       for n, x in options.items()}
+            if options.get("bias") is not None and options["bias"].shape[2] > 1:  # sharded over its query axis
+                options["bias"] = _local_shape(options["bias"], size, "bias", axis=2)
+        return self._decide(query, key, value, size, options, a2a)
+
+    # ----------------------------------------------------------------------------------------------
+
+    def _mesh_sizes(self) -> tuple[int, int]:
+        """(devices the sequence is split over, ring positions the layout is over) of `mesh=`: the axis's
+        size twice, or over two axes R x A and R."""
+        if isinstance(self.axis_name, tuple):
+            ring, a2a = (self.mesh.shape[name] for name in self.axis_name)
+            return ring * a2a, ring
+        return self.mesh.shape[self.axis_name], self.mesh.shape[self.axis_name]
+
+    def _local(self, query, key, value, options: dict[str, Any]):
+        size, _ = ring_geometry(self.axis_name)
+        a2a = jax.lax.axis_size(self.axis_name[1]) if isinstance(self.axis_name, tuple) else None
+        decision = self._decide(query, key, value, size, options, a2a)
+        noted = self._note(query, key, value, size, a2a or 1, options, decision)
+        with record.scope(noted):
+            return record.watch(noted, self._attend(query, key, value, options, decision))
+
+    def _attend(self, query, key, value, options: dict[str, Any], decision: Decision):
+        interpret = bool(options.get("interpret"))
+        arrays = {n: v for n, v in options.items() if n != "interpret"}
+        call = dict(spec=decision.spec, axis_name=self.axis_name, layout=decision.layout, interpret=interpret, **arrays)
+        try:
+            return registry.get(decision.backend).attend(query, key, value, config=decision.config, **call)
+        except Exception as error:  # noqa: BLE001 - a variant that fails to build falls back to scan defaults
+            if decision.backend == registry.FALLBACK and decision.source in ("default", "fallback"):
+                raise
+            log.warning("ring attention %s: backend %s with params from %s failed to build (%s: %s); falling back "
+                        "to %s with its default params", decision.key.digest, decision.backend, decision.source,
+                        type(error).__name__, error, registry.FALLBACK)
+            fallback = registry.get(registry.FALLBACK)
+            return fallback.attend(query, key, value, config=fallback.default_config(decision.key, decision.spec),
+                                   **call)
+
+    def _note(self, query, key, value, ring_size: int, a2a_size: int, options: dict[str, Any], decision: Decision
+              ) -> record.Call:
+        """The call as `tuner.runtime.record` keeps it: what `tuner autotune`, `record` and `doctor` read."""
+        platform, device_kind = compile_target(self.mesh)
+        return record.Call(
+            caller="loader", query=record.struct_of(query), key=record.struct_of(key), value=record.struct_of(value),
+            arrays={n: record.struct_of(x) for n, x in options.items() if n in plan.ARRAY_OPTIONS and x is not None},
+            mask=self.options, ring_size=ring_size, layout=decision.layout, backend=self.backend,
+            strategy=self.strategy, a2a_size=a2a_size,
+            return_lse=bool(options.get("return_lse")), interpret=bool(options.get("interpret")),
+            db=str(Cache(self.db).path), platform=platform, device_kind=device_kind,
+            decision=dict(implementation=decision.backend, source=decision.source, reason=decision.reason,
+                          key=decision.key.as_dict()))
+
+    def _decide(self, query, key, value, ring_size: int, options: dict[str, Any], group: int | None = None
+                ) -> Decision:
+        """The plan of this call on `ring_size` devices (over two axes R x A, with `group` A), decided once
+        per problem key."""
+        platform, device_kind = compile_target(self.mesh)
+        target = registry.Target(platform, bool(options.get("interpret")))
+        return_lse = bool(options.get("return_lse"))
+        layout = self._layout(ring_size)
+        resolved = plan.resolve(query, key, value, ring_size=ring_size, layout=layout, backend=self.backend,
+                                target=target, mask=self.options, return_lse=return_lse, strategy=self.strategy,
+                                arrays={n: x for n, x in options.items() if n in plan.ARRAY_OPTIONS},
+                                axis_name=self.axis_name, group=group)
+        spec, shapes, implementation, fallback = (resolved.spec, resolved.shapes, resolved.implementation,
+                                                  resolved.fallback)
+        problem = registry.key(implementation, shapes, spec, device_kind=device_kind, ring_size=ring_size,
+                               layout=layout, group=group)
+        if self._writes != writes():  # this process wrote to a cache since: decide again
+            self._decisions.clear()
+            self._writes = writes()
+        memo = (problem.digest, fallback, return_lse)
+        if memo not in self._decisions:
+            chosen, unusable, verdict, rows = None, None, None, []
+            dtype, choosing = jnp.dtype(query.dtype), self.backend == "auto" and not target.interpret
+            if choosing and self.strategy in ("auto", "ring"):
+                try:  # the cache's decisions for this problem, read once for the measurement and the model
+                    rows = measured.decisions(Cache(self.db, busy_timeout=LOADER_BUSY_TIMEOUT_S), problem, spec)
+                except (CacheError, OSError) as error:  # reported by _lookup, which does not wait again
+                    unusable = error
+                else:
+                    chosen = self._measured(rows, problem, spec, dtype, target, return_lse)
+            if choosing and self.strategy == "auto":
+                verdict = self._modelled(rows, problem, spec, dtype, target, return_lse)
+            if chosen is not None:
+                implementation, fallback = registry.get(chosen[0]), None
+                problem = dataclasses.replace(problem, backend=implementation.name)
+            decision = self._lookup(problem, shapes, spec, layout, implementation, fallback, unusable)
+            if chosen is not None:
+                nothing_tuned = decision.source == "default" and decision.config.to_dict() == {"fwd": {}, "bwd": {}}
+                decision = dataclasses.replace(decision, source="measured" if nothing_tuned else decision.source,
+                                               reason=f"{chosen[1]}; config: {decision.source} ({decision.reason})")
+            elif verdict is not None:
+                decision = self._by_model(verdict, decision, shapes, unusable)
+            if verdict is not None:
+                decision = dataclasses.replace(decision, predictions=verdict.predictions)
+            self._decisions[memo] = decision
+            log.info("ring attention %s: %s, config from %s (%s)", decision.key.digest, decision.backend,
+                     decision.source, decision.reason)
+        return self._decisions[memo]
+
+    def _layout(self, ring_size: int) -> str:
+        """The layout of the shards: as given, else any on one device (they all hold the tokens in
+        order); on local shards of a larger ring it must be given, since only the caller knows how
+        their `shard_map` split the sequence."""
+        if self.layout is not None:
+            return self.layout
+        if ring_size == 1:
+            return DEFAULT_LAYOUT
+        raise ValueError(f"layout= is needed when attn is called on local shards of a ring of {ring_size} devices: "
+                         f"pass the layout the shards are in ('contiguous' for an even split of the sequence, "
+                         f"'zigzag' or 'striped' after tuner.layouts.lay_out), or pass mesh= and global arrays "
+                         f"in token order, which the loader lays out itself ({DEFAULT_LAYOUT} by default)")
+
+    def _measured(self, rows: list[dict[str, Any]], key: ProblemKey, spec, dtype, target: registry.Target,
+                  return_lse: bool) -> tuple[str, str] | None:
+        """What `auto` runs by measurement, and the reason to give (`tuner.runtime.measured`, from the problem's
+        cache `rows`): only current, valid measurements of implementations that can honour this call (and,
+        with strategy="ring", are rings) count; the measured ones that cannot are named with their reason.
+        None to decide by the platform's preference."""
+        passed_over: dict[str, str] = {}
+
+        def runnable(name: str) -> bool:
+            implementation = registry.find(name)
+            its = None if implementation is None else registry.strategy_of(implementation)
+            if its is None or registry.mesh_axes(implementation) != 1 or self.strategy not in ("auto", its):
+                return False
+            reason = registry.why_not(implementation, spec, dtype, key.head_dim, target, return_lse=return_lse,
+                                      shapes=key, ring_size=key.ring_size)
+            if reason is not None:
+                passed_over[name] = reason
+            return reason is None
+
+        chosen = measured.choose(rows, key, runnable)
+        if chosen is None or not passed_over:
+            return chosen
+        return chosen[0], f"{chosen[1]}; passed over: {'; '.join(f'{n} {r}' for n, r in passed_over.items())}"
+
+    def _modelled(self, rows: list[dict[str, Any]], key: ProblemKey, spec, dtype, target: registry.Target,
+                  return_lse: bool) -> modelled.Verdict | None:
+        """The strategy model's verdict on this call (`tuner.runtime.modelled`), with the bench times of the
+        problem's cache `rows` beside its predictions; None where the model does not decide (the CPU: a
+        simulation platform)."""
+        platform = modelled.model_platform(target.platform, key.device_kind)
+        problem = None if platform is None or key.ring_size == 1 else modelled.problem_of(key, spec, key.ring_size,
+                                                                                           key.layout)
+        if problem is None:
+            return None
+
+        def runnable(strategy: str) -> str | None:
+            implementation = registry.find(strategy)
+            if implementation is None or registry.strategy_of(implementation) != strategy:
+                return "no implementation is registered for it"
+            return registry.why_not(implementation, spec, dtype, key.head_dim, target, return_lse=return_lse,
+                                    shapes=key, ring_size=key.ring_size)
+
+        return modelled.decide(problem, platform, runnable, measured=modelled.bench_seconds(rows, key.backend),
+                               return_lse=return_lse)
+
+    def _by_model(self, verdict: modelled.Verdict, ring: Decision, shapes: LocalShapes,
+                  unusable: CacheError | OSError | None) -> Decision:
+        """The decision once the model has spoken: the strategy it picked (its config from the cache),
+        unless the ring is tuned for this problem; its reason in front either way."""
+        if verdict.strategy == "ring":
+            return dataclasses.replace(ring, reason=f"{verdict.reason}; {ring.reason}")
+        if ring.source in TUNED:
+            return dataclasses.replace(ring, reason=f"{verdict.reason}, but {ring.backend} is tuned for this problem "
+                                                    f"({ring.source}: {ring.reason}); strategy={verdict.strategy!r} "
+                                                    f"runs the other")
+        implementation = registry.get(verdict.strategy)
+        problem = dataclasses.replace(ring.key, backend=implementation.name)
+        decision = self._lookup(problem, shapes, ring.spec, ring.layout, implementation, None, unusable)
+        return dataclasses.replace(decision, reason=f"{verdict.reason}; config: {decision.source} ({decision.reason})")
+
+    def _lookup(self, problem: ProblemKey, shapes: LocalShapes, spec, layout: str,
+                implementation: registry.Implementation, fallback: str | None,
+                unusable: CacheError | OSError | None = None) -> Decision:
+        """The config for `problem` from the cache; the default, with one warning, when it cannot be
+        read (`unusable`: the error reading its measurements already met, so a locked file is waited for
+        once per decision, and a broken one warned about once)."""
+        def accept(row: dict[str, Any]) -> str | None:
+            try:
+                implementation.check(row_config(row))
+            except ValueError as error:
+                return str(error)
+            return None
+
+        default = implementation.default_config(shapes, spec)
+        cache = Cache(self.db, busy_timeout=LOADER_BUSY_TIMEOUT_S)
+        name = implementation.name
+        try:
+            if unusable is not None:
+                raise unusable
+            found = cache.lookup(problem, registry.versions(implementation), accept)
+        except (CacheError, OSError) as error:
+            warn_once(cache.path, "unusable, using default params", str(error))
+            return Plan(name, default, "fallback" if fallback else "default",
+                        f"{fallback + '; ' if fallback else ''}cache unusable: {error}", problem, spec, layout)
+        config = row_config(found.row) if found.row is not None else default
+        if fallback:
+            return Plan(name, config, "fallback", f"{fallback}; {name} params: {found.source} ({found.reason})",
+                        problem, spec, layout)
+        return Plan(name, config, found.source, found.reason, problem, spec, layout)
+
+
+
+
+
+def _check_call_options(options: dict[str, Any]) -> dict[str, Any]:
+    unknown = [name for name in options if name not in CALL_OPTIONS]
+    if unknown:
+        raise TypeError(f"unknown per-call option(s) {', '.join(unknown)}; per-call options are "
+                        f"{', '.join(CALL_OPTIONS)} (set masks when calling get_tuned_ring_attention)")
+    return options
+
+
+def _local_shape(x, size: int, name: str, axis: int = 1) -> jax.ShapeDtypeStruct:
+    """One device's shard of the global `x`, split over `size` devices along its sequence `axis`."""
+    if x.shape[axis] % size:
+        raise ValueError(f"{name} length {x.shape[axis]} is not divisible by the ring size {size}")
+    shape = list(x.shape)
+    shape[axis] //= size
+    return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+
+
+def get_tuned_ring_attention(
+    *,
+    axis_name: Hashable | None = None,
+    causal: bool = False,
+    sliding_window: int | tuple[int, int] | None = None,
+    chunk_size: int | None = None,
+    logits_soft_cap: float | None = None,
+    softmax_scale: float | None = None,
+    layout: str | None = None,
+    backend: str = "auto",
+    db: str | None = None,
+    mesh: Mesh | None = None,
+    strategy: str = "auto",
+) -> TunedRingAttention:
+    """Ring attention that runs the tuned variant for each problem it is traced with.
+
+    With `mesh`, call it on global arrays in token order (and per-call segment ids, positions and bias
+    in token order too): it lays the sequence out in `layout` (default "zigzag", which balances causal
+    work and is what `tuner search` tunes by default), applies `shard_map` over `axis_name`, and puts
+    the output (and lse) back in token order; the permutation costs one exchange of the arrays, so a
+    data pipeline that already yields laid-out shards should call it on local shards instead. Without
+    `mesh`, call it on local shards inside your `shard_map` over `axis_name`, with `layout` saying how
+    your shards hold the sequence (required on a ring of more than one device); without `axis_name`,
+    on one device. `db` is the cache file (default `$TUNER_DB`, else `$TUNER_HOME/tuning.sqlite`).
+
+    `strategy` says how the devices share the work: "ring", "all_to_all" or "all_gather" runs that one
+    ("ring": over the kernel `backend` names, else the platform's); "auto" (the default) lets a
+    measurement in the cache pick, else on a TPU or H100 the strategy model (`tuner.runtime.modelled`), else the
+    ring. "hybrid" (or "auto" with a pair `axis_name=(ring_axis, a2a_axis)`) runs all-to-all over the
+    second axis and the ring over the first (`tuner.strategies.hybrid`): with `mesh`, the sequence is sharded over
+    both axes, ring axis outer, and `layout` applies over the ring axis.
+    """
+    return TunedRingAttention(axis_name=axis_name, causal=causal, sliding_window=sliding_window,
+                              chunk_size=chunk_size, logits_soft_cap=logits_soft_cap,
+                              softmax_scale=softmax_scale, layout=layout, backend=backend, db=db, mesh=mesh,
+                              strategy=strategy)

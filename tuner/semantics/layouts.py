@@ -1,0 +1,101 @@
+"""How a global sequence is spread over a ring of P devices (DESIGN section 4).
+
+A layout only decides which global token positions each device holds:
+
+- `contiguous`: device r holds tokens [r*T, (r+1)*T) -- a causal ring leaves low ranks idle;
+- `zigzag`: the sequence is cut into 2P chunks and device r holds chunks r and 2P-1-r -- every device
+  gets one early and one late chunk, so causal work is balanced;
+- `striped`: token t lives on device t mod P -- balanced at the tile level.
+
+`lay_out` permutes a global array so that an even split along the sequence axis (what `shard_map`
+does) hands every device its layout's tokens; `restore` undoes it. The attention itself only sees
+positions, from `local_positions`.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from tuner.support.checks import check_int
+from tuner.semantics.spec import LAYOUTS
+
+
+def check_layout(layout: str, local_length: int, *, name: str = "layout") -> None:
+    """Raise `ValueError` if `layout` is unknown or cannot split a local length of `local_length`."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"{name} must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if layout == "zigzag" and local_length % 2:
+        raise ValueError(
+            f"the zigzag layout splits each device's tokens into two chunks, so the local sequence "
+            f"length must be even, got {local_length}"
+        )
+
+
+def global_order(layout: str, global_length: int, ring_size: int) -> np.ndarray:
+    """Global token index held at each slot of the laid-out sequence (device-major order)."""
+    ring_size = check_int("ring_size", ring_size, numeric=True)
+    if global_length % ring_size:
+        raise ValueError(f"the global length ({global_length}) must be a multiple of ring_size ({ring_size})")
+    local = global_length // ring_size
+    check_layout(layout, local)
+    return np.concatenate([local_positions_np(layout, local, ring_size, r) for r in range(ring_size)])
+
+
+def local_positions_np(layout: str, local_length: int, ring_size: int, rank: int) -> np.ndarray:
+    """Global positions of the `local_length` tokens held by device `rank` (NumPy, for host code)."""
+    t = np.arange(local_length)
+    if layout == "contiguous":
+        return rank * local_length + t
+    if layout == "striped":
+        return t * ring_size + rank
+    half = local_length // 2
+    first = rank * half + t[:half]
+    second = (2 * ring_size - 1 - rank) * half + t[:half]
+    return np.concatenate([first, second])
+
+
+def local_positions(layout: str, local_length: int, ring_size: int, rank) -> jnp.ndarray:
+    """Global positions (int32 `[local_length]`) of the tokens device `rank` holds; `rank` may be traced."""
+    t = lax.iota(jnp.int32, local_length)
+    if layout == "contiguous":
+        return rank * local_length + t
+    if layout == "striped":
+        return t * ring_size + rank
+    half = local_length // 2
+    chunk = jnp.where(t < half, rank, 2 * ring_size - 1 - rank)
+    return chunk * half + t % half
+
+
+def check_axes(axis_name) -> tuple:
+    """`axis_name` as a pair `(ring_axis, group_axis)` of two different mesh axes, the sharding of a call over
+    two axes; `ValueError` naming it otherwise."""
+    if not (isinstance(axis_name, tuple) and len(axis_name) == 2 and None not in axis_name
+            and axis_name[0] != axis_name[1]):
+        raise ValueError(f"axis_name={axis_name!r}: a call over two mesh axes takes (ring_axis, group_axis), two "
+                         f"different mesh axes (the layout over the first, each position's chunk cut over the second)")
+    return axis_name
+
+
+def grouped_positions(layout: str, length: int, axis_name: tuple) -> jnp.ndarray:
+    """Global positions (int32 `[length]`) of this device's `length` tokens when the sequence is sharded over two
+    axes `(ring_axis, group_axis)`, inside `shard_map` over both: its group index's cut of its ring position's
+    chunk of `layout` (`PartitionSpec(None, (ring_axis, group_axis))`)."""
+    ring_axis, group_axis = check_axes(axis_name)
+    groups = lax.axis_size(group_axis)
+    check_layout(layout, groups * length)
+    chunk = local_positions(layout, groups * length, lax.axis_size(ring_axis), lax.axis_index(ring_axis))
+    return lax.dynamic_slice_in_dim(chunk, lax.axis_index(group_axis) * length, length)
+
+
+def lay_out(x, layout: str, ring_size: int, *, axis: int = 1):
+    """Permute the sequence `axis` of a global array into the layout's device-major order."""
+    order = global_order(layout, x.shape[axis], ring_size)
+    return jnp.take(x, jnp.asarray(order), axis=axis)
+
+
+def restore(x, layout: str, ring_size: int, *, axis: int = 1):
+    """Inverse of `lay_out`: put the sequence `axis` back into natural token order."""
+    order = global_order(layout, x.shape[axis], ring_size)
+    return jnp.take(x, jnp.asarray(np.argsort(order)), axis=axis)

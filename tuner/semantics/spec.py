@@ -1,0 +1,281 @@
+"""The problem every backend solves: its feature set and the validation of its inputs (DESIGN section 2)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tuner.support.checks import check_int
+
+FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
+LAYOUTS = ("contiguous", "zigzag", "striped")
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1  # token positions are int32
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """The static features of one attention problem: what is compiled in or out of a kernel.
+
+    Hashable, so it can be a static argument and part of a cache key. Shapes are not part of it.
+    """
+
+    scale: float
+    causal: bool = False
+    window: tuple[int, int] | None = None
+    chunk_size: int | None = None
+    softcap: float | None = None
+    has_segments: bool = False
+    has_bias: bool = False
+    num_sinks: int = 0
+
+    @property
+    def has_position_mask(self) -> bool:
+        """True when positions alone can exclude a key (causal, window or chunk)."""
+        return self.causal or self.window is not None or self.chunk_size is not None
+
+    @property
+    def has_mask(self) -> bool:
+        """True when some (query, key) pair may be excluded."""
+        return self.has_position_mask or self.has_segments
+
+    def features(self) -> dict[str, Any]:
+        """The feature flags as plain values, for cache keys and kernel headers."""
+        return {
+            "causal": self.causal,
+            "window": list(self.window) if self.window is not None else None,
+            "chunk_size": self.chunk_size,
+            "softcap": self.softcap is not None,
+            "segments": self.has_segments,
+            "bias": self.has_bias,
+            "sinks": self.num_sinks,
+        }
+
+
+@dataclass(frozen=True)
+class LocalShapes:
+    """The shapes one device's block kernels see: its query shard `[batch, q_len, heads, head_dim]` and
+    key/value shard `[batch, kv_len, kv_heads, head_dim]`, and their dtype's name."""
+
+    batch: int
+    q_len: int
+    kv_len: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+
+    @classmethod
+    def of_shards(cls, query: Any, key: Any) -> LocalShapes:
+        """The shapes of a query shard and a key shard (arrays or `jax.ShapeDtypeStruct`s)."""
+        b, tq, h, d = query.shape
+        return cls(b, tq, key.shape[1], h, key.shape[2], d, jnp.dtype(query.dtype).name)
+
+
+def normalize_window(sliding_window: int | tuple[int, int] | None, *,
+                     name: str = "sliding_window") -> tuple[int, int] | None:
+    """`w` means `(w, w)`; both sides must be ints from 0 to 2**31 - 1, as the window bounds are int32
+    arithmetic on int32 positions. `name` is the argument named in errors."""
+    if sliding_window is None:
+        return None
+    if isinstance(sliding_window, (int, np.integer)) and not isinstance(sliding_window, bool):
+        sides = (sliding_window, sliding_window)
+    elif isinstance(sliding_window, (tuple, list)) and len(sliding_window) == 2:
+        sides = tuple(sliding_window)
+    else:
+        raise ValueError(f"{name} must be an int or a (left, right) pair of ints, got {sliding_window!r}")
+    for side in sides:
+        if isinstance(side, bool) or not isinstance(side, (int, np.integer)) or not 0 <= side <= INT32_MAX:
+            raise ValueError(f"{name} must have sides that are ints from 0 to 2**31 - 1 (int32 positions), "
+                             f"got {sliding_window!r}")
+    return int(sides[0]), int(sides[1])
+
+
+def clip_window(window: tuple[int, int] | None, span: int, *, causal: bool) -> tuple[int, int] | None:
+    """The same window for positions no two of which are more than `span` apart: each side cut to
+    `span`, and None (no window) when it excludes no such pair -- both sides reach `span`, or, under
+    `causal` (which already excludes every key to the right), the left side does. One problem thus has
+    one spec, one cache key and one compiled kernel however long its window is written."""
+    if window is None:
+        return None
+    left, right = min(window[0], span), min(window[1], span)
+    if left == span and (right == span or causal):
+        return None
+    return left, right
+
+
+def layout_span(ring_size: int, q_len: int, kv_len: int, q_positions: Any = None,
+                kv_positions: Any = None) -> int | None:
+    """The largest distance between a query and a key position when the layout gives both (positions
+    `0 .. ring_size * local length - 1`), for `build_spec(position_span=...)`; None when either side's
+    positions are given explicitly (then nothing bounds the distance)."""
+    if q_positions is not None or kv_positions is not None:
+        return None
+    return ring_size * max(q_len, kv_len) - 1
+
+
+def _check_layout_length(positions: str, ring_size: int, local_len: int) -> None:
+    """Raise `ValueError` when a layout cannot number a global sequence of `ring_size * local_len`
+    tokens with int32 positions (0 .. 2**31 - 1); `positions` names the argument to give instead."""
+    total = ring_size * local_len
+    if total > INT32_MAX + 1:
+        raise ValueError(f"the global sequence length {ring_size} x {local_len} = {total} is over 2**31 "
+                         f"tokens, more than int32 positions can number: pass {positions}")
+
+
+def check_int32_length(name: str, value: Any, *, numeric: bool = False) -> int | None:
+    """`check_int(name, value, optional=True, numeric=numeric)` of a length counted in int32 positions
+    (a chunk), so also at most 2**31 - 1."""
+    length = check_int(name, value, optional=True, numeric=numeric)
+    if length is not None and length > INT32_MAX:
+        raise ValueError(f"{name} must be at most 2**31 - 1 (int32 positions), got {value!r}")
+    return length
+
+
+def _check_optional_positive_float(name: str, value: Any) -> None:
+    if value is None:
+        return
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(float(value)) or value <= 0:
+        raise ValueError(f"{name} must be a positive float, got {value!r}")
+
+
+def build_spec(
+    query: Any,
+    *,
+    causal: bool,
+    sliding_window: int | tuple[int, int] | None,
+    chunk_size: int | None,
+    logits_soft_cap: float | None,
+    softmax_scale: float | None,
+    has_segments: bool,
+    bias: Any,
+    softmax_aux: Any,
+    position_span: int | None = None,
+) -> AttentionSpec:
+    """Check the scalar options and turn them into an `AttentionSpec`.
+
+    `position_span`: the largest distance between any query and any key position, when known (positions
+    laid out by a layout: `layout_span`); the window is then clipped to it (`clip_window`), so a window
+    at least as long as the sequence gives the spec of no window, and so does a chunk that long.
+    """
+    if not isinstance(causal, (bool, np.bool_)):
+        raise ValueError(f"causal must be a bool, got {causal!r}")
+    chunk_size = check_int32_length("chunk_size", chunk_size, numeric=True)
+    _check_optional_positive_float("logits_soft_cap", logits_soft_cap)
+    _check_optional_positive_float("softmax_scale", softmax_scale)
+    head_dim = query.shape[-1]
+    scale = float(softmax_scale) if softmax_scale is not None else head_dim**-0.5
+    num_sinks = 0
+    if softmax_aux is not None:
+        num_sinks = 1 if softmax_aux.ndim == 1 else softmax_aux.shape[1]
+    window = normalize_window(sliding_window)
+    if position_span is not None:
+        window = clip_window(window, position_span, causal=bool(causal))
+        if chunk_size is not None and chunk_size > position_span:  # one chunk holds every position
+            chunk_size = None
+    return AttentionSpec(
+        scale=scale,
+        causal=bool(causal),
+        window=window,
+        chunk_size=chunk_size,
+        softcap=float(logits_soft_cap) if logits_soft_cap is not None else None,
+        has_segments=has_segments,
+        has_bias=bias is not None,
+        num_sinks=num_sinks,
+    )
+
+
+def _check_float(name: str, x: Any) -> None:
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+
+
+def _check_int(name: str, x: Any) -> None:
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must have an integer dtype, got {x.dtype}")
+
+
+def _check_int32_values(name: str, x: Any) -> None:
+    """Positions are converted to int32: concrete values outside its range raise rather than wrap.
+    (Traced values cannot be looked at; a wider dtype's values must then be in range.)"""
+    info = jnp.iinfo(x.dtype)
+    if isinstance(x, jax.core.Tracer) or (info.min >= INT32_MIN and info.max <= INT32_MAX):
+        return
+    values = np.asarray(x)
+    if values.min() < INT32_MIN or values.max() > INT32_MAX:
+        raise ValueError(f"{name} must be int32 positions, from -2**31 to 2**31 - 1, got values from "
+                         f"{values.min()} to {values.max()}")
+
+
+def check_inputs(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    q_segment_ids: Any,
+    kv_segment_ids: Any,
+    q_positions: Any,
+    kv_positions: Any,
+    softmax_aux: Any,
+    bias: Any,
+    ring_size: int,
+) -> None:
+    """Raise `ValueError` / `TypeError` naming the argument for every malformed input.
+
+    Shapes are the local shards: `query [B, Tq, H, D]`, `key`/`value [B, Tk, Hkv, D]`; `bias` spans the
+    global key axis (`ring_size * Tk`). Positions not given come from a layout, which numbers at most
+    2**31 tokens.
+    """
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(f"{name} must have rank 4 [batch, length, heads, head_dim], got shape "
+                             f"{getattr(x, 'shape', None)}")
+        _check_float(name, x)
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise TypeError(f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, "
+                        f"{value.dtype}")
+    b, tq, h, d = query.shape
+    if key.shape != value.shape:
+        raise ValueError(f"key and value must have the same shape, got {key.shape} and {value.shape}")
+    _, tk, hkv, _ = key.shape
+    if key.shape[0] != b:
+        raise ValueError(f"key batch {key.shape[0]} does not match query batch {b}")
+    if key.shape[3] != d:
+        raise ValueError(f"key head_dim {key.shape[3]} does not match query head_dim {d}")
+    if min(b, tq, tk, h, hkv, d) == 0:
+        raise ValueError(f"query {query.shape} and key {key.shape} must have no empty dimension")
+    if h % hkv:
+        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hkv})")
+
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("q_segment_ids and kv_segment_ids must be given together (or neither)")
+    for name, x, t in (("q_segment_ids", q_segment_ids, tq), ("kv_segment_ids", kv_segment_ids, tk),
+                       ("q_positions", q_positions, tq), ("kv_positions", kv_positions, tk)):
+        if x is None:
+            continue
+        _check_int(name, x)
+        if x.shape != (b, t):
+            raise ValueError(f"{name} must have shape [batch, length] = {(b, t)}, got {x.shape}")
+    for name, x, t in (("q_positions", q_positions, tq), ("kv_positions", kv_positions, tk)):
+        if x is None:
+            _check_layout_length(name, ring_size, t)
+        else:
+            _check_int32_values(name, x)
+
+    if softmax_aux is not None:
+        _check_float("softmax_aux", softmax_aux)
+        if not (softmax_aux.ndim in (1, 2) and softmax_aux.shape[0] == h
+                and (softmax_aux.ndim == 1 or softmax_aux.shape[1] > 0)):
+            raise ValueError(f"softmax_aux must have shape [heads] = ({h},) or [heads, n] = ({h}, n), "
+                             f"got {softmax_aux.shape}")
+    if bias is not None:
+        _check_float("bias", bias)
+        want = (b, h, tq, tk * ring_size)
+        if bias.ndim != 4 or any(got not in (1, full) for got, full in zip(bias.shape, want)):
+            raise ValueError(f"bias must have shape [batch, heads, q_length, global kv_length] = {want} "
+                             f"or be broadcastable to it (size-1 dims), got {bias.shape}")

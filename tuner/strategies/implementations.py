@@ -1,0 +1,272 @@
+"""The built-in implementations of `tuner.registry`: the ring over each block kernel, and the gathered
+mechanisms.
+
+- `scan`, `triton`, `pallas_tpu`: `tuner.ring_attention` over that block kernel (`tuner.kernels`); the
+  config is a `TileConfig`, forward and backward tiles.
+- `dense`, `jax_nn`: every device all-gathers K/V and attends densely (`tuner.strategies.mechanisms`); nothing to
+  tune (`NoConfig`), but measured against the rings by `tuner bench --mechanisms`, which can win at
+  short lengths. Their strategy is `registry.GATHERED`, none of `strategy=`'s: they run when named by
+  `backend=`, or under `auto` by measurement.
+- `all_to_all`: Ulysses, registered by `tuner.strategies.all_to_all` (it builds on `TileConfig` and `TileSpace`):
+  all-to-all from sequence shards to head groups (query heads a multiple of the ring size; kv heads
+  repeated to the fewest copies that split), the scan ring over the whole sequence, all-to-all back;
+  the config is the inner scan ring's `TileConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Hashable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tuner.strategies import mechanisms
+from tuner import registry
+from tuner.kernels import BACKENDS, check_vma
+from tuner.kernels.base import Backend, SearchSpace, source_hash
+from tuner.kernels.params import BwdParams, FwdParams
+from tuner.registry import ChoiceSpace, Target
+from tuner.strategies.ring import run_ring
+from tuner.semantics.spec import AttentionSpec, LocalShapes
+
+
+def _part(data: Any, part: str, kind: type) -> Any:
+    """`kind` built from `data[part]`: only its known fields, each validated by `kind`."""
+    name = f"{part}_params"
+    values = data.get(part) if isinstance(data, dict) else None
+    if not isinstance(values, dict):
+        raise ValueError(f"{name} must be a JSON object, got {values!r}")
+    known = {f.name for f in dataclasses.fields(kind)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{name} has unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    try:
+        return kind(**values)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{name}: {error}") from None
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """A ring's config: the forward and the backward tiles of its block kernel."""
+
+    fwd: FwdParams = FwdParams()
+    bwd: BwdParams = BwdParams()
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {"fwd": self.fwd.to_dict(), "bwd": self.bwd.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TileConfig:
+        return cls(_part(data, "fwd", FwdParams), _part(data, "bwd", BwdParams))
+
+
+@dataclass(frozen=True)
+class NoConfig:
+    """The config of an implementation with nothing to tune."""
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {"fwd": {}, "bwd": {}}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> NoConfig:
+        for part in registry.PARTS:
+            values = data.get(part) if isinstance(data, dict) else None
+            if values != {}:
+                raise ValueError(f"{part}_params must be an empty JSON object (nothing to tune), got {values!r}")
+        return cls()
+
+
+@dataclass(frozen=True)
+class TileSpace:
+    """A ring's `Space` over its kernel's candidates (`tuner.kernels.base.SearchSpace`): forward fields,
+    backward fields, and whether dq runs fused into the dk/dv pass or as a separate pass with its own
+    tiles (optuna parameter `bwd.dq_pass`, then `bwd.block_q_dq` and `bwd.block_kv_dq`)."""
+
+    candidates: SearchSpace
+
+    def suggest(self, trial: Any, default: TileConfig, parts: tuple[str, ...]) -> TileConfig:
+        fwd, bwd = default.fwd, default.bwd
+        space = self.candidates
+        if "fwd" in parts:
+            fwd = FwdParams(**{n: trial.suggest_categorical(f"fwd.{n}", c) for n, c in space.fwd.items()})
+        if "bwd" in parts:
+            fields = {n: trial.suggest_categorical(f"bwd.{n}", c) for n, c in space.bwd.items()}
+            passes = tuple(p for p in space.dq_passes if p == "fused" or space.dq_tiles)
+            if trial.suggest_categorical("bwd.dq_pass", passes) == "separate":
+                fields["block_q_dq"] = trial.suggest_categorical("bwd.block_q_dq", space.dq_tiles)
+                fields["block_kv_dq"] = trial.suggest_categorical("bwd.block_kv_dq", space.dq_tiles)
+            bwd = BwdParams(**fields)
+        return TileConfig(fwd, bwd)
+
+    def params(self, config: TileConfig, parts: tuple[str, ...]) -> dict[str, Any]:
+        params: dict[str, Any] = {}
+        if "fwd" in parts:
+            params.update({f"fwd.{k}": v for k, v in config.fwd.to_dict().items() if v is not None})
+        if "bwd" in parts:
+            bwd = config.bwd.to_dict()
+            dq = {"bwd.block_q_dq": bwd.pop("block_q_dq"), "bwd.block_kv_dq": bwd.pop("block_kv_dq")}
+            params.update({f"bwd.{k}": v for k, v in bwd.items() if v is not None})
+            params["bwd.dq_pass"] = "fused" if config.bwd.fused_dq else "separate"
+            if not config.bwd.fused_dq:
+                params.update(dq)
+        return params
+
+    def config(self, params: dict[str, Any], default: TileConfig) -> TileConfig:
+        fwd = {k[4:]: v for k, v in params.items() if k.startswith("fwd.")}
+        bwd = {k[4:]: v for k, v in params.items() if k.startswith("bwd.") and k != "bwd.dq_pass"}
+        return TileConfig(FwdParams(**fwd) if fwd else default.fwd, BwdParams(**bwd) if bwd else default.bwd)
+
+    def grid(self, default: TileConfig, parts: tuple[str, ...]) -> list[TileConfig]:
+        """Every forward point and every backward point, walked side by side (the passes are separate,
+        so covering each once covers every combination that can win: the best of each are combined)."""
+        fwds = list(self.candidates.fwd_points()) if "fwd" in parts else [default.fwd]
+        bwds = list(self.candidates.bwd_points()) if "bwd" in parts else [default.bwd]
+        return [TileConfig(fwds[i % len(fwds)], bwds[i % len(bwds)]) for i in range(max(len(fwds), len(bwds)))]
+
+
+class Ring:
+    """Ring attention over one block kernel (`tuner.kernels`): the keys travel, the queries stay. The
+    ring driver runs the `kernel` of whichever registered implementation has one."""
+
+    config_type = TileConfig
+    gathered = False
+    strategy = "ring"
+
+    def __init__(self, backend: Backend):
+        self.kernel = backend
+        self.name = backend.name
+        self.summary = f"ring over the {backend.name} block kernel"
+        self.packages = ("triton",) if backend.name == "triton" else ()
+
+    def available(self, target: Target) -> str | None:
+        return self.kernel.unavailable_reason(target.interpret, target.platform)
+
+    def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int, *, return_lse: bool = False) -> str | None:
+        return self.kernel.supports(spec, dtype, head_dim)
+
+    def default_config(self, shapes: LocalShapes, spec: AttentionSpec) -> TileConfig:
+        return TileConfig(*self.kernel.default_params(shapes.q_len, shapes.kv_len, shapes.head_dim))
+
+    def space(self, shapes: LocalShapes, spec: AttentionSpec) -> registry.Space:
+        return TileSpace(self.kernel.search_space(shapes, spec))
+
+    def violation(self, shapes: LocalShapes, spec: AttentionSpec, config: TileConfig, parts: tuple[str, ...]
+                  ) -> str | None:
+        return self.kernel.violation(shapes, spec, config.fwd if "fwd" in parts else None,
+                                      config.bwd if "bwd" in parts else None)
+
+    def check(self, config: TileConfig) -> None:
+        self.kernel.check_params(config.fwd, config.bwd)
+
+    def code_hash(self) -> str:
+        return self.kernel.code_hash()
+
+    def vma_checked(self, target: Target) -> bool:
+        return check_vma(self.name, target.interpret)
+
+    def attend(self, query, key, value, *, spec: AttentionSpec, config: TileConfig, axis_name: Hashable | None,
+               layout: str, interpret: bool = False, **arrays: Any) -> Any:
+        return run_ring(query, key, value, spec=spec, backend=self.name, fwd_params=config.fwd,
+                        bwd_params=config.bwd, axis_name=axis_name, layout=layout, interpret=interpret, **arrays)
+
+
+class Gathered:
+    """All-gather K/V over the ring's axis, then dense attention for this device's queries."""
+
+    config_type = NoConfig
+    gathered = True
+    strategy = registry.GATHERED  # none of `registry.STRATEGIES`: `strategy=` never selects it
+    packages = ()
+
+    def __init__(self, name: str, summary: str):
+        self.name, self.summary = name, summary
+
+    def available(self, target: Target) -> str | None:
+        return "gathered mechanisms have no interpreter mode" if target.interpret else None
+
+    def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int, *, return_lse: bool = False) -> str | None:
+        return mechanisms.gathered_unsupported(self.name, spec, return_lse=return_lse)
+
+    def default_config(self, shapes: LocalShapes, spec: AttentionSpec) -> NoConfig:
+        return NoConfig()
+
+    def space(self, shapes: LocalShapes, spec: AttentionSpec) -> registry.Space:
+        return ChoiceSpace(NoConfig)
+
+    def violation(self, shapes: LocalShapes, spec: AttentionSpec, config: NoConfig, parts: tuple[str, ...]
+                  ) -> str | None:
+        return None
+
+    def check(self, config: NoConfig) -> None:
+        if not isinstance(config, NoConfig):
+            raise ValueError(f"{self.name} has nothing to tune, got {config!r}")
+
+    def code_hash(self) -> str:
+        return source_hash(Path(mechanisms.__file__))
+
+    def vma_checked(self, target: Target) -> bool:
+        return True
+
+    def attend(self, query, key, value, *, spec: AttentionSpec, config: NoConfig, axis_name: Hashable | None,
+               layout: str, interpret: bool = False, **arrays: Any) -> Any:
+        return mechanisms.gathered_attention(query, key, value, mechanism=self.name, spec=spec, axis_name=axis_name,
+                                             layout=layout, **arrays)
+
+
+class ExchangedScan:
+    """The hooks shared by the implementations that exchange shards over the ring's axis and then run
+    the scan ring at ring size 1 over what they gathered (`all_to_all`, `all_gather`): the scan
+    backend's availability, features (less bias: `bias_reason`) and tiles, sized for the gathered
+    length `_full(shapes)`."""
+
+    config_type = TileConfig
+    gathered = True
+    packages = ()
+    name: str
+    bias_reason: str
+
+    def __init__(self) -> None:
+        self.inner = BACKENDS["scan"]  # not `kernel`: the ring driver would take this for a ring
+
+    @staticmethod
+    def _full(shapes: LocalShapes) -> LocalShapes:
+        """The shapes the default config and the space are sized for."""
+        raise NotImplementedError
+
+    def available(self, target: Target) -> str | None:
+        return self.inner.unavailable_reason(target.interpret, target.platform)
+
+    def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int, *, return_lse: bool = False) -> str | None:
+        return self.bias_reason if spec.has_bias else self.inner.supports(spec, dtype, head_dim)
+
+    def default_config(self, shapes: LocalShapes, spec: AttentionSpec) -> TileConfig:
+        full = self._full(shapes)
+        return TileConfig(*self.inner.default_params(full.q_len, full.kv_len, full.head_dim))
+
+    def check(self, config: TileConfig) -> None:
+        if not isinstance(config, TileConfig):
+            raise ValueError(f"{self.name} takes a TileConfig, got {config!r}")
+        self.inner.check_params(config.fwd, config.bwd)
+
+    def code_hash(self) -> str:
+        from tuner.kernels import scan, scan_kernel, scan_tiling
+
+        own = Path(sys.modules[type(self).__module__].__file__)
+        return source_hash(own, *(Path(m.__file__) for m in (scan, scan_kernel, scan_tiling)))
+
+    def vma_checked(self, target: Target) -> bool:
+        return True
+
+
+for _backend in BACKENDS.values():
+    registry.register(Ring(_backend))
+
+
+registry.register(Gathered("dense", "all-gather K/V, tuner.semantics.reference.dense_attention"))
+registry.register(Gathered("jax_nn", "all-gather K/V, jax.nn.dot_product_attention"))
+
+
+__all__ = ["ExchangedScan", "Gathered", "NoConfig", "Ring", "TileConfig"]

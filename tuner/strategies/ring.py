@@ -1,0 +1,298 @@
+"""The one ring driver every block kernel runs under (the public entry point is `tuner.runtime.attention`).
+
+The driver (DESIGN section 3) owns everything ring-specific; backends only compute one block.
+
+Forward, on each of the P devices of `axis_name`: P steps. At every step the visiting key/value shard
+(with its positions and segment ids) is first sent on to the next device, so the transfer can overlap
+the compute, then this device's queries attend to it and the block result is merged into the running
+`(out, lse)` by `logaddexp` in float32. There is no send after the last step. A step whose visiting
+shard is wholly excluded by the masks is skipped: which ones, `masks.ring_mask` resolves once before
+the ring turns, from every shard's position bounds. Sinks join the softmax once, at the end.
+
+Backward replays the same steps with the final (sink-inclusive) lse and `delta = rowsum(dout * out)`:
+dq accumulates here, while dk/dv accumulators travel with the keys and, after one last hop, arrive
+back at the device that owns those keys. Each step's kernel computes its block's dk/dv afresh, and
+they are added to the accumulator after it arrives, so that neither transfer of a step (the next keys,
+the accumulator of the keys at hand) depends on the step's kernel and both can overlap it.
+`d softmax_aux` is computed once, from lse and delta.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from tuner.semantics import layouts, masks
+from tuner.strategies import ordering
+from tuner import registry
+from tuner.support import vma, work
+from tuner.kernels.base import Backend
+from tuner.kernels.params import BwdParams, FwdParams
+from tuner.semantics.spec import AttentionSpec
+from tuner.support.targets import compile_target
+
+F32 = jnp.float32
+
+
+@dataclass(frozen=True)
+class RingConfig:
+    """Everything static about one ring call (a `custom_vjp` non-differentiable argument)."""
+
+    spec: AttentionSpec
+    backend: str
+    fwd_params: FwdParams
+    bwd_params: BwdParams
+    axis_name: Hashable | None
+    interpret: bool
+
+
+def block_kernel(name: str) -> Backend:
+    """The block kernel the ring runs for the implementation called `name`."""
+    kernel = getattr(registry.get(name), "kernel", None)
+    if kernel is None:
+        raise ValueError(f"backend {name!r} is not a ring over a block kernel; run it through "
+                         f"get_tuned_ring_attention(backend={name!r})")
+    return kernel
+
+
+def ring_geometry(axis_name: Hashable | None) -> tuple[int, Any]:
+    """(ring size, this device's index on the ring); (1, 0) without an axis."""
+    if axis_name is None:
+        return 1, 0
+    return lax.axis_size(axis_name), lax.axis_index(axis_name)
+
+
+def _travelling(k, v, kv_pos, kv_seg) -> tuple:
+    """The shards that travel the ring, all varying over the axes of the keys: on a 2-D mesh the
+    positions vary over the ring axis only, and `tuner.strategies.ordering` ties each one to arrays that vary over
+    both."""
+    return tuple(None if x is None else vma.like(x, k) for x in (k, v, kv_pos, kv_seg))
+
+
+def _send_to_next(tree, axis_name: Hashable, size: int, after: tuple = ()):
+    """Each array of `tree` sent to the next device on the ring; on the CPU one after the other, the
+    first after the arrays of `after` (`tuner.strategies.ordering`)."""
+    perm = [(i, (i + 1) % size) for i in range(size)]
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef.unflatten(ordering.in_order(lambda x: lax.ppermute(x, axis_name, perm), leaves, after))
+
+
+def _bias_columns(bias, source, kv_len: int):
+    """The columns of a global-key-axis bias that belong to the shard of ring position `source`."""
+    if bias is None or bias.shape[-1] == 1:
+        return bias
+    return lax.dynamic_slice_in_dim(bias, source * kv_len, kv_len, axis=-1)
+
+
+def _add_bias_columns(dbias, block_dbias, source, kv_len: int):
+    if dbias.shape[-1] == 1:
+        return dbias + block_dbias
+    current = lax.dynamic_slice_in_dim(dbias, source * kv_len, kv_len, axis=-1)
+    return lax.dynamic_update_slice_in_dim(dbias, current + block_dbias, source * kv_len, axis=-1)
+
+
+def _merge(out, lse, block_out, block_lse):
+    """Combine two partial softmaxes (normalized outputs and their lse) exactly, in float32."""
+    new_lse = jnp.logaddexp(lse, block_lse)
+    safe = jnp.where(new_lse == -jnp.inf, 0.0, new_lse)
+
+    def weight(x):
+        return jnp.swapaxes(jnp.exp(x - safe), 1, 2)[..., None]  # [B,H,Tq] -> [B,Tq,H,1]
+
+    return weight(lse) * out + weight(block_lse) * block_out, new_lse
+
+
+def _sink_lse(sinks):
+    """logsumexp of each head's sinks, `[H]`, float32."""
+    sinks = sinks.astype(F32)
+    return sinks if sinks.ndim == 1 else jax.nn.logsumexp(sinks, axis=-1)
+
+
+def _visits(cfg: RingConfig, ring_mask: masks.RingMask, step, size: int):
+    """Whether step `step`'s kernel runs, as the predicate of the branch around it, or None for no
+    branch. With a mask, the mask's answer. Without one the kernel always runs, but on a TPU it still
+    goes in a branch, under a predicate the compiler cannot fold (`optimization_barrier`): the TPU
+    scheduler overlaps the step's transfers with a branch, while a bare kernel it ran before starting
+    them on v6e (tests/test_tpu_compile.py). Elsewhere no branch: a GPU branch waits on its predicate."""
+    if cfg.spec.has_mask:
+        return ring_mask.visits[step]
+    if size > 1 and compile_target()[0] == "tpu":
+        return lax.optimization_barrier(jnp.asarray(step) < size)
+    return None
+
+
+def _forward(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks):
+    backend = block_kernel(cfg.backend)
+    size, rank = ring_geometry(cfg.axis_name)
+    b, tq, h, d = q.shape
+    kv_len = k.shape[1]
+
+    def block(visiting, step, out, lse):
+        k_, v_, kv_pos_, kv_seg_ = visiting
+        source = (rank - step) % size
+
+        def compute(carry):
+            work.record("blocks", 1)
+            block_out, block_lse = backend.block_fwd(
+                q, k_, v_, q_pos, kv_pos_, q_seg, kv_seg_, _bias_columns(bias, source, kv_len),
+                spec=cfg.spec, params=cfg.fwd_params, interpret=cfg.interpret)
+            return _merge(*carry, block_out, block_lse)
+
+        visits = _visits(cfg, ring_mask, step, size)
+        if visits is None:
+            return compute((out, lse))
+        return lax.cond(visits, compute, lambda carry: carry, (out, lse))
+
+    ring_mask = masks.ring_mask(q_pos, kv_pos, q_seg, kv_seg, cfg.spec, cfg.axis_name, size, rank)
+    with work.on_device(rank):
+        out = vma.like(jnp.zeros((b, tq, h, d), F32), q)
+        lse = vma.like(jnp.full((b, h, tq), -jnp.inf, F32), q)
+        visiting = _travelling(k, v, kv_pos, kv_seg)
+        if size > 1:
+            def step(i, carry):
+                visiting, out, lse = carry
+                arriving = _send_to_next(visiting, cfg.axis_name, size)
+                return (arriving, *block(visiting, i, out, lse))
+
+            visiting, out, lse = lax.fori_loop(0, size - 1, step, (visiting, out, lse))
+        out, lse = block(visiting, size - 1, out, lse)
+
+    if sinks is not None:
+        final_lse = jnp.logaddexp(lse, _sink_lse(sinks)[None, :, None])
+        out = out * jnp.swapaxes(jnp.exp(lse - final_lse), 1, 2)[..., None]
+        lse = final_lse
+    return out, lse, ring_mask
+
+
+def _backward(cfg: RingConfig, residuals, cotangents):
+    q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks, out, lse, ring_mask = residuals
+    dout, dlse = cotangents
+    backend = block_kernel(cfg.backend)
+    size, rank = ring_geometry(cfg.axis_name)
+    kv_len = k.shape[1]
+    # d lse folds into delta: d logits = p * (dp - delta + dlse).
+    delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(F32), out.astype(F32)) - dlse
+    dout = dout.astype(q.dtype)
+
+    zero_grads = (vma.like(jnp.zeros(k.shape, F32), q), vma.like(jnp.zeros(v.shape, F32), q))
+
+    def block(visiting, step, dq, dbias):
+        """One step: dq (and dbias) accumulate here; the block's own dk, dv are returned (zeros for a
+        skipped step), to be added to the accumulators travelling with those keys."""
+        k_, v_, kv_pos_, kv_seg_ = visiting
+        source = (rank - step) % size
+
+        def compute(carry):
+            dq, dbias = carry
+            work.record("blocks", 1)
+            dq_b, dk_b, dv_b, dbias_b = backend.block_bwd(
+                q, k_, v_, out, lse, dout, delta, q_pos, kv_pos_, q_seg, kv_seg_,
+                _bias_columns(bias, source, kv_len), spec=cfg.spec, params=cfg.bwd_params,
+                interpret=cfg.interpret)
+            if dbias is not None:
+                dbias = _add_bias_columns(dbias, dbias_b, source, kv_len)
+            return dq + dq_b, (vma.like(dk_b, q), vma.like(dv_b, q)), dbias
+
+        visits = _visits(cfg, ring_mask, step, size)
+        if visits is None:
+            return compute((dq, dbias))
+        return lax.cond(visits, compute, lambda c: (c[0], zero_grads, c[1]), (dq, dbias))
+
+    def send(tree, after: tuple = ()):
+        return _send_to_next(tree, cfg.axis_name, size, after)
+
+    def add(accumulated, grads):
+        return jax.tree.map(jnp.add, accumulated, grads)
+
+    with work.on_device(rank):
+        dq = vma.like(jnp.zeros(q.shape, F32), q)
+        dbias = None if bias is None else vma.like(jnp.zeros(bias.shape, F32), q)
+        visiting = _travelling(k, v, kv_pos, kv_seg)
+        # Step 0, this device's own keys; from step 1 on, the next keys and the accumulators of the keys
+        # at hand (from the device that had them a step ago) travel while the kernel runs: neither
+        # transfer waits for this step's result, so the scheduler can overlap both with the kernel.
+        # On the CPU the first send waits for lse and dout, as the kernel does, so that it cannot meet
+        # the forward ring's sends or a later layer's in flight (`tuner.strategies.ordering`).
+        arriving = send(visiting, after=(lse, dout)) if size > 1 else visiting
+        dq, outgoing, dbias = block(visiting, 0, dq, dbias)
+        if size > 1:
+            def step(i, carry):
+                visiting, outgoing, dq, dbias = carry
+                arriving = send(visiting)
+                incoming = send(outgoing, after=jax.tree.leaves(arriving)[-1:])
+                dq, grads, dbias = block(visiting, i, dq, dbias)
+                return arriving, add(incoming, grads), dq, dbias
+
+            visiting, outgoing, dq, dbias = lax.fori_loop(1, size - 1, step, (arriving, outgoing, dq, dbias))
+            incoming = send(outgoing, after=jax.tree.leaves(visiting)[-1:])  # a ring of 2 has no loop
+            dq, grads, dbias = block(visiting, size - 1, dq, dbias)
+            # One last hop brings the finished accumulators home, already in the gradients' dtype.
+            dk, dv = send(tuple(g.astype(x.dtype) for g, x in zip(add(incoming, grads), (k, v))),
+                          after=jax.tree.leaves(incoming)[-1:])
+            # On the CPU dq and dk wait for dv, the last send, so that the ring of an earlier layer,
+            # which needs them, cannot start sending while it is in flight (`tuner.strategies.ordering`).
+            dq, outgoing = ordering.after(dq, dv), (ordering.after(dk, dv), dv)
+    dk, dv = outgoing
+
+    dsinks = None
+    if sinks is not None:
+        sinks32 = sinks.astype(F32).reshape(sinks.shape[0], -1)
+        p_sink = jnp.exp(sinks32[None, :, None, :] - lse[..., None])  # [B,H,Tq,n]
+        dsinks = -(p_sink * delta[..., None]).sum(axis=(0, 2)).reshape(sinks.shape).astype(sinks.dtype)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None,
+            None if bias is None else dbias.astype(bias.dtype), dsinks)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks):
+    out, lse, _ = _forward(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks)
+    return out.astype(q.dtype), lse
+
+
+def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks):
+    out, lse, ring_mask = _forward(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks)
+    # With sinks the residual output stays float32: d sinks sums p_sink * rowsum(dout * out) over every
+    # row, and a bf16/fp16-rounded out would put that dtype's rounding error into the sum.
+    saved = out if sinks is not None else out.astype(q.dtype)
+    return (out.astype(q.dtype), lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks, saved, lse, ring_mask)
+
+
+_ring.defvjp(_ring_fwd, _backward)
+
+
+def _varying(x, axis_name: Hashable | None):
+    """Mark an input as varying over the ring axis, so that the gradient of a replicated input
+    (one bias or one set of sinks for every device) is summed over the ring by `shard_map`."""
+    if x is None or axis_name is None or axis_name in vma.varying_axes(x):
+        return x
+    return lax.pcast(x, (axis_name,), to="varying")
+
+
+def _positions(explicit, layout: str, length: int, batch: int, size: int, rank):
+    if explicit is not None:
+        return explicit.astype(jnp.int32)
+    return jnp.broadcast_to(layouts.local_positions(layout, length, size, rank), (batch, length))
+
+
+def run_ring(query, key, value, *, spec: AttentionSpec, backend: str, fwd_params: FwdParams, bwd_params: BwdParams,
+             axis_name: Hashable | None, layout: str, interpret: bool = False, q_segment_ids=None, kv_segment_ids=None,
+             q_positions=None, kv_positions=None, softmax_aux=None, bias=None, return_lse: bool = False):
+    """The ring of block kernel `backend` with these tiles for a call already resolved to `spec`
+    (`tuner.runtime.plan.resolve`; the arrays checked there): what `ring_attention` and the loader run."""
+    size, rank = ring_geometry(axis_name)
+    cfg = RingConfig(spec, backend, fwd_params, bwd_params, axis_name, bool(interpret))
+    batch = query.shape[0]
+    q_pos = _positions(q_positions, layout, query.shape[1], batch, size, rank)
+    kv_pos = _positions(kv_positions, layout, key.shape[1], batch, size, rank)
+    q_seg = None if q_segment_ids is None else q_segment_ids.astype(jnp.int32)
+    kv_seg = None if kv_segment_ids is None else kv_segment_ids.astype(jnp.int32)
+    args = [_varying(x, axis_name) for x in (query, key, value, q_pos, kv_pos, q_seg, kv_seg, bias,
+                                             softmax_aux)]
+    out, lse = _ring(cfg, *args)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,231 @@
+"""Tune what the model runs: the attention calls of a program, found by tracing it, each searched once.
+
+    report = tuner.autotune(train_step, params, opt_state, batch, device="cpu", trials=8)
+    print(report.render())        # per problem: config source before and after, speed-up over the default
+
+`autotune` traces (never runs) the program, reads its attention calls (`tuner.runtime.record.calls_in`: the
+loader's and `ring_attention`'s, with whether gradients flow through them), merges the calls that are
+one problem, and runs `tuner.tuning.search` for each problem its loader does not already have tuned for this
+device and these versions (objective `fwd+bwd` where the program takes gradients, else `fwd`), into
+the cache file that loader reads. When it stored anything it clears jax's caches, so the next call of
+the program traces again and runs the tuned kernels, and it traces once more to report what the loader
+decides now. `tune` does the same for calls read from a record file (`tuner search --from`), and
+`doctor` says, per recorded call, what the loader will use and why, without tuning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from tuner import registry
+from tuner.runtime import record
+from tuner.semantics.problem import Problem
+from tuner.runtime.record import Call
+from tuner.support.tables import error_line, table
+
+if TYPE_CHECKING:  # the search (optuna) is imported when a search runs, not with `import tuner`
+    from tuner.tuning.search import SearchOptions
+
+COVERED = ("exact", "measured")  # sources that mean the problem's own decision is in the cache
+REPLAY_AXES = ("ring", "a2a")  # the axis names a replayed call is explained with (both over two axes)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One problem of a program: a call standing for every call of it (gradients merged), the problem
+    a search tunes (None when it cannot be tuned), the loader's config source before and after, the
+    search's speed-up over the default, and a note: tuned, already tuned, or why not."""
+
+    call: Call
+    problem: Problem | None
+    before: str
+    after: str | None
+    speedup: float | None
+    note: str
+
+    @property
+    def described(self) -> str:
+        if self.problem is not None:
+            return self.problem.describe()
+        (b, t, h, d), dtype = self.call.query
+        return f"{self.call.caller}: q [{b}, {t}, {h}, {d}] {dtype}, ring {self.call.ring_size}, {self.call.layout}"
+
+
+@dataclass(frozen=True)
+class Report:
+    """What `autotune` / `tune` did, problem by problem."""
+
+    outcomes: list[Outcome]
+
+    @property
+    def covered(self) -> bool:
+        """Whether every tunable problem now runs its own tuned decision."""
+        return all(o.after in COVERED for o in self.outcomes if o.problem is not None)
+
+    def render(self) -> str:
+        rows = [[o.described, "yes" if o.call.gradients else "no", o.call.decision["implementation"], o.before,
+                 o.after or "-", f"{o.speedup:.2f}x" if o.speedup is not None else "-", o.note]
+                for o in self.outcomes]
+        return table(["problem", "grads", "implementation", "before", "after", "speed-up", "note"], rows)
+
+
+def problems(calls: Sequence[Call]) -> list[tuple[Call, Problem | None, str | None]]:
+    """The calls merged into problems, in first-seen order: (call, problem or None, why not tunable)."""
+    merged: dict[tuple, tuple[Call, Problem | None, str | None]] = {}
+    for call in calls:
+        try:
+            problem, why = call.problem(), None
+            group = (problem.describe(), call.decision["implementation"], call.db, call.device_kind)
+        except ValueError as error:
+            problem, why, group = None, str(error), (call.id,)
+        if group in merged:
+            known = merged[group][0]
+            call = dataclasses.replace(known, gradients=known.gradients or call.gradients)
+        merged[group] = (call, problem, why)
+    return list(merged.values())
+
+
+def tune(calls: Sequence[Call], *, device: str | None = None, trials: int = 12,
+         options: SearchOptions | None = None, progress: bool = True) -> list[Outcome]:
+    """Search every problem of `calls` that its loader does not already have tuned (`COVERED`), on
+    `device` (default: the platform the calls were traced for), into the cache file each call's loader
+    reads; `options` (`tuner.tuning.search.SearchOptions`) sets the rest of the search, its objective and
+    trials are chosen here. A problem that cannot be tuned, or whose search fails, is reported in its
+    note; the others are not held back by it. `after` is left for the caller to fill."""
+    from tuner.tuning.search import SearchOptions, search
+
+    options = options or SearchOptions()
+    outcomes = []
+    todo = problems(calls)
+    for number, (call, problem, why) in enumerate(todo, 1):
+        before = call.source
+        if problem is None:
+            outcomes.append(Outcome(call, None, before, None, None, f"not tuned: {why}"))
+            continue
+        if before in COVERED:
+            outcomes.append(Outcome(call, problem, before, None, None, "already tuned"))
+            continue
+        target = device or call.platform
+        kind = _device_kind(target)
+        if target != call.platform or kind != call.device_kind:
+            outcomes.append(Outcome(call, problem, before, None, None,
+                                    f"not tuned: traced for {call.device_kind} ({call.platform}), this search "
+                                    f"would tune {kind or 'no device'} ({target}); tune where it runs"))
+            continue
+        objective = "fwd+bwd" if call.gradients else "fwd"
+        chosen = dataclasses.replace(options, objective=objective, trials=trials)
+        try:
+            with _bar(f"problem {number}/{len(todo)}", trials, progress) as update:
+                result = search(problem, device=target, backend=call.decision["implementation"], options=chosen,
+                                db=call.db, progress=update)
+        except (RuntimeError, ValueError) as error:
+            outcomes.append(Outcome(call, problem, before, None, None, f"search failed: {error_line(error)}"))
+            continue
+        note = f"tuned ({objective}, {result.trials_run} trials)" if result.stored else \
+            "tuned; the cache kept a better row from another search"
+        outcomes.append(Outcome(call, problem, before, None, result.speedup, note))
+    return outcomes
+
+
+def autotune(step_fn: Callable, *example_args: Any, device: str | None = None, trials: int = 12,
+             db: str | None = None, options: SearchOptions | None = None, progress: bool = True,
+             static_argnums: int | Sequence[int] = ()) -> Report:
+    """Trace `step_fn(*example_args)` (arrays or `jax.ShapeDtypeStruct`s, shardings included; never
+    run), tune every attention problem it holds that is not tuned yet, and report per problem (module
+    docstring). `device` defaults to the platform the program is traced for; `db`, when given, must be
+    the cache file the program's loaders read (`ValueError` otherwise: rows elsewhere would not be
+    used); `options` is a `tuner.tuning.search.SearchOptions` for the rest of the search; `static_argnums`
+    names the arguments that are not arrays, as for `jax.jit`."""
+    calls = record.calls_in(step_fn, *example_args, static_argnums=static_argnums)
+    if db is not None:
+        from tuner.cache import Cache
+
+        wanted = str(Cache(db).path)
+        elsewhere = sorted({c.db for c in calls if c.db is not None and c.db != wanted})
+        if elsewhere:
+            raise ValueError(f"db={db!r}, but the program's loaders read {', '.join(elsewhere)}: pass the same db "
+                             f"to get_tuned_ring_attention, or leave db unset")
+    outcomes = tune(calls, device=device, trials=trials, options=options, progress=progress)
+    if any(o.speedup is not None for o in outcomes):
+        jax.clear_caches()  # the program traces again, and its loaders read what the searches stored
+        after = {c.id: c.source for c in record.calls_in(step_fn, *example_args, static_argnums=static_argnums)}
+    else:
+        after = {c.id: c.source for c in calls}
+    return Report([dataclasses.replace(o, after=after.get(o.call.id, o.before)) for o in outcomes])
+
+
+def replay(call: Call, db: str | None = None) -> Call:
+    """`call` with the decision its loader takes now on this host (`explain()` of the same call), from
+    `db` (default: the call's own cache file). A `ring_attention` call is returned as recorded."""
+    if call.caller != "loader":
+        return call
+    from tuner.runtime.dispatch import get_tuned_ring_attention
+
+    ring, pair = call.ring_size > 1, call.strategy in registry.TWO_AXES
+    axis_name = REPLAY_AXES if pair else REPLAY_AXES[0] if ring else None
+    attn = get_tuned_ring_attention(axis_name=axis_name, layout=call.layout, backend=call.backend,
+                                    strategy=call.strategy, db=db or call.db, **call.mask)
+    structs = {n: jax.ShapeDtypeStruct(shape, dtype) for n, (shape, dtype) in call.arrays.items()}
+    q, k, v = (jax.ShapeDtypeStruct(*s) for s in (call.query, call.key, call.value))
+    sizes = (call.ring_size // call.a2a_size, call.a2a_size) if pair else call.ring_size if ring else None
+    plan = attn.explain(q, k, v, ring_size=sizes, return_lse=call.return_lse, interpret=call.interpret, **structs)
+    decision = dict(implementation=plan.backend, source=plan.source, reason=plan.reason, key=plan.key.as_dict())
+    return dataclasses.replace(call, decision=decision)
+
+
+def doctor(calls: Sequence[Call], db: str | None = None) -> list[Outcome]:
+    """Per problem of `calls`: its call with what its loader decides now on this host (`before`), and a
+    note -- covered, not tuned yet, or why it cannot be tuned."""
+    here = _device_kind(None)
+    checked = []
+    for call, problem, why in problems(calls):
+        now = replay(call, db)
+        if problem is None:
+            note = f"not tunable: {why}"
+        elif now.source in COVERED:
+            note = "covered"
+        else:
+            note = "not tuned yet"
+        if call.caller == "loader" and call.device_kind != here:
+            note += f" (recorded on {call.device_kind}; decided here for {here})"
+        checked.append(Outcome(now, problem, now.source, None, None, note))
+    return checked
+
+
+def render_doctor(checked: list[Outcome]) -> str:
+    rows = [[o.described, "yes" if o.call.gradients else "no", o.call.decision["implementation"], o.before, o.note]
+            for o in checked]
+    return table(["problem", "grads", "implementation", "source", "note"], rows)
+
+
+def _device_kind(platform: str | None) -> str | None:
+    """The device kind of `platform` here (default: jax's default devices), None when it has none."""
+    try:
+        return jax.devices(platform)[0].device_kind
+    except RuntimeError:
+        return None
+
+
+@contextlib.contextmanager
+def _bar(label: str, total: int, show: bool) -> Iterator[Callable[[int, int, str], None] | None]:
+    """A search's progress callback drawing one bar on stderr (None when not `show`)."""
+    if not show:
+        yield None
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=total, desc=label, unit="trial", file=sys.stderr, dynamic_ncols=True) as bar:
+        def update(done: int, _total: int, status: str) -> None:
+            bar.set_postfix_str(status, refresh=False)
+            bar.update(done - bar.n)
+        yield update
+
+
+__all__ = ["COVERED", "Outcome", "Report", "autotune", "doctor", "problems", "render_doctor", "replay", "tune"]

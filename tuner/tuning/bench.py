@@ -1,0 +1,199 @@
+"""`tuner bench`: the tuned variant, the backend default, the scan fallback and dense attention, timed
+side by side in one interleaved run (DESIGN section 11: ratios against references from the same run).
+
+The tuned variant is what `get_tuned_ring_attention` would run for the problem (its `explain`
+decision). Dense attention is `jax.nn.dot_product_attention` on one device over the whole sequence
+(`xla`; also `cudnn` on a GPU): the same size and work, with only the causal mask.
+
+`tuner bench --mechanisms` (`bench_mechanisms`) instead times every registered implementation that
+runs here -- each ring, gathered dense attention, any a user registered -- on the same ring and inputs,
+each checked against the scan ring first, and records the run in the cache: one bench row per
+implementation that ran correctly, in place of the problem's earlier run (`tuner.cache.rows`).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import jax
+
+from tuner.support.version import __version__
+from tuner import registry
+from tuner.cache import Cache, make_row
+from tuner.runtime.dispatch import get_tuned_ring_attention
+from tuner.semantics.problem import Problem
+from tuner.tuning.search import resolve_backend
+from tuner.tuning.verify import ReferenceCheck
+from tuner.support.tables import describe_config, error_line, table
+from tuner.tuning.timing import attention_flops, run_interleaved
+from tuner.tuning.workload import AXIS, PAIR_AXES, Compiled, Workload
+
+
+def bench(problem: Problem, *, device: str, backend: str = "auto", objective: str = "fwd+bwd",
+          runs: int = 7, calls: int = 1, db: str | None = None) -> str:
+    """Time the candidates of the module docstring on `problem`; returns the printed table."""
+    workload = Workload(problem)
+    chosen = resolve_backend(backend, problem, device)
+    explained = _explain(problem, chosen.name, db)
+    scan = registry.get(registry.FALLBACK)
+    rings = {
+        f"tuned ({explained.source})": (explained.backend, explained.config),
+        "default": (chosen.name, chosen.default_config(problem.shapes, problem.spec)),
+    }
+    if not workload.pair:  # the scan ring runs over one axis
+        rings["scan default"] = (scan.name, scan.default_config(problem.shapes, problem.spec))
+    backward = objective != "fwd"
+    sets = [workload.draw(seed=i) for i in range(3)]
+    compiled: dict[str, Compiled] = {}
+    labels: dict[str, list[str]] = {}
+    seen = {}
+    for name, (backend_name, config) in rings.items():
+        if (backend_name, config) in seen:
+            labels[seen[(backend_name, config)]][0] += f" = {name}"
+            continue
+        seen[(backend_name, config)] = name
+        compiled[name] = workload.compile(workload.attend(backend_name, config), *sets[0], backward=backward)
+        labels[name] = [name, backend_name, describe_config(config)]
+
+    one_device = jax.devices()[0]
+    dense_sets = [tuple(jax.device_put(x, one_device) for x in s) for s in sets]
+    for implementation in ("xla", "cudnn") if device == "gpu" else ("xla",):
+        name = f"dense {implementation}"
+        compiled[name] = workload.compile(workload.dense(implementation), *dense_sets[0], backward=backward)
+        labels[name] = [name, "jax.nn.dot_product_attention", "one device, whole sequence"]
+
+    thunks = {}
+    for name, fn in compiled.items():
+        thunks.update(fn.thunks(name, dense_sets if name.startswith("dense") else sets))
+    timings = run_interleaved(thunks, runs=runs, warmup=2, calls=calls)
+
+    flops = attention_flops(problem.batch, problem.heads, problem.seq_len, problem.seq_len, problem.head_dim,
+                            causal=problem.causal, objective=objective)
+    totals = {name: sum(t.median for key, t in timings.items() if key.split(":")[0] == name)
+              for name in compiled}
+    reference = totals["dense xla"]
+    rows = []
+    for name in compiled:
+        fwd = timings.get(f"{name}:fwd")
+        bwd = timings.get(f"{name}:bwd")
+        rows.append([*labels[name], f"{fwd.median * 1e3:.1f}", f"{bwd.median * 1e3:.1f}" if bwd else "-",
+                     f"{totals[name] * 1e3:.1f}", f"{flops / totals[name] / 1e9:.1f}",
+                     f"{reference / totals[name]:.2f}x"])
+    header = (f"{problem.describe()} on {jax.devices()[0].device_kind}, objective {objective}, "
+              f"medians of {runs} interleaved runs\ntuned: {explained.reason}")
+    text = table(["", "backend", "params", "fwd ms", "bwd ms", "total ms", "GFLOP/s", "vs dense xla"], rows)
+    note = ("GFLOP/s counts exact attention work (DESIGN section 11). Dense attention gets the causal mask "
+            "only (no window, chunk, segments, sinks or softcap) and runs on one device.")
+    return f"{header}\n{text}\n{note}"
+
+
+def _explain(problem: Problem, backend: str, db: str | None):
+    pair = problem.group is not None
+    return get_tuned_ring_attention(
+        axis_name=PAIR_AXES if pair else AXIS, causal=problem.causal, sliding_window=problem.window,
+        chunk_size=problem.chunk_size, logits_soft_cap=problem.softcap, layout=problem.layout, backend=backend, db=db,
+    ).explain(*_local_structs(problem), ring_size=(problem.ring_positions, problem.a2a_size) if pair
+              else problem.ring_size, **_call_structs(problem))
+
+
+def bench_mechanisms(problem: Problem, *, device: str, objective: str = "fwd+bwd", runs: int = 5,
+                     calls: int = 1, db: str | None = None) -> tuple[str, dict[str, Any]]:
+    """Time every implementation that can run `problem` here (module docstring), each checked against
+    the scan ring first; record the run in the cache. Returns the printed report and the winner's row."""
+    if problem.a2a_size > 1:
+        raise ValueError(f"a2a_size={problem.a2a_size}: --mechanisms compares the implementations over one mesh "
+                         f"axis, this problem is over two; bench its implementation alone (without --mechanisms)")
+    workload = Workload(problem)
+    spec, dtype = problem.spec, jax.numpy.dtype(problem.dtype)
+    backward = objective != "fwd"
+    candidates, labels, chosen, skipped = {}, {}, {}, []
+    for name in registry.names():
+        implementation = registry.get(name)
+        label = registry.label(name)
+        if registry.mesh_axes(implementation) != 1:
+            reason = "runs over two mesh axes (axis_name=(ring_axis, group_axis)); the bench times one-axis problems"
+        else:
+            reason = registry.why_not(implementation, spec, dtype, problem.head_dim, registry.Target(device),
+                                      shapes=problem.shapes, ring_size=problem.ring_size)
+        if reason is not None:
+            skipped.append(f"{label} {reason}")
+            continue
+        decision = _explain(problem, name, db)
+        candidates[label] = workload.attend(name, decision.config)
+        chosen[label] = (implementation, decision.config)
+        labels[label] = f"{implementation.summary}: {describe_config(decision.config)} [{decision.source}]"
+
+    reference = ReferenceCheck(workload, seed=10_000, backward=backward)
+    sets = [workload.draw(seed=i) for i in range(3)]
+    compiled: dict[str, Compiled] = {}
+    failed: dict[str, str] = {}
+    for name, fn in candidates.items():
+        try:
+            checked = workload.compile(fn, reference.inputs, reference.dout, backward=backward)
+            mismatch = reference.mismatch(checked)
+            if mismatch is not None:
+                failed[name] = f"wrong: {mismatch}"
+                continue
+            compiled[name] = checked if problem.dtype == "float32" else workload.compile(
+                fn, *sets[0], backward=backward)
+        except Exception as error:  # noqa: BLE001 - a mechanism that cannot run is reported, not fatal
+            failed[name] = error_line(error, limit=200)
+    if not compiled:
+        raise RuntimeError(f"no mechanism ran correctly: {failed}")
+    thunks = {}
+    for name, fn in compiled.items():
+        thunks.update(fn.thunks(name, sets))
+    timings = run_interleaved(thunks, runs=runs, warmup=2, calls=calls)
+    totals = {name: sum(t.median for key, t in timings.items() if key.split(":")[0] == name) for name in compiled}
+    winner = min(totals, key=totals.get)
+
+    device_kind = jax.devices()[0].device_kind
+    run = f"bench {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}"
+    recorded = []
+    for name in compiled:
+        implementation, config = chosen[name]
+        recorded.append(make_row(
+            registry.problem_key(problem, implementation.name, device_kind), config,
+                versions=registry.versions(implementation),
+            tool_version=__version__, source="bench", objective=objective, best_s=totals[name],
+            default_s=None, speedup=None, trials_run=runs, trials_pruned=0, trials_failed={}, study=run))
+    cache = Cache(db)
+    cache.put_run(recorded)
+
+    rows = []
+    for name in candidates:
+        if name in failed:
+            rows.append([name, labels[name], "-", "-", "-", "-", failed[name]])
+            continue
+        fwd, bwd = timings.get(f"{name}:fwd"), timings.get(f"{name}:bwd")
+        rows.append([name, labels[name], f"{fwd.median * 1e3:.1f}", f"{bwd.median * 1e3:.1f}" if bwd else "-",
+                     f"{totals[name] * 1e3:.1f}", f"{totals[name] / totals[winner]:.2f}x",
+                     "winner" if name == winner else "ok"])
+    header = (f"{problem.describe()} on {device_kind}, objective {objective}, medians of {runs} interleaved "
+              f"runs, every mechanism on the same {problem.ring_size}-device ring, checked against the scan ring")
+    lines = [header, table(["mechanism", "how", "fwd ms", "bwd ms", "total ms", "vs winner", "check"], rows)]
+    lines += [f"skipped  {note}" for note in skipped]
+    winning = recorded[list(compiled).index(winner)]
+    lines.append(f"recorded {winner} for key {winning['key']} in {cache.path} (and the {len(recorded) - 1} other "
+                 f"time{'' if len(recorded) == 2 else 's'} of this run): get_tuned_ring_attention(backend='auto') "
+                 f"now runs it for this problem")
+    return "\n".join(lines), winning
+
+
+def _local_structs(problem: Problem):
+    local = problem.local_len
+    q = jax.ShapeDtypeStruct((problem.batch, local, problem.heads, problem.head_dim), problem.dtype)
+    kv = jax.ShapeDtypeStruct((problem.batch, local, problem.kv_heads, problem.head_dim), problem.dtype)
+    return q, kv, kv
+
+
+def _call_structs(problem: Problem) -> dict:
+    options = {}
+    if problem.segments:
+        seg = jax.ShapeDtypeStruct((problem.batch, problem.local_len), "int32")
+        options.update(q_segment_ids=seg, kv_segment_ids=seg)
+    if problem.sinks:
+        shape = (problem.heads,) if problem.sinks == 1 else (problem.heads, problem.sinks)
+        options["softmax_aux"] = jax.ShapeDtypeStruct(shape, problem.dtype)
+    return options

@@ -1,0 +1,366 @@
+"""`tuner search --device tpu --dry-run --target v5e:2x2`: every pallas_tpu variant compiled by the
+production TPU compiler for a TPU topology, on a host without a TPU (needs libtpu: `pip install
+'ring-tuner[tpu]'`), and ranked by the analytic model (`tuner.models.tpu_model`).
+
+For each target (a topology name of `jax.experimental.topologies`: the ring is its chips), the
+variants of the problem's search space that the backend's constraints admit for that chip are each
+compiled as the whole ring program over the topology: forward tiles as the forward ring; the tiles of
+the dK/dV kernel and of the dQ kernel (varied one kernel at a time, the others at their defaults) as
+forward and backward. Per variant it records whether the
+compiler accepted it (else its first error line), the VMEM the compiler reports each Mosaic kernel
+uses beside our estimate, the program's temporary memory, and the model's time. The best tiles of
+each kernel that compiled make the target's config, written to the cache as a `compiled` row:
+the loader uses it for that device kind when no measured (`search`) row exists for the problem, and
+says so; nothing treats it as a measurement.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from tuner.support.version import __version__
+from tuner.models import hlo, tpu_model
+from tuner import registry
+from tuner.kernels import pallas_tpu, tpu_memory
+from tuner.cache import Cache, make_row
+from tuner.tuning.dryrun import reason_kind
+from tuner.strategies.implementations import TileConfig
+from tuner.kernels.params import BwdParams, FwdParams
+from tuner.semantics.problem import Problem
+from tuner.semantics.spec import AttentionSpec, LocalShapes
+from tuner.support.tables import describe_config, error_line, table
+from tuner.tuning.workload import AXIS, Workload, vjp_of
+
+TARGETS = ("v5e:2x2", "v6e:2x2", "v5p:2x2x1", "v4:2x2x1")  # `--target all`
+PARTS = ("fwd", "dkv", "dq")  # one kernel each: a part's variants change its tiles, the others keep the default
+
+
+def libtpu_missing() -> str | None:
+    """Why TPU programs cannot be compiled here, or None."""
+    if importlib.util.find_spec("libtpu") is None:
+        return ("libtpu is not installed: pip install 'ring-tuner[tpu]' (jax[tpu]) compiles for TPU topologies "
+                "on any host")
+    return None
+
+
+_TOPOLOGY_LOCK = threading.Lock()  # libtpu's client is created by the first call: never two at once
+
+
+@functools.cache
+def topology_mesh(target: str) -> Mesh:
+    """A one-axis mesh over the devices of the TPU topology `target` (e.g. "v5e:2x2"); `ValueError`
+    naming it when the topology API does not know it. Safe to call from threads."""
+    from jax.experimental import topologies
+
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    try:
+        with _TOPOLOGY_LOCK:
+            devices = topologies.get_topology_desc(platform="tpu", topology_name=target).devices
+    except Exception as error:  # noqa: BLE001 - libtpu's errors name no argument
+        raise ValueError(f"--target {target}: libtpu gives no such topology ({error_line(error, 200)}); known "
+                         f"targets: {', '.join(TARGETS)}") from None
+    return Mesh(np.array(devices), (AXIS,))
+
+
+@dataclass
+class Variant:
+    """One forward or backward variant on one target: the constraint that ruled it out, or the
+    compiler's verdict (`error` None: compiled) with the VMEM per kernel (asked, used by the compiler's
+    report, our estimate), the program's temporary bytes and the model's seconds."""
+
+    part: str
+    config: TileConfig
+    ruled_out: str | None = None
+    error: str | None = None
+    vmem: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    temp_bytes: int | None = None
+    predicted: tpu_model.Prediction | None = None
+    forced: str | None = None  # compiled although the constraints rule it out (why), to test them
+
+    @property
+    def compiled(self) -> bool:
+        return self.ruled_out is None and self.error is None
+
+    @property
+    def params(self) -> dict[str, FwdParams | BwdParams]:
+        """The keyword `tpu_model.predict` takes for this variant's pass."""
+        return {"fwd": self.config.fwd} if self.part == "fwd" else {"bwd": self.config.bwd}
+
+
+@dataclass
+class TargetReport:
+    """The variants of one target and the config they lead to (None when no forward or no backward
+    variant compiled)."""
+
+    target: str
+    device_kind: str
+    chip: tpu_model.Chip
+    problem: Problem
+    variants: list[Variant]
+    admitted: int  # variants the constraints admitted (all compiled, unless sampled)
+    seconds: float
+
+    def best(self, part: str) -> Variant | None:
+        done = [v for v in self.variants if v.part == part and v.compiled and v.forced is None]
+        return min(done, key=lambda v: v.predicted.seconds) if done else None
+
+    @property
+    def config(self) -> TileConfig | None:
+        """The best forward tiles with the best dK/dV and the best dQ tiles, when each part compiled."""
+        fwd, dkv, dq = (self.best(part) for part in PARTS)
+        if fwd is None or dkv is None or dq is None:
+            return None
+        return TileConfig(fwd.config.fwd, replace(dkv.config.bwd, block_q_dq=dq.config.bwd.block_q_dq,
+                                                  block_kv_dq=dq.config.bwd.block_kv_dq))
+
+    @property
+    def predicted(self) -> float:
+        """The model's seconds of `config`, forward and backward."""
+        chip, problem, config = self.chip, self.problem, self.config
+        return tpu_model.predict(problem, chip, fwd=config.fwd).seconds + \
+            tpu_model.predict(problem, chip, bwd=config.bwd).seconds
+
+    def render(self) -> str:
+        rows = []
+        tried = [v for v in self.variants if v.ruled_out is None]
+        for v in sorted(tried, key=lambda v: (PARTS.index(v.part), not v.compiled,
+                                              v.predicted.seconds if v.predicted else 0.0)):
+            vmem = [f"{used / 2**20:.2f} / {estimate / 2**20:.2f}" for used, estimate in
+                    ((used, estimate) for _, used, estimate in v.vmem.values())]
+            verdict = "compiled" if v.compiled else v.error[:80]
+            rows.append([v.part, describe_tiles(v), verdict + (" (ruled out by the estimate)" if v.forced else ""),
+                         ", ".join(vmem) or "-",
+                         f"{v.temp_bytes / 2**20:.1f}" if v.temp_bytes is not None else "-",
+                         f"{v.predicted.seconds * 1e3:.3f}" if v.predicted else "-"])
+        reasons = Counter(reason_kind(v.ruled_out) for v in self.variants if v.ruled_out is not None)
+        compiled = sum(v.compiled for v in self.variants)
+        ruled_out = len(self.variants) - len(tried)
+        sampled = f" (a sample of the {self.admitted} admitted)" if len(tried) < self.admitted else ""
+        lines = [f"{self.target} ({self.device_kind}, ring of {self.problem.ring_size}): {ruled_out} variants ruled "
+                 f"out by the constraints, {compiled} of {len(tried)} compiled{sampled}, in {self.seconds:.0f} s",
+                 table(["kernel", "tiles", "TPU compiler", "VMEM MiB: compiler / estimate", "temp MiB", "model ms"],
+                       rows)]
+        lines += [f"ruled out  {count} x {reason}" for reason, count in reasons.most_common()]
+        if self.config is not None:
+            lines.append(f"best     {describe_config(self.config)}: {self.predicted * 1e3:.3f} ms fwd+bwd by the "
+                         f"model")
+        return "\n".join(lines)
+
+
+def describe_tiles(variant: Variant) -> str:
+    """The tiles a variant sets for its own kernel, as the report prints them."""
+    if variant.part == "fwd":
+        f = variant.config.fwd
+        return f"{f.block_q}x{f.block_kv} (compute {f.block_kv_compute})"
+    b = variant.config.bwd
+    return f"{b.block_q_dkv}x{b.block_kv_dkv}" if variant.part == "dkv" else f"{b.block_q_dq}x{b.block_kv_dq}"
+
+
+def compile_variant(workload: Workload, variant: Variant) -> Variant:
+    """Compile one variant for the workload's mesh (the forward ring, or forward and backward) and read
+    what the compiler reports; a compiler error is recorded, not raised."""
+    fn = workload.attend("pallas_tpu", variant.config)
+    inputs, dout = workload.structs()
+    if variant.part == "fwd":  # the forward ring; a backward kernel's variant compiles forward and backward
+        program = jax.jit(fn)
+        args = (inputs,)
+    else:
+        def forward_and_backward(x, dout):
+            out, vjp = vjp_of(fn, x)
+            return out, vjp(dout)
+        program = jax.jit(forward_and_backward)
+        args = (inputs, dout)
+    try:
+        compiled = program.lower(*args).compile()
+    except Exception as error:  # noqa: BLE001 - every compiler error is the variant's verdict
+        return replace(variant, error=error_line(error, 160))
+    vmem = {name.split(".")[0]: (asked, used, estimate(workload.problem, variant))
+            for name, (asked, used) in hlo.kernel_vmem(compiled.as_text()).items()
+            if name.split(".")[0] == f"ring_attention_{variant.part}"}
+    memory = compiled.memory_analysis()
+    return replace(variant, vmem=vmem, temp_bytes=getattr(memory, "temp_size_in_bytes", None))
+
+
+def compile_step(shapes: LocalShapes, spec: AttentionSpec, target: str, fwd: FwdParams | None = None,
+                 bwd: BwdParams | None = None) -> dict[str, tuple[int, int]] | str:
+    """One ring step's kernels alone, compiled for one chip of the topology `target`: per kernel
+    ("fwd", "dkv", "dq") the VMEM it was given and the VMEM it uses (`hlo.kernel_vmem`), or the
+    compiler's first error line. The quick way to hold the VMEM constraint to the compiler: a
+    kernel's VMEM is its own, whatever program it sits in."""
+    mesh = Mesh(np.array(topology_mesh(target).devices.flat[:1]), (AXIS,))
+    sharding = NamedSharding(mesh, PartitionSpec())
+    kernels = {}
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # the kernels ask for the target chip's VMEM
+        for program, args in pallas_tpu.step_programs(shapes, spec, fwd, bwd, sharding):
+            try:
+                text = program.lower(*args).compile().as_text()
+            except Exception as error:  # noqa: BLE001 - the compiler's verdict
+                return error_line(error, 160)
+            kernels.update({name.split(".")[0].removeprefix("ring_attention_"): vmem
+                            for name, vmem in hlo.kernel_vmem(text).items()})
+    return kernels
+
+
+def _kernel_tiles(variant: Variant, q_len: int, kv_len: int) -> tuple[int, int, int | None]:
+    """(block_q, block_kv, block_kv_compute) of the variant's own kernel, as the kernel runs them."""
+    if variant.part == "fwd":
+        return pallas_tpu.fwd_tiles(variant.config.fwd, q_len, kv_len)
+    (dkv_q, dkv_kv), (dq_q, dq_kv) = pallas_tpu.bwd_tiles(variant.config.bwd, q_len, kv_len)
+    return (dkv_q, dkv_kv, None) if variant.part == "dkv" else (dq_q, dq_kv, None)
+
+
+def variants_of(problem: Problem, mesh: Mesh) -> tuple[list[Variant], FwdParams, BwdParams]:
+    """Every variant of the problem's pallas_tpu search space, one kernel's tiles at a time, with what
+    the constraints of the mesh's chip rule out; and the tiles the other kernels keep: the default
+    ones, except that backward variants are compiled beside the default forward tiles only when the
+    constraints admit them, else beside the admitted forward tiles with the smallest VMEM estimate (a
+    forward that cannot compile would fail every backward variant for a reason not its own)."""
+    backend = pallas_tpu.PallasTpuBackend()
+    reason = backend.supports(problem.spec, jax.numpy.dtype(problem.dtype), problem.head_dim)
+    if reason is not None:
+        raise ValueError(f"the pallas_tpu backend does not support {reason}")
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # the target chip's default tiles
+        default_fwd, default_bwd = backend.default_params(problem.local_len, problem.local_len, problem.head_dim)
+    space = backend.search_space(problem.shapes, problem.spec)
+
+    def constrain(variants: list[Variant]) -> list[Variant]:
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # the constraints of the target's chip
+            for v in variants:
+                fwd, bwd = (v.config.fwd, None) if v.part == "fwd" else (None, v.config.bwd)
+                v.ruled_out = backend.violation(problem.shapes, problem.spec, fwd, bwd)
+        return variants
+
+    forward = constrain([Variant("fwd", TileConfig(p, default_bwd)) for p in space.fwd_points()])
+    admitted = [v for v in forward if v.ruled_out is None]
+    if admitted and not any(v.config.fwd == default_fwd for v in admitted):
+        default_fwd = min(admitted, key=lambda v: estimate(problem, v)).config.fwd
+    backward = []
+    for part, fields in (("dkv", ("block_q_dkv", "block_kv_dkv")), ("dq", ("block_q_dq", "block_kv_dq"))):
+        tiles = {tuple(getattr(p, f) for f in fields) for p in space.bwd_points()}
+        backward += [Variant(part, TileConfig(default_fwd, replace(default_bwd, **dict(zip(fields, t)))))
+                     for t in sorted(tiles)]
+    return forward + constrain(backward), default_fwd, default_bwd
+
+
+def estimate(problem: Problem, variant: Variant) -> int:
+    """The VMEM bytes the constraints estimate for the variant's own kernel."""
+    shapes, spec = problem.shapes, problem.spec
+    ids = 1 + (spec.chunk_size is not None) + spec.has_segments
+    block_q, block_kv, compute = _kernel_tiles(variant, shapes.q_len, shapes.kv_len)
+    return tpu_memory.vmem_bytes(variant.part, block_q, block_kv, shapes.head_dim, shapes.dtype, ids, compute)
+
+
+def compile_target(problem: Problem, target: str, *, sample: int | None = None, largest: bool = False,
+                   over_vmem: bool = False, workers: int | None = None,
+                   progress: Callable[[int, int], None] | None = None) -> TargetReport:
+    """Constrain, compile and rank the pallas_tpu variants of `problem` for the topology `target`
+    (module docstring); the problem's ring size is set to the topology's chips. With `sample`, only the
+    default tiles and `sample` other admitted variants of each kernel are compiled; with `largest`,
+    only the admitted variant of each kernel with the largest VMEM estimate (the ones the VMEM
+    constraint is there for); with `over_vmem`, also every variant the VMEM constraint alone rules out
+    (marked `forced`), to hold the constraint to the compiler over the whole space."""
+    if largest and over_vmem:
+        raise ValueError("compile_target: largest and over_vmem choose different variants; pass one")
+    started = time.perf_counter()
+    mesh = topology_mesh(target)
+    device_kind = mesh.devices.flat[0].device_kind
+    name = tpu_memory.CHIPS.get(device_kind)
+    if name not in tpu_model.CHIPS:
+        raise ValueError(f"--target {target}: no model of {device_kind} ({name}); model targets: "
+                         f"{', '.join(tpu_model.CHIPS)}")
+    chip = tpu_model.CHIPS[name]
+    problem = replace(problem, ring_size=mesh.size)
+    variants, default_fwd, default_bwd = variants_of(problem, mesh)
+    admitted = sum(v.ruled_out is None for v in variants)
+    if over_vmem:
+        variants = [replace(v, ruled_out=None, forced=v.ruled_out) if _over_vmem(v) else v for v in variants]
+    if largest:
+        variants = _edge(problem, variants)
+    elif sample is not None:
+        variants = _sample(variants, sample, default_fwd, default_bwd)
+    workload = Workload(problem, devices=list(mesh.devices.flat))
+    todo = [v for v in variants if v.ruled_out is None]
+    done = 0
+    with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
+        results = {}
+        for variant, result in zip(todo, pool.map(lambda v: compile_variant(workload, v), todo)):
+            results[id(variant)] = result
+            done += 1
+            if progress is not None:
+                progress(done, len(todo))
+    variants = [results.get(id(v), v) for v in variants]
+    for v in variants:
+        if v.compiled:
+            v.predicted = tpu_model.predict(problem, chip, **v.params)
+    return TargetReport(target, device_kind, chip, problem, variants, admitted, time.perf_counter() - started)
+
+
+def _over_vmem(variant: Variant) -> bool:
+    return variant.ruled_out is not None and "VMEM" in variant.ruled_out
+
+
+def _edge(problem: Problem, variants: list[Variant]) -> list[Variant]:
+    """Per kernel, the two variants on either side of the VMEM constraint: the admitted one with the
+    largest estimate, and the one it rules out for VMEM with the smallest estimate, to be compiled
+    anyway (`forced` keeps the constraint's reason)."""
+    edge = []
+    for part in PARTS:
+        mine = [v for v in variants if v.part == part]
+        admitted = [v for v in mine if v.ruled_out is None]
+        over = [v for v in mine if _over_vmem(v)]
+        if admitted:
+            edge.append(max(admitted, key=lambda v: estimate(problem, v)))
+        if over:
+            rejected = min(over, key=lambda v: estimate(problem, v))
+            edge.append(replace(rejected, ruled_out=None, forced=rejected.ruled_out))
+    return edge
+
+
+def _sample(variants: list[Variant], sample: int, fwd: FwdParams, bwd: BwdParams) -> list[Variant]:
+    """Per kernel, the admitted variant of the default tiles and `sample` others spread evenly over the
+    admitted ones (in the space's order); the ruled-out variants stay, to be reported."""
+    kept = [v for v in variants if v.ruled_out is not None]
+    for part in PARTS:
+        admitted = [v for v in variants if v.part == part and v.ruled_out is None]
+        default = [v for v in admitted if v.config == TileConfig(fwd, bwd)]
+        others = [v for v in admitted if v not in default]
+        step = len(others) / sample if sample and others else 0
+        kept += default + ([others[int(i * step)] for i in range(min(sample, len(others)))] if step else [])
+    return kept
+
+
+def store(report: TargetReport, db=None) -> dict | None:
+    """Write the target's config as a `compiled` cache row (None when it has none): `best_s` is the
+    model's fwd+bwd seconds, never a measurement; the trial fields count the variants compiled, ruled
+    out and rejected by the compiler."""
+    config = report.config
+    if config is None:
+        return None
+    implementation = registry.get("pallas_tpu")
+    key = registry.problem_key(report.problem, implementation.name, report.device_kind)
+    predicted = report.predicted
+    rejected = sum(v.error is not None for v in report.variants)
+    row = make_row(key, config, versions=registry.versions(implementation), tool_version=__version__,
+                   source="compiled", objective="fwd+bwd", best_s=predicted, default_s=None, speedup=None,
+                   trials_run=sum(v.compiled for v in report.variants),
+                   trials_pruned=sum(v.ruled_out is not None for v in report.variants),
+                   trials_failed={"compiler error": rejected} if rejected else {},
+                   study=f"compiled for {report.target}, ranked by the model of tuner.models.tpu_model")
+    Cache(db).put(row)
+    return row
+
+
+__all__ = ["PARTS", "TARGETS", "TargetReport", "Variant", "compile_step", "compile_target", "compile_variant",
+           "describe_tiles", "estimate", "libtpu_missing", "store", "topology_mesh", "variants_of"]

@@ -1,0 +1,124 @@
+"""The optuna study of a search: its storage, sampler, name, and the accounting of its trials.
+
+One study per (problem key, objective, versions), in an optuna storage (by default a SQLite file beside
+the cache), so a search resumes and several workers share it. `--trials` is the study's total: a trial
+counts when it completes, is pruned or fails with a reason; an interrupted, surplus or killed trial
+counts nowhere and gives its config back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import time
+import warnings
+from pathlib import Path
+
+import optuna
+import sqlalchemy
+
+from tuner import registry
+from tuner.semantics.problem import ProblemKey
+from tuner.registry import Config
+
+INTERRUPTED = "interrupted"
+SURPLUS = "surplus"
+
+
+def default_storage(db_path: Path) -> str:
+    """The optuna storage beside the cache: `<cache stem>.studies.sqlite`."""
+    return f"sqlite:///{db_path.parent / (db_path.stem + '.studies.sqlite')}"
+
+
+def open_storage(url: str) -> optuna.storages.BaseStorage:
+    """The optuna storage at `url`, with heartbeats (so a dead worker's trials are failed and rerun)."""
+    engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
+    if url.startswith("sqlite:///"):
+        Path(url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    for attempt in range(5):
+        try:
+            with warnings.catch_warnings():  # heartbeats fail the trials of a killed worker
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=30,
+                                                  grace_period=120)
+        except sqlalchemy.exc.SQLAlchemyError:
+            # Workers that start together race to create a new storage's tables; the loser retries and
+            # finds them made.
+            if attempt == 4:
+                raise
+            time.sleep(0.5 * (attempt + 1))
+
+
+def make_sampler(sampler: str, seed: int, trials: int) -> optuna.samplers.BaseSampler:
+    """optuna's sampler called `sampler` ("grid" samples at random from the points queued for it)."""
+    if sampler == "tpe":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True,
+                                              n_startup_trials=max(3, min(10, trials // 3)))
+    if sampler == "gp":
+        if importlib.util.find_spec("torch") is None or importlib.util.find_spec("scipy") is None:
+            raise ValueError("--sampler gp needs torch and scipy (pip install torch scipy); "
+                             "or use --sampler tpe") from None
+        return optuna.samplers.GPSampler(seed=seed)
+    return optuna.samplers.RandomSampler(seed=seed)  # random; grid enqueues its points
+
+
+def counted(trial: optuna.trial.FrozenTrial) -> bool:
+    """Whether a finished trial counts towards `--trials`: complete, pruned or failed, but not
+    interrupted, not surplus and not killed (optuna's heartbeat fails the trial of a worker that died
+    mid-trial once another worker starts one; that, or a crash of the search itself, is the one
+    failure without a reason, and its point is run again)."""
+    if trial.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED):
+        return True
+    return trial.state == optuna.trial.TrialState.FAIL and trial.user_attrs.get("failure") not in (
+        None, INTERRUPTED, SURPLUS)
+
+
+def finished(trials: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
+    """The finished trials that count towards `--trials`."""
+    return [t for t in trials if counted(t)]
+
+
+def taken(trials: list[optuna.trial.FrozenTrial]) -> int:
+    """How many of the study's trials count towards `--trials` or are running (and may yet count)."""
+    return sum(t.state == optuna.trial.TrialState.RUNNING or counted(t) for t in trials)
+
+
+def surplus(trial: optuna.Trial, total: int) -> bool:
+    """Whether `trial`, just started, is one too many: the trials numbered below it (optuna numbers a
+    study's trials in the order they are created, atomically across workers) that count, run or wait to
+    run already reach `total`. Running trials of a dead worker are not among them: optuna fails the
+    trials whose heartbeat is stale before each trial starts."""
+    below = [t for t in trial.study.get_trials(deepcopy=False) if t.number < trial.number]
+    return sum(not t.state.is_finished() or counted(t) for t in below) >= total
+
+
+def fail_stale(study: optuna.Study) -> None:
+    """Fail the running trials whose heartbeat is stale (their worker died), so they count nowhere."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
+
+
+def enqueue(study: optuna.Study, configs: list[Config], space: registry.Space, parts: tuple[str, ...]) -> None:
+    """Queue `configs` as the study's next trials, except those a trial already holds that waits, runs
+    or counts (an interrupted, surplus or killed trial gives its config back)."""
+    held = [t.system_attrs.get("fixed_params", t.params) for t in study.get_trials(deepcopy=False)
+            if not t.state.is_finished() or counted(t)]
+    for config in configs:
+        params = space.params(config, parts)
+        if params not in held:
+            study.enqueue_trial(params)
+            held.append(params)
+
+
+def study_name(key: ProblemKey, objective: str, versions: dict[str, str]) -> str:
+    """One study per problem key, objective and versions (a code change starts a fresh study)."""
+    digest = hashlib.sha256(json.dumps(versions, sort_keys=True).encode()).hexdigest()[:8]
+    return f"ring-{key.digest}-{objective}-{digest}"
+
+
+__all__ = ["INTERRUPTED", "SURPLUS", "counted", "default_storage", "enqueue", "fail_stale", "finished", "make_sampler",
+           "open_storage", "study_name", "surplus", "taken"]
