@@ -98,7 +98,7 @@ class TunedRingAttention:
             return self._local(query, key, value, options)
         size, ring = self._mesh_sizes()
         for x, name in ((query, "query"), (key, "key"), (value, "value")):
-            _local_shape(x, size, name)
+            meshed.local_shape(x, size, name)
         if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((query, key, value, options))):
             return self._compiled_call()(query, key, value, **options)
         return meshed.call(self._local, self.mesh, self.axis_name, self.layout, ring, query, key, value, options)
@@ -141,12 +141,12 @@ class TunedRingAttention:
         else:
             size, a2a = check_int("ring_size", 1 if ring_size is None else ring_size), None
         if self.mesh is not None:  # what each device's shard of the global arrays looks like
-            query, key, value = (_local_shape(x, size, name) for x, name in
+            query, key, value = (meshed.local_shape(x, size, name) for x, name in
                                  ((query, "query"), (key, "key"), (value, "value")))
-            options = {n: _local_shape(x, size, n) if n in meshed.SEQUENCE_OPTIONS and x is not None else x
+            options = {n: meshed.local_shape(x, size, n) if n in meshed.SEQUENCE_OPTIONS and x is not None else x
                        for n, x in options.items()}
             if options.get("bias") is not None and options["bias"].shape[2] > 1:  # sharded over its query axis
-                options["bias"] = _local_shape(options["bias"], size, "bias", axis=2)
+                options["bias"] = meshed.local_shape(options["bias"], size, "bias", axis=2)
         return self._decide(query, key, value, size, options, a2a)
 
     # ----------------------------------------------------------------------------------------------
@@ -359,15 +359,6 @@ def _check_call_options(options: dict[str, Any]) -> dict[str, Any]:
         raise TypeError(f"unknown per-call option(s) {', '.join(unknown)}; per-call options are "
                         f"{', '.join(CALL_OPTIONS)} (set masks when calling get_tuned_ring_attention)")
     return options
-
-
-def _local_shape(x, size: int, name: str, axis: int = 1) -> jax.ShapeDtypeStruct:
-    """One device's shard of the global `x`, split over `size` devices along its sequence `axis`."""
-    if x.shape[axis] % size:
-        raise ValueError(f"{name} length {x.shape[axis]} is not divisible by the ring size {size}")
-    shape = list(x.shape)
-    shape[axis] //= size
-    return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
 
 
 def get_tuned_ring_attention(

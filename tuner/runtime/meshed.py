@@ -1,9 +1,9 @@
 """The loader's call on global arrays (`get_tuned_ring_attention(mesh=...)`): lay the sequence out, run
 the local call under `shard_map`, put the results back in token order.
 
-The layout is over the ring's positions: the axis's size, or for the hybrid its ring axis, whose every
-position's chunk is then cut evenly over the all-to-all axis by the sharding `PartitionSpec(None,
-(ring_axis, a2a_axis))`. Per-call arrays along the sequence (segment ids, positions) are laid out the same
+The layout is over the ring's positions: the axis's size, or over two axes the ring axis, whose every
+position's chunk is then cut evenly over the group axis by the sharding `PartitionSpec(None,
+(ring_axis, group_axis))`. Per-call arrays along the sequence (segment ids, positions) are laid out the same
 way; a bias `[B, H, Tq, Tk]` is laid out on both sequence axes and sharded over its query axis only.
 """
 
@@ -19,6 +19,15 @@ from jax.sharding import PartitionSpec as P
 from tuner.semantics import layouts
 
 SEQUENCE_OPTIONS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")
+
+
+def local_shape(x, size: int, name: str, axis: int = 1) -> jax.ShapeDtypeStruct:
+    """One device's shard of the global `x`, split over `size` devices along its sequence `axis`."""
+    if x.shape[axis] % size:
+        raise ValueError(f"{name} length {x.shape[axis]} is not divisible by the ring size {size}")
+    shape = list(x.shape)
+    shape[axis] //= size
+    return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
 
 
 def call(local: Callable[..., Any], mesh: Mesh, axis_name: Hashable, layout: str, ring: int, query, key, value,
@@ -51,4 +60,4 @@ def call(local: Callable[..., Any], mesh: Mesh, axis_name: Hashable, layout: str
     return layouts.restore(result, layout, ring)
 
 
-__all__ = ["SEQUENCE_OPTIONS", "call"]
+__all__ = ["SEQUENCE_OPTIONS", "call", "local_shape"]

@@ -51,10 +51,9 @@ BIAS_REASON = "bias: the hybrid's all-to-all does not carry a bias over the key 
 
 def heads_violation(heads: int, groups: int) -> str | None:
     """Why `heads` query heads cannot split over an all-to-all axis of `groups` devices, or None."""
-    if heads % groups:
-        return (f"hybrid splits the query heads over its all-to-all axis: heads ({heads}) must be a multiple of "
-                f"its size ({groups}); swap the axes, or use another strategy")
-    return None
+    return None if heads % groups == 0 else (
+        f"hybrid splits the query heads over its all-to-all axis: heads ({heads}) must be a multiple of its size "
+        f"({groups}); swap the axes, or use another strategy")
 
 
 def exchanged(shapes: LocalShapes, group: int) -> LocalShapes:
