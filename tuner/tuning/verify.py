@@ -2,24 +2,17 @@
 
 The reference is the scan backend at its default tiles, on fixed random float32 inputs: every candidate
 of every implementation must reproduce its output within `FWD_TOLERANCE` and, for backward objectives,
-its gradients within `GRAD_TOLERANCE` (relative). For the hybrid's problem the reference is the scan ring
-over the same devices as one axis, on the same tokens in its own layout, its results laid out as the
-hybrid's. A candidate that does not, or does not build, is a `TrialFailed` with a reason the search
-records.
+its gradients within `GRAD_TOLERANCE` (relative); `Workload.reference` computes it, over two mesh axes
+too. A candidate that does not, or does not build, is a `TrialFailed` with a reason the search records.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
 
-import jax
-from jax.sharding import NamedSharding
 
-from tuner.semantics import layouts
-from tuner import registry
 from tuner.support.tables import error_line
 from tuner.tuning.workload import Compiled, Inputs, Workload, relative_error
 
@@ -45,24 +38,17 @@ def failure_reason(error: BaseException, otherwise: str) -> str:
 
 
 class ReferenceCheck:
-    """The scan backend's output (and, with `backward`, gradients) on fixed random float32 inputs: what
-    every candidate must reproduce, within `FWD_TOLERANCE` forward and `GRAD_TOLERANCE` gradients."""
+    """The scan backend's output (and, with `backward`, gradients) on fixed random float32 inputs
+    (`Workload.reference`): what every candidate must reproduce, within `FWD_TOLERANCE` forward and
+    `GRAD_TOLERANCE` gradients."""
 
     def __init__(self, workload: Workload, *, seed: int, backward: bool):
         self.workload, self.backward = workload, backward
-        self.inputs, self.dout = workload.draw(seed=seed, dtype="float32")
-        problem = workload.problem
-        scan = registry.get(registry.FALLBACK)
-        default = scan.default_config(problem.shapes, problem.spec)
-        if workload.pair:
-            self.outputs = _line_reference(workload, default, self.inputs, self.dout, backward)
-        else:
-            compiled = workload.compile(workload.attend(scan.name, default), self.inputs, self.dout, backward=backward)
-            self.outputs = _outputs(compiled, self.inputs, self.dout, backward)
+        self.inputs, self.dout, self.outputs = workload.reference(seed=seed, backward=backward)
 
     def run(self, compiled: Compiled) -> dict[str, Any]:
         """`compiled`'s output (and gradients) on the reference inputs."""
-        return _outputs(compiled, self.inputs, self.dout, self.backward)
+        return compiled.results(self.inputs, self.dout, self.backward)
 
     def mismatch(self, compiled: Compiled) -> str | None:
         """Which result of `compiled` differs from the reference beyond tolerance, and by how much."""
@@ -98,34 +84,3 @@ class ReferenceCheck:
         if mismatch is not None:
             raise TrialFailed("wrong", mismatch)
         return timed, compile_seconds
-
-
-def _outputs(compiled: Compiled, inputs: Inputs, dout: Any, backward: bool) -> dict[str, Any]:
-    """`compiled`'s output, and with `backward` its gradients (`d<input>`), on `inputs`."""
-    outputs = {"out": compiled.forward(inputs)}
-    if backward:
-        outputs.update({f"d{name}": g for name, g in compiled.gradients(inputs, dout).items()})
-    return outputs
-
-
-def _line_reference(workload: Workload, config: Any, inputs: Inputs, dout: Any, backward: bool) -> dict[str, Any]:
-    """The scan ring's results for the hybrid's `workload`: the same tokens laid out over its devices as one
-    axis (the layout over all of them instead of over the ring positions), run, and laid out back."""
-    problem = workload.problem
-    line = Workload(dataclasses.replace(problem, a2a_size=1), devices=list(workload.mesh.devices.flat))
-
-    def relayout(x, source: int, target: int):  # a global array laid out over `source` ring positions
-        return layouts.lay_out(layouts.restore(x, problem.layout, source), problem.layout, target)
-
-    def to_line(x, name: str):
-        return jax.device_put(relayout(x, problem.ring_positions, problem.ring_size),
-                              NamedSharding(line.mesh, line.specs[name]))
-
-    moved, moved_dout = {n: x if n == "sinks" else to_line(x, n) for n, x in inputs.items()}, to_line(dout, "q")
-    compiled = line.compile(line.attend(registry.FALLBACK, config), moved, moved_dout, backward=backward)
-    outputs = _outputs(compiled, moved, moved_dout, backward)
-    return {n: x if n == "dsinks" else relayout(x, problem.ring_size, problem.ring_positions)
-            for n, x in outputs.items()}
-
-
-__all__ = ["FWD_TOLERANCE", "GRAD_TOLERANCE", "ReferenceCheck", "TrialFailed", "failure_reason"]

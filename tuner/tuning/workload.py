@@ -1,7 +1,7 @@
 """A `Problem` made runnable: a mesh, random inputs, and compiled forward / backward ring functions.
 
-Shared by the search (candidates, the reference check) and `tuner bench`. The ring runs under
-`shard_map` over the first `ring_size` devices (the hybrid's problem, `a2a_size` > 1: a mesh of
+Shared by the search (candidates, the reference) and `tuner bench`. The ring runs under `shard_map`
+over the first `ring_size` devices (a problem over two axes, `a2a_size` > 1: a mesh of
 `ring_positions x a2a_size` devices, axes `PAIR_AXES`); inputs are global arrays in the layout's order
 over the ring positions, so every device's shard carries the positions of its layout (segment ids are
 laid out to match).
@@ -12,6 +12,7 @@ residuals of `jax.vjp` as plain arrays, and the backward rebuilds the vjp from t
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +29,6 @@ from tuner.runtime import plan
 from tuner import registry
 from tuner.semantics.problem import Problem
 from tuner.registry import Config
-from tuner.support.targets import compile_target
 
 AXIS = "sp"
 PAIR_AXES = ("ring", "a2a")
@@ -56,6 +56,13 @@ class Compiled:
     def gradients(self, inputs: Inputs, dout) -> Inputs:
         _, residuals = self.forward_with_residuals(inputs)
         return self.backward(residuals, dout)
+
+    def results(self, inputs: Inputs, dout, backward: bool) -> dict[str, Any]:
+        """The output (`out`), and with `backward` the gradients (`d<input>`), on `inputs`."""
+        results = {"out": self.forward(inputs)}
+        if backward:
+            results.update({f"d{name}": g for name, g in self.gradients(inputs, dout).items()})
+        return results
 
     def thunks(self, name: str, sets: list[tuple[Inputs, Any]], *, forward: bool = True
                ) -> dict[str, Callable[[int], Any]]:
@@ -90,7 +97,7 @@ class Workload:
         self.axis_name = PAIR_AXES if self.pair else AXIS
         grid = np.array(devices[:problem.ring_size]).reshape(problem.ring_positions, problem.a2a_size)
         self.mesh = Mesh(grid, PAIR_AXES) if self.pair else Mesh(grid.reshape(-1), (AXIS,))
-        self.platform = compile_target(self.mesh)[0]
+        self.platform = devices[0].platform
         seq = P(None, self.axis_name)
         self.specs: Inputs = {"q": seq, "k": seq, "v": seq}
         if problem.segments:
@@ -185,6 +192,33 @@ class Workload:
         backward_fn = jax.jit(backward_from_residuals).lower(leaves, dout).compile()
         return Compiled(lambda x: with_residuals(x)[0], time.perf_counter() - start, with_residuals,
                         backward_fn)
+
+    def reference(self, seed: int, backward: bool) -> tuple[Inputs, Any, dict[str, Any]]:
+        """Fixed random float32 inputs, an output cotangent, and the scan ring's results on them at its default
+        tiles (with `backward`, its gradients too): what every candidate must reproduce. Over two axes the
+        scan ring runs over the same devices as one axis, on the same tokens in its own layout, and its
+        results are laid out back."""
+        inputs, dout = self.draw(seed=seed, dtype="float32")
+        p = self.problem
+        scan = registry.get(registry.FALLBACK)
+        default = scan.default_config(p.shapes, p.spec)
+        if not self.pair:
+            return inputs, dout, self.compile(self.attend(scan.name, default), inputs, dout,
+                                              backward=backward).results(inputs, dout, backward)
+        line = Workload(dataclasses.replace(p, a2a_size=1), devices=list(self.mesh.devices.flat))
+
+        def relayout(x, source: int, target: int):  # a global array laid out over `source` ring positions
+            return layouts.lay_out(layouts.restore(x, p.layout, source), p.layout, target)
+
+        def to_line(x, name: str):
+            return jax.device_put(relayout(x, p.ring_positions, p.ring_size),
+                                  NamedSharding(line.mesh, line.specs[name]))
+
+        moved, moved_dout = {n: x if n == "sinks" else to_line(x, n) for n, x in inputs.items()}, to_line(dout, "q")
+        compiled = line.compile(line.attend(scan.name, default), moved, moved_dout, backward=backward)
+        results = compiled.results(moved, moved_dout, backward)
+        return inputs, dout, {n: x if n == "dsinks" else relayout(x, p.ring_size, p.ring_positions)
+                              for n, x in results.items()}
 
     def dense(self, implementation: str = "xla") -> Callable[[Inputs], Any]:
         """`jax.nn.dot_product_attention` over the global arrays with the problem's causal flag: the
