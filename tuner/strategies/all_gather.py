@@ -77,48 +77,6 @@ def check_memory(shapes: LocalShapes, ring_size: int) -> None:
         raise ValueError(reason)
 
 
-class AllGather(ExchangedScan):
-    """All-gather K/V over the ring's axis, then the scan ring at ring size 1 of the local queries over
-    the whole sequence (module docstring)."""
-
-    name = "all_gather"
-    summary = ("all-gather K/V (refused over half the device memory), "
-               "scan of the local queries over the whole sequence")
-    strategy = "all_gather"
-    bias_reason = BIAS_REASON
-
-    def shape_violation(self, shapes: LocalShapes, ring_size: int) -> str | None:
-        return memory_violation(shapes, ring_size)
-
-    @staticmethod
-    def _full(shapes: LocalShapes) -> LocalShapes:
-        """The shapes the default and the space are sized for: `H * T/P` keys, the local queries."""
-        return dataclasses.replace(shapes, kv_len=shapes.heads * shapes.kv_len)
-
-    def space(self, shapes: LocalShapes, spec: AttentionSpec) -> registry.Space:
-        candidates = self.inner.search_space(self._full(shapes), spec)
-
-        def cut(tiles: tuple[int, ...]) -> tuple[int, ...]:  # a query tile longer than the shard is the shard
-            return tuple(sorted({min(t, shapes.q_len) for t in tiles}))
-
-        return TileSpace(SearchSpace(fwd={**candidates.fwd, "block_q": cut(candidates.fwd["block_q"])},
-                                     bwd={**candidates.bwd, "block_q_dkv": cut(candidates.bwd["block_q_dkv"])},
-                                     dq_tiles=candidates.dq_tiles, dq_passes=candidates.dq_passes))
-
-    def violation(self, shapes: LocalShapes, spec: AttentionSpec, config: TileConfig, parts: tuple[str, ...]
-                  ) -> str | None:
-        # The real tile, B * H * min(block_q, q_len) * min(block_kv, P * kv_len), is at most the scan check's
-        # with unboundedly many keys, whatever P is.
-        bound = dataclasses.replace(shapes, kv_len=INT32_MAX)
-        return self.inner.violation(bound, spec, config.fwd if "fwd" in parts else None,
-                                    config.bwd if "bwd" in parts else None)
-
-    def attend(self, query, key, value, *, spec: AttentionSpec, config: TileConfig, axis_name: Hashable | None,
-               layout: str, interpret: bool = False, **arrays: Any) -> Any:
-        return all_gather_attention(query, key, value, spec=spec, config=config, axis_name=axis_name, layout=layout,
-                                    interpret=interpret, **arrays)
-
-
 def all_gather_attention(query, key, value, *, spec: AttentionSpec, config: TileConfig, axis_name: Hashable | None,
                          layout: str, interpret: bool = False, q_segment_ids=None, kv_segment_ids=None,
                          q_positions=None, kv_positions=None, softmax_aux=None, bias=None,
@@ -152,6 +110,43 @@ def all_gather_attention(query, key, value, *, spec: AttentionSpec, config: Tile
                     bwd_params=config.bwd, axis_name=None, layout=layout, interpret=interpret,
                     q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_positions=q_positions,
                     kv_positions=kv_positions, softmax_aux=sinks, return_lse=return_lse)
+
+
+class AllGather(ExchangedScan):
+    """All-gather K/V over the ring's axis, then the scan ring at ring size 1 of the local queries over
+    the whole sequence (module docstring)."""
+
+    name = "all_gather"
+    summary = ("all-gather K/V (refused over half the device memory), "
+               "scan of the local queries over the whole sequence")
+    strategy = "all_gather"
+    bias_reason = BIAS_REASON
+
+    def shape_violation(self, shapes: LocalShapes, ring_size: int) -> str | None:
+        return memory_violation(shapes, ring_size)
+
+    @staticmethod
+    def _full(shapes: LocalShapes) -> LocalShapes:
+        """The shapes the default and the space are sized for: `H * T/P` keys, the local queries."""
+        return dataclasses.replace(shapes, kv_len=shapes.heads * shapes.kv_len)
+
+    def space(self, shapes: LocalShapes, spec: AttentionSpec) -> registry.Space:
+        candidates = self.inner.search_space(self._full(shapes), spec)
+
+        def cut(tiles: tuple[int, ...]) -> tuple[int, ...]:  # a query tile longer than the shard is the shard
+            return tuple(sorted({min(t, shapes.q_len) for t in tiles}))
+
+        return TileSpace(SearchSpace(fwd={**candidates.fwd, "block_q": cut(candidates.fwd["block_q"])},
+                                     bwd={**candidates.bwd, "block_q_dkv": cut(candidates.bwd["block_q_dkv"])},
+                                     dq_tiles=candidates.dq_tiles, dq_passes=candidates.dq_passes))
+
+    @staticmethod
+    def _bound(shapes: LocalShapes) -> LocalShapes:
+        # The real tile, B * H * min(block_q, q_len) * min(block_kv, P * kv_len), is at most the scan check's
+        # with unboundedly many keys, whatever P is.
+        return dataclasses.replace(shapes, kv_len=INT32_MAX)
+
+    attention = staticmethod(all_gather_attention)
 
 
 registry.register(AllGather())

@@ -65,41 +65,6 @@ def kv_repeats(heads: int, kv_heads: int, ring_size: int) -> int:
     return ring_size // math.gcd(kv_heads, ring_size)
 
 
-class AllToAll(ExchangedScan):
-    """Ulysses: all-to-all from sequence shards to head groups, the scan ring at ring size 1 over the
-    whole sequence, all-to-all back (module docstring)."""
-
-    name = "all_to_all"
-    summary = ("all-to-all to head groups (H % P == 0; kv heads repeated when Hkv % P != 0), "
-               "scan over the whole sequence, all-to-all back")
-    strategy = "all_to_all"
-    bias_reason = BIAS_REASON
-
-    def shape_violation(self, shapes: LocalShapes, ring_size: int) -> str | None:
-        return heads_violation(shapes.heads, ring_size)
-
-    @staticmethod
-    def _full(shapes: LocalShapes) -> LocalShapes:
-        """The longest full-length shapes these shards can have: `H * T/P` tokens (P divides H, so P <= H)."""
-        return dataclasses.replace(shapes, q_len=shapes.heads * shapes.q_len, kv_len=shapes.heads * shapes.kv_len)
-
-    def space(self, shapes: LocalShapes, spec: AttentionSpec) -> registry.Space:
-        return TileSpace(self.inner.search_space(self._full(shapes), spec))
-
-    def violation(self, shapes: LocalShapes, spec: AttentionSpec, config: TileConfig, parts: tuple[str, ...]
-                  ) -> str | None:
-        # The real tile, B * H/P * min(block_q, P * q_len) * min(block_kv, P * kv_len), is at most
-        # B * H * min(block_q, q_len) * min(block_kv, H * kv_len): the scan check with H * kv_len keys.
-        bound = dataclasses.replace(shapes, kv_len=self._full(shapes).kv_len)
-        return self.inner.violation(bound, spec, config.fwd if "fwd" in parts else None,
-                                    config.bwd if "bwd" in parts else None)
-
-    def attend(self, query, key, value, *, spec: AttentionSpec, config: TileConfig, axis_name: Hashable | None,
-               layout: str, interpret: bool = False, **arrays: Any) -> Any:
-        return all_to_all_attention(query, key, value, spec=spec, config=config, axis_name=axis_name, layout=layout,
-                                    interpret=interpret, **arrays)
-
-
 def all_to_all_attention(query, key, value, *, spec: AttentionSpec, config: TileConfig, axis_name: Hashable | None,
                          layout: str, interpret: bool = False, q_segment_ids=None, kv_segment_ids=None,
                          q_positions=None, kv_positions=None, softmax_aux=None, bias=None,
@@ -147,6 +112,36 @@ def all_to_all_attention(query, key, value, *, spec: AttentionSpec, config: Tile
         out = ordering.ordered(lax.all_to_all(out, axis_name, 1, 2, tiled=True), value)  # -> [B, T/P, H, D]
         lse = lax.all_to_all(ordering.ordered(lse, out), axis_name, 2, 1, tiled=True)  # [B, H/P, T] -> [B, H, T/P]
     return (out, lse) if return_lse else out
+
+
+class AllToAll(ExchangedScan):
+    """Ulysses: all-to-all from sequence shards to head groups, the scan ring at ring size 1 over the
+    whole sequence, all-to-all back (module docstring)."""
+
+    name = "all_to_all"
+    summary = ("all-to-all to head groups (H % P == 0; kv heads repeated when Hkv % P != 0), "
+               "scan over the whole sequence, all-to-all back")
+    strategy = "all_to_all"
+    bias_reason = BIAS_REASON
+
+    def shape_violation(self, shapes: LocalShapes, ring_size: int) -> str | None:
+        return heads_violation(shapes.heads, ring_size)
+
+    @staticmethod
+    def _full(shapes: LocalShapes) -> LocalShapes:
+        """The longest full-length shapes these shards can have: `H * T/P` tokens (P divides H, so P <= H)."""
+        return dataclasses.replace(shapes, q_len=shapes.heads * shapes.q_len, kv_len=shapes.heads * shapes.kv_len)
+
+    def space(self, shapes: LocalShapes, spec: AttentionSpec) -> registry.Space:
+        return TileSpace(self.inner.search_space(self._full(shapes), spec))
+
+    @staticmethod
+    def _bound(shapes: LocalShapes) -> LocalShapes:
+        # The real tile, B * H/P * min(block_q, P * q_len) * min(block_kv, P * kv_len), is at most
+        # B * H * min(block_q, q_len) * min(block_kv, H * kv_len): the scan check with H * kv_len keys.
+        return dataclasses.replace(shapes, kv_len=shapes.heads * shapes.kv_len)
+
+    attention = staticmethod(all_to_all_attention)
 
 
 registry.register(AllToAll())

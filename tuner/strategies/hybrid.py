@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Hashable
 from typing import Any
 
 import jax.numpy as jnp
@@ -68,28 +67,6 @@ def exchanged(shapes: LocalShapes, group: int) -> LocalShapes:
                                heads=shapes.heads // group, kv_heads=kv_heads)
 
 
-
-
-class Hybrid(AllToAll):
-    """USP: all-to-all over the a2a axis, the scan ring over the ring axis, all-to-all back (module
-    docstring). Its tile hooks are all_to_all's: the inner ring sees at most `H * T/(R A)` tokens."""
-
-    name = "hybrid"
-    summary = ("all-to-all to head groups over the second axis of axis_name (H % its size == 0), "
-               "the scan ring over the first, all-to-all back")
-    strategy = "hybrid"
-    bias_reason = BIAS_REASON
-
-    def shape_violation(self, shapes: LocalShapes, ring_size: int, group: int) -> str | None:
-        return heads_violation(shapes.heads, group)
-
-    def key_shapes(self, shapes: LocalShapes, ring_size: int, group: int) -> tuple[LocalShapes, int]:
-        return exchanged(shapes, group), ring_size // group
-
-    def attend(self, query, key, value, *, spec: AttentionSpec, config: TileConfig, axis_name: Hashable | None,
-               layout: str, interpret: bool = False, **arrays: Any) -> Any:
-        return hybrid_attention(query, key, value, spec=spec, config=config, axis_name=axis_name, layout=layout,
-                                interpret=interpret, **arrays)
 
 
 def hybrid_attention(query, key, value, *, spec: AttentionSpec, config: TileConfig, axis_name: Any, layout: str,
@@ -131,6 +108,25 @@ def hybrid_attention(query, key, value, *, spec: AttentionSpec, config: TileConf
     out = ordering.ordered(lax.all_to_all(out, a2a_axis, 1, 2, tiled=True), value)  # -> [B, T/(R A), H, D]
     lse = lax.all_to_all(ordering.ordered(lse, out), a2a_axis, 2, 1, tiled=True)  # [B, H/A, T/R] -> [B, H, T/(R A)]
     return (out, lse) if return_lse else out
+
+
+class Hybrid(AllToAll):
+    """USP: all-to-all over the a2a axis, the scan ring over the ring axis, all-to-all back (module
+    docstring). Its tile hooks are all_to_all's: the inner ring sees at most `H * T/(R A)` tokens."""
+
+    name = "hybrid"
+    summary = ("all-to-all to head groups over the second axis of axis_name (H % its size == 0), "
+               "the scan ring over the first, all-to-all back")
+    strategy = "hybrid"
+    bias_reason = BIAS_REASON
+
+    def shape_violation(self, shapes: LocalShapes, ring_size: int, group: int) -> str | None:
+        return heads_violation(shapes.heads, group)
+
+    def key_shapes(self, shapes: LocalShapes, ring_size: int, group: int) -> tuple[LocalShapes, int]:
+        return exchanged(shapes, group), ring_size // group
+
+    attention = staticmethod(hybrid_attention)
 
 
 registry.register(Hybrid())

@@ -236,6 +236,26 @@ class ExchangedScan:
         """The shapes the default config and the space are sized for."""
         raise NotImplementedError
 
+    @staticmethod
+    def _bound(shapes: LocalShapes) -> LocalShapes:
+        """Shapes whose scan check bounds every real tile of the call (its `violation`)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def attention(query, key, value, **resolved: Any) -> Any:
+        """The strategy's local call (`attend`'s arguments)."""
+        raise NotImplementedError
+
+    def violation(self, shapes: LocalShapes, spec: AttentionSpec, config: TileConfig, parts: tuple[str, ...]
+                  ) -> str | None:
+        return self.inner.violation(self._bound(shapes), spec, config.fwd if "fwd" in parts else None,
+                                    config.bwd if "bwd" in parts else None)
+
+    def attend(self, query, key, value, *, spec: AttentionSpec, config: TileConfig, axis_name: Hashable | None,
+               layout: str, interpret: bool = False, **arrays: Any) -> Any:
+        return self.attention(query, key, value, spec=spec, config=config, axis_name=axis_name, layout=layout,
+                              interpret=interpret, **arrays)
+
     def available(self, target: Target) -> str | None:
         return self.inner.unavailable_reason(target.interpret, target.platform)
 
