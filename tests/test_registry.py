@@ -190,6 +190,7 @@ def test_a_toy_over_two_axes_is_searched_and_run_by_the_loader_on_a_2d_mesh(toy_
                    "--trials", "3", "--runs", "1", "--db", str(db)])
     out = capsys.readouterr().out
     assert status == 0, out
+    assert f'axis_name=("ring", "a2a"), backend="{TOY_GRID}", causal=True' in out  # the loader call it prints
     [row] = Cache(db).rows()
     assert (row["backend"], row["ring_size"], row["q_len"]) == (TOY_GRID, 4, 64)  # its own shapes: no key hook
     stored = ChunkConfig.from_dict({"fwd": json.loads(row["fwd_params"]), "bwd": {}})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tuner.runtime import plan
 from tuner.semantics.problem import Problem
 from tuner.support.tables import describe_config, table
 
@@ -16,11 +17,14 @@ if TYPE_CHECKING:
     from tuner.tuning.search import SearchResult
 
 
-def loader_call(problem: Problem) -> list[str]:
-    """The runtime loader call that meets `problem`'s cache entry exactly, as lines of Python: the
-    mesh, the arrays it takes and the call."""
-    ring, hybrid = problem.ring_size > 1, problem.a2a_size > 1
-    options = (['axis_name=("ring", "a2a")'] if hybrid else ['axis_name="sp"']) if ring else []
+def loader_call(problem: Problem, backend: str | None = None) -> list[str]:
+    """The runtime loader call that meets `problem`'s cache entry of `backend` exactly, as lines of Python:
+    the mesh, the arrays it takes and the call. Over two axes the loader does not choose by measurement,
+    so the call names `backend` unless it is the one a pair `axis_name` runs by default."""
+    ring, pair = problem.ring_size > 1, problem.group is not None
+    options = (['axis_name=("ring", "a2a")'] if pair else ['axis_name="sp"']) if ring else []
+    if pair and backend is not None and backend != plan.check_strategy("auto", "auto", ("ring", "a2a")):
+        options.append(f'backend="{backend}"')
     options += [text for on, text in ((problem.causal, "causal=True"),
                                       (problem.window is not None, f"sliding_window={problem.window}"),
                                       (problem.chunk_size is not None, f"chunk_size={problem.chunk_size}"),
@@ -35,7 +39,7 @@ def loader_call(problem: Problem) -> list[str]:
         extras += ", softmax_aux=sinks"
         shapes += f", sinks [{problem.heads}{'' if problem.sinks == 1 else f', {problem.sinks}'}]"
     lines = []
-    if hybrid:
+    if pair:
         lines.append(f"mesh = Mesh(np.array(jax.devices()[:{problem.ring_size}]).reshape({problem.ring_positions}, "
                      f'{problem.a2a_size}), ("ring", "a2a"))')
     elif ring:
@@ -70,7 +74,7 @@ def search_summary(result: SearchResult) -> list[str]:
         lines.append(f"kept     key {result.key.digest} in {result.db_path}: an earlier result of this study's "
                      f"workers ({result.stored_speedup:.2f}x) beats this run's ({result.speedup:.2f}x)")
     lines.append(f"study    {result.study} in {result.storage}  ({result.seconds:.0f} s)")
-    lines += [f"use      {line}" for line in loader_call(result.problem)]
+    lines += [f"use      {line}" for line in loader_call(result.problem, result.backend)]
     lines.append(f"next     `tuner bench` with the same options times them against dense attention; "
                  f"`tuner show {result.key.digest[:8]}` prints the entry")
     return lines

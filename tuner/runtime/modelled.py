@@ -24,7 +24,7 @@ from tuner.semantics.problem import Problem
 from tuner.semantics.spec import AttentionSpec, LocalShapes
 
 MARGIN = 0.10  # a strategy replaces the ring only when predicted to take at most 90% of the ring's time
-CANDIDATES = ("ring", "all_to_all", "all_gather")  # the one-axis strategies (the hybrid runs over two axes)
+CANDIDATES = tuple(s for s in registry.STRATEGIES if s not in registry.TWO_AXES)  # the one-axis strategies
 Predictions = tuple[tuple[str, float, float | None], ...]  # (strategy, predicted s, measured s or None)
 
 

@@ -26,7 +26,7 @@ from tuner.registry import Config
 from tuner.semantics.spec import AttentionSpec, LocalShapes, build_spec, check_inputs, layout_span
 
 MASK_OPTIONS = ("causal", "sliding_window", "chunk_size", "logits_soft_cap", "softmax_scale")
-SELECTING = ("all_to_all", "all_gather", "hybrid")  # strategies of one implementation each, of the same name
+SELECTING = tuple(s for s in registry.STRATEGIES if s != "ring")  # each selects the implementation of its name
 ARRAY_OPTIONS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions", "softmax_aux", "bias")
 
 

@@ -30,9 +30,9 @@ SAMPLERS = ("tpe", "gp", "random", "grid")
 class Problem:
     """One attention problem over a ring: global shapes, dtype, features, ring size and layout.
 
-    `ring_size` is every device the sequence is split over; `a2a_size` > 1 makes it the hybrid's problem
-    (`tuner.strategies.hybrid`): `ring_size / a2a_size` ring positions, each an all-to-all group of `a2a_size`
-    devices, the layout over the ring positions.
+    `ring_size` is every device the sequence is split over; `a2a_size` > 1 makes it a problem over two mesh
+    axes (the hybrid's, or another implementation's over two): `ring_size / a2a_size` ring positions, each a
+    group of `a2a_size` devices, the layout over the ring positions.
     `segments` is the number of packed documents per batch row (0: no segment ids); `sinks` the number
     of sink logits per head (0: none); `window` is `(left, right)` or None, kept as `clip_window` leaves
     it for a `seq_len`-token sequence (a window at least that long is None, and so is a chunk), as
@@ -67,9 +67,9 @@ class Problem:
             raise ValueError(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
         if self.seq_len % self.ring_size:
             raise ValueError(f"seq_len={self.seq_len} must be divisible by ring_size={self.ring_size}")
-        if self.ring_size % self.a2a_size or self.heads % self.a2a_size:
-            raise ValueError(f"a2a_size={self.a2a_size} must divide ring_size={self.ring_size} and heads={self.heads} "
-                             f"(the hybrid's all-to-all splits the heads over its group)")
+        if self.ring_size % self.a2a_size:
+            raise ValueError(f"a2a_size={self.a2a_size} must divide ring_size={self.ring_size}: the ring positions "
+                             f"are groups of a2a_size devices")
         layouts.check_layout(self.layout, self.a2a_size * self.local_len)
         if self.seq_len > INT32_MAX + 1:
             raise ValueError(f"seq_len must be at most 2**31 (int32 positions), got {self.seq_len}")
