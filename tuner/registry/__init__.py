@@ -328,7 +328,9 @@ def choose(name: str, spec: AttentionSpec, dtype: Any, head_dim: int, target: Ta
     implementation = get(name)
     reason = why_not(implementation, spec, dtype, head_dim, target, return_lse=return_lse, **placement)
     if reason is not None:
-        raise ValueError(f"{argument} {name!r} {reason}; use {argument}='auto' to fall back to one that can")
+        fallback = f"use {argument}='auto' to fall back to one that can" if group is None else \
+            "the call is over two mesh axes: fix what is named, or pass one axis name"
+        raise ValueError(f"{argument} {name!r} {reason}; {fallback}")
     return implementation
 
 
