@@ -350,9 +350,6 @@ class TunedRingAttention:
         return Plan(name, config, found.source, found.reason, problem, spec, layout)
 
 
-
-
-
 def _check_call_options(options: dict[str, Any]) -> dict[str, Any]:
     unknown = [name for name in options if name not in CALL_OPTIONS]
     if unknown:

@@ -67,8 +67,6 @@ def exchanged(shapes: LocalShapes, group: int) -> LocalShapes:
                                heads=shapes.heads // group, kv_heads=kv_heads)
 
 
-
-
 def hybrid_attention(query, key, value, *, spec: AttentionSpec, config: TileConfig, axis_name: Any, layout: str,
                      interpret: bool = False, q_segment_ids=None, kv_segment_ids=None, q_positions=None,
                      kv_positions=None, softmax_aux=None, bias=None, return_lse: bool = False) -> Any:
