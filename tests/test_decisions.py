@@ -30,9 +30,8 @@ TUNED = (FwdParams(8, 8), BwdParams(8, 8))
 def search_row(problem: Problem = PROBLEM) -> dict:
     scan = registry.get("scan")
     return make_row(registry.problem_key(problem, "scan", DEVICE_KIND), *TUNED, versions=registry.versions(scan),
-                    tool_version="test",
-                    objective="fwd+bwd", best_s=0.004, default_s=0.006, speedup=1.5, trials_run=3, trials_pruned=0,
-                    study="decisions")
+                    tool_version="test", objective="fwd+bwd", best_s=0.004, default_s=0.006, speedup=1.5,
+                    trials_run=3, trials_pruned=0, study="decisions")
 
 
 def bench_run(seconds: dict[str, float], problem: Problem = PROBLEM, study: str = "bench 1") -> list[dict]:
@@ -41,8 +40,7 @@ def bench_run(seconds: dict[str, float], problem: Problem = PROBLEM, study: str 
         implementation = registry.get(name)
         config = implementation.default_config(problem.shapes, problem.spec)
         rows.append(make_row(registry.problem_key(problem, name, DEVICE_KIND), config,
-                             versions=registry.versions(implementation),
-                             tool_version="test", source="bench",
+                             versions=registry.versions(implementation), tool_version="test", source="bench",
                              objective="fwd+bwd", best_s=best_s, default_s=None, speedup=None, trials_run=2,
                              trials_pruned=0, study=study))
     return rows
@@ -109,9 +107,8 @@ def test_bench_and_search_rows_live_side_by_side_and_a_run_replaces_the_last(tmp
 def compiled_row(problem: Problem = PROBLEM, tiles=(FwdParams(16, 16), BwdParams(16, 16))) -> dict:
     scan = registry.get("scan")
     return make_row(registry.problem_key(problem, "scan", DEVICE_KIND), *tiles, versions=registry.versions(scan),
-                    tool_version="test",
-                    source="compiled", objective="fwd+bwd", best_s=0.002, default_s=None, speedup=None,
-                    trials_run=7, trials_pruned=2, study="compiled for v5e:2x2, ranked by the model")
+                    tool_version="test", source="compiled", objective="fwd+bwd", best_s=0.002, default_s=None,
+                    speedup=None, trials_run=7, trials_pruned=2, study="compiled for v5e:2x2, ranked by the model")
 
 
 def test_a_compiled_row_is_used_only_where_nothing_measured_the_problem(tmp_path):

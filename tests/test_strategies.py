@@ -70,8 +70,7 @@ def bench_rows(problem: Problem, seconds: dict[str, float], device_kind: str) ->
     for name, best_s in seconds.items():
         implementation = registry.get(name)
         rows.append(make_row(registry.problem_key(problem, name, device_kind),
-                             implementation.default_config(problem.shapes,
-                                                                                             problem.spec),
+                             implementation.default_config(problem.shapes, problem.spec),
                              versions=registry.versions(implementation), tool_version="test", source="bench",
                              objective="fwd+bwd", best_s=best_s, default_s=None, speedup=None, trials_run=2,
                              trials_pruned=0, study="bench 1"))

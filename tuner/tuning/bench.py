@@ -155,9 +155,9 @@ def bench_mechanisms(problem: Problem, *, device: str, objective: str = "fwd+bwd
         implementation, config = chosen[name]
         recorded.append(make_row(
             registry.problem_key(problem, implementation.name, device_kind), config,
-                versions=registry.versions(implementation),
-            tool_version=__version__, source="bench", objective=objective, best_s=totals[name],
-            default_s=None, speedup=None, trials_run=runs, trials_pruned=0, trials_failed={}, study=run))
+            versions=registry.versions(implementation), tool_version=__version__, source="bench",
+            objective=objective, best_s=totals[name], default_s=None, speedup=None, trials_run=runs, trials_pruned=0,
+            trials_failed={}, study=run))
     cache = Cache(db)
     cache.put_run(recorded)
 
