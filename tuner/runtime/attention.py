@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from jax import lax
 
 from tuner.semantics import layouts
 from tuner.runtime import plan, record
 from tuner import registry
 from tuner.kernels.params import BwdParams, FwdParams
-from tuner.strategies.ring import block_kernel, ring_geometry, run_ring
+from tuner.strategies.ring import block_kernel, group_size, ring_geometry, run_ring
 from tuner.semantics.spec import normalize_window
 from tuner.support.targets import compile_target
 
@@ -86,8 +85,7 @@ def ring_attention(
     mask = dict(causal=causal, sliding_window=sliding_window, chunk_size=chunk_size,
                 logits_soft_cap=logits_soft_cap, softmax_scale=softmax_scale)
     strategy = plan.check_strategy(strategy, backend, axis_name)
-    size = ring_geometry(axis_name)[0]
-    group = lax.axis_size(axis_name[1]) if isinstance(axis_name, tuple) else None
+    size, group = ring_geometry(axis_name)[0], group_size(axis_name)
     resolved = plan.resolve(query, key, value, ring_size=size, layout=layout, backend=backend, strategy=strategy,
                             target=registry.Target.here(bool(interpret)), mask=mask, arrays=arrays,
                             axis_name=axis_name, group=group)

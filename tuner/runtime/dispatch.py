@@ -41,7 +41,7 @@ from tuner.cache import LOADER_BUSY_TIMEOUT_S, Cache, CacheError, row_config, wa
 from tuner.support.checks import check_int
 from tuner.runtime.plan import Plan
 from tuner.semantics.problem import ProblemKey
-from tuner.strategies.ring import ring_geometry
+from tuner.strategies.ring import group_size, ring_geometry
 from tuner.semantics.spec import LocalShapes, build_spec, normalize_window
 from tuner.support.targets import compile_target
 
@@ -160,10 +160,9 @@ class TunedRingAttention:
         return self.mesh.shape[self.axis_name], self.mesh.shape[self.axis_name]
 
     def _local(self, query, key, value, options: dict[str, Any]):
-        size, _ = ring_geometry(self.axis_name)
-        a2a = jax.lax.axis_size(self.axis_name[1]) if isinstance(self.axis_name, tuple) else None
-        decision = self._decide(query, key, value, size, options, a2a)
-        noted = self._note(query, key, value, size, a2a or 1, options, decision)
+        size, group = ring_geometry(self.axis_name)[0], group_size(self.axis_name)
+        decision = self._decide(query, key, value, size, options, group)
+        noted = self._note(query, key, value, size, group or 1, options, decision)
         with record.scope(noted):
             return record.watch(noted, self._attend(query, key, value, options, decision))
 

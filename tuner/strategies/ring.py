@@ -68,6 +68,11 @@ def ring_geometry(axis_name: Hashable | None) -> tuple[int, Any]:
     return lax.axis_size(axis_name), lax.axis_index(axis_name)
 
 
+def group_size(axis_name: Hashable | None) -> int | None:
+    """The size of the second axis of a pair `axis_name` (a call over two mesh axes), else None."""
+    return lax.axis_size(axis_name[1]) if isinstance(axis_name, tuple) else None
+
+
 def _travelling(k, v, kv_pos, kv_seg) -> tuple:
     """The shards that travel the ring, all varying over the axes of the keys: on a 2-D mesh the
     positions vary over the ring axis only, and `tuner.strategies.ordering` ties each one to arrays that vary over
