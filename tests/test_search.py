@@ -15,7 +15,7 @@ from tuner.cache import Cache
 from tuner.strategies.implementations import Ring, TileConfig, TileSpace
 from tuner.semantics.problem import Problem
 from tuner.tuning.search import SearchOptions, search
-from tuner.tuning.study import default_storage, study_name
+from tuner.tuning.study import counted, default_storage, study_name
 
 TINY = Problem(batch=1, seq_len=64, heads=2, kv_heads=1, head_dim=16, causal=True, ring_size=2,
                layout="zigzag")
@@ -91,8 +91,10 @@ def test_a_rerun_resumes_the_study(faulty, tmp_path):
 
 
 def test_trials_over_the_time_limit_fail_as_timeouts(tmp_path):
+    """TINY's forward space holds one config: it times out once and is not tried again."""
     options = SearchOptions(objective="fwd", trials=2, trial_timeout=1e-4, runs=1, final_runs=1)
-    with pytest.raises(RuntimeError, match=r"no trial .* completed .*'timeout': 2"):
+    with pytest.raises(RuntimeError, match=r"no trial .* completed \(1 finished \(every config of the space was "
+                                           r"tried\).*'timeout': 1"):
         search(TINY, device="cpu", backend="scan", options=options, db=tmp_path / "t.sqlite")
 
 
@@ -161,7 +163,7 @@ def _competitor(db, name: str) -> optuna.Study:
 def test_workers_sharing_a_study_run_its_total_between_them(faulty, tmp_path, monkeypatch):
     """Another worker starts two trials just before this worker's second: that one is surplus (counted
     nowhere, no failure) and stops this worker while the other's trials run; when they end interrupted,
-    this worker goes on and runs the study up to its total."""
+    this worker goes on and runs the study up to its total, a different config in every counted trial."""
     db = tmp_path / "tuning.sqlite"
     fail_stale = optuna.storages.fail_stale_trials  # optuna calls it right before each trial starts
     competing: list[optuna.Trial] = []
@@ -181,13 +183,15 @@ def test_workers_sharing_a_study_run_its_total_between_them(faulty, tmp_path, mo
     monkeypatch.setattr(optuna.storages, "fail_stale_trials", other_worker)
     result = search(TINY, device="cpu", backend="faulty", db=db,
                     options=SearchOptions(objective="fwd", trials=3, runs=1, final_runs=1))
-    assert (result.new_trials, result.trials_run, result.failed) == (3, 3, {})
+    assert (result.new_trials, result.trials_run) == (3, 3)
 
     trials = optuna.load_study(study_name=result.study, storage=default_storage(db)).trials
+    timed = [tuple(sorted(t.params.items())) for t in trials if counted(t)]
+    assert len(set(timed)) == len(timed) == 3
     (surplus,) = [t for t in trials if t.user_attrs.get("failure") == "surplus"]
     assert surplus.number == 3  # after the default and the other worker's two
     assert [t.user_attrs.get("failure") for t in trials if t.number in (1, 2)] == ["interrupted"] * 2
-    assert len(trials) == 1 + 2 + 1 + 2
+    assert len([t for t in trials if t.user_attrs.get("failure") != "duplicate"]) == 1 + 2 + 1 + 2
     assert optuna.trial.TrialState.RUNNING not in {t.state for t in trials}
 
 

@@ -18,14 +18,21 @@ forward of any trial and the best backward of any trial are also combined into o
 end the best few candidates, the combination and the default are re-timed interleaved and the winner
 is written to the cache. Studies live in an optuna storage (by default a SQLite file beside the
 cache): run the same search again and it resumes; point several processes or hosts at one storage
-and they share the study. `trials` is then the study's total, not each worker's: a trial that starts
-once the trials numbered below it reach the total is surplus (it stops its worker and is counted
-nowhere), and every worker stores its winner only if it beats the row an earlier worker stored.
+and they share the study (`tuner.tuning.shared`). `trials` is then the study's total, not each
+worker's: a trial that starts once the trials numbered below it reach the total is surplus (it stops
+its worker and is counted nowhere). A trial claims its config before compiling it, so no config is
+timed twice, at once or later: a sampled config another trial holds is given back and the next
+untried point of the grid queued instead. A worker with nothing left to run waits for the others'
+trials, re-runs the config of a worker that died (its heartbeat went stale), and the first worker to
+re-time the candidates decides the winner for all: every worker writes that row to its own cache.
+A storage that stops answering is retried with back-off for `RECONNECT_S`, then the search stops
+and writes nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -41,12 +48,16 @@ from tuner.cache import Cache, make_row
 from tuner.support.checks import check_int
 from tuner.semantics.problem import DEVICES, OBJECTIVES, SAMPLERS, Problem, ProblemKey
 from tuner.registry import Config
-from tuner.tuning.study import (INTERRUPTED, SURPLUS, counted, default_storage, enqueue, fail_stale, finished,
-                                make_sampler, open_storage, study_name, surplus, taken)
+from tuner.tuning.shared import Shared, config_digest, worker_name
+from tuner.tuning.study import (DUPLICATE, HEARTBEAT_S, INTERRUPTED, SURPLUS, counted, default_storage, enqueue,
+                                finished, make_sampler, open_storage, study_name, surplus, taken)
 from tuner.support.tables import describe_config, error_line
 from tuner.tuning.timing import Timing, run_interleaved
 from tuner.tuning.verify import ReferenceCheck, TrialFailed, failure_reason
+from tuner.tuning.workers import reconnecting, run_until_decided
 from tuner.tuning.workload import Compiled, Workload
+
+DUPLICATES_IN_A_ROW = 10  # sampled configs already held, in a row, after which the space counts as covered
 
 
 @dataclass(frozen=True)
@@ -54,7 +65,8 @@ class SearchOptions:
     """How to search. `trials` is the total the study should reach (a resumed study runs the rest,
     workers sharing the study run it between them); `timeout` bounds this run in seconds;
     `trial_timeout` bounds one trial (checked between its compile, check and timed runs: a single
-    compile that runs longer is not interrupted)."""
+    compile that runs longer is not interrupted); `heartbeat` is the seconds between a running trial's
+    heartbeats in the storage (a trial silent for twice that belonged to a dead worker)."""
 
     objective: str = "fwd+bwd"
     trials: int = 12
@@ -63,6 +75,7 @@ class SearchOptions:
     sampler: str = "tpe"
     seed: int = 0
     storage: str | None = None
+    heartbeat: int = HEARTBEAT_S
     runs: int = 3
     final_runs: int = 5
     calls: int = 1
@@ -74,7 +87,7 @@ class SearchOptions:
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         if self.sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
-        for name in ("trials", "runs", "final_runs", "top", "calls"):
+        for name in ("trials", "runs", "final_runs", "top", "calls", "heartbeat"):
             check_int(name, getattr(self, name))
         for name in ("timeout", "trial_timeout"):
             value = getattr(self, name)
@@ -102,6 +115,16 @@ class Measured:
     def seconds(self) -> float:
         return sum(t.median for t in (self.fwd, self.bwd) if t is not None)
 
+    def to_dict(self) -> dict:
+        return {"config": self.config.to_dict(), **{part: None if t is None else t.to_dict()
+                                                    for part, t in (("fwd", self.fwd), ("bwd", self.bwd))}}
+
+    @classmethod
+    def from_dict(cls, data: dict, config_type: type) -> Measured:
+        """The measurement `to_dict` wrote (another worker's, read from the study's decided winner)."""
+        return cls(config_type.from_dict(data["config"]),
+                   *(None if data[part] is None else Timing.from_dict(data[part]) for part in ("fwd", "bwd")))
+
 
 @dataclass
 class SearchResult:
@@ -128,6 +151,7 @@ class SearchResult:
     stored: bool
     stored_speedup: float
     failures: list[str] = field(default_factory=list)
+    decided_by: str = ""  # the worker whose re-timing decided the study's winner (`host:pid`)
 
     @property
     def speedup(self) -> float:
@@ -171,12 +195,17 @@ def resolve_backend(name: str, problem: Problem, device: str, interpret: bool = 
 class _Search:
     """State shared by the trials of one search process."""
 
-    def __init__(self, problem: Problem, implementation: registry.Implementation, options: SearchOptions):
+    def __init__(self, problem: Problem, implementation: registry.Implementation, options: SearchOptions,
+                 shared: Shared, name: str):
         self.problem, self.implementation, self.options = problem, implementation, options
+        self.shared, self.name = shared, name
         self.parts = registry.OBJECTIVE_PARTS[options.objective]
         self.workload = Workload(problem)
         self.space = implementation.space(problem.shapes, problem.spec)
         self.default = implementation.default_config(problem.shapes, problem.spec)
+        self.pool = self.space.grid(self.default, self.parts)  # where a duplicate's replacement comes from
+        random.Random(options.seed).shuffle(self.pool)
+        self.duplicates, self.exhausted = 0, False
         self.reference = ReferenceCheck(self.workload, seed=10_000 + options.seed, backward=options.tunes_bwd)
         self.time_sets = [self.workload.draw(seed=options.seed + i) for i in range(3)]
         self.built: dict[Config, tuple[Compiled, float]] = {}
@@ -215,6 +244,10 @@ class _Search:
         start = time.perf_counter()
         deadline = start + self.options.trial_timeout
         config = self.space.suggest(trial, self.default, self.parts)
+        holder = self.shared.claim_config(self.name, trial.params, trial.number, trial.study)
+        if holder is not None:
+            self._duplicate(trial, holder)
+        self.duplicates = 0
         try:
             reason = self.implementation.violation(self.problem.shapes, self.problem.spec, config, self.parts)
             if reason is not None:
@@ -237,6 +270,7 @@ class _Search:
             raise
         except KeyboardInterrupt:
             trial.set_user_attr("failure", INTERRUPTED)
+            self.shared.release_config(self.name, trial.params, trial.number)
             raise
         candidate, default = timings["candidate"], timings["default"]
         for part, cand, base in (("fwd", *[t[0] for t in (candidate, default)]),
@@ -248,6 +282,23 @@ class _Search:
         base_total = sum(t.median for t in default if t is not None)
         trial.set_user_attr("seconds", total)
         return total / base_total
+
+    def _duplicate(self, trial: optuna.Trial, holder: optuna.trial.FrozenTrial) -> None:
+        """Give back a sampled config another trial holds, and queue an untried point of the grid in its
+        place; when the grid has none and the sampler keeps proposing held configs, the space is covered."""
+        self.duplicates += 1
+        trial.set_user_attr("failure", DUPLICATE)
+        claimed = self.shared.claimed(self.name)
+        queued = {config_digest(t.system_attrs.get("fixed_params", t.params))
+                  for t in trial.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))}
+        untried = (c for c in self.pool if config_digest(self.space.params(c, self.parts)) not in claimed | queued)
+        replacement = next(untried, None)
+        if replacement is not None:
+            trial.study.enqueue_trial(self.space.params(replacement, self.parts))
+        elif self.duplicates >= DUPLICATES_IN_A_ROW:
+            self.exhausted = True
+            trial.study.stop()
+        raise TrialFailed(DUPLICATE, f"trial {holder.number} holds this config")
 
 
 def search(
@@ -267,22 +318,19 @@ def search(
     `KeyboardInterrupt` (after saving the study) when interrupted.
     """
     started = time.perf_counter()
-    device_kind = check_device(device)
-    chosen = resolve_backend(backend, problem, device, options.interpret)
+    chosen, device_kind, key, versions, name = study_of(problem, device, backend, options)
     cache = Cache(db)
-    versions = registry.versions(chosen)
-    key = registry.problem_key(problem, chosen.name, device_kind)
     storage_url = options.storage or default_storage(cache.path)
-    name = study_name(key, options.objective, versions)
     optuna.logging.set_verbosity(optuna.logging.ERROR)
-    study = optuna.create_study(study_name=name, storage=open_storage(storage_url),
+    storage = open_storage(storage_url, options.heartbeat)
+    study = optuna.create_study(study_name=name, storage=storage,
                                 sampler=make_sampler(options.sampler, options.seed, options.trials),
                                 direction="minimize", load_if_exists=True)
     for attr, value in (("problem", dataclasses.asdict(problem)), ("backend", chosen.name),
                         ("device_kind", device_kind), ("versions", versions)):
         study.set_user_attr(attr, value)
 
-    state = _Search(problem, chosen, options)
+    state = _Search(problem, chosen, options, Shared(storage), name)
     configs = [state.default]
     if options.sampler == "grid":
         configs += [c for c in state.space.grid(state.default, state.parts) if c != state.default]
@@ -303,37 +351,48 @@ def search(
         if taken(trials) >= options.trials:
             study.stop()
 
-    # Another worker's trial counted as running may end interrupted, or a dead worker's be failed as
-    # stale: while the study is short of its total, this worker goes on.
     deadline = None if options.timeout is None else started + options.timeout
-    while True:
-        fail_stale(study)
-        left = None if deadline is None else deadline - time.perf_counter()
-        if taken(study.get_trials(deepcopy=False)) >= options.trials or (left is not None and left <= 0):
-            break
-        study.optimize(state.objective, timeout=left, catch=(TrialFailed,), callbacks=[after_trial],
-                       gc_after_trial=False)
-
+    decision = reconnecting(storage_url, lambda: run_until_decided(
+        study, state.objective, after_trial, state.shared, options.trials, deadline, lambda: state.exhausted))
+    if decision is None:  # this worker decides: re-time the best candidates of the whole study
+        trials = finished(study.get_trials(deepcopy=False))
+        counts = Counter(t.user_attrs["failure"] for t in trials if t.state == optuna.trial.TrialState.FAIL)
+        pruned = sum(t.state == optuna.trial.TrialState.PRUNED for t in trials)
+        if not any(t.state == optuna.trial.TrialState.COMPLETE for t in trials):
+            covered = " (every config of the space was tried)" if state.exhausted else ""
+            raise RuntimeError(f"no trial of study {name} completed ({len(trials)} finished{covered}: {pruned} "
+                               f"pruned, failed {dict(counts)}); nothing was written to the cache")
+        measured, failures = _retime(state, trials)
+        default = measured["default"]
+        winner = min(measured.values(), key=lambda m: m.seconds)
+        row = make_row(key, winner.config, versions=versions, tool_version=__version__,
+                       objective=options.objective, best_s=winner.seconds, default_s=default.seconds,
+                       speedup=default.seconds / winner.seconds, trials_run=len(trials), trials_pruned=pruned,
+                       trials_failed=dict(counts), study=name)
+        mine = {"row": row, "default": default.to_dict(), "best": winner.to_dict(), "failures": failures}
+        decision = reconnecting(storage_url, lambda: state.shared.decide(name, mine, len(trials)))
     trials = finished(study.get_trials(deepcopy=False))
-    counts = Counter(t.user_attrs["failure"] for t in trials
-                     if t.state == optuna.trial.TrialState.FAIL)
-    pruned = sum(t.state == optuna.trial.TrialState.PRUNED for t in trials)
-    if not any(t.state == optuna.trial.TrialState.COMPLETE for t in trials):
-        raise RuntimeError(f"no trial of study {name} completed ({len(trials)} finished: {pruned} pruned, "
-                           f"failed {dict(counts)}); nothing was written to the cache")
-    measured, failures = _retime(state, trials)
-    default = measured["default"]
-    winner = min(measured.values(), key=lambda m: m.seconds)
-    row = make_row(key, winner.config, versions=versions, tool_version=__version__,
-                   objective=options.objective, best_s=winner.seconds, default_s=default.seconds,
-                   speedup=default.seconds / winner.seconds, trials_run=len(trials), trials_pruned=pruned,
-                   trials_failed=dict(counts), study=name)
+    counts = Counter(t.user_attrs["failure"] for t in trials if t.state == optuna.trial.TrialState.FAIL)
+    row = decision["row"]
     held = cache.put_best(row)
     stored = all(held[f] == row[f] for f in ("measured_at", "speedup", "best_s", "fwd_params", "bwd_params"))
+    default, best = (Measured.from_dict(decision[part], chosen.config_type) for part in ("default", "best"))
     return SearchResult(problem, chosen.name, device_kind, key, options.objective, name, storage_url,
-                        default, winner, len(trials), pruned, dict(counts), cache.path,
-                        time.perf_counter() - started, new_trials, stored=stored,
-                        stored_speedup=held["speedup"], failures=failures)
+                        default, best, len(trials), sum(t.state == optuna.trial.TrialState.PRUNED for t in trials),
+                        dict(counts), cache.path, time.perf_counter() - started, new_trials, stored=stored,
+                        stored_speedup=held["speedup"], failures=decision["failures"],
+                        decided_by="" if decision["worker"] == worker_name() else decision["worker"])
+
+
+def study_of(problem: Problem, device: str, backend: str, options: SearchOptions
+             ) -> tuple[registry.Implementation, str, ProblemKey, dict[str, str], str]:
+    """What a search of `problem` tunes, and in which study: (implementation, device kind, key,
+    versions, study name). `ValueError` for a device or backend that cannot run here."""
+    device_kind = check_device(device)
+    chosen = resolve_backend(backend, problem, device, options.interpret)
+    versions = registry.versions(chosen)
+    key = registry.problem_key(problem, chosen.name, device_kind)
+    return chosen, device_kind, key, versions, study_name(key, options.objective, versions)
 
 
 def _retime(state: _Search, trials: list[optuna.trial.FrozenTrial]
@@ -369,4 +428,4 @@ def _retime(state: _Search, trials: list[optuna.trial.FrozenTrial]
     return {name: Measured(names[name], *timings[name]) for name in names}, failures
 
 
-__all__ = ["Measured", "SearchOptions", "SearchResult", "check_device", "resolve_backend", "search"]
+__all__ = ["Measured", "SearchOptions", "SearchResult", "check_device", "resolve_backend", "search", "study_of"]

@@ -24,6 +24,8 @@ from tuner.registry import Config
 
 INTERRUPTED = "interrupted"
 SURPLUS = "surplus"
+DUPLICATE = "duplicate"  # a config another trial of the study holds: given back to the sampler
+HEARTBEAT_S = 30  # seconds between a running trial's heartbeats
 
 
 def default_storage(db_path: Path) -> str:
@@ -31,17 +33,36 @@ def default_storage(db_path: Path) -> str:
     return f"sqlite:///{db_path.parent / (db_path.stem + '.studies.sqlite')}"
 
 
-def open_storage(url: str) -> optuna.storages.BaseStorage:
-    """The optuna storage at `url`, with heartbeats (so a dead worker's trials are failed and rerun)."""
-    engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
+DRIVER_HINT = "pip install 'ring-tuner[distributed]'"  # the PostgreSQL driver (psycopg2) and optuna-dashboard
+
+
+def check_driver(url: str) -> None:
+    """`ImportError` naming the extra to install when `url` needs a database driver that is missing."""
+    try:
+        sqlalchemy.engine.make_url(url).get_dialect().import_dbapi()
+    except ImportError as error:
+        raise ImportError(f"storage {url.split('@')[-1]!r} needs the database driver {error.name or error}: "
+                          f"{DRIVER_HINT}") from None
+
+
+def open_storage(url: str, heartbeat: int = HEARTBEAT_S) -> optuna.storages.RDBStorage:
+    """The optuna storage at `url`. Running trials beat every `heartbeat` seconds; one whose beat is
+    `2 * heartbeat` old belonged to a dead worker: it is failed, and its config queued once more (a
+    retry), so a killed worker costs one trial. Connections are checked before use, so a restarted
+    server costs a reconnect, not the study."""
+    check_driver(url)
+    engine_kwargs: dict = {"pool_pre_ping": True}
+    if url.startswith("sqlite"):
+        engine_kwargs["connect_args"] = {"timeout": 60}
     if url.startswith("sqlite:///"):
         Path(url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
     for attempt in range(5):
         try:
-            with warnings.catch_warnings():  # heartbeats fail the trials of a killed worker
+            with warnings.catch_warnings():  # heartbeats and retries are experimental in optuna
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=30,
-                                                  grace_period=120)
+                return optuna.storages.RDBStorage(
+                    url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat, grace_period=2 * heartbeat,
+                    heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1))
         except sqlalchemy.exc.SQLAlchemyError:
             # Workers that start together race to create a new storage's tables; the loser retries and
             # finds them made.
@@ -73,7 +94,7 @@ def counted(trial: optuna.trial.FrozenTrial) -> bool:
     if trial.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED):
         return True
     return trial.state == optuna.trial.TrialState.FAIL and trial.user_attrs.get("failure") not in (
-        None, INTERRUPTED, SURPLUS)
+        None, INTERRUPTED, SURPLUS, DUPLICATE)
 
 
 def finished(trials: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
@@ -120,5 +141,6 @@ def study_name(key: ProblemKey, objective: str, versions: dict[str, str]) -> str
     return f"ring-{key.digest}-{objective}-{digest}"
 
 
-__all__ = ["INTERRUPTED", "SURPLUS", "counted", "default_storage", "enqueue", "fail_stale", "finished", "make_sampler",
-           "open_storage", "study_name", "surplus", "taken"]
+__all__ = ["DRIVER_HINT", "DUPLICATE", "HEARTBEAT_S", "INTERRUPTED", "SURPLUS", "check_driver", "counted",
+           "default_storage", "enqueue", "fail_stale", "finished", "make_sampler", "open_storage", "study_name",
+           "surplus", "taken"]

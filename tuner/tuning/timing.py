@@ -35,6 +35,11 @@ class Timing:
         return {"median_s": self.median, "min_s": self.low, "max_s": self.high, "runs": self.runs,
                 "compile_s": self.compile_seconds, "spread": self.spread}
 
+    @classmethod
+    def from_dict(cls, data: dict[str, float]) -> Timing:
+        """The timing `to_dict` wrote."""
+        return cls(data["median_s"], data["min_s"], data["max_s"], int(data["runs"]), data["compile_s"])
+
 
 def compile_timed(fn: Callable, args: Sequence) -> tuple[Callable, float]:
     """AOT-compile `jax.jit(fn)` for `args`; returns the compiled callable and the seconds it took."""

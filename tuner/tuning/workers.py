@@ -1,0 +1,73 @@
+"""One worker's part of a shared study: run trials until the study can be decided, and outlive a
+storage that stops answering for a while.
+
+A study is decided when it counts its total of trials, when the search space is covered and no trial
+runs, or when this run's time is up. Until then a worker with nothing to start waits for the others'
+running trials: one of them may die, and then its retry (queued by the heartbeat, see
+`tuner.tuning.study.open_storage`) is this worker's to run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import optuna
+import sqlalchemy
+
+from tuner.support.tables import error_line
+from tuner.tuning.shared import Shared
+from tuner.tuning.study import fail_stale, finished, taken
+from tuner.tuning.verify import TrialFailed
+
+RECONNECT_S = 120.0  # how long a worker keeps retrying a storage that stopped answering
+POLL_S = 1.0  # how often a worker with nothing to start looks at the others' trials
+STORAGE_ERRORS = (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError,
+                  optuna.exceptions.StorageInternalError)
+
+T = TypeVar("T")
+
+
+def run_until_decided(study: optuna.Study, objective: Callable[[optuna.Trial], float], after_trial: Callable,
+                      shared: Shared, total: int, deadline: float | None, covered: Callable[[], bool]
+                      ) -> dict[str, Any] | None:
+    """Run trials of `study` until it may be decided (module docstring); `covered()` says whether this
+    worker found the space covered. Returns the winner another worker decided on `total` trials or
+    more, else None: this worker decides."""
+    while True:
+        fail_stale(study)
+        trials = study.get_trials(deepcopy=False)
+        decided = shared.winner(study.study_name)
+        if decided is not None and decided["trials"] >= total:
+            return decided
+        left = None if deadline is None else deadline - time.perf_counter()
+        running = any(not t.state.is_finished() for t in trials)
+        if len(finished(trials)) >= total or (left is not None and left <= 0) or (covered() and not running):
+            return None
+        waiting = any(t.state == optuna.trial.TrialState.WAITING for t in trials)
+        if waiting or (not covered() and taken(trials) < total):
+            study.optimize(objective, timeout=left, catch=(TrialFailed,), callbacks=[after_trial],
+                           gc_after_trial=False)
+        else:
+            time.sleep(POLL_S if left is None else min(POLL_S, left))
+
+
+def reconnecting(url: str, step: Callable[[], T]) -> T:
+    """`step()`, retried with back-off while the storage at `url` does not answer, for at most
+    `RECONNECT_S`; then `RuntimeError` saying that nothing was written."""
+    first, pause = None, 1.0
+    while True:
+        try:
+            return step()
+        except STORAGE_ERRORS as error:
+            first = first or time.monotonic()
+            if time.monotonic() - first > RECONNECT_S:
+                raise RuntimeError(f"lost the study storage {url.split('@')[-1]} for {RECONNECT_S:.0f} s "
+                                   f"({error_line(error)}); nothing was written to the cache: run the same "
+                                   f"command again to resume") from None
+            time.sleep(pause)
+            pause = min(2 * pause, 16.0)
+
+
+__all__ = ["POLL_S", "RECONNECT_S", "STORAGE_ERRORS", "reconnecting", "run_until_decided"]
