@@ -154,7 +154,8 @@ def test_interrupted_search_resumes(tmp_path):
 
 def test_two_workers_share_one_study(tmp_path):
     """Two workers on one study run `--trials` between them (a trial started once the study had its
-    total is surplus: it counts nowhere and is no failure), and the cache keeps the better winner."""
+    total is surplus, a sampled config another trial holds is a duplicate: neither counts nor is a
+    failure), no config is timed twice, and both print and store the one winner of the study."""
     args = ["search", "--device", "cpu", *PROBLEM, "--trials", "4", "--runs", "1", "--objective", "fwd",
             "--storage", f"sqlite:///{tmp_path / 'shared.sqlite'}"]
     env = {**os.environ, "TUNER_HOME": str(tmp_path)}
@@ -169,16 +170,22 @@ def test_two_workers_share_one_study(tmp_path):
     totals = [int(re.search(r"(\d+) in the study", out).group(1)) for out, _ in outputs]
     assert sum(runs) == 4 and max(totals) == 4, outputs
     with sqlite3.connect(tmp_path / "shared.sqlite") as conn:
-        trials = conn.execute("SELECT t.state, a.value_json FROM trials t LEFT JOIN trial_user_attributes a "
-                              "ON a.trial_id = t.trial_id AND a.key = 'failure'").fetchall()
-    assert {state for state, _ in trials} <= {"COMPLETE", "PRUNED", "FAIL"}  # none running or waiting
-    assert sum(state != "FAIL" for state, _ in trials) == 4
-    assert {failure for state, failure in trials if state == "FAIL"} <= {'"surplus"'}
+        trials = conn.execute("SELECT t.state, a.value_json, t.trial_id FROM trials t LEFT JOIN "
+                              "trial_user_attributes a ON a.trial_id = t.trial_id AND a.key = 'failure'").fetchall()
+        params = conn.execute("SELECT trial_id, param_name, param_value FROM trial_params").fetchall()
+    assert {state for state, _, _ in trials} <= {"COMPLETE", "PRUNED", "FAIL"}  # none running or waiting
+    assert sum(state != "FAIL" for state, _, _ in trials) == 4
+    assert {failure for state, failure, _ in trials if state == "FAIL"} <= {'"surplus"', '"duplicate"'}
+    timed = [tuple(sorted((n, v) for i, n, v in params if i == trial_id)) for state, _, trial_id in trials
+             if state != "FAIL"]
+    assert len(set(timed)) == 4, timed
 
-    measured = [float(re.search(r"^best\s.*?(\d+\.\d+)x", out, re.M).group(1)) for out, _ in outputs]
+    best = [re.search(r"^best\s.*$", out, re.M).group(0) for out, _ in outputs]
+    assert best[0] == best[1], best  # the same winner, with the same measurement, printed by both
+    measured = float(re.search(r"(\d+\.\d+)x", best[0]).group(1))
     with sqlite3.connect(tmp_path / "tuning.sqlite") as conn:
         (speedup,) = conn.execute("SELECT speedup FROM tuned").fetchone()
-    assert float(f"{speedup:.2f}") == max(measured), outputs
+    assert float(f"{speedup:.2f}") == measured, outputs
     assert len(tuner("list", home=tmp_path).stdout.strip().splitlines()) == 3  # header, rule, one row
 
 

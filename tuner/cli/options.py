@@ -116,6 +116,12 @@ def check_storage(url: str) -> None:
     except sqlalchemy.exc.NoSuchModuleError:
         raise UsageError(f"--storage {url!r}: no SQLAlchemy driver for {url.split(':')[0]!r}; install it "
                          f"or use sqlite:///PATH") from None
+    from tuner.tuning.study import check_driver
+
+    try:
+        check_driver(url)
+    except ImportError as error:
+        raise UsageError(f"--storage: {error}") from None
     if parsed.get_backend_name() == "sqlite":
         if not parsed.database or parsed.database == ":memory:":
             raise UsageError(f"--storage {url!r}: an in-memory study cannot be shared or resumed; give a file, "

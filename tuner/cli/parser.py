@@ -109,7 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     tuning.add_argument("--runs", type=int, default=3, help="timed runs per trial")
     tuning.add_argument("--calls", type=int, default=None, help=CALLS_HELP)
     tuning.add_argument("--storage", default=None, help="optuna storage URL shared by workers (default: "
-                                                        "a SQLite file beside the cache)")
+                                                        "a SQLite file beside the cache; postgresql://... "
+                                                        "for workers on several hosts)")
+    tuning.add_argument("--heartbeat", type=int, default=30, help="seconds between a running trial's "
+                                                                 "heartbeats; a trial silent for twice that "
+                                                                 "belonged to a dead worker and is run again")
     tuning.add_argument("--interpret", action="store_true", help="run kernel backends in their "
                                                                  "interpreter (CPU checks)")
     tuning.add_argument("--dry-run", action="store_true",
@@ -218,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 POSITIVE = ("devices", "batch", "seq_len", "heads", "kv_heads", "head_dim", "runs", "calls", "trials",
-            "ring_size", "a2a_size", "chunk", "timeout", "trial_timeout", "limit", "page")
+            "ring_size", "a2a_size", "chunk", "timeout", "trial_timeout", "limit", "page", "heartbeat")
 
 
 def check_positive(args: argparse.Namespace) -> None:

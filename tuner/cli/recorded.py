@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 from tuner.runtime import record
-from tuner.cli.options import UsageError, calls_of, prepare_output, simulate_cpu_devices
+from tuner.cli.options import UsageError, calls_of, check_storage, prepare_output, simulate_cpu_devices
 from tuner.semantics.problem import Problem
 
 FROM_FILE = dict(  # flags whose values --from takes from the file (the objective: from each call's gradients)
@@ -84,6 +84,8 @@ def search_from(args: argparse.Namespace) -> int:
     if given:
         raise UsageError(f"--from takes the problems from {args.from_file}; drop {', '.join(given)}")
     recording = _read(args.from_file)
+    if args.storage is not None:
+        check_storage(args.storage)
     if args.device == "cpu":
         simulate_cpu_devices(max(c.ring_size for c in recording.calls))
     import dataclasses
@@ -93,7 +95,8 @@ def search_from(args: argparse.Namespace) -> int:
 
     try:
         options = SearchOptions(trials=args.trials, timeout=args.timeout, trial_timeout=args.trial_timeout,
-                                sampler=args.sampler, seed=args.seed, storage=args.storage, runs=args.runs,
+                                sampler=args.sampler, seed=args.seed, storage=args.storage,
+                                heartbeat=args.heartbeat, runs=args.runs,
                                 calls=calls_of(args), interpret=args.interpret)
     except ValueError as error:
         raise UsageError(str(error)) from None

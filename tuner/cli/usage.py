@@ -68,6 +68,9 @@ def search_summary(result: SearchResult) -> list[str]:
              f"{result.trials_run - result.trials_pruned - sum(result.failed.values())} complete, "
              f"{result.trials_pruned} pruned, failed: {failed}"]
     lines += [f"re-timing skipped {failure}" for failure in result.failures]
+    if result.decided_by:
+        lines.append(f"winner   decided by worker {result.decided_by}, which re-timed it first; every worker "
+                     f"of the study stores this row")
     if result.stored:
         lines.append(f"stored   key {result.key.digest} in {result.db_path}")
     else:

@@ -98,40 +98,77 @@ def tune(calls: Sequence[Call], *, device: str | None = None, trials: int = 12,
     `device` (default: the platform the calls were traced for), into the cache file each call's loader
     reads; `options` (`tuner.tuning.search.SearchOptions`) sets the rest of the search, its objective and
     trials are chosen here. A problem that cannot be tuned, or whose search fails, is reported in its
-    note; the others are not held back by it. `after` is left for the caller to fill."""
+    note; the others are not held back by it. `after` is left for the caller to fill.
+
+    Several workers given the same calls divide them through the study storage: each first tunes the
+    problems no other worker took, then joins the others' studies, so that every worker's cache ends
+    with every winner while each problem is tuned once."""
     from tuner.tuning.search import SearchOptions, search
 
     options = options or SearchOptions()
-    outcomes = []
+    outcomes: dict[int, Outcome] = {}
     todo = problems(calls)
+    searches = []
     for number, (call, problem, why) in enumerate(todo, 1):
         before = call.source
         if problem is None:
-            outcomes.append(Outcome(call, None, before, None, None, f"not tuned: {why}"))
+            outcomes[number] = Outcome(call, None, before, None, None, f"not tuned: {why}")
             continue
         if before in COVERED:
-            outcomes.append(Outcome(call, problem, before, None, None, "already tuned"))
+            outcomes[number] = Outcome(call, problem, before, None, None, "already tuned")
             continue
         target = device or call.platform
         kind = _device_kind(target)
         if target != call.platform or kind != call.device_kind:
-            outcomes.append(Outcome(call, problem, before, None, None,
-                                    f"not tuned: traced for {call.device_kind} ({call.platform}), this search "
-                                    f"would tune {kind or 'no device'} ({target}); tune where it runs"))
+            outcomes[number] = Outcome(call, problem, before, None, None,
+                                       f"not tuned: traced for {call.device_kind} ({call.platform}), this search "
+                                       f"would tune {kind or 'no device'} ({target}); tune where it runs")
             continue
         objective = "fwd+bwd" if call.gradients else "fwd"
-        chosen = dataclasses.replace(options, objective=objective, trials=trials)
+        searches.append((number, call, problem, target, dataclasses.replace(options, objective=objective,
+                                                                            trials=trials)))
+    for number, call, problem, target, chosen in _claimed_first(searches):
         try:
             with _bar(f"problem {number}/{len(todo)}", trials, progress) as update:
                 result = search(problem, device=target, backend=call.decision["implementation"], options=chosen,
                                 db=call.db, progress=update)
         except (RuntimeError, ValueError) as error:
-            outcomes.append(Outcome(call, problem, before, None, None, f"search failed: {error_line(error)}"))
+            outcomes[number] = Outcome(call, problem, call.source, None, None, f"search failed: {error_line(error)}")
             continue
-        note = f"tuned ({objective}, {result.trials_run} trials)" if result.stored else \
-            "tuned; the cache kept a better row from another search"
-        outcomes.append(Outcome(call, problem, before, None, result.speedup, note))
-    return outcomes
+        if result.decided_by:
+            note = f"tuned by worker {result.decided_by} ({chosen.objective}, {result.trials_run} trials)"
+        elif result.stored:
+            note = f"tuned ({chosen.objective}, {result.trials_run} trials)"
+        else:
+            note = "tuned; the cache kept a better row from another search"
+        outcomes[number] = Outcome(call, problem, call.source, None, result.speedup, note)
+    return [outcomes[number] for number in sorted(outcomes)]
+
+
+def _claimed_first(searches: list[tuple]) -> Iterator[tuple]:
+    """The searches in the order this worker runs them: first those whose problem it claims in the
+    study storage (`tuner.tuning.shared`: no other worker took it; each claimed just before it is
+    tuned), then the others, whose studies it joins (running what trials are left, then reading
+    their winner)."""
+    from tuner.cache import Cache
+    from tuner.tuning.search import study_of
+    from tuner.tuning.shared import Shared
+    from tuner.tuning.study import default_storage, open_storage
+
+    others = []
+    for item in searches:
+        _, call, problem, target, options = item
+        try:
+            name = study_of(problem, target, call.decision["implementation"], options)[-1]
+            url = options.storage or default_storage(Cache(call.db).path)
+            claimed = Shared(open_storage(url, options.heartbeat)).claim_problem(name)
+        except ValueError:  # the search itself reports it
+            claimed = True
+        if claimed:
+            yield item
+        else:
+            others.append(item)
+    yield from others
 
 
 def autotune(step_fn: Callable, *example_args: Any, device: str | None = None, trials: int = 12,
