@@ -188,6 +188,16 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--db", default=None, help="cache file")
     report.set_defaults(run=verbs.run_report)
 
+    dashboard = commands.add_parser("dashboard", help="serve optuna-dashboard on the study storage (Ctrl-C "
+                                                      "stops it)")
+    dashboard.add_argument("--storage", default=None, help="optuna storage of the studies (default: the SQLite "
+                                                           "file beside the cache)")
+    dashboard.add_argument("--db", default=None, help="cache file whose default storage to serve")
+    dashboard.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this "
+                                                               "host only; 0.0.0.0 serves the network)")
+    dashboard.add_argument("--port", type=int, default=8080)
+    dashboard.set_defaults(run=verbs.run_dashboard)
+
     generate = commands.add_parser("generate", help="render the standard kernel variants (and compile them)")
     generate.add_argument("--backend", default="triton", help="whose templates: triton or pallas_tpu")
     generate.add_argument("--out", default=None, help="folder (default: kernels_generated/ of the checkout, "

@@ -235,6 +235,30 @@ def run_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_dashboard(args: argparse.Namespace) -> int:
+    """`tuner dashboard`: optuna-dashboard on the study storage, until Ctrl-C."""
+    from tuner.tuning.study import DRIVER_HINT, default_storage, open_storage
+
+    if not 0 < args.port < 65536:
+        raise UsageError(f"--port must be a TCP port (1 to 65535), got {args.port}")
+    if args.storage is not None:
+        check_storage(args.storage)
+    try:
+        import optuna_dashboard
+    except ImportError:
+        raise UsageError(f"tuner dashboard needs optuna-dashboard: {DRIVER_HINT}") from None
+    url = args.storage or default_storage(cache_of(args).path)
+    print(f"optuna-dashboard on http://{args.host}:{args.port} (studies in {url.split('@')[-1]}); "
+          f"Ctrl-C stops it", flush=True)
+    try:
+        optuna_dashboard.run_server(open_storage(url), host=args.host, port=args.port)
+    except KeyboardInterrupt:
+        pass
+    except OSError as error:
+        return fail(f"cannot serve on {args.host}:{args.port} ({error.strerror or error}); pick another --port")
+    return 0
+
+
 def run_generate(args: argparse.Namespace) -> int:
     """`tuner generate`: render the standard variants, and compile or lower them."""
     from tuner.kernels import codegen

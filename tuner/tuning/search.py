@@ -243,6 +243,7 @@ class _Search:
             raise TrialFailed(SURPLUS, f"the study had its {self.options.trials} trials when this one began")
         start = time.perf_counter()
         deadline = start + self.options.trial_timeout
+        trial.set_user_attr("worker", worker_name())
         config = self.space.suggest(trial, self.default, self.parts)
         holder = self.shared.claim_config(self.name, trial.params, trial.number, trial.study)
         if holder is not None:

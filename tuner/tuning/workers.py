@@ -60,7 +60,9 @@ def reconnecting(url: str, step: Callable[[], T]) -> T:
     while True:
         try:
             return step()
-        except STORAGE_ERRORS as error:
+        except Exception as error:
+            if not _lost_storage(error):
+                raise
             first = first or time.monotonic()
             if time.monotonic() - first > RECONNECT_S:
                 raise RuntimeError(f"lost the study storage {url.split('@')[-1]} for {RECONNECT_S:.0f} s "
@@ -68,6 +70,17 @@ def reconnecting(url: str, step: Callable[[], T]) -> T:
                                    f"command again to resume") from None
             time.sleep(pause)
             pause = min(2 * pause, 16.0)
+
+
+def _lost_storage(error: BaseException) -> bool:
+    """Whether `error`, or an error it was raised from or while handling, is the storage not answering
+    (optuna can raise another error while it handles the storage's, when its cleanup reads the storage
+    too)."""
+    while error is not None:
+        if isinstance(error, STORAGE_ERRORS):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 __all__ = ["POLL_S", "RECONNECT_S", "STORAGE_ERRORS", "reconnecting", "run_until_decided"]
