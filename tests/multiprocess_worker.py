@@ -5,13 +5,17 @@
 Every process joins `jax.distributed`, builds the same global problem from a fixed seed, and runs each
 strategy of `ring_attention` (forward and gradients under one `jax.jit`) over a mesh of all 4 devices, so
 its collectives cross the process boundary. Every process gathers the results; process 0 writes their
-relative errors against the float64 dense reference to RESULT_JSON.
+relative errors against the float64 dense reference to RESULT_JSON. Last, the loader runs once more from
+cache files that disagree (each process's holds another winner for the problem); each process writes
+what it ran to RESULT_JSON.<process id>.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
 import traceback
 from collections.abc import Callable, Hashable
 from functools import partial
@@ -24,7 +28,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tests.cases import Arrays, Case, dense_step, make_arrays, rel_err
-from tuner import get_tuned_ring_attention, ring_attention
+from tuner import __version__, get_tuned_ring_attention, registry, ring_attention
+from tuner.cache import Cache, make_row
+from tuner.kernels.params import FwdParams
 from tuner.semantics import layouts
 
 CASE = Case(batch=1, length=64, heads=4, kv_heads=2, head_dim=8, layout="zigzag", causal=True, seed=0)
@@ -109,6 +115,31 @@ def prepare_loader(a: Arrays, mesh: Mesh) -> Callable[[], list[np.ndarray]]:
     return lambda: [np.asarray(x, np.float64) for x in multihost_utils.process_allgather(step(*args), tiled=True)]
 
 
+DISAGREEING_TILES = (FwdParams(8, 8), FwdParams(8, 16))  # the winner in process 0's cache file, in process 1's
+
+
+def prepare_disagreeing_loader(a: Arrays, mesh: Mesh, db: str, warnings: list[str]) -> Callable[[], list[np.ndarray]]:
+    """The loader over cache files that disagree: each process first stores its own winner for the problem
+    in `db` (a file of its own); the runner returns the loader's out and lse gathered to every process."""
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, strategy="ring", db=db)
+    args = [global_array(x, mesh, P(None, "sp")) for x in (a.q, a.k, a.v)]
+    plan = attn.explain(*args)
+    config = dataclasses.replace(plan.config, fwd=DISAGREEING_TILES[jax.process_index()])
+    Cache(db).put(make_row(plan.key, config, versions=registry.versions(registry.get(plan.backend)),
+                           tool_version=__version__, objective="fwd", best_s=1.0, default_s=2.0, speedup=2.0,
+                           trials_run=1, trials_pruned=0, study="disagreeing"))
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    logging.getLogger("tuner.runtime.agreement").addHandler(Collect(logging.WARNING))
+    step = jax.jit(lambda q, k, v: attn(q, k, v, return_lse=True)).lower(*args).compile()
+    (ran,) = attn.traced
+    warnings.append(json.dumps({"ran": ran.config.to_dict()["fwd"], "source": ran.source}))
+    return lambda: [np.asarray(x, np.float64) for x in multihost_utils.process_allgather(step(*args), tiled=True)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("port", type=int)
@@ -131,6 +162,12 @@ def main() -> None:
     results["hybrid"] = everywhere(partial(prepare_strategy, "hybrid", a, grid, ("ring", "a2a"),
                                            P(None, ("ring", "a2a")), grid.shape["ring"]))
     results["loader"] = everywhere(partial(prepare_loader, a, line))
+    said: list[str] = []
+    disagreeing = everywhere(partial(prepare_disagreeing_loader, a, line,
+                                     f"{options.result}.{jax.process_index()}.sqlite", said))
+    with open(f"{options.result}.{jax.process_index()}", "w") as f:
+        json.dump({"said": said, "failed": disagreeing if isinstance(disagreeing, str) else None}, f, indent=1)
+    results["disagreeing caches"] = disagreeing
 
     if jax.process_index() == 0:
         out, lse, grads = dense_step(CASE, a)

@@ -2,7 +2,9 @@
 
 Multi-host JAX is the distributed engine users already run. The worker (`tests/multiprocess_worker.py`)
 runs the ring, all_to_all, all_gather, hybrid and the loader over all 4 devices, so their collectives
-cross the process boundary, and process 0 writes their errors against the float64 dense reference.
+cross the process boundary, and process 0 writes their errors against the float64 dense reference. The
+loader runs once more with cache files that disagree between the processes: both must run process 0's
+decision, and neither may hang (the timeout below).
 Both processes run once per session (module fixture); each strategy is checked by its own case.
 """
 
@@ -78,11 +80,12 @@ def outcome(tmp_path_factory) -> dict:
         f"--- process {i}: exit code {p.returncode} after {elapsed:.0f}s (timeout {TIMEOUT_S}s), stderr tail:\n"
         + "\n".join(log.read_text().splitlines()[-60:]) for i, (p, log) in enumerate(zip(procs, logs)))
     ok = all(p.returncode == 0 for p in procs) and result.exists()
-    return {"ok": ok, "report": report, "result": json.loads(result.read_text()) if ok else None}
+    said = [json.loads(Path(f"{result}.{i}").read_text()) if ok else None for i in range(2)]
+    return {"ok": ok, "report": report, "result": json.loads(result.read_text()) if ok else None, "said": said}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ring", "all_to_all", "all_gather", "hybrid", "loader"])
+@pytest.mark.parametrize("strategy", ["ring", "all_to_all", "all_gather", "hybrid", "loader", "disagreeing caches"])
 def test_two_processes_match_dense(outcome: dict, strategy: str) -> None:
     """Over 2 processes x 2 CPU devices, `strategy` (or the loader, forward only) matches float64 dense
     attention: 1e-5 on the output and lse, 1e-4 on dq, dk, dv."""
@@ -91,7 +94,19 @@ def test_two_processes_match_dense(outcome: dict, strategy: str) -> None:
     errors = outcome["result"]["errors"].get(strategy)
     assert errors is not None, f"the workers did not run {strategy}:\n{outcome['report']}"
     assert not isinstance(errors, str), f"{strategy} {errors}:\n{outcome['report']}"
-    expected = FORWARD if strategy == "loader" else FORWARD + GRADIENTS
+    expected = FORWARD if strategy in ("loader", "disagreeing caches") else FORWARD + GRADIENTS
     assert set(errors) == set(expected), errors
     bad = {name: err for name, err in errors.items() if not err <= (FWD_TOL if name in FORWARD else GRAD_TOL)}
     assert not bad, f"{strategy}: errors above tolerance {bad} (all: {errors})"
+
+
+@pytest.mark.slow
+def test_processes_whose_caches_disagree_run_process_0s_decision(outcome: dict) -> None:
+    """Process 0's cache holds forward tiles (8, 8) for the loader's problem, process 1's (8, 16): both run
+    (8, 8), from the cache ("exact"), and process 1 says once that its own cache said otherwise."""
+    assert outcome["ok"], f"the workers failed:\n{outcome['report']}"
+    ran = [json.loads(said["said"][-1]) for said in outcome["said"]]
+    assert [(r["ran"]["block_q"], r["ran"]["block_kv"], r["source"]) for r in ran] == [(8, 8, "exact")] * 2, ran
+    assert outcome["said"][0]["said"][:-1] == []  # process 0 decides: nothing to say
+    (warning,) = outcome["said"][1]["said"][:-1]
+    assert "this process (1) decided" in warning and "running process 0's" in warning, warning

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from tuner.semantics import layouts
-from tuner.runtime import measured, meshed, modelled, plan, record
+from tuner.runtime import agreement, measured, meshed, modelled, plan, record
 from tuner import registry
 from tuner.cache import LOADER_BUSY_TIMEOUT_S, Cache, CacheError, row_config, warn_once, writes
 from tuner.support.checks import check_int
@@ -87,6 +87,7 @@ class TunedRingAttention:
                    softmax_aux=None, **self.options)  # the scalar options fail here, not at trace time
         self.db = db
         self._decisions: dict[tuple, Decision] = {}
+        self._agreed: dict[tuple, Decision] = {}  # the decisions of traced calls, agreed across processes
         self._writes = writes()
         self._compiled: tuple[int, Any] | None = None  # (cache writes when made, the jitted call on a mesh)
 
@@ -149,6 +150,12 @@ class TunedRingAttention:
                 options["bias"] = meshed.local_shape(options["bias"], size, "bias", axis=2)
         return self._decide(query, key, value, size, options, a2a)
 
+    @property
+    def traced(self) -> list[Decision]:
+        """The plans of the calls this callable has traced, one per problem: what they run. In a
+        multi-process program these are process 0's on every process (`tuner.runtime.agreement`)."""
+        return list(self._agreed.values())
+
     # ----------------------------------------------------------------------------------------------
 
     def _mesh_sizes(self) -> tuple[int, int]:
@@ -161,7 +168,7 @@ class TunedRingAttention:
 
     def _local(self, query, key, value, options: dict[str, Any]):
         size, group = ring_geometry(self.axis_name)[0], group_size(self.axis_name)
-        decision = self._decide(query, key, value, size, options, group)
+        decision = self._decide(query, key, value, size, options, group, agree=True)
         noted = self._note(query, key, value, size, group or 1, options, decision)
         with record.scope(noted):
             return record.watch(noted, self._attend(query, key, value, options, decision))
@@ -196,10 +203,11 @@ class TunedRingAttention:
             decision=dict(implementation=decision.backend, source=decision.source, reason=decision.reason,
                           key=decision.key.as_dict()))
 
-    def _decide(self, query, key, value, ring_size: int, options: dict[str, Any], group: int | None = None
-                ) -> Decision:
+    def _decide(self, query, key, value, ring_size: int, options: dict[str, Any], group: int | None = None,
+                agree: bool = False) -> Decision:
         """The plan of this call on `ring_size` devices (over two axes R x A, with `group` A), decided once
-        per problem key."""
+        per problem key; with `agree` (a traced call, which every process of the program traces), the
+        plan every process runs."""
         platform, device_kind = compile_target(self.mesh)
         target = registry.Target(platform, bool(options.get("interpret")))
         return_lse = bool(options.get("return_lse"))
@@ -214,6 +222,7 @@ class TunedRingAttention:
                                layout=layout, group=group)
         if self._writes != writes():  # this process wrote to a cache since: decide again
             self._decisions.clear()
+            self._agreed.clear()
             self._writes = writes()
         memo = (problem.digest, fallback, return_lse)
         if memo not in self._decisions:
@@ -243,7 +252,11 @@ class TunedRingAttention:
             self._decisions[memo] = decision
             log.info("ring attention %s: %s, config from %s (%s)", decision.key.digest, decision.backend,
                      decision.source, decision.reason)
-        return self._decisions[memo]
+        if not agree:
+            return self._decisions[memo]
+        if memo not in self._agreed:
+            self._agreed[memo] = agreement.agree(self._decisions[memo], memo)
+        return self._agreed[memo]
 
     def _layout(self, ring_size: int) -> str:
         """The layout of the shards: as given, else any on one device (they all hold the tokens in

@@ -1,0 +1,84 @@
+"""One decision on every process of a multi-process JAX program.
+
+Every process of a multi-host program traces the loader and decides from its own cache file. If the
+files differ (one host tuned more, a file was copied late), the processes would build different
+programs, and their collectives would hang or mismatch. So process 0's decision is the decision: it
+publishes it in `jax.distributed`'s key-value store, and every other process waits for it there (at
+most `TIMEOUT_S`) and runs it, with one WARNING naming both decisions when its own cache said otherwise.
+
+A decision is named by the problem (its cache key as resolved before any cache is read), whether the
+call returns the lse, and how many times this process decided that problem before, so the n-th
+decision of a problem on one process meets the n-th on process 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+from collections import Counter
+
+import jax
+
+from tuner import registry
+from tuner.runtime.plan import Plan
+
+log = logging.getLogger("tuner.runtime.agreement")
+
+TIMEOUT_S = 300  # how long a process waits for process 0's decision before it stops
+_rounds: Counter[str] = Counter()
+
+
+def _client():
+    """The `jax.distributed` client of this process, or None (not initialized)."""
+    from jax._src import distributed  # the coordination service's key-value store has no public handle
+
+    return distributed.global_state.client
+
+
+def _published(plan: Plan) -> str:
+    return json.dumps({"backend": plan.backend, "config": plan.config.to_dict(), "source": plan.source,
+                       "reason": plan.reason}, sort_keys=True)
+
+
+def agree(plan: Plan, problem: tuple) -> Plan:
+    """`plan` on process 0 and in a single-process program; elsewhere process 0's plan for `problem` (what
+    every process knows the call by before reading its cache: the loader's memo of the call). `RuntimeError`
+    when process 0's does not come in time."""
+    if jax.process_count() == 1:
+        return plan
+    client = _client()
+    if client is None:
+        log.warning("ring attention %s: %d processes but jax.distributed is not initialized, so the processes "
+                    "cannot agree on a decision; each runs its own cache's", plan.key.digest[:12],
+                    jax.process_count())
+        return plan
+    digest = hashlib.sha256(repr(problem).encode()).hexdigest()[:24]
+    name = f"ring_tuner/decision/{digest}/{_rounds[digest]}"
+    _rounds[digest] += 1
+    mine = _published(plan)
+    if jax.process_index() == 0:
+        client.key_value_set(name, mine)
+        return plan
+    try:
+        theirs = client.blocking_key_value_get(name, TIMEOUT_S * 1000)
+    except Exception as error:  # noqa: BLE001 - the runtime's timeout error has no public type
+        raise RuntimeError(f"ring attention {plan.key.digest[:12]}: process {jax.process_index()} waited "
+                           f"{TIMEOUT_S} s for process 0's decision and got none ({error}); every process must "
+                           f"trace the same attention calls") from None
+    if theirs == mine:
+        return plan
+    chosen = json.loads(theirs)
+    implementation = registry.get(chosen["backend"])
+    log.warning("ring attention %s: this process (%d) decided %s %s from %s, process 0 %s %s from %s; running "
+                "process 0's so that every process builds the same program (make the cache files agree: "
+                "tuner export / import)", plan.key.digest[:12], jax.process_index(), plan.backend,
+                plan.config.to_dict(), plan.source, chosen["backend"], chosen["config"], chosen["source"])
+    return dataclasses.replace(
+        plan, backend=implementation.name, config=implementation.config_type.from_dict(chosen["config"]),
+        source=chosen["source"], key=dataclasses.replace(plan.key, backend=implementation.name),
+        reason=f"process 0's decision ({chosen['reason']}); this process's cache said {plan.source}: {plan.reason}")
+
+
+__all__ = ["TIMEOUT_S", "agree"]
