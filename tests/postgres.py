@@ -1,13 +1,15 @@
 """A throwaway PostgreSQL server for the tests of shared studies (`tests/test_distributed.py`).
 
 `Server.start()` makes a cluster with `initdb` in a fresh folder under the system's temporary folder and
-runs it on 127.0.0.1 at a free port, with its Unix socket in the same folder. PostgreSQL refuses to run
-as root: as root the cluster belongs to the `postgres` user and every command runs as that user
-(`runuser`). `missing()` says why no server can start here (the tests skip with it).
+runs it on 127.0.0.1 at a free port, with its Unix socket in the same folder. The programs are found on
+PATH, else where Debian's `postgresql` package puts them (`/usr/lib/postgresql/<version>/bin`).
+PostgreSQL refuses to run as root: as root the cluster belongs to the `postgres` user and every command
+runs as that user (`runuser`). `missing()` says why no server can start here (the tests skip with it).
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import pwd
 import shutil
@@ -21,9 +23,19 @@ PROGRAMS = ("initdb", "pg_ctl", "postgres")
 USER = "postgres"  # who runs the server when the tests run as root
 
 
+def program(name: str) -> str | None:
+    """The path of PostgreSQL's program `name`, or None."""
+    found = shutil.which(name)
+    if found is None:
+        versions = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"),
+                          key=lambda p: int(Path(p).parts[-3]) if Path(p).parts[-3].isdigit() else 0)
+        found = versions[-1] if versions else None
+    return found
+
+
 def missing() -> str | None:
     """Why a server cannot start here, or None."""
-    absent = [p for p in PROGRAMS if shutil.which(p) is None]
+    absent = [p for p in PROGRAMS if program(p) is None]
     if absent:
         return f"PostgreSQL is not installed ({', '.join(absent)} not on PATH; e.g. apt-get install postgresql)"
     if os.geteuid() == 0:
@@ -60,7 +72,8 @@ class Server:
 
     def _run(self, *command: str, timeout: float = 60) -> subprocess.CompletedProcess:
         prefix = ["runuser", "-u", USER, "--"] if self.as_root else []
-        done = subprocess.run([*prefix, *command], capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run([*prefix, program(command[0]) or command[0], *command[1:]], capture_output=True,
+                              text=True, timeout=timeout)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}): {done.stderr.strip()}\n"
                                f"{self.log.read_text() if self.log.exists() else ''}")
