@@ -27,7 +27,8 @@ from tests import postgres
 from tuner.cache import Cache
 from tuner.tuning.study import DUPLICATE, SURPLUS, counted
 
-pytestmark = pytest.mark.skipif(postgres.missing() is not None, reason=postgres.missing() or "")
+pytestmark = [pytest.mark.skipif(postgres.missing() is not None, reason=postgres.missing() or ""),
+              pytest.mark.slow]  # real worker processes: about 3 minutes in all
 
 ROOT = Path(__file__).resolve().parent.parent
 SEARCH = ["search", "--device", "cpu", "--seq-len", "128", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",

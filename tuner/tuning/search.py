@@ -32,7 +32,6 @@ and writes nothing.
 from __future__ import annotations
 
 import dataclasses
-import random
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -45,85 +44,13 @@ import optuna
 from tuner.support.version import __version__
 from tuner import registry
 from tuner.cache import Cache, make_row
-from tuner.support.checks import check_int
-from tuner.semantics.problem import DEVICES, OBJECTIVES, SAMPLERS, Problem, ProblemKey
-from tuner.registry import Config
-from tuner.tuning.shared import Shared, config_digest, worker_name
-from tuner.tuning.study import (DUPLICATE, HEARTBEAT_S, INTERRUPTED, SURPLUS, counted, default_storage, enqueue,
-                                finished, make_sampler, open_storage, study_name, surplus, taken)
-from tuner.support.tables import describe_config, error_line
-from tuner.tuning.timing import Timing, run_interleaved
-from tuner.tuning.verify import ReferenceCheck, TrialFailed, failure_reason
+from tuner.semantics.problem import DEVICES, Problem, ProblemKey
+from tuner.tuning.shared import Shared, worker_name
+from tuner.tuning.options import SearchOptions
+from tuner.tuning.study import (counted, default_storage, enqueue, finished, make_sampler, open_storage,
+                                study_name, taken)
+from tuner.tuning.trials import Measured, Trials, retime
 from tuner.tuning.workers import reconnecting, run_until_decided
-from tuner.tuning.workload import Compiled, Workload
-
-DUPLICATES_IN_A_ROW = 10  # sampled configs already held, in a row, after which the space counts as covered
-
-
-@dataclass(frozen=True)
-class SearchOptions:
-    """How to search. `trials` is the total the study should reach (a resumed study runs the rest,
-    workers sharing the study run it between them); `timeout` bounds this run in seconds;
-    `trial_timeout` bounds one trial (checked between its compile, check and timed runs: a single
-    compile that runs longer is not interrupted); `heartbeat` is the seconds between a running trial's
-    heartbeats in the storage (a trial silent for twice that belonged to a dead worker)."""
-
-    objective: str = "fwd+bwd"
-    trials: int = 12
-    timeout: float | None = None
-    trial_timeout: float = 120.0
-    sampler: str = "tpe"
-    seed: int = 0
-    storage: str | None = None
-    heartbeat: int = HEARTBEAT_S
-    runs: int = 3
-    final_runs: int = 5
-    calls: int = 1
-    top: int = 3
-    interpret: bool = False
-
-    def __post_init__(self) -> None:
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
-        if self.sampler not in SAMPLERS:
-            raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
-        for name in ("trials", "runs", "final_runs", "top", "calls", "heartbeat"):
-            check_int(name, getattr(self, name))
-        for name in ("timeout", "trial_timeout"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-
-    @property
-    def tunes_fwd(self) -> bool:
-        return self.objective != "bwd"
-
-    @property
-    def tunes_bwd(self) -> bool:
-        return self.objective != "fwd"
-
-
-@dataclass
-class Measured:
-    """A candidate's re-timed seconds per pass (0 for a pass the objective leaves out)."""
-
-    config: Config
-    fwd: Timing | None
-    bwd: Timing | None
-
-    @property
-    def seconds(self) -> float:
-        return sum(t.median for t in (self.fwd, self.bwd) if t is not None)
-
-    def to_dict(self) -> dict:
-        return {"config": self.config.to_dict(), **{part: None if t is None else t.to_dict()
-                                                    for part, t in (("fwd", self.fwd), ("bwd", self.bwd))}}
-
-    @classmethod
-    def from_dict(cls, data: dict, config_type: type) -> Measured:
-        """The measurement `to_dict` wrote (another worker's, read from the study's decided winner)."""
-        return cls(config_type.from_dict(data["config"]),
-                   *(None if data[part] is None else Timing.from_dict(data[part]) for part in ("fwd", "bwd")))
 
 
 @dataclass
@@ -192,116 +119,6 @@ def resolve_backend(name: str, problem: Problem, device: str, interpret: bool = 
                            group=problem.group)
 
 
-class _Search:
-    """State shared by the trials of one search process."""
-
-    def __init__(self, problem: Problem, implementation: registry.Implementation, options: SearchOptions,
-                 shared: Shared, name: str):
-        self.problem, self.implementation, self.options = problem, implementation, options
-        self.shared, self.name = shared, name
-        self.parts = registry.OBJECTIVE_PARTS[options.objective]
-        self.workload = Workload(problem)
-        self.space = implementation.space(problem.shapes, problem.spec)
-        self.default = implementation.default_config(problem.shapes, problem.spec)
-        self.pool = self.space.grid(self.default, self.parts)  # where a duplicate's replacement comes from
-        random.Random(options.seed).shuffle(self.pool)
-        self.duplicates, self.exhausted = 0, False
-        self.reference = ReferenceCheck(self.workload, seed=10_000 + options.seed, backward=options.tunes_bwd)
-        self.time_sets = [self.workload.draw(seed=options.seed + i) for i in range(3)]
-        self.built: dict[Config, tuple[Compiled, float]] = {}
-        try:
-            self.baseline = self._compile(self.default, deadline=None)
-        except TrialFailed as failure:
-            raise RuntimeError(f"the {implementation.name} backend's default ({describe_config(self.default)}) fails "
-                               f"on this problem, so there is nothing to measure against: {failure}") from None
-        # Every measurement runs the default beside its candidates: its backward residuals are kept.
-        self.default_thunks = self.baseline[0].thunks("default", self.time_sets, forward=options.tunes_fwd)
-
-    def _compile(self, config: Config, deadline: float | None) -> tuple[Compiled, float]:
-        """Compile `config` for timing, checked first (at float32) against the reference; a config
-        this process already built is reused."""
-        if config not in self.built:
-            fn = self.workload.attend(self.implementation.name, config, interpret=self.options.interpret)
-            self.built[config] = self.reference.compile_checked(fn, *self.time_sets[0], deadline=deadline,
-                                                                trial_timeout=self.options.trial_timeout)
-        return self.built[config]
-
-    def measure(self, candidates: dict[str, Compiled], runs: int, deadline: float | None
-                ) -> dict[str, tuple[Timing | None, Timing | None]]:
-        """(fwd, bwd) timings of the candidates and of the default ("default"), run interleaved."""
-        thunks = dict(self.default_thunks)
-        for name, compiled in candidates.items():
-            thunks.update(compiled.thunks(name, self.time_sets, forward=self.options.tunes_fwd))
-        timings = run_interleaved(thunks, runs=runs, warmup=1, calls=self.options.calls, deadline=deadline)
-        return {name: (timings.get(f"{name}:fwd"), timings.get(f"{name}:bwd"))
-                for name in ("default", *candidates)}
-
-    def objective(self, trial: optuna.Trial) -> float:
-        if surplus(trial, self.options.trials):
-            trial.set_user_attr("failure", SURPLUS)
-            trial.study.stop()
-            raise TrialFailed(SURPLUS, f"the study had its {self.options.trials} trials when this one began")
-        start = time.perf_counter()
-        deadline = start + self.options.trial_timeout
-        trial.set_user_attr("worker", worker_name())
-        config = self.space.suggest(trial, self.default, self.parts)
-        holder = self.shared.claim_config(self.name, trial.params, trial.number, trial.study)
-        if holder is not None:
-            self._duplicate(trial, holder)
-        self.duplicates = 0
-        try:
-            reason = self.implementation.violation(self.problem.shapes, self.problem.spec, config, self.parts)
-            if reason is not None:
-                trial.set_user_attr("pruned", reason)
-                raise optuna.TrialPruned(reason)
-            try:
-                compiled, compile_seconds = self._compile(config, deadline)
-                trial.set_user_attr("compile_s", compile_seconds)
-                timings = self.measure({"candidate": compiled}, self.options.runs, deadline)
-            except TimeoutError as error:
-                raise TrialFailed("timeout", f"{error}, over the {self.options.trial_timeout:.0f} s "
-                                             f"trial timeout") from error
-            except TrialFailed:
-                raise
-            except Exception as error:  # noqa: BLE001
-                raise TrialFailed(failure_reason(error, "runtime"), error_line(error)) from error
-        except TrialFailed as failure:
-            trial.set_user_attr("failure", failure.reason)
-            trial.set_user_attr("detail", failure.detail)
-            raise
-        except KeyboardInterrupt:
-            trial.set_user_attr("failure", INTERRUPTED)
-            self.shared.release_config(self.name, trial.params, trial.number)
-            raise
-        candidate, default = timings["candidate"], timings["default"]
-        for part, cand, base in (("fwd", *[t[0] for t in (candidate, default)]),
-                                 ("bwd", *[t[1] for t in (candidate, default)])):
-            if cand is not None:
-                trial.set_user_attr(f"{part}_s", cand.median)
-                trial.set_user_attr(f"{part}_rel", cand.median / base.median)
-        total = sum(t.median for t in candidate if t is not None)
-        base_total = sum(t.median for t in default if t is not None)
-        trial.set_user_attr("seconds", total)
-        return total / base_total
-
-    def _duplicate(self, trial: optuna.Trial, holder: optuna.trial.FrozenTrial) -> None:
-        """Give back a sampled config another trial holds, and queue an untried point of the grid in its
-        place; when the grid has none and the sampler keeps proposing held configs, the space is covered."""
-        self.duplicates += 1
-        trial.set_user_attr("failure", DUPLICATE)
-        claimed = self.shared.claimed(self.name)
-        queued = {config_digest(t.system_attrs.get("fixed_params", t.params))
-                  for t in trial.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))}
-        untried = (c for c in self.pool if config_digest(self.space.params(c, self.parts)) not in claimed | queued)
-        replacement = next(untried, None)
-        if replacement is not None:
-            trial.study.enqueue_trial(self.space.params(replacement, self.parts))
-        elif self.duplicates >= DUPLICATES_IN_A_ROW:
-            self.exhausted = True
-            trial.study.stop()
-        raise TrialFailed(DUPLICATE, f"trial {holder.number} holds this config")
-
-
 def search(
     problem: Problem,
     *,
@@ -331,7 +148,12 @@ def search(
                         ("device_kind", device_kind), ("versions", versions)):
         study.set_user_attr(attr, value)
 
-    state = _Search(problem, chosen, options, Shared(storage), name)
+    shared = Shared(storage)
+    decided = reconnecting(storage_url, lambda: shared.winner(name))
+    if decided is not None and (decided["trials"] >= options.trials or decided["covered"]):
+        return _result(problem, chosen, device_kind, key, options, storage_url, study, cache, decided, started, 0)
+
+    state = Trials(problem, chosen, options, shared, name)
     configs = [state.default]
     if options.sampler == "grid":
         configs += [c for c in state.space.grid(state.default, state.parts) if c != state.default]
@@ -363,22 +185,31 @@ def search(
             covered = " (every config of the space was tried)" if state.exhausted else ""
             raise RuntimeError(f"no trial of study {name} completed ({len(trials)} finished{covered}: {pruned} "
                                f"pruned, failed {dict(counts)}); nothing was written to the cache")
-        measured, failures = _retime(state, trials)
+        measured, failures = retime(state, trials)
         default = measured["default"]
         winner = min(measured.values(), key=lambda m: m.seconds)
         row = make_row(key, winner.config, versions=versions, tool_version=__version__,
                        objective=options.objective, best_s=winner.seconds, default_s=default.seconds,
                        speedup=default.seconds / winner.seconds, trials_run=len(trials), trials_pruned=pruned,
                        trials_failed=dict(counts), study=name)
-        mine = {"row": row, "default": default.to_dict(), "best": winner.to_dict(), "failures": failures}
-        decision = reconnecting(storage_url, lambda: state.shared.decide(name, mine, len(trials)))
+        mine = {"row": row, "default": default.to_dict(), "best": winner.to_dict(), "failures": failures,
+                "covered": state.exhausted}
+        decision = reconnecting(storage_url, lambda: shared.decide(name, mine, len(trials)))
+    return _result(problem, chosen, device_kind, key, options, storage_url, study, cache, decision, started,
+                   new_trials)
+
+
+def _result(problem: Problem, chosen: registry.Implementation, device_kind: str, key: ProblemKey,
+            options: SearchOptions, storage_url: str, study: optuna.Study, cache: Cache, decision: dict,
+            started: float, new_trials: int) -> SearchResult:
+    """Store the study's decided winner in `cache` (unless it holds a better row) and say what happened."""
     trials = finished(study.get_trials(deepcopy=False))
     counts = Counter(t.user_attrs["failure"] for t in trials if t.state == optuna.trial.TrialState.FAIL)
     row = decision["row"]
     held = cache.put_best(row)
     stored = all(held[f] == row[f] for f in ("measured_at", "speedup", "best_s", "fwd_params", "bwd_params"))
     default, best = (Measured.from_dict(decision[part], chosen.config_type) for part in ("default", "best"))
-    return SearchResult(problem, chosen.name, device_kind, key, options.objective, name, storage_url,
+    return SearchResult(problem, chosen.name, device_kind, key, options.objective, study.study_name, storage_url,
                         default, best, len(trials), sum(t.state == optuna.trial.TrialState.PRUNED for t in trials),
                         dict(counts), cache.path, time.perf_counter() - started, new_trials, stored=stored,
                         stored_speedup=held["speedup"], failures=decision["failures"],
@@ -394,39 +225,6 @@ def study_of(problem: Problem, device: str, backend: str, options: SearchOptions
     versions = registry.versions(chosen)
     key = registry.problem_key(problem, chosen.name, device_kind)
     return chosen, device_kind, key, versions, study_name(key, options.objective, versions)
-
-
-def _retime(state: _Search, trials: list[optuna.trial.FrozenTrial]
-            ) -> tuple[dict[str, Measured], list[str]]:
-    """Re-time, interleaved, the default, the best few trials and the best-forward x best-backward
-    combination; returns their measurements by name and the candidates that failed to rebuild."""
-    options = state.options
-    complete = sorted((t for t in trials if t.state == optuna.trial.TrialState.COMPLETE),
-                      key=lambda t: t.value)
-    configs: dict[Config, str] = {state.default: "default"}
-    for t in complete:
-        if len(configs) > options.top:
-            break
-        configs.setdefault(state.space.config(t.params, state.default), f"trial {t.number}")
-    if options.objective == "fwd+bwd" and complete:
-        best_fwd = min(complete, key=lambda t: t.user_attrs["fwd_rel"])
-        best_bwd = min(complete, key=lambda t: t.user_attrs["bwd_rel"])
-        combined = registry.combine(state.implementation, state.space.config(best_fwd.params, state.default),
-                                    state.space.config(best_bwd.params, state.default))
-        configs.setdefault(combined, f"fwd of trial {best_fwd.number} + bwd of trial {best_bwd.number}")
-    compiled: dict[str, Compiled] = {}
-    failures = []
-    names: dict[str, Config] = {"default": state.default}
-    for config, name in configs.items():
-        if name == "default":
-            continue
-        try:
-            compiled[name] = state._compile(config, deadline=None)[0]
-            names[name] = config
-        except TrialFailed as failure:
-            failures.append(f"{name}: {failure}")
-    timings = state.measure(compiled, options.final_runs, deadline=None)
-    return {name: Measured(names[name], *timings[name]) for name in names}, failures
 
 
 __all__ = ["Measured", "SearchOptions", "SearchResult", "check_device", "resolve_backend", "search", "study_of"]

@@ -34,12 +34,12 @@ def run_until_decided(study: optuna.Study, objective: Callable[[optuna.Trial], f
                       ) -> dict[str, Any] | None:
     """Run trials of `study` until it may be decided (module docstring); `covered()` says whether this
     worker found the space covered. Returns the winner another worker decided on `total` trials or
-    more, else None: this worker decides."""
+    more, or on the whole space; else None: this worker decides."""
     while True:
         fail_stale(study)
         trials = study.get_trials(deepcopy=False)
         decided = shared.winner(study.study_name)
-        if decided is not None and decided["trials"] >= total:
+        if decided is not None and (decided["trials"] >= total or decided["covered"]):
             return decided
         left = None if deadline is None else deadline - time.perf_counter()
         running = any(not t.state.is_finished() for t in trials)

@@ -1,0 +1,197 @@
+"""One search process's trials: claim a config, rule it out, compile, check and time it.
+
+`Trials.objective` is what optuna calls per trial (the steps are listed in `tuner.tuning.search`);
+`retime` times the study's best candidates again, interleaved with the default, to decide the winner.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import optuna
+
+from tuner import registry
+from tuner.registry import Config
+from tuner.semantics.problem import Problem
+from tuner.support.tables import describe_config, error_line
+from tuner.tuning.options import SearchOptions
+from tuner.tuning.shared import Shared, config_digest, worker_name
+from tuner.tuning.study import DUPLICATE, INTERRUPTED, SURPLUS, surplus
+from tuner.tuning.timing import Timing, run_interleaved
+from tuner.tuning.verify import ReferenceCheck, TrialFailed, failure_reason
+from tuner.tuning.workload import Compiled, Workload
+
+DUPLICATES_IN_A_ROW = 10  # sampled configs already held, in a row, after which the space counts as covered
+
+
+@dataclass
+class Measured:
+    """A candidate's re-timed seconds per pass (0 for a pass the objective leaves out)."""
+
+    config: Config
+    fwd: Timing | None
+    bwd: Timing | None
+
+    @property
+    def seconds(self) -> float:
+        return sum(t.median for t in (self.fwd, self.bwd) if t is not None)
+
+    def to_dict(self) -> dict:
+        return {"config": self.config.to_dict(), **{part: None if t is None else t.to_dict()
+                                                    for part, t in (("fwd", self.fwd), ("bwd", self.bwd))}}
+
+    @classmethod
+    def from_dict(cls, data: dict, config_type: type) -> Measured:
+        """The measurement `to_dict` wrote (another worker's, read from the study's decided winner)."""
+        return cls(config_type.from_dict(data["config"]),
+                   *(None if data[part] is None else Timing.from_dict(data[part]) for part in ("fwd", "bwd")))
+
+
+
+class Trials:
+    """The trials of one search process: its workload, reference check, baseline and compiled candidates,
+    and the objective optuna calls."""
+
+    def __init__(self, problem: Problem, implementation: registry.Implementation, options: SearchOptions,
+                 shared: Shared, name: str):
+        self.problem, self.implementation, self.options = problem, implementation, options
+        self.shared, self.name = shared, name
+        self.parts = registry.OBJECTIVE_PARTS[options.objective]
+        self.workload = Workload(problem)
+        self.space = implementation.space(problem.shapes, problem.spec)
+        self.default = implementation.default_config(problem.shapes, problem.spec)
+        self.pool = self.space.grid(self.default, self.parts)  # where a duplicate's replacement comes from
+        random.Random(options.seed).shuffle(self.pool)
+        self.duplicates, self.exhausted = 0, False
+        self.reference = ReferenceCheck(self.workload, seed=10_000 + options.seed, backward=options.tunes_bwd)
+        self.time_sets = [self.workload.draw(seed=options.seed + i) for i in range(3)]
+        self.built: dict[Config, tuple[Compiled, float]] = {}
+        try:
+            self.baseline = self._compile(self.default, deadline=None)
+        except TrialFailed as failure:
+            raise RuntimeError(f"the {implementation.name} backend's default ({describe_config(self.default)}) fails "
+                               f"on this problem, so there is nothing to measure against: {failure}") from None
+        # Every measurement runs the default beside its candidates: its backward residuals are kept.
+        self.default_thunks = self.baseline[0].thunks("default", self.time_sets, forward=options.tunes_fwd)
+
+    def _compile(self, config: Config, deadline: float | None) -> tuple[Compiled, float]:
+        """Compile `config` for timing, checked first (at float32) against the reference; a config
+        this process already built is reused."""
+        if config not in self.built:
+            fn = self.workload.attend(self.implementation.name, config, interpret=self.options.interpret)
+            self.built[config] = self.reference.compile_checked(fn, *self.time_sets[0], deadline=deadline,
+                                                                trial_timeout=self.options.trial_timeout)
+        return self.built[config]
+
+    def measure(self, candidates: dict[str, Compiled], runs: int, deadline: float | None
+                ) -> dict[str, tuple[Timing | None, Timing | None]]:
+        """(fwd, bwd) timings of the candidates and of the default ("default"), run interleaved."""
+        thunks = dict(self.default_thunks)
+        for name, compiled in candidates.items():
+            thunks.update(compiled.thunks(name, self.time_sets, forward=self.options.tunes_fwd))
+        timings = run_interleaved(thunks, runs=runs, warmup=1, calls=self.options.calls, deadline=deadline)
+        return {name: (timings.get(f"{name}:fwd"), timings.get(f"{name}:bwd"))
+                for name in ("default", *candidates)}
+
+    def objective(self, trial: optuna.Trial) -> float:
+        if surplus(trial, self.options.trials):
+            trial.set_user_attr("failure", SURPLUS)
+            trial.study.stop()
+            raise TrialFailed(SURPLUS, f"the study had its {self.options.trials} trials when this one began")
+        start = time.perf_counter()
+        deadline = start + self.options.trial_timeout
+        trial.set_user_attr("worker", worker_name())
+        config = self.space.suggest(trial, self.default, self.parts)
+        holder = self.shared.claim_config(self.name, trial.params, trial.number, trial.study)
+        if holder is not None:
+            self._duplicate(trial, holder)
+        self.duplicates = 0
+        try:
+            reason = self.implementation.violation(self.problem.shapes, self.problem.spec, config, self.parts)
+            if reason is not None:
+                trial.set_user_attr("pruned", reason)
+                raise optuna.TrialPruned(reason)
+            try:
+                compiled, compile_seconds = self._compile(config, deadline)
+                trial.set_user_attr("compile_s", compile_seconds)
+                timings = self.measure({"candidate": compiled}, self.options.runs, deadline)
+            except TimeoutError as error:
+                raise TrialFailed("timeout", f"{error}, over the {self.options.trial_timeout:.0f} s "
+                                             f"trial timeout") from error
+            except TrialFailed:
+                raise
+            except Exception as error:  # noqa: BLE001
+                raise TrialFailed(failure_reason(error, "runtime"), error_line(error)) from error
+        except TrialFailed as failure:
+            trial.set_user_attr("failure", failure.reason)
+            trial.set_user_attr("detail", failure.detail)
+            raise
+        except KeyboardInterrupt:
+            trial.set_user_attr("failure", INTERRUPTED)
+            self.shared.release_config(self.name, trial.params, trial.number)
+            raise
+        candidate, default = timings["candidate"], timings["default"]
+        for part, cand, base in (("fwd", *[t[0] for t in (candidate, default)]),
+                                 ("bwd", *[t[1] for t in (candidate, default)])):
+            if cand is not None:
+                trial.set_user_attr(f"{part}_s", cand.median)
+                trial.set_user_attr(f"{part}_rel", cand.median / base.median)
+        total = sum(t.median for t in candidate if t is not None)
+        base_total = sum(t.median for t in default if t is not None)
+        trial.set_user_attr("seconds", total)
+        return total / base_total
+
+    def _duplicate(self, trial: optuna.Trial, holder: optuna.trial.FrozenTrial) -> None:
+        """Give back a sampled config another trial holds, and queue an untried point of the grid in its
+        place; when the grid has none and the sampler keeps proposing held configs, the space is covered."""
+        self.duplicates += 1
+        trial.set_user_attr("failure", DUPLICATE)
+        claimed = self.shared.claimed(self.name)
+        queued = {config_digest(t.system_attrs.get("fixed_params", t.params))
+                  for t in trial.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))}
+        untried = (c for c in self.pool if config_digest(self.space.params(c, self.parts)) not in claimed | queued)
+        replacement = next(untried, None)
+        if replacement is not None:
+            trial.study.enqueue_trial(self.space.params(replacement, self.parts))
+        elif self.duplicates >= DUPLICATES_IN_A_ROW:
+            self.exhausted = True
+            trial.study.stop()
+        raise TrialFailed(DUPLICATE, f"trial {holder.number} holds this config")
+
+
+def retime(state: Trials, trials: list[optuna.trial.FrozenTrial]
+            ) -> tuple[dict[str, Measured], list[str]]:
+    """Re-time, interleaved, the default, the best few trials and the best-forward x best-backward
+    combination; returns their measurements by name and the candidates that failed to rebuild."""
+    options = state.options
+    complete = sorted((t for t in trials if t.state == optuna.trial.TrialState.COMPLETE),
+                      key=lambda t: t.value)
+    configs: dict[Config, str] = {state.default: "default"}
+    for t in complete:
+        if len(configs) > options.top:
+            break
+        configs.setdefault(state.space.config(t.params, state.default), f"trial {t.number}")
+    if options.objective == "fwd+bwd" and complete:
+        best_fwd = min(complete, key=lambda t: t.user_attrs["fwd_rel"])
+        best_bwd = min(complete, key=lambda t: t.user_attrs["bwd_rel"])
+        combined = registry.combine(state.implementation, state.space.config(best_fwd.params, state.default),
+                                    state.space.config(best_bwd.params, state.default))
+        configs.setdefault(combined, f"fwd of trial {best_fwd.number} + bwd of trial {best_bwd.number}")
+    compiled: dict[str, Compiled] = {}
+    failures = []
+    names: dict[str, Config] = {"default": state.default}
+    for config, name in configs.items():
+        if name == "default":
+            continue
+        try:
+            compiled[name] = state._compile(config, deadline=None)[0]
+            names[name] = config
+        except TrialFailed as failure:
+            failures.append(f"{name}: {failure}")
+    timings = state.measure(compiled, options.final_runs, deadline=None)
+    return {name: Measured(names[name], *timings[name]) for name in names}, failures
+
+
+__all__ = ["DUPLICATES_IN_A_ROW", "Measured", "Trials", "retime"]
