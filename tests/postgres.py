@@ -46,7 +46,7 @@ def missing() -> str | None:
         if shutil.which("runuser") is None:
             return "running as root without runuser to run PostgreSQL as another user"
     try:
-        import psycopg2  # noqa: F401
+        import psycopg  # noqa: F401
     except ImportError:
         return "no PostgreSQL driver: pip install 'ring-tuner[distributed]'"
     return None
@@ -97,17 +97,15 @@ class Server:
         shutil.rmtree(self.root, ignore_errors=True)
 
     def url(self, database: str = "postgres") -> str:
-        return f"postgresql+psycopg2://postgres@127.0.0.1:{self.port}/{database}"
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{database}"
 
     def create(self, database: str) -> str:
         """A new empty database; its URL."""
-        import psycopg2
+        import psycopg
 
-        connection = psycopg2.connect(host="127.0.0.1", port=self.port, user="postgres", dbname="postgres")
-        connection.autocommit = True
-        with connection.cursor() as cursor:
-            cursor.execute(f'CREATE DATABASE "{database}"')
-        connection.close()
+        with psycopg.connect(host="127.0.0.1", port=self.port, user="postgres", dbname="postgres",
+                             autocommit=True) as connection:
+            connection.execute(f'CREATE DATABASE "{database}"')
         return self.url(database)
 
 

@@ -189,6 +189,20 @@ def test_two_workers_share_one_study(tmp_path):
     assert len(tuner("list", home=tmp_path).stdout.strip().splitlines()) == 3  # header, rule, one row
 
 
+def test_a_postgresql_storage_without_its_driver_is_one_line_naming_the_extra(tmp_path):
+    """With the PostgreSQL drivers missing (stand-in packages that fail to import, first on the path),
+    `--storage postgresql://...` stops before any work with one line that says which extra to install."""
+    for driver in ("psycopg", "psycopg2"):
+        (tmp_path / driver).mkdir()
+        (tmp_path / driver / "__init__.py").write_text(f"raise ImportError(\"No module named '{driver}'\", "
+                                                       f"name='{driver}')\n")
+    result = tuner("search", "--device", "cpu", *PROBLEM, "--storage", "postgresql://tuner@127.0.0.1:1/studies",
+                   home=tmp_path, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert "needs the database driver psycopg" in line and "pip install 'ring-tuner[distributed]'" in line, line
+
+
 def test_corrupt_cache_file_is_one_line_with_what_to_do(tmp_path):
     db = tmp_path / "tuning.sqlite"
     db.write_bytes(b"not sqlite at all" * 500)

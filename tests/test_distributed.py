@@ -25,6 +25,7 @@ import sqlalchemy
 
 from tests import postgres
 from tuner.cache import Cache
+from tuner.tuning.shared import CONFIGS, config_digest
 from tuner.tuning.study import DUPLICATE, SURPLUS, counted
 
 pytestmark = [pytest.mark.skipif(postgres.missing() is not None, reason=postgres.missing() or ""),
@@ -134,15 +135,21 @@ def test_a_worker_killed_mid_trial_costs_that_trial_only(url, tmp_path):
     workers = [start(home, *SEARCH, "--trials", "9", "--heartbeat", "1", "--storage", url) for home in homes]
     pids = {w.pid: w for w in workers}
 
+    engine = sqlalchemy.create_engine(url)
+
     def victim() -> optuna.trial.FrozenTrial | None:
+        """A running trial past the first two that holds its config (so it compiles or times it)."""
         try:
             trials = the_study(url).get_trials()
-        except (IndexError, KeyError, sqlalchemy.exc.SQLAlchemyError):  # no study yet
+            with engine.connect() as db:
+                claims = set(db.execute(sqlalchemy.select(CONFIGS.c.config, CONFIGS.c.trial)).all())
+        except (IndexError, KeyError, sqlalchemy.exc.SQLAlchemyError):  # no study or claim yet
             return None
-        return next((t for t in trials if t.number >= 2 and t.state == optuna.trial.TrialState.RUNNING and t.params
-                     and int(t.user_attrs.get("worker", ":0").split(":")[1]) in pids), None)
+        return next((t for t in trials if t.number >= 2 and t.state == optuna.trial.TrialState.RUNNING
+                     and (config_digest(t.params), t.number) in claims), None)
 
     killed = postgres.wait_for(victim, TIMEOUT_S)
+    engine.dispose()
     assert killed is not None, "no trial was seen running"
     pid = int(killed.user_attrs["worker"].split(":")[1])
     os.kill(pid, signal.SIGKILL)

@@ -33,16 +33,20 @@ def default_storage(db_path: Path) -> str:
     return f"sqlite:///{db_path.parent / (db_path.stem + '.studies.sqlite')}"
 
 
-DRIVER_HINT = "pip install 'ring-tuner[distributed]'"  # the PostgreSQL driver (psycopg2) and optuna-dashboard
+DRIVER_HINT = "pip install 'ring-tuner[distributed]'"  # psycopg 3 (PostgreSQL) and optuna-dashboard
 
 
 def check_driver(url: str) -> None:
-    """`ImportError` naming the extra to install when `url` needs a database driver that is missing."""
+    """`ImportError` saying what to install when `url` needs a database driver that is missing."""
     try:
         sqlalchemy.engine.make_url(url).get_dialect().import_dbapi()
     except ImportError as error:
-        raise ImportError(f"storage {url.split('@')[-1]!r} needs the database driver {error.name or error}: "
-                          f"{DRIVER_HINT}") from None
+        name = error.name or str(error)
+        where = url.split("@")[-1]
+        if name == "psycopg":
+            raise ImportError(f"storage {where!r} needs the database driver psycopg: {DRIVER_HINT}") from None
+        raise ImportError(f"storage {where!r} needs the database driver {name}: pip install {name}, or "
+                          f"{DRIVER_HINT} and write the URL as postgresql+psycopg://...") from None
 
 
 def open_storage(url: str, heartbeat: int = HEARTBEAT_S) -> optuna.storages.RDBStorage:
