@@ -109,4 +109,5 @@ def test_processes_whose_caches_disagree_run_process_0s_decision(outcome: dict) 
     assert [(r["ran"]["block_q"], r["ran"]["block_kv"], r["source"]) for r in ran] == [(8, 8, "exact")] * 2, ran
     assert outcome["said"][0]["said"][:-1] == []  # process 0 decides: nothing to say
     (warning,) = outcome["said"][1]["said"][:-1]
-    assert "this process (1) decided" in warning and "running process 0's" in warning, warning
+    assert "this process (1, on " in warning and "process 0 (on " in warning and "running process 0's" in warning, \
+        warning

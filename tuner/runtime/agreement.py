@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import socket
 from collections import Counter
 
 import jax
@@ -37,9 +38,8 @@ def _client():
     return distributed.global_state.client
 
 
-def _published(plan: Plan) -> str:
-    return json.dumps({"backend": plan.backend, "config": plan.config.to_dict(), "source": plan.source,
-                       "reason": plan.reason}, sort_keys=True)
+def _published(plan: Plan) -> dict:
+    return {"backend": plan.backend, "config": plan.config.to_dict(), "source": plan.source, "reason": plan.reason}
 
 
 def agree(plan: Plan, problem: tuple) -> Plan:
@@ -59,7 +59,7 @@ def agree(plan: Plan, problem: tuple) -> Plan:
     _rounds[digest] += 1
     mine = _published(plan)
     if jax.process_index() == 0:
-        client.key_value_set(name, mine)
+        client.key_value_set(name, json.dumps({**mine, "host": socket.gethostname()}, sort_keys=True))
         return plan
     try:
         theirs = client.blocking_key_value_get(name, TIMEOUT_S * 1000)
@@ -67,14 +67,16 @@ def agree(plan: Plan, problem: tuple) -> Plan:
         raise RuntimeError(f"ring attention {plan.key.digest[:12]}: process {jax.process_index()} waited "
                            f"{TIMEOUT_S} s for process 0's decision and got none ({error}); every process must "
                            f"trace the same attention calls") from None
-    if theirs == mine:
-        return plan
     chosen = json.loads(theirs)
+    host = chosen.pop("host")
+    if chosen == mine:
+        return plan
     implementation = registry.get(chosen["backend"])
-    log.warning("ring attention %s: this process (%d) decided %s %s from %s, process 0 %s %s from %s; running "
-                "process 0's so that every process builds the same program (make the cache files agree: "
-                "tuner export / import)", plan.key.digest[:12], jax.process_index(), plan.backend,
-                plan.config.to_dict(), plan.source, chosen["backend"], chosen["config"], chosen["source"])
+    log.warning("ring attention %s: this process (%d, on %s) decided %s %s from %s, process 0 (on %s) %s %s from "
+                "%s; running process 0's so that every process builds the same program (make the cache files "
+                "agree: tuner export / import)", plan.key.digest[:12], jax.process_index(), socket.gethostname(),
+                plan.backend, plan.config.to_dict(), plan.source, host, chosen["backend"], chosen["config"],
+                chosen["source"])
     return dataclasses.replace(
         plan, backend=implementation.name, config=implementation.config_type.from_dict(chosen["config"]),
         source=chosen["source"], key=dataclasses.replace(plan.key, backend=implementation.name),
