@@ -194,7 +194,7 @@ def test_a_restarted_server_loses_nothing(tmp_path):
             listed = start(home, "list", "--db", str(home / "tuning.sqlite")).communicate(timeout=TIMEOUT_S)[0]
             assert "invalid" not in listed, listed
             if code != 0:
-                assert err.strip().splitlines()[-1].startswith("error: lost the study storage"), err[-3000:]
+                assert err.strip().splitlines()[-1].startswith("tuner: error: lost the study storage"), err[-3000:]
                 assert rows(home) == []  # never a partial winner
         if any(resumed):
             trials = the_study(url).get_trials()
@@ -204,6 +204,33 @@ def test_a_restarted_server_loses_nothing(tmp_path):
                              [out for (code, out, _) in outcomes if code == 0])
     finally:
         server.destroy()
+
+
+def test_a_server_that_stays_down_stops_the_worker_with_one_line_and_no_row(tmp_path):
+    """Stop the server under a running worker for good: after `--reconnect 5` seconds of retries it stops
+    with one line saying the storage was lost, exit code 1, and nothing in its cache."""
+    server = postgres.Server().start()
+    try:
+        url = server.create("down")
+        home = tmp_path / "host"
+        worker = start(home, *SEARCH, "--trials", "30", "--heartbeat", "1", "--reconnect", "5", "--storage", url)
+
+        def one_counted() -> bool:
+            try:
+                return sum(counted(t) for t in the_study(url).get_trials()) >= 1
+            except (IndexError, KeyError, sqlalchemy.exc.SQLAlchemyError):
+                return False
+
+        assert postgres.wait_for(one_counted, TIMEOUT_S), "the worker never ran a trial"
+        server.stop()
+        ((code, out, err),) = finish([worker])
+    finally:
+        server.destroy()
+    assert code == 1, (out, err[-3000:])
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("tuner: error: lost the study storage 127.0.0.1:") and "for 5 s" in last, err[-3000:]
+    assert "nothing was written to the cache" in last
+    assert rows(home) == []
 
 
 PROGRAM = textwrap.dedent("""

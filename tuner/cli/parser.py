@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     tuning.add_argument("--heartbeat", type=int, default=30, help="seconds between a running trial's "
                                                                  "heartbeats; a trial silent for twice that "
                                                                  "belonged to a dead worker and is run again")
+    tuning.add_argument("--reconnect", type=_finite, default=120.0, help="seconds to keep retrying a study "
+                                                                        "storage that stopped answering, then "
+                                                                        "stop without writing anything")
     tuning.add_argument("--interpret", action="store_true", help="run kernel backends in their "
                                                                  "interpreter (CPU checks)")
     tuning.add_argument("--dry-run", action="store_true",
@@ -232,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 POSITIVE = ("devices", "batch", "seq_len", "heads", "kv_heads", "head_dim", "runs", "calls", "trials",
-            "ring_size", "a2a_size", "chunk", "timeout", "trial_timeout", "limit", "page", "heartbeat")
+            "ring_size", "a2a_size", "chunk", "timeout", "trial_timeout", "limit", "page", "heartbeat",
+            "reconnect")
 
 
 def check_positive(args: argparse.Namespace) -> None:

@@ -96,7 +96,7 @@ def search_from(args: argparse.Namespace) -> int:
     try:
         options = SearchOptions(trials=args.trials, timeout=args.timeout, trial_timeout=args.trial_timeout,
                                 sampler=args.sampler, seed=args.seed, storage=args.storage,
-                                heartbeat=args.heartbeat, runs=args.runs,
+                                heartbeat=args.heartbeat, reconnect=args.reconnect, runs=args.runs,
                                 calls=calls_of(args), interpret=args.interpret)
     except ValueError as error:
         raise UsageError(str(error)) from None

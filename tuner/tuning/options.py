@@ -15,7 +15,8 @@ class SearchOptions:
     workers sharing the study run it between them); `timeout` bounds this run in seconds;
     `trial_timeout` bounds one trial (checked between its compile, check and timed runs: a single
     compile that runs longer is not interrupted); `heartbeat` is the seconds between a running trial's
-    heartbeats in the storage (a trial silent for twice that belonged to a dead worker)."""
+    heartbeats in the storage (a trial silent for twice that belonged to a dead worker); `reconnect` is
+    how long a storage that stopped answering is retried before the search stops."""
 
     objective: str = "fwd+bwd"
     trials: int = 12
@@ -25,6 +26,7 @@ class SearchOptions:
     seed: int = 0
     storage: str | None = None
     heartbeat: int = HEARTBEAT_S
+    reconnect: float = 120.0
     runs: int = 3
     final_runs: int = 5
     calls: int = 1
@@ -38,7 +40,7 @@ class SearchOptions:
             raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
         for name in ("trials", "runs", "final_runs", "top", "calls", "heartbeat"):
             check_int(name, getattr(self, name))
-        for name in ("timeout", "trial_timeout"):
+        for name in ("timeout", "trial_timeout", "reconnect"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")

@@ -25,8 +25,8 @@ timed twice, at once or later: a sampled config another trial holds is given bac
 untried point of the grid queued instead. A worker with nothing left to run waits for the others'
 trials, re-runs the config of a worker that died (its heartbeat went stale), and the first worker to
 re-time the candidates decides the winner for all: every worker writes that row to its own cache.
-A storage that stops answering is retried with back-off for `RECONNECT_S`, then the search stops
-and writes nothing.
+A storage that stops answering is retried with back-off for `options.reconnect` seconds, then the
+search stops and writes nothing.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from tuner.tuning.options import SearchOptions
 from tuner.tuning.study import (counted, default_storage, enqueue, finished, make_sampler, open_storage,
                                 study_name, taken)
 from tuner.tuning.trials import Measured, Trials, retime
-from tuner.tuning.workers import reconnecting, run_until_decided
+from tuner.tuning.workers import quiet_heartbeats, reconnecting, run_until_decided
 
 
 @dataclass
@@ -149,7 +149,7 @@ def search(
         study.set_user_attr(attr, value)
 
     shared = Shared(storage)
-    decided = reconnecting(storage_url, lambda: shared.winner(name))
+    decided = reconnecting(storage_url, lambda: shared.winner(name), options.reconnect)
     if decided is not None and (decided["trials"] >= options.trials or decided["covered"]):
         return _result(problem, chosen, device_kind, key, options, storage_url, study, cache, decided, started, 0)
 
@@ -175,8 +175,10 @@ def search(
             study.stop()
 
     deadline = None if options.timeout is None else started + options.timeout
-    decision = reconnecting(storage_url, lambda: run_until_decided(
-        study, state.objective, after_trial, state.shared, options.trials, deadline, lambda: state.exhausted))
+    with quiet_heartbeats():
+        decision = reconnecting(storage_url, lambda: run_until_decided(
+            study, state.objective, after_trial, state.shared, options.trials, deadline, lambda: state.exhausted),
+            options.reconnect)
     if decision is None:  # this worker decides: re-time the best candidates of the whole study
         trials = finished(study.get_trials(deepcopy=False))
         counts = Counter(t.user_attrs["failure"] for t in trials if t.state == optuna.trial.TrialState.FAIL)
@@ -194,7 +196,7 @@ def search(
                        trials_failed=dict(counts), study=name)
         mine = {"row": row, "default": default.to_dict(), "best": winner.to_dict(), "failures": failures,
                 "covered": state.exhausted}
-        decision = reconnecting(storage_url, lambda: shared.decide(name, mine, len(trials)))
+        decision = reconnecting(storage_url, lambda: shared.decide(name, mine, len(trials)), options.reconnect)
     return _result(problem, chosen, device_kind, key, options, storage_url, study, cache, decision, started,
                    new_trials)
 

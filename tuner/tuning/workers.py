@@ -9,8 +9,10 @@ running trials: one of them may die, and then its retry (queued by the heartbeat
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import optuna
@@ -21,7 +23,6 @@ from tuner.tuning.shared import Shared
 from tuner.tuning.study import fail_stale, finished, taken
 from tuner.tuning.verify import TrialFailed
 
-RECONNECT_S = 120.0  # how long a worker keeps retrying a storage that stopped answering
 POLL_S = 1.0  # how often a worker with nothing to start looks at the others' trials
 STORAGE_ERRORS = (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError,
                   optuna.exceptions.StorageInternalError)
@@ -53,9 +54,9 @@ def run_until_decided(study: optuna.Study, objective: Callable[[optuna.Trial], f
             time.sleep(POLL_S if left is None else min(POLL_S, left))
 
 
-def reconnecting(url: str, step: Callable[[], T]) -> T:
-    """`step()`, retried with back-off while the storage at `url` does not answer, for at most
-    `RECONNECT_S`; then `RuntimeError` saying that nothing was written."""
+def reconnecting(url: str, step: Callable[[], T], patience: float) -> T:
+    """`step()`, retried with back-off (1 s, doubling to 16 s) while the storage at `url` does not answer,
+    for at most `patience` seconds; then `RuntimeError` saying that nothing was written."""
     first, pause = None, 1.0
     while True:
         try:
@@ -64,12 +65,36 @@ def reconnecting(url: str, step: Callable[[], T]) -> T:
             if not _lost_storage(error):
                 raise
             first = first or time.monotonic()
-            if time.monotonic() - first > RECONNECT_S:
-                raise RuntimeError(f"lost the study storage {url.split('@')[-1]} for {RECONNECT_S:.0f} s "
-                                   f"({error_line(error)}); nothing was written to the cache: run the same "
-                                   f"command again to resume") from None
-            time.sleep(pause)
+            if time.monotonic() - first > patience:
+                raise RuntimeError(f"lost the study storage {url.split('@')[-1]} for {patience:.0f} s "
+                                   f"({error_line(_first_cause(error))}); nothing was written to the cache: run "
+                                   f"the same command again to resume") from None
+            time.sleep(min(pause, max(0.0, first + patience - time.monotonic()) + 0.01))
             pause = min(2 * pause, 16.0)
+
+
+@contextlib.contextmanager
+def quiet_heartbeats() -> Iterator[None]:
+    """While inside, a background thread (optuna's heartbeat) that fails because the storage does not
+    answer ends without printing its traceback: the worker itself says what happened, in one line."""
+    previous = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if not _lost_storage(args.exc_value):
+            previous(args)
+
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        threading.excepthook = previous
+
+
+def _first_cause(error: BaseException) -> BaseException:
+    """The error at the bottom of `error`'s chain: the driver's own, which says what went wrong."""
+    while (error.__cause__ or error.__context__) is not None:
+        error = error.__cause__ or error.__context__
+    return error
 
 
 def _lost_storage(error: BaseException) -> bool:
@@ -83,4 +108,4 @@ def _lost_storage(error: BaseException) -> bool:
     return False
 
 
-__all__ = ["POLL_S", "RECONNECT_S", "STORAGE_ERRORS", "reconnecting", "run_until_decided"]
+__all__ = ["POLL_S", "STORAGE_ERRORS", "quiet_heartbeats", "reconnecting", "run_until_decided"]
