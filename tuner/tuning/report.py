@@ -10,7 +10,7 @@ from typing import Any
 
 import optuna
 
-from tuner.tuning.study import SURPLUS, open_storage
+from tuner.tuning.study import DUPLICATE, SURPLUS, open_storage
 
 
 def write_report(study: str, storage: str, out: str | Path) -> int:
@@ -32,7 +32,7 @@ def write_report(study: str, storage: str, out: str | Path) -> int:
         raise KeyError(f"no study {study!r} in {storage} (it has {len(names)}); pass the storage the "
                        f"search used with --storage")
     loaded = optuna.load_study(study_name=study, storage=open_storage(storage))
-    trials = [t for t in loaded.get_trials(deepcopy=False) if t.user_attrs.get("failure") != SURPLUS]
+    trials = [t for t in loaded.get_trials(deepcopy=False) if t.user_attrs.get("failure") not in (SURPLUS, DUPLICATE)]
     complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
     figures: list[tuple[str, Any]] = [("Optimization history (time relative to the default)",
                                        visualization.plot_optimization_history(loaded))]
