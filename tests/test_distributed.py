@@ -81,6 +81,14 @@ def the_study(url: str, name: str | None = None) -> optuna.Study:
     return optuna.load_study(study_name=name or names[0], storage=url)
 
 
+def counted_at_least(url: str, n: int) -> bool:
+    """Whether the study at `url` counts `n` trials yet (False while it does not exist)."""
+    try:
+        return sum(counted(t) for t in the_study(url).get_trials()) >= n
+    except (IndexError, KeyError, sqlalchemy.exc.SQLAlchemyError):
+        return False
+
+
 def rows(home: Path) -> list[dict]:
     return Cache(home / "tuning.sqlite").rows()
 
@@ -178,13 +186,7 @@ def test_a_restarted_server_loses_nothing(tmp_path):
         homes = [tmp_path / f"host{i}" for i in range(2)]
         workers = [start(home, *SEARCH, "--trials", "9", "--heartbeat", "1", "--storage", url) for home in homes]
 
-        def two_counted() -> bool:
-            try:
-                return sum(counted(t) for t in the_study(url).get_trials()) >= 2
-            except (IndexError, KeyError, sqlalchemy.exc.SQLAlchemyError):
-                return False
-
-        assert postgres.wait_for(two_counted, TIMEOUT_S), "the workers never ran two trials"
+        assert postgres.wait_for(lambda: counted_at_least(url, 2), TIMEOUT_S), "the workers never ran two trials"
         server.stop()
         postgres.wait_for(lambda: False, 3)
         server.start()
@@ -215,13 +217,7 @@ def test_a_server_that_stays_down_stops_the_worker_with_one_line_and_no_row(tmp_
         home = tmp_path / "host"
         worker = start(home, *SEARCH, "--trials", "30", "--heartbeat", "1", "--reconnect", "5", "--storage", url)
 
-        def one_counted() -> bool:
-            try:
-                return sum(counted(t) for t in the_study(url).get_trials()) >= 1
-            except (IndexError, KeyError, sqlalchemy.exc.SQLAlchemyError):
-                return False
-
-        assert postgres.wait_for(one_counted, TIMEOUT_S), "the worker never ran a trial"
+        assert postgres.wait_for(lambda: counted_at_least(url, 1), TIMEOUT_S), "the worker never ran a trial"
         server.stop()
         ((code, out, err),) = finish([worker])
     finally:
