@@ -109,8 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     tuning.add_argument("--runs", type=int, default=3, help="timed runs per trial")
     tuning.add_argument("--calls", type=int, default=None, help=CALLS_HELP)
     tuning.add_argument("--storage", default=None, help="optuna storage URL shared by workers (default: "
-                                                        "a SQLite file beside the cache; postgresql://... "
-                                                        "for workers on several hosts)")
+                                                        "a SQLite file beside the cache; "
+                                                        "postgresql+psycopg://... for workers on several "
+                                                        "hosts)")
     tuning.add_argument("--heartbeat", type=int, default=30, help="seconds between a running trial's "
                                                                  "heartbeats; a trial silent for twice that "
                                                                  "belonged to a dead worker and is run again")
