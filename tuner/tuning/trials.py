@@ -69,14 +69,14 @@ class Trials:
         self.time_sets = [self.workload.draw(seed=options.seed + i) for i in range(3)]
         self.built: dict[Config, tuple[Compiled, float]] = {}
         try:
-            self.baseline = self._compile(self.default, deadline=None)
+            self.baseline = self.compile(self.default, deadline=None)
         except TrialFailed as failure:
             raise RuntimeError(f"the {implementation.name} backend's default ({describe_config(self.default)}) fails "
                                f"on this problem, so there is nothing to measure against: {failure}") from None
         # Every measurement runs the default beside its candidates: its backward residuals are kept.
         self.default_thunks = self.baseline[0].thunks("default", self.time_sets, forward=options.tunes_fwd)
 
-    def _compile(self, config: Config, deadline: float | None) -> tuple[Compiled, float]:
+    def compile(self, config: Config, deadline: float | None) -> tuple[Compiled, float]:
         """Compile `config` for timing, checked first (at float32) against the reference; a config
         this process already built is reused."""
         if config not in self.built:
@@ -114,7 +114,7 @@ class Trials:
                 trial.set_user_attr("pruned", reason)
                 raise optuna.TrialPruned(reason)
             try:
-                compiled, compile_seconds = self._compile(config, deadline)
+                compiled, compile_seconds = self.compile(config, deadline)
                 trial.set_user_attr("compile_s", compile_seconds)
                 timings = self.measure({"candidate": compiled}, self.options.runs, deadline)
             except TimeoutError as error:
@@ -186,7 +186,7 @@ def retime(state: Trials, trials: list[optuna.trial.FrozenTrial]
         if name == "default":
             continue
         try:
-            compiled[name] = state._compile(config, deadline=None)[0]
+            compiled[name] = state.compile(config, deadline=None)[0]
             names[name] = config
         except TrialFailed as failure:
             failures.append(f"{name}: {failure}")

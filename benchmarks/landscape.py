@@ -1,0 +1,202 @@
+"""The whole landscape of a backend's search space for one problem: every valid point timed as `tuner search`
+times a trial.
+
+    python benchmarks/landscape.py --list
+    python benchmarks/landscape.py PROBLEM [--part fwd|bwd|both] [--runs 3] [--noise 5] [--max-points 120]
+
+For each point of the part's grid (`Space.grid` with that part alone: every forward point, or every
+backward point), the script does what a trial of `tuner search --objective <part>` does, with the same
+`tuner.tuning.trials.Trials` machinery: the constraints first (a pruned point keeps its reason), then
+compile, check against the scan reference at float32 (a failed point keeps its reason), then time it
+interleaved with the default on fresh inputs (`--runs` medians). A point's value is the trial's value:
+its median over the default's median from the same run.
+
+Forward and backward act on separate passes, so each is its own landscape; `tuner search`'s fwd+bwd
+objective is (fwd seconds + bwd seconds) / (default fwd + default bwd), and the best of each part
+combine into its best (the search re-times that combination). A backward grid larger than
+`--max-points` is a product: dk/dv tiles x (dq fused, or a separate dq pass with its own tiles). Then
+every fused point and every dk/dv point (dq at the default's tiles, separate) and every dq point (dk/dv
+at the default's tiles) are timed, a separate point's seconds are composed as
+t(dkv, dq_ref) + t(dkv_ref, dq) - t(dkv_ref, dq_ref), and 5 composed points are timed for real to
+measure the composition's error.
+
+The noise: at the end the default and the best point are each re-timed against the default `--noise`
+times (each a `--runs` median), so a replay can draw a trial's value with the spread it really has.
+
+Writes `benchmarks/results/landscape-scan-cpu-<problem>.json` (one file per problem, a landscape per part;
+a later run of another part adds to it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROBLEMS = {  # name: Problem fields; local lengths 512 to 4096, rings of 2 to 8
+    "causal-d64-gqa4-r4-l512": dict(seq_len=2048, heads=8, kv_heads=2, head_dim=64, ring_size=4),
+    "full-d64-gqa4-r4-l512": dict(seq_len=2048, heads=8, kv_heads=2, head_dim=64, ring_size=4, causal=False),
+    "window256-d64-gqa4-r4-l512": dict(seq_len=2048, heads=8, kv_heads=2, head_dim=64, ring_size=4,
+                                       window=(256, 0)),
+    "causal-d128-gqa8-r2-l1024": dict(seq_len=2048, heads=8, kv_heads=1, head_dim=128, ring_size=2),
+    "causal-d128-mha-r8-l512": dict(seq_len=4096, heads=4, kv_heads=4, head_dim=128, ring_size=8),
+    "causal-d64-gqa2-r2-l2048-bf16": dict(seq_len=4096, heads=4, kv_heads=2, head_dim=64, ring_size=2,
+                                          dtype="bfloat16"),
+    "causal-d64-gqa2-r2-l4096": dict(seq_len=8192, heads=2, kv_heads=1, head_dim=64, ring_size=2),
+    "docs4-d64-gqa4-r4-l512": dict(seq_len=2048, heads=8, kv_heads=2, head_dim=64, ring_size=4, segments=4),
+}
+
+
+def point(trials, config, part: str, runs: int, keep: bool = False) -> dict:
+    """One point of the landscape, as a trial of `tuner search --objective part` sees it; its compiled
+    program is dropped after (memory stays flat over hundreds of points) unless `keep`."""
+    from tuner.tuning.verify import TrialFailed
+
+    entry = {"config": config.to_dict()[part]}
+    reason = trials.implementation.violation(trials.problem.shapes, trials.problem.spec, config, (part,))
+    if reason is not None:
+        return {**entry, "status": "pruned", "reason": reason}
+    try:
+        compiled, compile_seconds = trials.compile(config, deadline=None)
+    except TrialFailed as failure:
+        return {**entry, "status": "failed", "reason": str(failure)}
+    timings = trials.measure({"candidate": compiled}, runs, deadline=None)
+    index = 0 if part == "fwd" else 1
+    candidate, default = timings["candidate"][index], timings["default"][index]
+    if not keep and config != trials.default:
+        trials.built.pop(config, None)
+    return {**entry, "status": "ok", "seconds": candidate.median, "default_seconds": default.median,
+            "rel": candidate.median / default.median, "compile_s": compile_seconds}
+
+
+def backward_points(trials, max_points: int) -> tuple[list, list | None, object]:
+    """The backward configs to time; for a product too large to walk, also the composition plan
+    [(composed config, its dk/dv point, its dq point)] and the reference point both share."""
+    from tuner.kernels.params import BwdParams
+
+    space, default = trials.space, trials.default
+    grid = space.grid(default, ("bwd",))
+    if len(grid) <= max_points:
+        return grid, None, None
+    d = default.bwd
+    ref_kv = ref_dq = (d.block_q_dkv, d.block_kv_dkv)
+    dkv = sorted({(c.bwd.block_q_dkv, c.bwd.block_kv_dkv) for c in grid})
+    dq = sorted({(c.bwd.block_q_dq, c.bwd.block_kv_dq) for c in grid if not c.bwd.fused_dq})
+
+    def config(kv: tuple[int, int], q: tuple[int, int]):
+        return dataclasses.replace(default, bwd=BwdParams(*kv, *q))
+
+    timed = [c for c in grid if c.bwd.fused_dq] + [config(kv, ref_dq) for kv in dkv] + [config(ref_kv, q) for q in dq]
+    composed = [(config(kv, q), config(kv, ref_dq), config(ref_kv, q)) for kv in dkv for q in dq]
+    return list(dict.fromkeys(timed)), composed, config(ref_kv, ref_dq)
+
+
+def landscape(name: str, part: str, runs: int, noise: int, max_points: int) -> dict:
+    import jax
+
+    from tuner import registry
+    from tuner.semantics.problem import Problem
+    from tuner.tuning.options import SearchOptions
+    from tuner.tuning.shared import Shared
+    from tuner.tuning.study import open_storage
+    from tuner.tuning.trials import Trials
+
+    problem = Problem(**PROBLEMS[name])
+    implementation = registry.get("scan")
+    options = SearchOptions(objective=part, runs=runs)
+    with tempfile.TemporaryDirectory() as tmp:  # the trials' claims table; nothing is claimed here
+        trials = Trials(problem, implementation, options, Shared(open_storage(f"sqlite:///{tmp}/s.sqlite")), name)
+    started = time.perf_counter()
+    if part == "fwd":
+        configs, composed, ref = trials.space.grid(trials.default, ("fwd",)), None, None
+    else:
+        configs, composed, ref = backward_points(trials, max_points)
+    points = []
+    for number, config in enumerate(configs, 1):
+        points.append(point(trials, config, part, runs))
+        print(f"{name} {part} {number}/{len(configs)}: {points[-1]['status']} "
+              f"{points[-1].get('rel', points[-1].get('reason', ''))}", file=sys.stderr, flush=True)
+    result = {"part": part, "objective": part, "runs": runs, "grid": len(trials.space.grid(trials.default, (part,))),
+              "default": trials.default.to_dict()[part], "points": points}
+    if composed is not None:
+        by_config = {json.dumps(p["config"], sort_keys=True): p for p in points}
+
+        def seconds(config) -> float | None:
+            found = by_config.get(json.dumps(config.to_dict()["bwd"], sort_keys=True))
+            return found.get("seconds") if found else None
+
+        reference = seconds(ref)
+        estimates = []
+        for config, kv, q in composed:
+            parts = [seconds(kv), seconds(q)]
+            if None in parts or reference is None:
+                continue
+            estimates.append({"config": config.to_dict()["bwd"], "status": "composed",
+                              "seconds": parts[0] + parts[1] - reference})
+        checks = []
+        for config, _, _ in composed[:: max(1, len(composed) // 5)][:5]:
+            measured = point(trials, config, part, runs)
+            estimate = next((e for e in estimates if e["config"] == config.to_dict()["bwd"]), None)
+            if measured["status"] == "ok" and estimate is not None:
+                checks.append({"config": measured["config"], "measured_s": measured["seconds"],
+                               "composed_s": estimate["seconds"],
+                               "error": estimate["seconds"] / measured["seconds"] - 1})
+        result["composed"] = estimates
+        result["composition_checks"] = checks
+    ok = [p for p in points if p["status"] == "ok"]
+    best = min(ok, key=lambda p: p["rel"])
+    best_config = trials.space.config({f"{part}.{k}": v for k, v in best["config"].items() if v is not None},
+                                      trials.default)
+    default_rel, best_rel = [], []
+    for _ in range(noise):
+        default_rel.append(point(trials, trials.default, part, runs)["rel"])
+        best_rel.append(point(trials, best_config, part, runs, keep=True)["rel"])
+    result["noise"] = {"default_rel": default_rel, "best_rel": best_rel, "best_config": best["config"]}
+    result["seconds_total"] = time.perf_counter() - started
+    result["device_kind"] = jax.devices()[0].device_kind
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("problem", nargs="?", help="one of --list")
+    parser.add_argument("--list", action="store_true", help="print the problems and stop")
+    parser.add_argument("--part", choices=("fwd", "bwd", "both"), default="both")
+    parser.add_argument("--runs", type=int, default=3, help="timed runs per point, as tuner search's --runs")
+    parser.add_argument("--noise", type=int, default=5, help="re-timings of the default and the best")
+    parser.add_argument("--max-points", type=int, default=120, help="a larger backward grid is composed")
+    options = parser.parse_args()
+    if options.list or options.problem is None:
+        for name, fields in PROBLEMS.items():
+            print(f"{name}: {fields}")
+        return 0
+    if options.problem not in PROBLEMS:
+        parser.error(f"problem must be one of {', '.join(PROBLEMS)}, got {options.problem!r}")
+    ring = PROBLEMS[options.problem]["ring_size"]
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ring}"
+    sys.path.insert(0, str(ROOT))
+    from tuner.semantics.problem import Problem
+
+    out = ROOT / "benchmarks" / "results" / f"landscape-scan-cpu-{options.problem}.json"
+    recorded = json.loads(out.read_text()) if out.exists() else {
+        "backend": "scan", "device": "cpu", "problem": dataclasses.asdict(Problem(**PROBLEMS[options.problem])),
+        "parts": {}}
+    for part in ("fwd", "bwd") if options.part == "both" else (options.part,):
+        recorded["parts"][part] = landscape(options.problem, part, options.runs, options.noise, options.max_points)
+        recorded["parts"][part]["command"] = " ".join(["python", *sys.argv])
+        recorded["parts"][part]["date"] = datetime.date.today().isoformat()
+        recorded["parts"][part]["cores"] = os.cpu_count()
+        out.write_text(json.dumps(recorded, indent=1) + "\n")
+        print(f"wrote {out.relative_to(ROOT)} ({part})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
