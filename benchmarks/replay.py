@@ -1,0 +1,206 @@
+"""optuna's samplers replayed on recorded landscapes: how many trials until within 5% of the grid's best.
+
+    python benchmarks/replay.py [--seeds 20] [--samplers tpe,gp,random,qmc,grid] [--budget 40]
+
+Each landscape (`benchmarks/landscape.py`, `benchmarks/results/landscape-*.json`) gives every point's
+value. A replay runs a real optuna study with the sampler as `tuner search` builds it
+(`tuner.tuning.study.make_sampler`; `qmc` is optuna's QMCSampler), and asks for configs through the
+backend's own `Space.suggest`, as a search does:
+
+- the first trial is the default; `grid` walks the grid in a seeded random order;
+- a config tried before is given back (no trial counted) and an untried grid point is queued, as the
+  search's claims do;
+- a pruned or failed point counts as a trial, as it does in a search;
+- a timed point's value is its recorded value times a draw of the recording's noise: a log-normal with
+  the spread of the re-timed default and best (`noise` in the landscape).
+
+Per objective: `fwd` and `bwd` replay one part's landscape; `fwd+bwd` (where a problem has both) replays
+the product space, each trial's value (fwd s + bwd s) / (default fwd s + default bwd s). After each
+trial the replay scores what the search would store if it ended there: its best 3 trials, the default
+and (fwd+bwd) the best-forward x best-backward combination, re-timed with the noise of 5 runs, the
+fastest of them by that re-timing; scored by its *recorded* value against the grid's best. Reported per sampler and
+problem, over the seeds: the median and 90th-percentile number of trials until the incumbent is within
+5% of the grid's best (`>B` when the budget of B trials did not reach it), and the incumbent's value
+over the best after 6, 12 and 24 trials (median). Writes `benchmarks/results/replay-<date>.json` and
+prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import random
+import statistics
+import sys
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import optuna  # noqa: E402
+
+from tuner import registry  # noqa: E402
+from tuner.semantics.problem import Problem  # noqa: E402
+from tuner.tuning.study import make_sampler  # noqa: E402
+
+WITHIN = 1.05
+CHECKPOINTS = (6, 12, 24)
+
+
+class Landscape:
+    """One part's recorded points, by config, and its noise."""
+
+    def __init__(self, part: str, recorded: dict):
+        self.part = part
+        self.values: dict[str, float | None] = {}  # config key -> seconds (None: pruned or failed)
+        for p in recorded["points"] + recorded.get("composed", []):
+            self.values.setdefault(key(p["config"]), p.get("seconds") if p["status"] in ("ok", "composed") else None)
+        default = [p for p in recorded["points"] if p["status"] == "ok"]
+        self.default_seconds = statistics.median(p["default_seconds"] for p in default)
+        noise = recorded["noise"]
+        logs = [math.log(r) for r in noise["default_rel"]] + [math.log(r / statistics.median(noise["best_rel"]))
+                                                              for r in noise["best_rel"]]
+        self.sigma = statistics.pstdev(logs)
+        self.best = min(v for v in self.values.values() if v is not None)
+
+    def seconds(self, config: dict) -> float | None:
+        return self.values.get(key(config))
+
+
+def key(part_config: dict) -> str:
+    return json.dumps({k: v for k, v in part_config.items() if v is not None}, sort_keys=True)
+
+
+def replay(landscapes: dict[str, Landscape], space, default, sampler_name: str, seed: int, budget: int,
+           grid_order: list) -> list[float]:
+    """The incumbent's recorded value over the grid's best after each counted trial (len = budget)."""
+    parts = tuple(landscapes)
+    rng = random.Random(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if sampler_name == "qmc":
+            sampler = optuna.samplers.QMCSampler(scramble=True, seed=seed, warn_independent_sampling=False)
+        else:
+            sampler = make_sampler("random" if sampler_name == "grid" else sampler_name, seed, budget)
+        study = optuna.create_study(sampler=sampler, direction="minimize")
+    pool = list(grid_order)
+    rng.shuffle(pool)
+    study.enqueue_trial(space.params(default, parts))
+    if sampler_name == "grid":
+        for config in pool:
+            study.enqueue_trial(space.params(config, parts))
+    base = sum(landscapes[p].default_seconds for p in parts)
+    best_total = sum(landscapes[p].best for p in parts) / base
+    tried: set[str] = set()
+    timed: list[tuple[float, dict]] = []  # (noisy value, recorded seconds per part) of each timed trial
+    seen: dict[str, tuple[float, dict]] = {}  # per part: the best (noisy seconds, config) seen
+    trace: list[float] = []
+    given_back = 0
+    retime = math.sqrt(3 / 5)  # the search re-times its finalists with 5 runs where trials had 3
+    while len(trace) < budget and given_back < 200:
+        trial = study.ask()
+        config = space.suggest(trial, default, parts)
+        name = json.dumps(space.params(config, parts), sort_keys=True)
+        if name in tried:
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            given_back += 1
+            untried = [c for c in pool if json.dumps(space.params(c, parts), sort_keys=True) not in tried]
+            if untried:
+                study.enqueue_trial(space.params(untried[0], parts))
+            elif given_back >= 10:
+                break  # the space is covered
+            continue
+        tried.add(name)
+        given_back = 0
+        recorded = {p: landscapes[p].seconds(config.to_dict()[p]) for p in parts}
+        if any(v is None for v in recorded.values()):
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        else:
+            noisy = {p: v * math.exp(rng.gauss(0, landscapes[p].sigma)) for p, v in recorded.items()}
+            value = sum(noisy.values()) / base
+            study.tell(trial, value)
+            timed.append((value, recorded))
+            for p in parts:
+                if p not in seen or noisy[p] < seen[p][0]:
+                    seen[p] = (noisy[p], config.to_dict()[p])
+        # What the search would store now: the best 3 trials, the default and the best-forward x
+        # best-backward combination re-timed, the fastest of them by that re-timing.
+        finalists = [r for _, r in sorted(timed, key=lambda t: t[0])[:3]]
+        finalists.append({p: landscapes[p].seconds(default.to_dict()[p]) or landscapes[p].default_seconds
+                          for p in parts})
+        if len(parts) == 2 and len(seen) == 2:
+            finalists.append({p: landscapes[p].seconds(seen[p][1]) for p in parts})
+        retimed = [(sum(v * math.exp(rng.gauss(0, landscapes[p].sigma * retime)) for p, v in f.items()),
+                    sum(f.values())) for f in finalists]
+        trace.append(min(retimed)[1] / base / best_total)
+    while len(trace) < budget:  # a covered space: the incumbent stays
+        trace.append(trace[-1] if trace else math.inf)
+    return trace
+
+
+def trials_to_within(trace: list[float]) -> int | None:
+    return next((i + 1 for i, v in enumerate(trace) if v <= WITHIN), None)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--samplers", default="tpe,gp,random,qmc,grid")
+    parser.add_argument("--budget", type=int, default=40, help="trials per replay")
+    parser.add_argument("--files", nargs="*", default=None, help="landscape files (default: all recorded)")
+    options = parser.parse_args()
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    files = [Path(f) for f in options.files] if options.files else sorted(
+        (ROOT / "benchmarks" / "results").glob("landscape-*.json"))
+    rows = []
+    for file in files:
+        recorded = json.loads(file.read_text())
+        problem = Problem(**{k: tuple(v) if isinstance(v, list) else v for k, v in recorded["problem"].items()})
+        implementation = registry.get(recorded["backend"])
+        space = implementation.space(problem.shapes, problem.spec)
+        default = implementation.default_config(problem.shapes, problem.spec)
+        objectives = [(p,) for p in ("fwd", "bwd") if p in recorded["parts"]]
+        if len(objectives) == 2:
+            objectives.append(("fwd", "bwd"))
+        for parts in objectives:
+            landscapes = {p: Landscape(p, recorded["parts"][p]) for p in parts}
+            grid = space.grid(default, parts)
+            size = math.prod(sum(v is not None for v in landscapes[p].values.values()) for p in parts)
+            for sampler in options.samplers.split(","):
+                traces = [replay(landscapes, space, default, sampler, seed, options.budget, grid)
+                          for seed in range(options.seeds)]
+                reached = [trials_to_within(t) for t in traces]
+                numbers = sorted(r if r is not None else options.budget + 1 for r in reached)
+                rows.append({
+                    "problem": file.stem.removeprefix("landscape-"), "objective": "+".join(parts),
+                    "sampler": sampler, "valid_points": size,
+                    "median_trials": statistics.median(numbers), "p90_trials": numbers[int(0.9 * (len(numbers) - 1))],
+                    "never": sum(r is None for r in reached),
+                    **{f"best_after_{n}": statistics.median(t[n - 1] for t in traces) for n in CHECKPOINTS
+                       if n <= options.budget}})
+                print(rows[-1], file=sys.stderr, flush=True)
+    budget = options.budget
+
+    def trials_text(value: float) -> str:
+        return f">{budget}" if value > budget else f"{value:g}"
+
+    lines = ["| problem | objective | valid points (30%) | sampler | trials to 5% (median / p90) | "
+             "best after 6 / 12 / 24 |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        after = " / ".join(f"{r[f'best_after_{n}']:.2f}" for n in CHECKPOINTS if f"best_after_{n}" in r)
+        lines.append(f"| {r['problem']} | {r['objective']} | {r['valid_points']} ({0.3 * r['valid_points']:.0f}) | "
+                     f"{r['sampler']} | "
+                     f"{trials_text(r['median_trials'])} / {trials_text(r['p90_trials'])} | {after} |")
+    print("\n".join(lines))
+    out = ROOT / "benchmarks" / "results" / f"replay-{datetime.date.today().isoformat()}.json"
+    out.write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "seeds": options.seeds,
+                               "budget": options.budget, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {out.relative_to(ROOT)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
