@@ -3,6 +3,7 @@ constrained points are pruned before compiling, wrong and unbuildable candidates
 their reasons, the search goes on, and the winner lands in the cache."""
 
 import json
+import re
 import sqlite3
 
 import optuna
@@ -12,6 +13,7 @@ from tuner import BwdParams, FwdParams, registry
 from tuner.kernels.base import SearchSpace
 from tuner.kernels.scan import ScanBackend
 from tuner.cache import Cache
+from tuner.cli.usage import search_summary
 from tuner.strategies.implementations import Ring, TileConfig, TileSpace
 from tuner.semantics.problem import Problem
 from tuner.tuning.search import SearchOptions, search
@@ -236,3 +238,18 @@ def test_the_cache_keeps_the_best_result_of_the_workers(faulty, tmp_path):
     replaced = search(TINY, device="cpu", backend="faulty", options=options, db=db)
     assert replaced.stored and replaced.stored_speedup == replaced.speedup
     assert [r["speedup"] for r in cache.rows()] == [replaced.speedup]
+
+
+def test_a_timeout_stores_the_best_verified_config_so_far_and_says_where_time_went(tmp_path):
+    """`timeout` ends a search of 100 trials after a few: the best verified config so far is stored and the
+    summary says so; the run's seconds are split into compiling, checking and timing."""
+    problem = Problem(batch=1, seq_len=128, heads=4, kv_heads=2, head_dim=16, causal=True, ring_size=2)
+    result = search(problem, device="cpu", backend="scan", db=tmp_path / "t.sqlite",
+                    options=SearchOptions(trials=100, timeout=8, runs=1, final_runs=1))
+    assert result.timed_out and 1 <= result.trials_run < 100
+    assert len(Cache(tmp_path / "t.sqlite").rows()) == 1 and result.stored
+    assert set(result.spent) == {"compile", "check", "timing"} and all(v > 0 for v in result.spent.values())
+    assert sum(result.spent.values()) <= result.seconds
+    summary = "\n".join(search_summary(result))
+    assert "stopped  by --timeout with" in summary and "the best verified config so far" in summary
+    assert re.search(r"^time     \d+ s: compile \d+ s \(\d+%\), check", summary, re.M), summary

@@ -76,7 +76,17 @@ def search_summary(result: SearchResult) -> list[str]:
     else:
         lines.append(f"kept     key {result.key.digest} in {result.db_path}: an earlier result of this study's "
                      f"workers ({result.stored_speedup:.2f}x) beats this run's ({result.speedup:.2f}x)")
-    lines.append(f"study    {result.study} in {result.storage}  ({result.seconds:.0f} s)")
+    if result.timed_out:
+        lines.append(f"stopped  by --timeout with {result.trials_run} of {result.trials_asked} trials: the best "
+                     f"verified config so far is the winner; run again to go on")
+    lines.append(f"study    {result.study} in {result.storage}")
+    if result.spent:
+        spent = {part: result.spent.get(part, 0.0) for part in ("compile", "check", "timing")}
+        spent["start-up, sampler and storage"] = max(0.0, result.seconds - sum(spent.values()))
+        lines.append(f"time     {result.seconds:.0f} s: " + ", ".join(
+            f"{part} {seconds:.0f} s ({seconds / result.seconds:.0%})" for part, seconds in spent.items()))
+    else:
+        lines.append(f"time     {result.seconds:.0f} s")
     lines += [f"use      {line}" for line in loader_call(result.problem, result.backend)]
     lines.append(f"next     `tuner bench` with the same options times them against dense attention; "
                  f"`tuner show {result.key.digest[:8]}` prints the entry")

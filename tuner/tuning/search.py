@@ -79,6 +79,9 @@ class SearchResult:
     stored_speedup: float
     failures: list[str] = field(default_factory=list)
     decided_by: str = ""  # the worker whose re-timing decided the study's winner (`host:pid`)
+    spent: dict[str, float] = field(default_factory=dict)  # this run's seconds compiling, checking, timing
+    timed_out: bool = False  # `timeout` ended this run before the study counted its `trials`
+    trials_asked: int = 0  # the study's total, `SearchOptions.trials`
 
     @property
     def speedup(self) -> float:
@@ -151,7 +154,8 @@ def search(
     shared = Shared(storage)
     decided = reconnecting(storage_url, lambda: shared.winner(name), options.reconnect)
     if decided is not None and (decided["trials"] >= options.trials or decided["covered"]):
-        return _result(problem, chosen, device_kind, key, options, storage_url, study, cache, decided, started, 0)
+        return _result(problem, chosen, device_kind, key, options, storage_url, study, cache, decided, started, 0,
+                       None)
 
     state = Trials(problem, chosen, options, shared, name)
     configs = [state.default]
@@ -198,12 +202,12 @@ def search(
                 "covered": state.exhausted}
         decision = reconnecting(storage_url, lambda: shared.decide(name, mine, len(trials)), options.reconnect)
     return _result(problem, chosen, device_kind, key, options, storage_url, study, cache, decision, started,
-                   new_trials)
+                   new_trials, state)
 
 
 def _result(problem: Problem, chosen: registry.Implementation, device_kind: str, key: ProblemKey,
             options: SearchOptions, storage_url: str, study: optuna.Study, cache: Cache, decision: dict,
-            started: float, new_trials: int) -> SearchResult:
+            started: float, new_trials: int, state: Trials | None) -> SearchResult:
     """Store the study's decided winner in `cache` (unless it holds a better row) and say what happened."""
     trials = finished(study.get_trials(deepcopy=False))
     counts = Counter(t.user_attrs["failure"] for t in trials if t.state == optuna.trial.TrialState.FAIL)
@@ -215,7 +219,10 @@ def _result(problem: Problem, chosen: registry.Implementation, device_kind: str,
                         default, best, len(trials), sum(t.state == optuna.trial.TrialState.PRUNED for t in trials),
                         dict(counts), cache.path, time.perf_counter() - started, new_trials, stored=stored,
                         stored_speedup=held["speedup"], failures=decision["failures"],
-                        decided_by="" if decision["worker"] == worker_name() else decision["worker"])
+                        decided_by="" if decision["worker"] == worker_name() else decision["worker"],
+                        spent={} if state is None else dict(state.spent),
+                        timed_out=options.timeout is not None and len(trials) < options.trials
+                        and not decision["covered"], trials_asked=options.trials)
 
 
 def study_of(problem: Problem, device: str, backend: str, options: SearchOptions

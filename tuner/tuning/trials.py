@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import optuna
@@ -24,6 +25,7 @@ from tuner.tuning.verify import ReferenceCheck, TrialFailed, failure_reason
 from tuner.tuning.workload import Compiled, Workload
 
 DUPLICATES_IN_A_ROW = 10  # sampled configs already held, in a row, after which the space counts as covered
+SPENT = ("compile", "check", "timing")  # where a search's seconds go, besides the sampler and the storage
 
 
 @dataclass
@@ -68,6 +70,7 @@ class Trials:
         self.reference = ReferenceCheck(self.workload, seed=10_000 + options.seed, backward=options.tunes_bwd)
         self.time_sets = [self.workload.draw(seed=options.seed + i) for i in range(3)]
         self.built: dict[Config, tuple[Compiled, float]] = {}
+        self.spent: Counter[str] = Counter()  # seconds compiling, checking and timing (SPENT)
         try:
             self.baseline = self.compile(self.default, deadline=None)
         except TrialFailed as failure:
@@ -80,9 +83,17 @@ class Trials:
         """Compile `config` for timing, checked first (at float32) against the reference; a config
         this process already built is reused."""
         if config not in self.built:
+            started = time.perf_counter()
             fn = self.workload.attend(self.implementation.name, config, interpret=self.options.interpret)
-            self.built[config] = self.reference.compile_checked(fn, *self.time_sets[0], deadline=deadline,
-                                                                trial_timeout=self.options.trial_timeout)
+            try:
+                self.built[config] = self.reference.compile_checked(fn, *self.time_sets[0], deadline=deadline,
+                                                                    trial_timeout=self.options.trial_timeout)
+            except TrialFailed as failure:  # a failed check compiled first; a failed build did not check
+                self.spent["check" if failure.reason == "wrong" else "compile"] += time.perf_counter() - started
+                raise
+            compile_seconds = self.built[config][1]
+            self.spent["compile"] += compile_seconds
+            self.spent["check"] += time.perf_counter() - started - compile_seconds
         return self.built[config]
 
     def measure(self, candidates: dict[str, Compiled], runs: int, deadline: float | None
@@ -91,7 +102,11 @@ class Trials:
         thunks = dict(self.default_thunks)
         for name, compiled in candidates.items():
             thunks.update(compiled.thunks(name, self.time_sets, forward=self.options.tunes_fwd))
-        timings = run_interleaved(thunks, runs=runs, warmup=1, calls=self.options.calls, deadline=deadline)
+        started = time.perf_counter()
+        try:
+            timings = run_interleaved(thunks, runs=runs, warmup=1, calls=self.options.calls, deadline=deadline)
+        finally:
+            self.spent["timing"] += time.perf_counter() - started
         return {name: (timings.get(f"{name}:fwd"), timings.get(f"{name}:bwd"))
                 for name in ("default", *candidates)}
 
@@ -194,4 +209,4 @@ def retime(state: Trials, trials: list[optuna.trial.FrozenTrial]
     return {name: Measured(names[name], *timings[name]) for name in names}, failures
 
 
-__all__ = ["DUPLICATES_IN_A_ROW", "Measured", "Trials", "retime"]
+__all__ = ["DUPLICATES_IN_A_ROW", "SPENT", "Measured", "Trials", "retime"]
