@@ -2,17 +2,19 @@
 constrained points are pruned before compiling, wrong and unbuildable candidates are failed trials with
 their reasons, the search goes on, and the winner lands in the cache."""
 
+import dataclasses
 import json
 import re
 import sqlite3
 
+import jax
 import optuna
 import pytest
 
 from tuner import BwdParams, FwdParams, registry
 from tuner.kernels.base import SearchSpace
 from tuner.kernels.scan import ScanBackend
-from tuner.cache import Cache
+from tuner.cache import Cache, make_row
 from tuner.cli.usage import search_summary
 from tuner.strategies.implementations import Ring, TileConfig, TileSpace
 from tuner.semantics.problem import Problem
@@ -253,3 +255,32 @@ def test_a_timeout_stores_the_best_verified_config_so_far_and_says_where_time_we
     summary = "\n".join(search_summary(result))
     assert "stopped  by --timeout with" in summary and "the best verified config so far" in summary
     assert re.search(r"^time     \d+ s: compile \d+ s \(\d+%\), check", summary, re.M), summary
+
+
+def test_a_warm_study_starts_from_the_nearest_tuned_problems_winner(tmp_path):
+    """The cache holds a winner for a problem twice as long: a new study's first trial after the default is
+    that config, marked as coming from it; with no neighbour, or `warm_start=False`, the sampler comes next."""
+    db = tmp_path / "t.sqlite"
+    near = Problem(batch=1, seq_len=256, heads=4, kv_heads=2, head_dim=16, causal=True, ring_size=2)
+    problem = dataclasses.replace(near, seq_len=128)
+    scan = registry.get("scan")
+    options = SearchOptions(objective="fwd", trials=2, runs=1, final_runs=1)
+
+    lonely = search(problem, device="cpu", backend="scan", db=db, options=options)
+    first = optuna.load_study(study_name=lonely.study, storage=default_storage(db)).trials
+    assert [t.user_attrs.get("source") for t in first[:2]] == ["default", "sampler"]
+
+    winner = TileConfig(FwdParams(32, 64), scan.default_config(near.shapes, near.spec).bwd)
+    near_key = registry.problem_key(near, "scan", jax.devices()[0].device_kind)
+    Cache(db).put(make_row(near_key, winner, versions=registry.versions(scan), tool_version="test",
+                           objective="fwd", best_s=1.0, default_s=2.0, speedup=2.0, trials_run=1, trials_pruned=0,
+                           study="near"))
+    for warm, expected in ((True, f"nearest {near_key.digest[:8]} (distance 2.0)"), (False, "sampler")):
+        db_run = tmp_path / f"{warm}.sqlite"
+        Cache(db_run).put(Cache(db).rows()[-1])
+        result = search(problem, device="cpu", backend="scan", db=db_run,
+                        options=dataclasses.replace(options, warm_start=warm))
+        trials = optuna.load_study(study_name=result.study, storage=default_storage(db_run)).trials
+        assert trials[1].user_attrs["source"] == expected
+        if warm:
+            assert (trials[1].params["fwd.block_q"], trials[1].params["fwd.block_kv"]) == (32, 64)

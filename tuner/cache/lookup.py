@@ -183,6 +183,29 @@ class _Search:
         return Lookup(row, source, "; ".join(parts))
 
 
+def neighbours(select: Callable[..., list[dict[str, Any]]], key: ProblemKey, versions: dict[str, str],
+               limit: int) -> list[tuple[float, dict[str, Any]]]:
+    """Up to `limit` (distance, row) of the valid, current search rows tuned for other problems of the same
+    op, implementation, device kind and dtype, nearest first: the loader's distance (sizes and layout),
+    plus the log2 ratio of the head dims, plus 1 when the features differ. A search starts from their
+    configs (warm start)."""
+    family = ("op", "backend", "device_kind", "dtype")
+    current = " AND ".join(f"{f} = ?" for f in VERSION_FIELDS)
+    rows = select(f"SELECT * FROM {TABLE} WHERE {' AND '.join(f'{f} = ?' for f in family)} AND {current} "
+                  f"AND {{source}} = 'search' AND key != ?",
+                  [*(getattr(key, f) for f in family), *(versions[f] for f in VERSION_FIELDS), key.digest])
+    ranked = []
+    for row in rows:
+        distance = _distance(row, key)
+        if distance is None or row_problem(row) is not None or not is_int(row["head_dim"]) or row["head_dim"] <= 0:
+            continue
+        distance += abs(math.log2(row["head_dim"] / key.head_dim))
+        distance += 0.0 if row["features"] == features_text(key.features) else 1.0
+        ranked.append((distance, row))
+    ranked.sort(key=lambda item: item[0])
+    return ranked[:limit]
+
+
 def find_entry(select: Callable[..., list[dict[str, Any]]], path: Path, key: ProblemKey, versions: dict[str, str],
                accept: Callable[[dict[str, Any]], str | None] | None = None) -> Lookup:
     """The entry to use for `key` among the rows of the cache at `path` (read by `select(sql, params)`)

@@ -23,7 +23,7 @@ from typing import Any
 import sqlite_utils
 
 from tuner.cache import legacy
-from tuner.cache.lookup import Lookup, find_entry
+from tuner.cache.lookup import Lookup, find_entry, neighbours
 from tuner.cache.rows import (COLUMNS, INDEXES, KEY_FIELDS, TABLE, VERSION_FIELDS, canonical, check_row, row_problem,
                               upgrade, warn_once)
 from tuner.semantics.problem import ProblemKey
@@ -363,6 +363,10 @@ class Cache:
             warn_once(self.path, f"mechanisms row {key} skipped", problem)
             return None
         return rows[0]
+
+    def neighbours(self, key: ProblemKey, versions: dict[str, str], limit: int = 3) -> list[tuple[float, dict]]:
+        """The rows tuned for the problems nearest `key` (`tuner.cache.lookup.neighbours`), nearest first."""
+        return neighbours(self._select, key, versions, limit)
 
     def lookup(self, key: ProblemKey, versions: dict[str, str],
                accept: Callable[[dict[str, Any]], str | None] | None = None) -> Lookup:

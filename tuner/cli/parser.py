@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     tuning.add_argument("--reconnect", type=_finite, default=120.0, help="seconds to keep retrying a study "
                                                                         "storage that stopped answering, then "
                                                                         "stop without writing anything")
+    tuning.add_argument("--no-warm-start", dest="warm_start", action="store_false",
+                        help="start from the default and the sampler only, not from the winners of the nearest "
+                             "tuned problems in the cache")
     tuning.add_argument("--interpret", action="store_true", help="run kernel backends in their "
                                                                  "interpreter (CPU checks)")
     tuning.add_argument("--dry-run", action="store_true",

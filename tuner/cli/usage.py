@@ -56,14 +56,14 @@ def search_summary(result: SearchResult) -> list[str]:
     the study's trials, where the winner went (stored, or kept: a better row of the study's workers),
     the study, the loader call that uses the entry and what to run next."""
     rows = []
-    for name, measured in (("default", result.default), ("best", result.best)):
+    for name, measured, came in (("default", result.default, "default"), ("best", result.best, result.best_from)):
         times = [f"{t.median * 1e3:.1f}" if t is not None else "-" for t in (measured.fwd, measured.bwd)]
         rows.append([name, *times, f"{measured.seconds * 1e3:.1f}",
                      f"{result.default.seconds / measured.seconds:.2f}x",
-                     describe_config(measured.config)])
+                     describe_config(measured.config), came or "-"])
     failed = ", ".join(f"{reason} {count}" for reason, count in sorted(result.failed.items())) or "none"
     lines = [f"{result.backend} backend on {result.device_kind}: {result.problem.describe()}",
-             table(["", "fwd ms", "bwd ms", "total ms", "speedup", "params"], rows),
+             table(["", "fwd ms", "bwd ms", "total ms", "speedup", "params", "from"], rows),
              f"trials   {result.trials_run} in the study ({result.new_trials} run now): "
              f"{result.trials_run - result.trials_pruned - sum(result.failed.values())} complete, "
              f"{result.trials_pruned} pruned, failed: {failed}"]

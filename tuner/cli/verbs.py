@@ -43,7 +43,8 @@ def run_search(args: argparse.Namespace) -> int:
         options = SearchOptions(objective=args.objective, trials=args.trials, timeout=args.timeout,
                                 trial_timeout=args.trial_timeout, sampler=args.sampler, seed=args.seed,
                                 storage=args.storage, heartbeat=args.heartbeat, reconnect=args.reconnect,
-                                runs=args.runs, calls=calls_of(args), interpret=args.interpret)
+                                warm_start=args.warm_start, runs=args.runs, calls=calls_of(args),
+                                interpret=args.interpret)
         check_device(args.device)
         resolve_backend(args.backend, problem, args.device, args.interpret)
     except ValueError as error:

@@ -16,7 +16,8 @@ class SearchOptions:
     `trial_timeout` bounds one trial (checked between its compile, check and timed runs: a single
     compile that runs longer is not interrupted); `heartbeat` is the seconds between a running trial's
     heartbeats in the storage (a trial silent for twice that belonged to a dead worker); `reconnect` is
-    how long a storage that stopped answering is retried before the search stops."""
+    how long a storage that stopped answering is retried before the search stops; `warm_start` queues
+    the winners of the nearest tuned problems right after the default (`tuner.tuning.warm`)."""
 
     objective: str = "fwd+bwd"
     trials: int = 12
@@ -27,6 +28,7 @@ class SearchOptions:
     storage: str | None = None
     heartbeat: int = HEARTBEAT_S
     reconnect: float = 120.0
+    warm_start: bool = True
     runs: int = 3
     final_runs: int = 5
     calls: int = 1

@@ -50,6 +50,7 @@ from tuner.tuning.options import SearchOptions
 from tuner.tuning.study import (counted, default_storage, enqueue, finished, make_sampler, open_storage,
                                 study_name, taken)
 from tuner.tuning.trials import Measured, Trials, retime
+from tuner.tuning.warm import warm_start
 from tuner.tuning.workers import quiet_heartbeats, reconnecting, run_until_decided
 
 
@@ -81,6 +82,7 @@ class SearchResult:
     decided_by: str = ""  # the worker whose re-timing decided the study's winner (`host:pid`)
     spent: dict[str, float] = field(default_factory=dict)  # this run's seconds compiling, checking, timing
     timed_out: bool = False  # `timeout` ended this run before the study counted its `trials`
+    best_from: str = ""  # where the winner came from: "default", "trial N (its source)" or a combination
     trials_asked: int = 0  # the study's total, `SearchOptions.trials`
 
     @property
@@ -158,10 +160,12 @@ def search(
                        None)
 
     state = Trials(problem, chosen, options, shared, name)
-    configs = [state.default]
+    enqueue(study, [state.default], state.space, state.parts)
+    if options.warm_start:
+        warm_start(study, cache, key, versions, chosen, state.space, state.default, state.parts)
     if options.sampler == "grid":
-        configs += [c for c in state.space.grid(state.default, state.parts) if c != state.default]
-    enqueue(study, configs[:options.trials], state.space, state.parts)
+        grid = [c for c in state.space.grid(state.default, state.parts) if c != state.default]
+        enqueue(study, grid[:options.trials - 1], state.space, state.parts, source="grid")
     new_trials = 0
 
     def after_trial(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
@@ -199,7 +203,7 @@ def search(
                        speedup=default.seconds / winner.seconds, trials_run=len(trials), trials_pruned=pruned,
                        trials_failed=dict(counts), study=name)
         mine = {"row": row, "default": default.to_dict(), "best": winner.to_dict(), "failures": failures,
-                "covered": state.exhausted}
+                "covered": state.exhausted, "best_from": min(measured, key=lambda n: measured[n].seconds)}
         decision = reconnecting(storage_url, lambda: shared.decide(name, mine, len(trials)), options.reconnect)
     return _result(problem, chosen, device_kind, key, options, storage_url, study, cache, decision, started,
                    new_trials, state)
@@ -222,7 +226,8 @@ def _result(problem: Problem, chosen: registry.Implementation, device_kind: str,
                         decided_by="" if decision["worker"] == worker_name() else decision["worker"],
                         spent={} if state is None else dict(state.spent),
                         timed_out=options.timeout is not None and len(trials) < options.trials
-                        and not decision["covered"], trials_asked=options.trials)
+                        and not decision["covered"], trials_asked=options.trials,
+                        best_from=decision.get("best_from", ""))
 
 
 def study_of(problem: Problem, device: str, backend: str, options: SearchOptions

@@ -127,15 +127,17 @@ def fail_stale(study: optuna.Study) -> None:
         optuna.storages.fail_stale_trials(study)
 
 
-def enqueue(study: optuna.Study, configs: list[Config], space: registry.Space, parts: tuple[str, ...]) -> None:
-    """Queue `configs` as the study's next trials, except those a trial already holds that waits, runs
-    or counts (an interrupted, surplus or killed trial gives its config back)."""
+def enqueue(study: optuna.Study, configs: list[Config], space: registry.Space, parts: tuple[str, ...],
+            source: str = "default") -> None:
+    """Queue `configs` as the study's next trials, each saying where it came from (user attribute
+    `source`), except those a trial already holds that waits, runs or counts (an interrupted, surplus or
+    killed trial gives its config back)."""
     held = [t.system_attrs.get("fixed_params", t.params) for t in study.get_trials(deepcopy=False)
             if not t.state.is_finished() or counted(t)]
     for config in configs:
         params = space.params(config, parts)
         if params not in held:
-            study.enqueue_trial(params)
+            study.enqueue_trial(params, user_attrs={"source": source})
             held.append(params)
 
 

@@ -118,6 +118,8 @@ class Trials:
         start = time.perf_counter()
         deadline = start + self.options.trial_timeout
         trial.set_user_attr("worker", worker_name())
+        if "source" not in trial.user_attrs:
+            trial.set_user_attr("source", "sampler")
         config = self.space.suggest(trial, self.default, self.parts)
         holder = self.shared.claim_config(self.name, trial.params, trial.number, trial.study)
         if holder is not None:
@@ -187,7 +189,8 @@ def retime(state: Trials, trials: list[optuna.trial.FrozenTrial]
     for t in complete:
         if len(configs) > options.top:
             break
-        configs.setdefault(state.space.config(t.params, state.default), f"trial {t.number}")
+        configs.setdefault(state.space.config(t.params, state.default),
+                           f"trial {t.number} ({t.user_attrs.get('source', 'sampler')})")
     if options.objective == "fwd+bwd" and complete:
         best_fwd = min(complete, key=lambda t: t.user_attrs["fwd_rel"])
         best_bwd = min(complete, key=lambda t: t.user_attrs["bwd_rel"])
