@@ -1,0 +1,66 @@
+"""`benchmarks/replay.py` on synthetic landscapes of a tiny problem: the harness behind the sampler table
+of docs/tuning.md. Without noise, a grid walk finds the best; a warm replay starts from the neighbour's best."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tuner import registry
+from tuner.semantics.problem import Problem
+
+ROOT = Path(__file__).resolve().parent.parent
+_SPEC = importlib.util.spec_from_file_location("replay", ROOT / "benchmarks" / "replay.py")
+replay = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(replay)
+
+PROBLEM = Problem(batch=1, seq_len=256, heads=2, kv_heads=1, head_dim=16, causal=True, ring_size=2)
+
+
+def write_landscape(path: Path, problem: Problem, best: tuple[int, int]) -> None:
+    """A forward landscape where every point takes 1 s plus 0.1 s per doubling away from `best`, no noise."""
+    scan = registry.get("scan")
+    space, default = scan.space(problem.shapes, problem.spec), scan.default_config(problem.shapes, problem.spec)
+    points = []
+    for config in space.grid(default, ("fwd",)):
+        fwd = config.to_dict()["fwd"]
+        steps = sum(abs(math.log2(fwd[n] / b)) for n, b in zip(("block_q", "block_kv"), best))
+        points.append({"config": fwd, "status": "ok", "seconds": 1.0 + 0.1 * steps, "default_seconds": 2.0,
+                       "rel": (1.0 + 0.1 * steps) / 2.0})
+    path.write_text(json.dumps({"backend": "scan", "device": "cpu", "problem": dataclasses.asdict(problem),
+                                "parts": {"fwd": {"points": points, "device_kind": "cpu",
+                                                  "noise": {"default_rel": [1.0] * 5, "best_rel": [0.5] * 5}}}}))
+
+
+@pytest.fixture
+def landscapes(tmp_path) -> list[Path]:
+    here, there = tmp_path / "landscape-here.json", tmp_path / "landscape-there.json"
+    write_landscape(here, PROBLEM, best=(64, 32))
+    write_landscape(there, dataclasses.replace(PROBLEM, seq_len=512), best=(64, 32))
+    return [here, there]
+
+
+def test_a_grid_walk_without_noise_ends_at_the_best(landscapes):
+    recorded, _, _, space, default = replay.load(landscapes[0])
+    land = {"fwd": replay.Landscape("fwd", recorded["parts"]["fwd"])}
+    assert land["fwd"].sigma == 0.0
+    points = len(space.grid(default, ("fwd",)))
+    trace = replay.replay(land, space, default, "grid", seed=0, budget=points, grid_order=space.grid(default, ("fwd",)))
+    assert len(trace) == points and trace[-1] == 1.0 and min(trace) == 1.0
+    assert replay.trials_to_within(trace) <= points
+    assert all(a >= b for a, b in zip(trace, trace[1:]))  # without noise the stored winner only improves
+
+
+def test_a_warm_replay_starts_from_the_neighbours_best(landscapes):
+    recorded, _, _, space, default = replay.load(landscapes[0])
+    (warm,) = replay.warm_configs(landscapes[0], landscapes, "fwd")
+    assert (warm.fwd.block_q, warm.fwd.block_kv) == (64, 32)
+    land = {"fwd": replay.Landscape("fwd", recorded["parts"]["fwd"])}
+    trace = replay.replay(land, space, default, "tpe", seed=0, budget=3, grid_order=space.grid(default, ("fwd",)),
+                          warm=[warm])
+    assert trace[1] == 1.0  # the second trial, the neighbour's best, is this problem's best
