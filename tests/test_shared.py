@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import optuna
 import pytest
+import sqlalchemy
 
-from tuner.tuning.shared import Shared
+from tuner.tuning.shared import PROBLEMS, Shared, worker_name
 from tuner.tuning.study import open_storage
 
 PARAMS = {"fwd.block_q": 64, "fwd.block_kv": 32}
@@ -63,4 +64,7 @@ def test_the_winner_is_decided_once_per_trial_total(study):
 def test_a_problem_is_taken_by_one_worker(study):
     _, shared = study
     assert shared.claim_problem("ring-a") and not shared.claim_problem("ring-a")
-    assert shared.problem_holder("ring-a") is not None and shared.problem_holder("ring-b") is None
+    assert shared.claim_problem("ring-b")
+    with shared.engine.connect() as db:
+        holders = dict(db.execute(sqlalchemy.select(PROBLEMS.c.study, PROBLEMS.c.worker)).all())
+    assert holders == {"ring-a": worker_name(), "ring-b": worker_name()}

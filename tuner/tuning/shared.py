@@ -148,10 +148,5 @@ class Shared:
         """Take the problem whose study is `study`; False when another worker took it first."""
         return self._insert(PROBLEMS, study=study, worker=worker_name(), claimed_at=_now())
 
-    def problem_holder(self, study: str) -> str | None:
-        """The worker that took the problem of `study`, or None."""
-        with self.engine.begin() as db:
-            return db.execute(sqlalchemy.select(PROBLEMS.c.worker).where(PROBLEMS.c.study == study)).scalar()
-
 
 __all__ = ["CONFIGS", "PROBLEMS", "WINNERS", "Shared", "config_digest", "worker_name"]
