@@ -155,13 +155,15 @@ def _claimed_first(searches: list[tuple]) -> Iterator[tuple]:
     from tuner.tuning.shared import Shared
     from tuner.tuning.study import default_storage, open_storage
 
-    others = []
+    others, shared = [], {}
     for item in searches:
         _, call, problem, target, options = item
         try:
             name = study_of(problem, target, call.decision["implementation"], options)[-1]
             url = options.storage or default_storage(Cache(call.db).path)
-            claimed = Shared(open_storage(url, options.heartbeat)).claim_problem(name)
+            if url not in shared:  # one storage per URL: each holds a pool of connections
+                shared[url] = Shared(open_storage(url, options.heartbeat))
+            claimed = shared[url].claim_problem(name)
         except ValueError:  # the search itself reports it
             claimed = True
         if claimed:

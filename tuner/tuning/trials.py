@@ -25,7 +25,6 @@ from tuner.tuning.verify import ReferenceCheck, TrialFailed, failure_reason
 from tuner.tuning.workload import Compiled, Workload
 
 DUPLICATES_IN_A_ROW = 10  # sampled configs already held, in a row, after which the space counts as covered
-SPENT = ("compile", "check", "timing")  # where a search's seconds go, besides the sampler and the storage
 
 
 @dataclass
@@ -51,7 +50,6 @@ class Measured:
                    *(None if data[part] is None else Timing.from_dict(data[part]) for part in ("fwd", "bwd")))
 
 
-
 class Trials:
     """The trials of one search process: its workload, reference check, baseline and compiled candidates,
     and the objective optuna calls."""
@@ -70,7 +68,7 @@ class Trials:
         self.reference = ReferenceCheck(self.workload, seed=10_000 + options.seed, backward=options.tunes_bwd)
         self.time_sets = [self.workload.draw(seed=options.seed + i) for i in range(3)]
         self.built: dict[Config, tuple[Compiled, float]] = {}
-        self.spent: Counter[str] = Counter()  # seconds compiling, checking and timing (SPENT)
+        self.spent: Counter[str] = Counter()  # seconds compiling, checking and timing
         try:
             self.baseline = self.compile(self.default, deadline=None)
         except TrialFailed as failure:
@@ -165,10 +163,10 @@ class Trials:
         place; when the grid has none and the sampler keeps proposing held configs, the space is covered."""
         self.duplicates += 1
         trial.set_user_attr("failure", DUPLICATE)
-        claimed = self.shared.claimed(self.name)
-        queued = {config_digest(t.system_attrs.get("fixed_params", t.params))
-                  for t in trial.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))}
-        untried = (c for c in self.pool if config_digest(self.space.params(c, self.parts)) not in claimed | queued)
+        held = self.shared.claimed(self.name) | {
+            config_digest(t.system_attrs.get("fixed_params", t.params))
+            for t in trial.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))}
+        untried = (c for c in self.pool if config_digest(self.space.params(c, self.parts)) not in held)
         replacement = next(untried, None)
         if replacement is not None:
             trial.study.enqueue_trial(self.space.params(replacement, self.parts))
@@ -212,4 +210,4 @@ def retime(state: Trials, trials: list[optuna.trial.FrozenTrial]
     return {name: Measured(names[name], *timings[name]) for name in names}, failures
 
 
-__all__ = ["DUPLICATES_IN_A_ROW", "SPENT", "Measured", "Trials", "retime"]
+__all__ = ["DUPLICATES_IN_A_ROW", "Measured", "Trials", "retime"]
