@@ -68,3 +68,24 @@ def test_a_problem_is_taken_by_one_worker(study):
     with shared.engine.connect() as db:
         holders = dict(db.execute(sqlalchemy.select(PROBLEMS.c.study, PROBLEMS.c.worker)).all())
     assert holders == {"ring-a": worker_name(), "ring-b": worker_name()}
+
+
+def test_workers_that_race_to_create_the_tables_both_open_them(tmp_path, monkeypatch):
+    """A worker that checked for the tables before another created them fails to create them; it checks
+    again instead of stopping (CI once lost a two-worker search to this on SQLite)."""
+    storage = open_storage(f"sqlite:///{tmp_path / 'studies.sqlite'}", heartbeat=1)
+    Shared(storage)  # the other worker created the tables
+    dialect = storage.engine.dialect
+    has_table = dialect.has_table
+    missed = []
+
+    def stale_check(connection, name, *args, **kwargs):
+        if not missed:  # this worker's first check ran before the other worker's create
+            missed.append(name)
+            return False
+        return has_table(connection, name, *args, **kwargs)
+
+    monkeypatch.setattr(dialect, "has_table", stale_check)
+    shared = Shared(storage)
+    assert missed, "the race was not simulated: create_all did not ask whether a table exists"
+    assert shared.claim_config("s", PARAMS, 0, optuna.create_study(study_name="s", storage=storage)) is None

@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import socket
+import time
 from typing import Any
 
 import optuna
@@ -64,13 +65,17 @@ class Shared:
     def __init__(self, storage: optuna.storages.RDBStorage):
         self.storage = storage
         self.engine: sqlalchemy.engine.Engine = storage.engine
-        for attempt in range(3):  # workers starting together race to create the tables
+        for attempt in range(3):
             try:
                 _METADATA.create_all(self.engine, checkfirst=True)
                 break
-            except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
+            except sqlalchemy.exc.DBAPIError:
+                # Workers starting together race to create the tables: a worker that checked before
+                # another created them fails to create them (PostgreSQL: a unique violation, SQLite:
+                # "table ... already exists"). Checking again then finds them.
                 if attempt == 2:
                     raise
+                time.sleep(0.1 * (attempt + 1))
 
     def _insert(self, table: Table, **values: Any) -> bool:
         """Insert one row; False when its primary key is taken."""
