@@ -356,7 +356,17 @@ def combine(implementation: Implementation, fwd_from: Config, bwd_from: Config) 
     return config_from_parts(implementation, fwd_from.to_dict()["fwd"], bwd_from.to_dict()["bwd"])
 
 
+def forward_tiles(config: Config) -> tuple[int, int] | None:
+    """The (query, key) tile of the forward pass of `config`, where its forward part names them
+    `block_q` and `block_kv` (the block kernels' `FwdParams`); None for a config without tiles. The
+    documents layout plans for these tiles."""
+    fwd = config.to_dict().get("fwd", {})
+    tiles = fwd.get("block_q"), fwd.get("block_kv")
+    return tiles if all(isinstance(t, int) and t > 0 for t in tiles) else None
+
+
 __all__ = ["FALLBACK", "GATHERED", "OBJECTIVE_PARTS", "PARTS", "PREFERENCE", "STRATEGIES", "ChoiceSpace", "Config",
-           "Implementation", "Space", "TWO_AXES", "Target", "choose", "combine", "config_from_parts", "find", "get",
-           "key", "label", "mesh_axes", "names", "problem_key", "register", "registered", "resolve_auto",
+           "Implementation", "Space", "TWO_AXES", "Target", "choose", "combine", "config_from_parts", "find",
+           "forward_tiles", "get", "key", "label", "mesh_axes", "names", "problem_key", "register", "registered",
+           "resolve_auto",
            "shape_violation", "strategy_of", "unregister", "versions", "why_not"]

@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from tuner.semantics import layouts
+from tuner.semantics import documents, layouts
+from tuner.semantics.documents import DOCUMENTS
 from tuner.runtime import agreement, measured, meshed, modelled, plan, record
 from tuner import registry
 from tuner.cache import LOADER_BUSY_TIMEOUT_S, Cache, CacheError, row_config, warn_once, writes
@@ -50,6 +51,7 @@ log = logging.getLogger("tuner.runtime.dispatch")
 CALL_OPTIONS = (*plan.ARRAY_OPTIONS, "return_lse", "interpret")
 SOURCES = ("exact", "compiled", "nearest", "shipped", "default", "fallback", "measured")
 DEFAULT_LAYOUT = "zigzag"  # what `tuner search` tunes by default, and the loader uses with mesh=
+LOADER_LAYOUTS = (*layouts.LAYOUTS, DOCUMENTS)
 TUNED = ("exact", "compiled")  # config sources of a ring tuned for the problem: the model does not override it
 
 
@@ -64,8 +66,12 @@ class TunedRingAttention:
     def __init__(self, *, axis_name: Hashable | None, causal: bool, sliding_window, chunk_size,
                  logits_soft_cap, softmax_scale, layout: str, backend: str, db, mesh: Mesh | None,
                  strategy: str = "auto"):
-        if layout is not None and (not isinstance(layout, str) or layout not in layouts.LAYOUTS):
-            raise ValueError(f"layout must be one of {', '.join(layouts.LAYOUTS)} or None, got {layout!r}")
+        if layout is not None and (not isinstance(layout, str) or layout not in LOADER_LAYOUTS):
+            raise ValueError(f"layout must be one of {', '.join(LOADER_LAYOUTS)} or None, got {layout!r}")
+        if layout == DOCUMENTS and mesh is None:
+            raise ValueError("layout='documents' lays out global arrays: pass mesh= and call attn on arrays in token "
+                             "order; on local shards, lay them out with tuner.layouts.document_order and pass "
+                             "layout='contiguous' with the positions it gives")
         if backend != "auto":
             registry.get(backend)
         strategy = plan.check_strategy(strategy, backend, axis_name)
@@ -102,6 +108,11 @@ class TunedRingAttention:
             meshed.local_shape(x, size, name)
         if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((query, key, value, options))):
             return self._compiled_call()(query, key, value, **options)
+        if self.layout == DOCUMENTS:
+            tiles = registry.forward_tiles(self.explain(query, key, value, **options).config)
+            return meshed.call_documents(self._local, self.mesh, self.axis_name, ring, query, key, value, options,
+                                         causal=self.options["causal"], window=self.options["sliding_window"],
+                                         tiles=tiles or (documents.DEFAULT_TILE,) * 2)
         return meshed.call(self._local, self.mesh, self.axis_name, self.layout, ring, query, key, value, options)
 
     def _compiled_call(self):
@@ -262,6 +273,8 @@ class TunedRingAttention:
         """The layout of the shards: as given, else any on one device (they all hold the tokens in
         order); on local shards of a larger ring it must be given, since only the caller knows how
         their `shard_map` split the sequence."""
+        if self.layout == DOCUMENTS:  # each device's shard holds its tokens in token order, positions given
+            return "contiguous"
         if self.layout is not None:
             return self.layout
         if ring_size == 1:

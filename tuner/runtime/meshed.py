@@ -5,6 +5,7 @@ The layout is over the ring's positions: the axis's size, or over two axes the r
 position's chunk is then cut evenly over the group axis by the sharding `PartitionSpec(None,
 (ring_axis, group_axis))`. Per-call arrays along the sequence (segment ids, positions) are laid out the same
 way; a bias `[B, H, Tq, Tk]` is laid out on both sequence axes and sharded over its query axis only.
+The documents layout is one permutation per batch row, computed from the row's segment ids.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from tuner.semantics import layouts
+from tuner.semantics import documents, layouts
 
 SEQUENCE_OPTIONS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")
 
@@ -39,6 +41,44 @@ def call(local: Callable[..., Any], mesh: Mesh, axis_name: Hashable, layout: str
     def lay_out(x, axis: int = 1):
         return x if x.shape[axis] == 1 else layouts.lay_out(x, layout, ring, axis=axis)
 
+    def restore(x, axis: int = 1):
+        return layouts.restore(x, layout, ring, axis=axis)
+
+    return _sharded(local, mesh, axis_name, lay_out, restore, query, key, value, options)
+
+
+def call_documents(local: Callable[..., Any], mesh: Mesh, axis_name: Hashable, ring: int, query, key, value,
+                   options: dict[str, Any], *, causal: bool, window, tiles: tuple[int, int]):
+    """`call` in the documents layout (`tuner.semantics.documents`): each batch row laid out from its
+    query segment ids, planned for the forward `tiles` (query, key); the positions travel with the tokens
+    (the row's token indices unless given), so the masks see the global positions and stay exact."""
+    segments = options.get("q_segment_ids")
+    if segments is None:
+        raise ValueError("layout='documents' lays out each row from its documents: pass q_segment_ids (and "
+                         "kv_segment_ids, or the same ids for both)")
+    if query.shape[1] != key.shape[1]:
+        raise ValueError(f"layout='documents' lays out queries and keys alike, so they need one length: query "
+                         f"length {query.shape[1]}, key length {key.shape[1]}")
+    if isinstance(axis_name, tuple):
+        raise ValueError("layout='documents' is over one mesh axis; over two axes pass a fixed layout")
+    order = layouts.document_order(segments, ring, causal=causal, window=window, tile=tiles)
+    options = dict(options)
+    for name in ("q_positions", "kv_positions"):  # laid out below with the tokens
+        if options.get(name) is None:
+            options[name] = jnp.broadcast_to(jnp.arange(order.shape[1], dtype=jnp.int32), order.shape)
+
+    def lay_out(x, axis: int = 1):
+        return x if x.shape[axis] == 1 else documents.lay_out_rows(x, order, axis=axis)
+
+    def restore(x, axis: int = 1):
+        return documents.restore_rows(x, order, axis=axis)
+
+    return _sharded(local, mesh, axis_name, lay_out, restore, query, key, value, options)
+
+
+def _sharded(local, mesh: Mesh, axis_name: Hashable, lay_out, restore, query, key, value, options: dict[str, Any]):
+    """The shared body of the calls: `lay_out(x, axis)` permutes a global array's sequence axis into
+    device-major order, `restore(x, axis)` undoes it."""
     seq = P(None, axis_name)
     specs = {name: seq for name in SEQUENCE_OPTIONS}
     specs["softmax_aux"] = P()
@@ -56,8 +96,8 @@ def call(local: Callable[..., Any], mesh: Mesh, axis_name: Hashable, layout: str
     result = sharded(*(lay_out(x) for x in (query, key, value)), arrays)
     if flags.get("return_lse"):
         out, lse = result
-        return layouts.restore(out, layout, ring), layouts.restore(lse, layout, ring, axis=2)
-    return layouts.restore(result, layout, ring)
+        return restore(out), restore(lse, axis=2)
+    return restore(result)
 
 
-__all__ = ["SEQUENCE_OPTIONS", "call", "local_shape"]
+__all__ = ["SEQUENCE_OPTIONS", "call", "call_documents", "local_shape"]

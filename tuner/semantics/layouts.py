@@ -10,16 +10,23 @@ A layout only decides which global token positions each device holds:
 `lay_out` permutes a global array so that an even split along the sequence axis (what `shard_map`
 does) hands every device its layout's tokens; `restore` undoes it. The attention itself only sees
 positions, from `local_positions`.
+
+`document_order` is the documents layout of packed rows (`tuner.semantics.documents`): one permutation
+per batch row, computed from its segment ids, applied by `lay_out_rows` and undone by `restore_rows`,
+with the token indices passed as positions.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from tuner.semantics import documents
+from tuner.semantics.documents import DEFAULT_TILE, DOCUMENTS, lay_out_rows, restore_rows
 from tuner.support.checks import check_int
-from tuner.semantics.spec import LAYOUTS
+from tuner.semantics.spec import LAYOUTS, AttentionSpec
 
 
 def check_layout(layout: str, local_length: int, *, name: str = "layout") -> None:
@@ -99,3 +106,43 @@ def restore(x, layout: str, ring_size: int, *, axis: int = 1):
     """Inverse of `lay_out`: put the sequence `axis` back into natural token order."""
     order = global_order(layout, x.shape[axis], ring_size)
     return jnp.take(x, jnp.asarray(np.argsort(order)), axis=axis)
+
+
+def document_order(segment_ids, ring_size: int, *, causal: bool = True, window: tuple[int, int] | None = None,
+                   tile: int | tuple[int, int] = DEFAULT_TILE):
+    """The documents layout of packed rows `segment_ids [B, T]`: int32 `[B, T]`, the token index held at
+    each slot of a laid-out row, device-major (device r holds slots `[r*T/P, (r+1)*T/P)`).
+
+    Each row gets the layout, among the documents plans and the fixed layouts, whose busiest device
+    computes the fewest logit tiles of size `tile` (the kernel's `(query, key)` tile) under the masks
+    `causal` and `window` `(left, right)`. Lay the arrays out with `lay_out_rows(x, order)`, pass the order
+    as `q_positions`/`kv_positions` (lay given positions out instead), and `restore_rows` the output.
+    Works on traced segment ids inside `jax.jit`; NumPy in gives NumPy out, for a data pipeline."""
+    ring_size = check_int("ring_size", ring_size, numeric=True)
+    tiles = (tile, tile) if isinstance(tile, int) else tuple(tile)
+    if len(tiles) != 2:
+        raise ValueError(f"tile must be an int or a (query, key) pair of ints, got {tile!r}")
+    for name, t in zip(("tile", "tile"), tiles):
+        check_int(name, t, numeric=True)
+    if np.ndim(segment_ids) != 2:
+        raise ValueError(f"segment_ids must be [batch, length], got shape {np.shape(segment_ids)}")
+    length = np.shape(segment_ids)[1]
+    if length % ring_size:
+        raise ValueError(f"segment_ids: the documents layout splits each row evenly, so its length ({length}) must "
+                         f"be a multiple of ring_size ({ring_size})")
+    spec = AttentionSpec(scale=1.0, causal=causal, window=window, has_segments=True)
+    local = length // ring_size
+    fixed = [global_order(name, length, ring_size) for name in LAYOUTS if name != "zigzag" or local % 2 == 0]
+    fixed = jnp.asarray(np.stack(fixed), jnp.int32)
+
+    def row_order(segments):
+        candidates = jnp.concatenate([fixed, documents.plans(segments, ring_size, spec, min(tiles))])
+        work = jax.vmap(lambda order: documents.busiest(order, segments, ring_size, spec, tiles))(candidates)
+        return candidates[jnp.argmin(work)]  # ties: the first, a fixed layout
+
+    order = jax.vmap(row_order)(jnp.asarray(segment_ids, jnp.int32))
+    return np.asarray(order) if isinstance(segment_ids, np.ndarray) else order
+
+
+__all__ = ["DOCUMENTS", "LAYOUTS", "check_axes", "check_layout", "document_order", "global_order", "grouped_positions",
+           "lay_out", "lay_out_rows", "local_positions", "local_positions_np", "restore", "restore_rows"]

@@ -31,6 +31,8 @@ from tuner.registry import ChoiceSpace, Target
 from tuner.strategies.ring import run_ring
 from tuner.semantics.spec import AttentionSpec, LocalShapes
 
+PACKED_TILE = 64  # the longest default tile with segment ids: see docs/documents.md
+
 
 def _part(data: Any, part: str, kind: type) -> Any:
     """`kind` built from `data[part]`: only its known fields, each validated by `kind`."""
@@ -148,7 +150,17 @@ class Ring:
         return self.kernel.supports(spec, dtype, head_dim)
 
     def default_config(self, shapes: LocalShapes, spec: AttentionSpec) -> TileConfig:
-        return TileConfig(*self.kernel.default_params(shapes.q_len, shapes.kv_len, shapes.head_dim))
+        """The kernel's default tiles; with segment ids (packed documents) no longer than `PACKED_TILE`,
+        where the kernel accepts them, so that the masks can skip the tiles of other documents."""
+        default = TileConfig(*self.kernel.default_params(shapes.q_len, shapes.kv_len, shapes.head_dim))
+        if not spec.has_segments:
+            return default
+        fwd, bwd = default.fwd, default.bwd
+        packed = TileConfig(
+            dataclasses.replace(fwd, block_q=min(fwd.block_q, PACKED_TILE), block_kv=min(fwd.block_kv, PACKED_TILE)),
+            dataclasses.replace(bwd, block_q_dkv=min(bwd.block_q_dkv, PACKED_TILE),
+                                block_kv_dkv=min(bwd.block_kv_dkv, PACKED_TILE)))
+        return default if self.violation(shapes, spec, packed, ("fwd", "bwd")) else packed
 
     def space(self, shapes: LocalShapes, spec: AttentionSpec) -> registry.Space:
         return TileSpace(self.kernel.search_space(shapes, spec))

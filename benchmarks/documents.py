@@ -1,0 +1,125 @@
+"""Packed documents over a ring: each layout's balance, efficiency and CPU wall time, through the loader.
+
+    python benchmarks/documents.py                # ring 8, T=4096, causal, 6 packings, 4 layouts
+    python benchmarks/documents.py --no-time      # the work counts only (a minute)
+
+Every layout runs through `get_tuned_ring_attention(mesh=..., layout=...)` on an empty cache, so with
+the default tiles a user gets before tuning. Work is counted with `tuner.support.work.count_work` on
+the forward pass: imbalance = busiest device / mean device, efficiency = useful work (the sum of the
+documents' causal triangles) / (ring size x the busiest device's work). Wall time is forward+backward
+under `jax.jit` on the simulated devices, the layouts interleaved, medians. Writes
+`benchmarks/results/documents-<ring>x<T>-<date>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+
+DEVICES = 8
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + f" --xla_force_host_platform_device_count={DEVICES}")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+from tuner import get_tuned_ring_attention  # noqa: E402
+from tuner.support.tables import table  # noqa: E402
+from tuner.support.work import count_work  # noqa: E402
+from tuner.tuning.timing import time_interleaved  # noqa: E402
+
+LAYOUTS = ("contiguous", "zigzag", "striped", "documents")
+
+
+def long_tailed(total: int, count: int, seed: int = 0) -> list[int]:
+    """`count` document lengths drawn log-normally, summing to `total`."""
+    weights = np.random.default_rng(seed).lognormal(0.0, 1.0, count)
+    lengths = np.maximum(1, np.floor(weights / weights.sum() * total)).astype(int)
+    lengths[np.argmax(lengths)] += total - lengths.sum()
+    return [int(n) for n in lengths]
+
+
+def packings(total: int) -> dict[str, list[int]]:
+    """The packings of the benchmark: document lengths summing to `total`."""
+    half, short = total // 2, total // 32
+    return {
+        "one long + 16 short": [half] + [short] * 16,
+        "16 short + one long": [short] * 16 + [half],
+        "long-tailed (14)": long_tailed(total, 14),
+        "16 equal": [total // 16] * 16,
+        "one sequence": [total],
+        "64 tiny": [total // 64] * 64,
+    }
+
+
+def segment_ids(lengths: list[int]) -> np.ndarray:
+    return np.concatenate([np.full(n, i + 1, np.int32) for i, n in enumerate(lengths)])[None]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ring", type=int, default=8)
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-time", action="store_true", help="count the work only")
+    args = parser.parse_args(argv)
+
+    mesh = Mesh(np.array(jax.devices()[:args.ring]), ("sp",))
+    rng = np.random.default_rng(0)
+    q, k, v, w = (jnp.asarray(rng.standard_normal((1, args.length, args.heads, args.head_dim)), jnp.float32)
+                  for _ in range(4))
+    db = os.path.join(tempfile.mkdtemp(), "empty.sqlite")
+    results, rows = [], []
+    for name, lengths in packings(args.length).items():
+        seg = jnp.asarray(segment_ids(lengths))
+        useful = sum(n * (n + 1) // 2 for n in lengths) * args.heads
+        steps = {}
+        for layout in LAYOUTS:
+            attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, layout=layout, db=db)
+            with count_work() as counts:  # a fresh trace inside the context counts
+                jax.block_until_ready(jax.jit(lambda q, k, v, s, a=attn: a(q, k, v, q_segment_ids=s,
+                                                                           kv_segment_ids=s))(q, k, v, seg))
+            work = counts["tile_area"]
+            busiest = max(work.values()) * args.heads
+            tiles = attn.explain(q, k, v, q_segment_ids=seg, kv_segment_ids=seg).config.to_dict()["fwd"]
+            result = dict(packing=name, lengths=lengths, layout=layout, tiles=[tiles["block_q"], tiles["block_kv"]],
+                          imbalance=max(work.values()) / (sum(work.values()) / args.ring),
+                          efficiency=useful / (args.ring * busiest))
+
+            def step(q, k, v, w, s, a=attn):
+                return jax.grad(lambda q, k, v: jnp.vdot(a(q, k, v, q_segment_ids=s, kv_segment_ids=s), w),
+                                argnums=(0, 1, 2))(q, k, v)
+            steps[layout] = (jax.jit(step), result)
+            results.append(result)
+        if not args.no_time:
+            times = time_interleaved({n: f for n, (f, _) in steps.items()}, [(q, k, v, w, seg)], runs=args.repeats,
+                                     warmup=1)
+            best_fixed = min(times[n].median for n in LAYOUTS if n != "documents")
+            for layout, (_, result) in steps.items():
+                result["seconds"] = times[layout].median
+                result["speedup_vs_best_fixed"] = best_fixed / times[layout].median
+        for layout, (_, r) in steps.items():
+            rows.append([name, layout, f"{r['imbalance']:.2f}", f"{r['efficiency']:.2f}",
+                         "" if args.no_time else f"{r['seconds'] * 1e3:.0f} ms",
+                         "" if args.no_time else f"{r['speedup_vs_best_fixed']:.2f}x"])
+        print(table(["packing", "layout", "imbalance", "efficiency", "fwd+bwd", "vs best fixed"], rows[-4:]),
+              flush=True)
+    out = os.path.join(os.path.dirname(__file__), "results",
+                       f"documents-{args.ring}x{args.length}-{datetime.date.today().isoformat()}.json")
+    with open(out, "w") as f:
+        json.dump(dict(ring=args.ring, length=args.length, heads=args.heads, head_dim=args.head_dim,
+                       platform=f"{jax.devices()[0].platform} x{args.ring} simulated", results=results), f, indent=1)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""The documents layout (`tuner.layouts.document_order`, the loader's `layout="documents"`): a permutation
+that gives every device its share of the rows' documents, never more work than a fixed layout, exact
+results through the loader against the float64 dense reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from tuner import FwdParams, BwdParams, get_tuned_ring_attention, layouts, ring_attention
+from tuner.semantics import documents
+from tuner.semantics.reference import dense_attention
+from tuner.semantics.spec import AttentionSpec
+from tuner.support.work import count_work
+
+
+def segment_ids(*rows: list[int]) -> np.ndarray:
+    """`[len(rows), T]` segment ids of rows of documents of these lengths (ids 1, 2, ...)."""
+    return np.stack([np.concatenate([np.full(n, i + 1, np.int32) for i, n in enumerate(row)]) for row in rows])
+
+
+def test_each_row_is_a_permutation_that_fills_every_device_in_token_order():
+    seg = segment_ids([512, 64, 64, 128, 256], [1024])
+    order = layouts.document_order(seg, 8, tile=32)
+    assert isinstance(order, np.ndarray) and order.shape == (2, 1024) and order.dtype == np.int32
+    for row in order:
+        assert sorted(row.tolist()) == list(range(1024))
+        assert all(np.all(np.diff(shard) > 0) for shard in row.reshape(8, 128))  # each shard in token order
+    traced = jax.jit(lambda s: layouts.document_order(s, 8, tile=32))(jnp.asarray(seg))
+    np.testing.assert_array_equal(np.asarray(traced), order)  # the same inside jit, on traced ids
+
+
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=12), st.sampled_from([2, 4, 8]), st.booleans())
+@settings(max_examples=5)
+def test_never_more_work_than_the_best_fixed_layout(lengths, ring, causal):
+    """Per the tile count of the masks' skipping rule, the layout chosen is at most the best fixed one."""
+    total = -(-sum(lengths) // (2 * ring)) * 2 * ring
+    lengths = lengths + [total - sum(lengths)] if total > sum(lengths) else lengths
+    seg = jnp.asarray(segment_ids(lengths)[0])
+    spec = AttentionSpec(scale=1.0, causal=causal, has_segments=True)
+    order = jnp.asarray(layouts.document_order(np.asarray(seg)[None], ring, causal=causal, tile=16)[0])
+    chosen = documents.busiest(order, seg, ring, spec, (16, 16))
+    fixed = [documents.busiest(jnp.asarray(layouts.global_order(name, total, ring)), seg, ring, spec, (16, 16))
+             for name in layouts.LAYOUTS]
+    assert chosen <= min(fixed)
+
+
+def _counted(order: np.ndarray, seg: np.ndarray, ring: int, tile: int):
+    """The tile area each device computes for the laid-out row, counted by the ring itself."""
+    mesh = Mesh(np.array(jax.devices()[:ring]), ("sp",))
+    seq = P(None, "sp")
+    pos = jnp.asarray(order, jnp.int32)
+    laid = layouts.lay_out_rows(jnp.asarray(seg), pos)
+
+    def local(q, k, v, s, p):
+        return ring_attention(q, k, v, causal=True, axis_name="sp", layout="contiguous", backend="scan",
+                              fwd_params=FwdParams(tile, tile), bwd_params=BwdParams(tile, tile),
+                              q_segment_ids=s, kv_segment_ids=s, q_positions=p, kv_positions=p)
+
+    x = jnp.zeros((1, seg.shape[1], 1, 8), jnp.float32)
+    with count_work() as counts:
+        jax.block_until_ready(jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(seq,) * 5, out_specs=seq))(
+            x, x, x, laid, pos))
+    return counts["tile_area"]
+
+
+def test_one_long_document_among_short_ones_is_spread_over_the_ring():
+    """Half the row in one document, the rest in 16 short ones, ring 8, tiles of 16: the ring's own
+    count shows every device within 10% of the mean and 75% of the busiest device's work useful; the
+    best fixed layout is far from it."""
+    lengths = [512] + [32] * 16
+    seg = segment_ids(lengths)
+    useful = sum(n * (n + 1) // 2 for n in lengths)
+
+    def measure(order):
+        work = _counted(order, seg, 8, 16)
+        return max(work.values()) / (sum(work.values()) / 8), useful / (8 * max(work.values()))
+
+    imbalance, efficiency = measure(layouts.document_order(seg, 8, tile=16))
+    assert imbalance <= 1.10 and efficiency >= 0.75, (imbalance, efficiency)
+    fixed = [measure(layouts.global_order(name, 1024, 8)[None]) for name in layouts.LAYOUTS]
+    assert max(e for _, e in fixed) < 0.7 * efficiency, fixed
+
+
+@pytest.mark.parametrize("window", [None, (48, 0)])
+def test_the_loader_in_the_documents_layout_matches_dense(window):
+    """Two rows packed differently, GQA, ring 4: output, lse and gradients against float64 dense. Without
+    a window the first row's layout is none of the fixed ones: the documents plan is what runs."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("sp",))
+    rows = segment_ids([384, 32, 32, 32, 32], [40, 300, 60, 112])
+    if window is None:
+        order = layouts.document_order(rows, 4, tile=64)[0]  # the loader's default tile for packed rows
+        assert not any(np.array_equal(order, layouts.global_order(name, 512, 4)) for name in layouts.LAYOUTS)
+    seg = jnp.asarray(rows)
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.standard_normal((2, 512, 4, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, 512, 2, 16)), jnp.float32) for _ in range(2))
+    w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, sliding_window=window, mesh=mesh,
+                                    layout="documents")
+
+    def loss(q, k, v):
+        out, lse = attn(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, return_lse=True)
+        return jnp.vdot(out, w), (out, lse)
+
+    (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    with jax.enable_x64(True):
+        def dense_loss(q, k, v):
+            out, lse = dense_attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, causal=True,
+                                       sliding_window=window)
+            return jnp.vdot(out, w.astype(jnp.float64)), (out, lse)
+
+        f64 = [jnp.asarray(x, jnp.float64) for x in (q, k, v)]
+        (_, (ref_out, ref_lse)), ref_grads = jax.value_and_grad(dense_loss, argnums=(0, 1, 2), has_aux=True)(*f64)
+    np.testing.assert_allclose(out, ref_out, atol=1e-5)
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-5)
+    for got, want in zip(grads, ref_grads):
+        np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_given_positions_travel_with_their_tokens():
+    """Positions that restart in every document (with segment ids, the same mask) give the result of
+    the row's token indices: the layout carries them with the tokens."""
+    mesh = Mesh(np.array(jax.devices()[:2]), ("sp",))
+    lengths = [40, 24]
+    seg = jnp.asarray(segment_ids(lengths))
+    restarted = jnp.asarray(np.concatenate([np.arange(n) for n in lengths])[None], jnp.int32)
+    q = jnp.asarray(np.random.default_rng(2).standard_normal((1, 64, 2, 8)), jnp.float32)
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, layout="documents")
+    plain = attn(q, q, q, q_segment_ids=seg, kv_segment_ids=seg)
+    given_positions = attn(q, q, q, q_segment_ids=seg, kv_segment_ids=seg, q_positions=restarted,
+                           kv_positions=restarted)
+    np.testing.assert_allclose(given_positions, plain, atol=1e-6)
+
+
+def test_bad_input_names_the_argument():
+    mesh = Mesh(np.array(jax.devices()[:2]), ("sp",))
+    with pytest.raises(ValueError, match="pass mesh="):
+        get_tuned_ring_attention(axis_name="sp", causal=True, layout="documents")
+    x = jnp.zeros((1, 16, 1, 8))
+    with pytest.raises(ValueError, match="q_segment_ids"):
+        get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, layout="documents")(x, x, x)
+    with pytest.raises(ValueError, match="multiple of ring_size"):
+        layouts.document_order(np.ones((1, 10), np.int32), 4)
+    with pytest.raises(ValueError, match="tile"):
+        layouts.document_order(np.ones((1, 8), np.int32), 2, tile=0)
+    with pytest.raises(ValueError, match=r"segment_ids must be \[batch, length\]"):
+        layouts.document_order(np.ones(8, np.int32), 2)
