@@ -40,6 +40,7 @@ from tuner.runtime import agreement, measured, meshed, modelled, plan, record
 from tuner import registry
 from tuner.cache import LOADER_BUSY_TIMEOUT_S, Cache, CacheError, row_config, warn_once, writes
 from tuner.support.checks import check_int
+from tuner.runtime.padding import Padding
 from tuner.runtime.plan import Plan
 from tuner.semantics.problem import ProblemKey
 from tuner.strategies.ring import group_size, ring_geometry
@@ -104,16 +105,24 @@ class TunedRingAttention:
         if self.mesh is None:
             return self._local(query, key, value, options)
         size, ring = self._mesh_sizes()
-        for x, name in ((query, "query"), (key, "key"), (value, "value")):
-            meshed.local_shape(x, size, name)
+        padding = self._padding(query, key, options)
         if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((query, key, value, options))):
             return self._compiled_call()(query, key, value, **options)
+        query, key, value, options = padding.pad(query, key, value, options)
         if self.layout == DOCUMENTS:
-            tiles = registry.forward_tiles(self.explain(query, key, value, **options).config)
-            return meshed.call_documents(self._local, self.mesh, self.axis_name, ring, query, key, value, options,
-                                         causal=self.options["causal"], window=self.options["sliding_window"],
-                                         tiles=tiles or (documents.DEFAULT_TILE,) * 2)
-        return meshed.call(self._local, self.mesh, self.axis_name, self.layout, ring, query, key, value, options)
+            tiles = registry.forward_tiles(self._explain_padded(query, key, value, options).config)
+            result = meshed.call_documents(self._local, self.mesh, self.axis_name, ring, query, key, value, options,
+                                           causal=self.options["causal"], window=self.options["sliding_window"],
+                                           tiles=tiles or (documents.DEFAULT_TILE,) * 2)
+        else:
+            result = meshed.call(self._local, self.mesh, self.axis_name, self.layout, ring, query, key, value,
+                                 options)
+        return padding.strip(result, bool(options.get("return_lse")))
+
+    def _padding(self, query, key, options: dict[str, Any]) -> Padding:
+        """The padding of a call on global arrays: to lengths the layout splits over the mesh's devices."""
+        return Padding.of(query, key, options, devices=self._mesh_sizes()[0], causal=self.options["causal"],
+                          layout="contiguous" if self.layout == DOCUMENTS else self.layout)
 
     def _compiled_call(self):
         """This call under `jax.jit`, for calls outside any trace: the layout, `shard_map` and ring compile
@@ -152,13 +161,27 @@ class TunedRingAttention:
             size, a2a = ring_size[0] * ring_size[1], ring_size[1]
         else:
             size, a2a = check_int("ring_size", 1 if ring_size is None else ring_size), None
-        if self.mesh is not None:  # what each device's shard of the global arrays looks like
-            query, key, value = (meshed.local_shape(x, size, name) for x, name in
-                                 ((query, "query"), (key, "key"), (value, "value")))
-            options = {n: meshed.local_shape(x, size, n) if n in meshed.SEQUENCE_OPTIONS and x is not None else x
-                       for n, x in options.items()}
-            if options.get("bias") is not None and options["bias"].shape[2] > 1:  # sharded over its query axis
-                options["bias"] = meshed.local_shape(options["bias"], size, "bias", axis=2)
+        if self.mesh is None:
+            return self._decide(query, key, value, size, options, a2a)
+        padding = self._padding(query, key, options)
+        arrays = {n: x for n, x in options.items() if n in plan.ARRAY_OPTIONS and x is not None}
+        query, key, value, arrays = jax.eval_shape(padding.pad, query, key, value, arrays)
+        decision = self._explain_padded(query, key, value, {**options, **arrays}, a2a)
+        if padding.needed:
+            decision = dataclasses.replace(decision, reason=f"{decision.reason}; {padding.describe()}")
+        return decision
+
+    def _explain_padded(self, query, key, value, options: dict[str, Any], a2a: int | None = None) -> Decision:
+        """The decision for global arrays of lengths the mesh divides: from each device's shard."""
+        size = self._mesh_sizes()[0]
+        query, key, value = (meshed.local_shape(x, size, name) for x, name in
+                             ((query, "query"), (key, "key"), (value, "value")))
+        options = {n: meshed.local_shape(x, size, n) if n in meshed.SEQUENCE_OPTIONS and x is not None else x
+                   for n, x in options.items()}
+        if options.get("bias") is not None and options["bias"].shape[2] > 1:  # sharded over its query axis
+            options["bias"] = meshed.local_shape(options["bias"], size, "bias", axis=2)
+        if a2a is None and isinstance(self.axis_name, tuple):
+            a2a = size // self._mesh_sizes()[1]
         return self._decide(query, key, value, size, options, a2a)
 
     @property

@@ -36,8 +36,18 @@ def check_layout(layout: str, local_length: int, *, name: str = "layout") -> Non
     if layout == "zigzag" and local_length % 2:
         raise ValueError(
             f"the zigzag layout splits each device's tokens into two chunks, so the local sequence "
-            f"length must be even, got {local_length}"
+            f"length must be even, got {local_length}: pad the global sequence to "
+            f"tuner.layouts.padded_length(length, devices, 'zigzag') tokens (the loader with mesh= does it)"
         )
+
+
+def padded_length(length: int, devices: int, layout: str) -> int:
+    """The shortest global length of at least `length` that `layout` splits evenly over `devices`: a
+    multiple of `devices`, of twice that for zigzag (each device holds two equal chunks). Pad the global
+    arrays to it at the end with tokens no query reads (the loader with `mesh=` does; see
+    `tuner.runtime.padding`) to run a length the ring does not divide."""
+    multiple = check_int("devices", devices, numeric=True) * (2 if layout == "zigzag" else 1)
+    return -(-length // multiple) * multiple
 
 
 def global_order(layout: str, global_length: int, ring_size: int) -> np.ndarray:
@@ -145,4 +155,5 @@ def document_order(segment_ids, ring_size: int, *, causal: bool = True, window: 
 
 
 __all__ = ["DOCUMENTS", "LAYOUTS", "check_axes", "check_layout", "document_order", "global_order", "grouped_positions",
-           "lay_out", "lay_out_rows", "local_positions", "local_positions_np", "restore", "restore_rows"]
+           "lay_out", "lay_out_rows", "local_positions", "local_positions_np", "padded_length", "restore",
+           "restore_rows"]

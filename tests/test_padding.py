@@ -1,0 +1,70 @@
+"""Any global length with `mesh=`: the loader pads to a length the layout splits, runs and strips the
+padding (`tuner.runtime.padding`); output, lse and gradients match the float64 dense reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from tuner import get_tuned_ring_attention, layouts
+from tuner.semantics.reference import dense_attention
+
+T = 30  # divides no ring of 4 devices
+SEG = np.repeat([[1, 2, 3]], [12, 10, 8], axis=1)
+POS = np.arange(T)[None] * 3
+
+
+@pytest.mark.parametrize("causal, layout, given", [
+    (True, "zigzag", ()),  # the pad keys sit after the last position: causal queries cannot read them
+    (False, "zigzag", ()),  # segment ids mark them
+    (True, "contiguous", ("positions",)),  # given positions: segment ids mark them
+    (False, "documents", ("segments",)),
+])
+def test_a_length_the_ring_does_not_divide_matches_dense(causal, layout, given):
+    mesh = Mesh(np.array(jax.devices()[:4]), ("sp",))
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((1, T, 4, 8)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((1, T, 2, 8)), jnp.float32) for _ in range(2))
+    options = {}
+    if "segments" in given:
+        options.update(q_segment_ids=jnp.asarray(SEG, jnp.int32), kv_segment_ids=jnp.asarray(SEG, jnp.int32))
+    if "positions" in given:
+        options.update(q_positions=jnp.asarray(POS, jnp.int32), kv_positions=jnp.asarray(POS, jnp.int32))
+    attn = get_tuned_ring_attention(axis_name="sp", causal=causal, mesh=mesh, layout=layout)
+
+    def loss(q, k, v):
+        out, lse = attn(q, k, v, return_lse=True, **options)
+        return jnp.sum(out ** 2) + jnp.sum(lse), (out, lse)
+
+    def dense_loss(q, k, v):
+        out, lse = dense_attention(q, k, v, causal=causal, **options)
+        return jnp.sum(out ** 2) + jnp.sum(lse), (out, lse)
+
+    (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    with jax.enable_x64(True):
+        f64 = [jnp.asarray(x, jnp.float64) for x in (q, k, v)]
+        (_, (ref_out, ref_lse)), ref_grads = jax.value_and_grad(dense_loss, argnums=(0, 1, 2), has_aux=True)(*f64)
+    assert out.shape == q.shape and lse.shape == (1, 4, T)
+    np.testing.assert_allclose(out, ref_out, atol=1e-5)
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-5)
+    for got, want in zip(grads, ref_grads):
+        np.testing.assert_allclose(got, want, atol=1e-4)
+    reason = attn.explain(q, k, v, **options).reason
+    assert f"padded to 32 query and 32 key tokens (from {T} and {T}" in reason, reason  # 4 devices (x2) divide 32
+
+
+def test_padded_lengths_and_the_local_shards_message():
+    assert layouts.padded_length(100, 8, "zigzag") == 112
+    assert layouts.padded_length(100, 8, "striped") == 104
+    assert layouts.padded_length(96, 8, "contiguous") == 96
+    with pytest.raises(ValueError, match=r"tuner.layouts.padded_length"):
+        layouts.check_layout("zigzag", 7)
+
+
+def test_per_call_arrays_of_another_length_name_the_argument():
+    mesh = Mesh(np.array(jax.devices()[:4]), ("sp",))
+    x = jnp.zeros((1, T, 2, 8))
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh)
+    with pytest.raises(ValueError, match=r"q_segment_ids must be \[batch, query length 30\]"):
+        attn(x, x, x, q_segment_ids=jnp.zeros((1, 32), jnp.int32), kv_segment_ids=jnp.zeros((1, T), jnp.int32))
