@@ -86,40 +86,54 @@ def test_one_long_document_among_short_ones_is_spread_over_the_ring():
     assert max(e for _, e in fixed) < 0.7 * efficiency, fixed
 
 
-@pytest.mark.parametrize("window", [None, (48, 0)])
-def test_the_loader_in_the_documents_layout_matches_dense(window):
-    """Two rows packed differently, GQA, ring 4: output, lse and gradients against float64 dense. Without
-    a window the first row's layout is none of the fixed ones: the documents plan is what runs."""
-    mesh = Mesh(np.array(jax.devices()[:4]), ("sp",))
-    rows = segment_ids([384, 32, 32, 32, 32], [40, 300, 60, 112])
-    if window is None:
-        order = layouts.document_order(rows, 4, tile=64)[0]  # the loader's default tile for packed rows
-        assert not any(np.array_equal(order, layouts.global_order(name, 512, 4)) for name in layouts.LAYOUTS)
+def _check_against_dense(rows: np.ndarray, ring: int, heads: tuple[int, int], causal: bool, window) -> None:
+    """The loader in the documents layout on packed `rows` of segment ids: output, lse and gradients
+    against float64 dense."""
+    mesh = Mesh(np.array(jax.devices()[:ring]), ("sp",))
     seg = jnp.asarray(rows)
+    batch, length = rows.shape
     rng = np.random.default_rng(1)
-    q = jnp.asarray(rng.standard_normal((2, 512, 4, 16)), jnp.float32)
-    k, v = (jnp.asarray(rng.standard_normal((2, 512, 2, 16)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((batch, length, heads[0], 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((batch, length, heads[1], 16)), jnp.float32) for _ in range(2))
     w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
-    attn = get_tuned_ring_attention(axis_name="sp", causal=True, sliding_window=window, mesh=mesh,
+    attn = get_tuned_ring_attention(axis_name="sp", causal=causal, sliding_window=window, mesh=mesh,
                                     layout="documents")
 
     def loss(q, k, v):
         out, lse = attn(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, return_lse=True)
         return jnp.vdot(out, w), (out, lse)
 
+    def dense_loss(q, k, v):
+        out, lse = dense_attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, causal=causal,
+                                   sliding_window=window)
+        return jnp.vdot(out, w.astype(jnp.float64)), (out, lse)
+
     (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
     with jax.enable_x64(True):
-        def dense_loss(q, k, v):
-            out, lse = dense_attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, causal=True,
-                                       sliding_window=window)
-            return jnp.vdot(out, w.astype(jnp.float64)), (out, lse)
-
         f64 = [jnp.asarray(x, jnp.float64) for x in (q, k, v)]
         (_, (ref_out, ref_lse)), ref_grads = jax.value_and_grad(dense_loss, argnums=(0, 1, 2), has_aux=True)(*f64)
     np.testing.assert_allclose(out, ref_out, atol=1e-5)
     np.testing.assert_allclose(lse, ref_lse, atol=1e-5)
     for got, want in zip(grads, ref_grads):
         np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_the_loader_in_the_documents_layout_matches_dense():
+    """Two rows packed differently, GQA, ring 4. The first row's layout is none of the fixed ones: the
+    documents plan is what runs."""
+    rows = segment_ids([384, 32, 32, 32, 32], [40, 300, 60, 112])
+    order = layouts.document_order(rows, 4, tile=64)[0]  # the loader's default tile for packed rows
+    assert not any(np.array_equal(order, layouts.global_order(name, 512, 4)) for name in layouts.LAYOUTS)
+    _check_against_dense(rows, 4, (4, 2), True, None)
+
+
+@pytest.mark.slow
+@given(st.lists(st.integers(1, 48), min_size=1, max_size=8), st.sampled_from([2, 4, 8]),
+       st.sampled_from([(2, 2), (4, 2), (4, 1)]), st.booleans(), st.sampled_from([None, (12, 0), (6, 6)]))
+@settings(max_examples=4)
+def test_drawn_packings_match_dense(lengths, ring, heads, causal, window):
+    """Any packing (its length padded to the ring when it does not divide), ring, GQA ratio and window."""
+    _check_against_dense(segment_ids(lengths), ring, heads, causal, window)
 
 
 def test_given_positions_travel_with_their_tokens():
