@@ -36,11 +36,11 @@ from jax.sharding import Mesh
 
 from tuner.semantics import documents, layouts
 from tuner.semantics.documents import DOCUMENTS
+from tuner.semantics.padding import Padding
 from tuner.runtime import agreement, measured, meshed, modelled, plan, record
 from tuner import registry
 from tuner.cache import LOADER_BUSY_TIMEOUT_S, Cache, CacheError, row_config, warn_once, writes
 from tuner.support.checks import check_int
-from tuner.runtime.padding import Padding
 from tuner.runtime.plan import Plan
 from tuner.semantics.problem import ProblemKey
 from tuner.strategies.ring import group_size, ring_geometry
@@ -167,6 +167,10 @@ class TunedRingAttention:
         arrays = {n: x for n, x in options.items() if n in plan.ARRAY_OPTIONS and x is not None}
         query, key, value, arrays = jax.eval_shape(padding.pad, query, key, value, arrays)
         decision = self._explain_padded(query, key, value, {**options, **arrays}, a2a)
+        if self.layout == DOCUMENTS:
+            decision = dataclasses.replace(decision, reason=f"{decision.reason}; documents layout: each row laid out "
+                                                            f"from its segment ids, keyed as contiguous (every shard "
+                                                            f"in token order, positions given)")
         if padding.needed:
             decision = dataclasses.replace(decision, reason=f"{decision.reason}; {padding.describe()}")
         return decision

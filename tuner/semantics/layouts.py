@@ -14,6 +14,9 @@ positions, from `local_positions`.
 `document_order` is the documents layout of packed rows (`tuner.semantics.documents`): one permutation
 per batch row, computed from its segment ids, applied by `lay_out_rows` and undone by `restore_rows`,
 with the token indices passed as positions.
+
+`Padding` pads global arrays to a length a layout splits evenly (`padded_length`), with pad tokens no
+query reads, and strips the result (`tuner.semantics.padding`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from jax import lax
 
 from tuner.semantics import documents
 from tuner.semantics.documents import DEFAULT_TILE, DOCUMENTS, lay_out_rows, restore_rows
+from tuner.semantics.padding import Padding, padded_length
 from tuner.support.checks import check_int
 from tuner.semantics.spec import LAYOUTS, AttentionSpec
 
@@ -37,17 +41,9 @@ def check_layout(layout: str, local_length: int, *, name: str = "layout") -> Non
         raise ValueError(
             f"the zigzag layout splits each device's tokens into two chunks, so the local sequence "
             f"length must be even, got {local_length}: pad the global sequence to "
-            f"tuner.layouts.padded_length(length, devices, 'zigzag') tokens (the loader with mesh= does it)"
+            f"tuner.layouts.padded_length(length, devices, 'zigzag') tokens with tuner.layouts.Padding (the "
+            f"loader with mesh= does it)"
         )
-
-
-def padded_length(length: int, devices: int, layout: str) -> int:
-    """The shortest global length of at least `length` that `layout` splits evenly over `devices`: a
-    multiple of `devices`, of twice that for zigzag (each device holds two equal chunks). Pad the global
-    arrays to it at the end with tokens no query reads (the loader with `mesh=` does; see
-    `tuner.runtime.padding`) to run a length the ring does not divide."""
-    multiple = check_int("devices", devices, numeric=True) * (2 if layout == "zigzag" else 1)
-    return -(-length // multiple) * multiple
 
 
 def global_order(layout: str, global_length: int, ring_size: int) -> np.ndarray:
@@ -154,6 +150,6 @@ def document_order(segment_ids, ring_size: int, *, causal: bool = True, window: 
     return np.asarray(order) if isinstance(segment_ids, np.ndarray) else order
 
 
-__all__ = ["DOCUMENTS", "LAYOUTS", "check_axes", "check_layout", "document_order", "global_order", "grouped_positions",
-           "lay_out", "lay_out_rows", "local_positions", "local_positions_np", "padded_length", "restore",
-           "restore_rows"]
+__all__ = ["DOCUMENTS", "LAYOUTS", "Padding", "check_axes", "check_layout", "document_order", "global_order",
+           "grouped_positions", "lay_out", "lay_out_rows", "local_positions", "local_positions_np", "padded_length",
+           "restore", "restore_rows"]

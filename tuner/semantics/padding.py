@@ -1,5 +1,6 @@
-"""Any global length on a mesh: the loader pads the sequence to a length the layout splits evenly, runs,
-and strips the padding.
+"""Any global length over a ring: pad the sequence to a length the layout splits evenly, run, and strip
+the padding. The loader with `mesh=` does it; on local shards, pad the global arrays with `Padding`
+(`tuner.layouts.Padding`) before sharding them.
 
 A pad token reads nothing useful and no real query reads it:
 
@@ -22,11 +23,18 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from tuner.semantics import layouts
+from tuner.support.checks import check_int
 from tuner.semantics.spec import INT32_MIN
 
 QUERY_SIDE = ("q_segment_ids", "q_positions")
 KEY_SIDE = ("kv_segment_ids", "kv_positions")
+
+
+def padded_length(length: int, devices: int, layout: str) -> int:
+    """The shortest global length of at least `length` that `layout` splits evenly over `devices`: a
+    multiple of `devices`, of twice that for zigzag (each device holds two equal chunks)."""
+    multiple = check_int("devices", devices, numeric=True) * (2 if layout == "zigzag" else 1)
+    return -(-length // multiple) * multiple
 
 
 @dataclass(frozen=True)
@@ -50,8 +58,8 @@ class Padding:
                     raise ValueError(f"{name} must be [batch, {side} length {length}], got shape {tuple(x.shape)}")
         by_position = (causal and q_len == kv_len and options.get("q_positions") is None
                        and options.get("kv_positions") is None)
-        return cls(q_len, kv_len, layouts.padded_length(q_len, devices, layout),
-                   layouts.padded_length(kv_len, devices, layout), by_position)
+        return cls(q_len, kv_len, padded_length(q_len, devices, layout), padded_length(kv_len, devices, layout),
+                   by_position)
 
     @property
     def needed(self) -> bool:
