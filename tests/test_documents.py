@@ -149,6 +149,9 @@ def test_given_positions_travel_with_their_tokens():
     given_positions = attn(q, q, q, q_segment_ids=seg, kv_segment_ids=seg, q_positions=restarted,
                            kv_positions=restarted)
     np.testing.assert_allclose(given_positions, plain, atol=1e-6)
+    explained = attn.explain(q, q, q, q_segment_ids=seg, kv_segment_ids=seg)
+    assert explained.key in [d.key for d in attn.traced]  # explain() plans the call that runs
+    assert "documents layout" in explained.reason
 
 
 def test_bad_input_names_the_argument():

@@ -368,5 +368,4 @@ def forward_tiles(config: Config) -> tuple[int, int] | None:
 __all__ = ["FALLBACK", "GATHERED", "OBJECTIVE_PARTS", "PARTS", "PREFERENCE", "STRATEGIES", "ChoiceSpace", "Config",
            "Implementation", "Space", "TWO_AXES", "Target", "choose", "combine", "config_from_parts", "find",
            "forward_tiles", "get", "key", "label", "mesh_axes", "names", "problem_key", "register", "registered",
-           "resolve_auto",
-           "shape_violation", "strategy_of", "unregister", "versions", "why_not"]
+           "resolve_auto", "shape_violation", "strategy_of", "unregister", "versions", "why_not"]

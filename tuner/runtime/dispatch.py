@@ -110,7 +110,8 @@ class TunedRingAttention:
             return self._compiled_call()(query, key, value, **options)
         query, key, value, options = padding.pad(query, key, value, options)
         if self.layout == DOCUMENTS:
-            tiles = registry.forward_tiles(self._explain_padded(query, key, value, options).config)
+            tiles = registry.forward_tiles(self._explain_padded(query, key, value, _with_positions(options, query,
+                                                                                                key)).config)
             result = meshed.call_documents(self._local, self.mesh, self.axis_name, ring, query, key, value, options,
                                            causal=self.options["causal"], window=self.options["sliding_window"],
                                            tiles=tiles or (documents.DEFAULT_TILE,) * 2)
@@ -166,7 +167,10 @@ class TunedRingAttention:
         padding = self._padding(query, key, options)
         arrays = {n: x for n, x in options.items() if n in plan.ARRAY_OPTIONS and x is not None}
         query, key, value, arrays = jax.eval_shape(padding.pad, query, key, value, arrays)
-        decision = self._explain_padded(query, key, value, {**options, **arrays}, a2a)
+        options = {**options, **arrays}
+        if self.layout == DOCUMENTS:
+            options = _with_positions(options, query, key)
+        decision = self._explain_padded(query, key, value, options, a2a)
         if self.layout == DOCUMENTS:
             decision = dataclasses.replace(decision, reason=f"{decision.reason}; documents layout: each row laid out "
                                                             f"from its segment ids, keyed as contiguous (every shard "
@@ -400,6 +404,16 @@ class TunedRingAttention:
             return Plan(name, config, "fallback", f"{fallback}; {name} params: {found.source} ({found.reason})",
                         problem, spec, layout)
         return Plan(name, config, found.source, found.reason, problem, spec, layout)
+
+
+def _with_positions(options: dict[str, Any], query, key) -> dict[str, Any]:
+    """`options` with the positions the documents layout passes (every token's, unless given), as shapes:
+    its plan is decided from the call it runs."""
+    options = dict(options)
+    for name, x in (("q_positions", query), ("kv_positions", key)):
+        if options.get(name) is None:
+            options[name] = jax.ShapeDtypeStruct(x.shape[:2], jnp.int32)
+    return options
 
 
 def _check_call_options(options: dict[str, Any]) -> dict[str, Any]:
