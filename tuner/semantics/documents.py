@@ -41,8 +41,9 @@ from tuner.semantics.spec import AttentionSpec
 
 DOCUMENTS = "documents"
 DEFAULT_TILE = 128  # the tile the layout is planned for when the caller does not say
-HEAVY = (0.125, 0.25, 0.5, 1.0, 2.0)  # tried: a document costing more than this share of a device is cut
-PIECE = (1, 2, 4)  # tried: the shortest piece of a cut document, in tiles
+HEAVY = (0.125, 0.5, 2.0)  # tried: a document costing more than this share of a device is cut
+PIECE = (1, 4)  # tried: the shortest piece of a cut document, in tiles
+COUNTED_TILES = 1024  # at most this many tiles a row when the candidates' work is counted
 
 
 def plans(segments, ring: int, spec: AttentionSpec, tile: int):

@@ -120,7 +120,8 @@ def document_order(segment_ids, ring_size: int, *, causal: bool = True, window: 
     each slot of a laid-out row, device-major (device r holds slots `[r*T/P, (r+1)*T/P)`).
 
     Each row gets the layout, among the documents plans and the fixed layouts, whose busiest device
-    computes the fewest logit tiles of size `tile` (the kernel's `(query, key)` tile) under the masks
+    computes the fewest logit tiles of size `tile` (the kernel's `(query, key)` tile; on rows of more than
+    `documents.COUNTED_TILES` tiles, counted in that many coarser tiles to bound the cost) under the masks
     `causal` and `window` `(left, right)`. Lay the arrays out with `lay_out_rows(x, order)`, pass the order
     as `q_positions`/`kv_positions` (lay given positions out instead), and `restore_rows` the output.
     Works on traced segment ids inside `jax.jit`; NumPy in gives NumPy out, for a data pipeline."""
@@ -138,12 +139,13 @@ def document_order(segment_ids, ring_size: int, *, causal: bool = True, window: 
                          f"be a multiple of ring_size ({ring_size})")
     spec = AttentionSpec(scale=1.0, causal=causal, window=window, has_segments=True)
     local = length // ring_size
+    counted = tuple(max(t, -(-length // documents.COUNTED_TILES)) for t in tiles)  # coarser on long rows
     fixed = [global_order(name, length, ring_size) for name in LAYOUTS if name != "zigzag" or local % 2 == 0]
     fixed = jnp.asarray(np.stack(fixed), jnp.int32)
 
     def row_order(segments):
         candidates = jnp.concatenate([fixed, documents.plans(segments, ring_size, spec, min(tiles))])
-        work = jax.vmap(lambda order: documents.busiest(order, segments, ring_size, spec, tiles))(candidates)
+        work = jax.vmap(lambda order: documents.busiest(order, segments, ring_size, spec, counted))(candidates)
         return candidates[jnp.argmin(work)]  # ties: the first, a fixed layout
 
     order = jax.vmap(row_order)(jnp.asarray(segment_ids, jnp.int32))
