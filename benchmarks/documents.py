@@ -2,6 +2,7 @@
 
     python benchmarks/documents.py                # ring 8, T=4096, causal, 6 packings, 4 layouts
     python benchmarks/documents.py --no-time      # the work counts only (a minute)
+    python benchmarks/documents.py --packed-tile 0 --only long   # the default tiles before the packed cap
 
 Every layout runs through `get_tuned_ring_attention(mesh=..., layout=...)` on an empty cache, so with
 the default tiles a user gets before tuning. Work is counted with `tuner.support.work.count_work` on
@@ -30,6 +31,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from tuner import get_tuned_ring_attention  # noqa: E402
+from tuner.strategies import implementations  # noqa: E402
 from tuner.support.tables import table  # noqa: E402
 from tuner.support.work import count_work  # noqa: E402
 from tuner.tuning.timing import time_interleaved  # noqa: E402
@@ -70,7 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-time", action="store_true", help="count the work only")
+    parser.add_argument("--packed-tile", type=int, default=implementations.PACKED_TILE,
+                        help="the longest default tile of a packed call (0: no limit, as before 2026-11-25)")
+    parser.add_argument("--only", default=None, help="run only the packings whose name contains this")
     args = parser.parse_args(argv)
+    suffix = "" if args.packed_tile == implementations.PACKED_TILE else f"-tile{args.packed_tile}"
+    implementations.PACKED_TILE = args.packed_tile or 2**31
 
     mesh = Mesh(np.array(jax.devices()[:args.ring]), ("sp",))
     rng = np.random.default_rng(0)
@@ -79,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     db = os.path.join(tempfile.mkdtemp(), "empty.sqlite")
     results, rows = [], []
     for name, lengths in packings(args.length).items():
+        if args.only and args.only not in name:
+            continue
         seg = jnp.asarray(segment_ids(lengths))
         useful = sum(n * (n + 1) // 2 for n in lengths) * args.heads
         steps = {}
@@ -113,9 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         print(table(["packing", "layout", "imbalance", "efficiency", "fwd+bwd", "vs best fixed"], rows[-4:]),
               flush=True)
     out = os.path.join(os.path.dirname(__file__), "results",
-                       f"documents-{args.ring}x{args.length}-{datetime.date.today().isoformat()}.json")
+                       f"documents-{args.ring}x{args.length}{suffix}-{datetime.date.today().isoformat()}.json")
     with open(out, "w") as f:
         json.dump(dict(ring=args.ring, length=args.length, heads=args.heads, head_dim=args.head_dim,
+                       packed_tile=args.packed_tile,
                        platform=f"{jax.devices()[0].platform} x{args.ring} simulated", results=results), f, indent=1)
     print(f"wrote {out}")
     return 0
