@@ -34,9 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from tuner.semantics import documents, layouts
+from tuner.semantics import layouts
 from tuner.semantics.documents import DOCUMENTS
-from tuner.semantics.padding import Padding
 from tuner.runtime import agreement, measured, meshed, modelled, plan, record
 from tuner import registry
 from tuner.cache import LOADER_BUSY_TIMEOUT_S, Cache, CacheError, row_config, warn_once, writes
@@ -105,25 +104,12 @@ class TunedRingAttention:
         if self.mesh is None:
             return self._local(query, key, value, options)
         size, ring = self._mesh_sizes()
-        padding = self._padding(query, key, options)
+        padding = meshed.padding(query, key, options, devices=size, layout=self.layout, causal=self.options["causal"])
         if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((query, key, value, options))):
             return self._compiled_call()(query, key, value, **options)
-        query, key, value, options = padding.pad(query, key, value, options)
-        if self.layout == DOCUMENTS:
-            tiles = registry.forward_tiles(self._explain_padded(query, key, value, _with_positions(options, query,
-                                                                                                key)).config)
-            result = meshed.call_documents(self._local, self.mesh, self.axis_name, ring, query, key, value, options,
-                                           causal=self.options["causal"], window=self.options["sliding_window"],
-                                           tiles=tiles or (documents.DEFAULT_TILE,) * 2)
-        else:
-            result = meshed.call(self._local, self.mesh, self.axis_name, self.layout, ring, query, key, value,
-                                 options)
-        return padding.strip(result, bool(options.get("return_lse")))
-
-    def _padding(self, query, key, options: dict[str, Any]) -> Padding:
-        """The padding of a call on global arrays: to lengths the layout splits over the mesh's devices."""
-        return Padding.of(query, key, options, devices=self._mesh_sizes()[0], causal=self.options["causal"],
-                          layout="contiguous" if self.layout == DOCUMENTS else self.layout)
+        return meshed.run(self._local, self._decide_global, self.mesh, self.axis_name, self.layout, ring, padding,
+                          query, key, value, options, causal=self.options["causal"],
+                          window=self.options["sliding_window"])
 
     def _compiled_call(self):
         """This call under `jax.jit`, for calls outside any trace: the layout, `shard_map` and ring compile
@@ -164,32 +150,18 @@ class TunedRingAttention:
             size, a2a = check_int("ring_size", 1 if ring_size is None else ring_size), None
         if self.mesh is None:
             return self._decide(query, key, value, size, options, a2a)
-        padding = self._padding(query, key, options)
-        arrays = {n: x for n, x in options.items() if n in plan.ARRAY_OPTIONS and x is not None}
-        query, key, value, arrays = jax.eval_shape(padding.pad, query, key, value, arrays)
-        options = {**options, **arrays}
-        if self.layout == DOCUMENTS:
-            options = _with_positions(options, query, key)
-        decision = self._explain_padded(query, key, value, options, a2a)
-        if self.layout == DOCUMENTS:
-            decision = dataclasses.replace(decision, reason=f"{decision.reason}; documents layout: each row laid out "
-                                                            f"from its segment ids, keyed as contiguous (every shard "
-                                                            f"in token order, positions given)")
-        if padding.needed:
-            decision = dataclasses.replace(decision, reason=f"{decision.reason}; {padding.describe()}")
-        return decision
+        padding = meshed.padding(query, key, options, devices=size, layout=self.layout, causal=self.options["causal"])
+        decision = self._decide_global(*meshed.planned(padding, query, key, value, options, layout=self.layout), a2a)
+        notes = ([meshed.DOCUMENTS_NOTE] if self.layout == DOCUMENTS else []) + (
+            [padding.describe()] if padding.needed else [])
+        return dataclasses.replace(decision, reason="; ".join([decision.reason, *notes])) if notes else decision
 
-    def _explain_padded(self, query, key, value, options: dict[str, Any], a2a: int | None = None) -> Decision:
-        """The decision for global arrays of lengths the mesh divides: from each device's shard."""
-        size = self._mesh_sizes()[0]
-        query, key, value = (meshed.local_shape(x, size, name) for x, name in
-                             ((query, "query"), (key, "key"), (value, "value")))
-        options = {n: meshed.local_shape(x, size, n) if n in meshed.SEQUENCE_OPTIONS and x is not None else x
-                   for n, x in options.items()}
-        if options.get("bias") is not None and options["bias"].shape[2] > 1:  # sharded over its query axis
-            options["bias"] = meshed.local_shape(options["bias"], size, "bias", axis=2)
+    def _decide_global(self, query, key, value, options: dict[str, Any], a2a: int | None = None) -> Decision:
+        """The decision for global arrays of lengths the mesh divides, from what each device's shard is."""
+        size, ring = self._mesh_sizes()
         if a2a is None and isinstance(self.axis_name, tuple):
-            a2a = size // self._mesh_sizes()[1]
+            a2a = size // ring
+        query, key, value, options = meshed.shards(query, key, value, options, size)
         return self._decide(query, key, value, size, options, a2a)
 
     @property
@@ -276,9 +248,10 @@ class TunedRingAttention:
                 except (CacheError, OSError) as error:  # reported by _lookup, which does not wait again
                     unusable = error
                 else:
-                    chosen = self._measured(rows, problem, spec, dtype, target, return_lse)
+                    chosen = measured.runnable_choice(rows, problem, spec, dtype, target, return_lse,
+                                                      self.strategy)
             if choosing and self.strategy == "auto":
-                verdict = self._modelled(rows, problem, spec, dtype, target, return_lse)
+                verdict = modelled.verdict(rows, problem, spec, dtype, target, return_lse)
             if chosen is not None:
                 implementation, fallback = registry.get(chosen[0]), None
                 problem = dataclasses.replace(problem, backend=implementation.name)
@@ -314,51 +287,6 @@ class TunedRingAttention:
                          f"pass the layout the shards are in ('contiguous' for an even split of the sequence, "
                          f"'zigzag' or 'striped' after tuner.layouts.lay_out), or pass mesh= and global arrays "
                          f"in token order, which the loader lays out itself ({DEFAULT_LAYOUT} by default)")
-
-    def _measured(self, rows: list[dict[str, Any]], key: ProblemKey, spec, dtype, target: registry.Target,
-                  return_lse: bool) -> tuple[str, str] | None:
-        """What `auto` runs by measurement, and the reason to give (`tuner.runtime.measured`, from the problem's
-        cache `rows`): only current, valid measurements of implementations that can honour this call (and,
-        with strategy="ring", are rings) count; the measured ones that cannot are named with their reason.
-        None to decide by the platform's preference."""
-        passed_over: dict[str, str] = {}
-
-        def runnable(name: str) -> bool:
-            implementation = registry.find(name)
-            its = None if implementation is None else registry.strategy_of(implementation)
-            if its is None or registry.mesh_axes(implementation) != 1 or self.strategy not in ("auto", its):
-                return False
-            reason = registry.why_not(implementation, spec, dtype, key.head_dim, target, return_lse=return_lse,
-                                      shapes=key, ring_size=key.ring_size)
-            if reason is not None:
-                passed_over[name] = reason
-            return reason is None
-
-        chosen = measured.choose(rows, key, runnable)
-        if chosen is None or not passed_over:
-            return chosen
-        return chosen[0], f"{chosen[1]}; passed over: {'; '.join(f'{n} {r}' for n, r in passed_over.items())}"
-
-    def _modelled(self, rows: list[dict[str, Any]], key: ProblemKey, spec, dtype, target: registry.Target,
-                  return_lse: bool) -> modelled.Verdict | None:
-        """The strategy model's verdict on this call (`tuner.runtime.modelled`), with the bench times of the
-        problem's cache `rows` beside its predictions; None where the model does not decide (the CPU: a
-        simulation platform)."""
-        platform = modelled.model_platform(target.platform, key.device_kind)
-        problem = None if platform is None or key.ring_size == 1 else modelled.problem_of(key, spec, key.ring_size,
-                                                                                           key.layout)
-        if problem is None:
-            return None
-
-        def runnable(strategy: str) -> str | None:
-            implementation = registry.find(strategy)
-            if implementation is None or registry.strategy_of(implementation) != strategy:
-                return "no implementation is registered for it"
-            return registry.why_not(implementation, spec, dtype, key.head_dim, target, return_lse=return_lse,
-                                    shapes=key, ring_size=key.ring_size)
-
-        return modelled.decide(problem, platform, runnable, measured=modelled.bench_seconds(rows, key.backend),
-                               return_lse=return_lse)
 
     def _by_model(self, verdict: modelled.Verdict, ring: Decision, shapes: LocalShapes,
                   unusable: CacheError | OSError | None) -> Decision:
@@ -404,16 +332,6 @@ class TunedRingAttention:
             return Plan(name, config, "fallback", f"{fallback}; {name} params: {found.source} ({found.reason})",
                         problem, spec, layout)
         return Plan(name, config, found.source, found.reason, problem, spec, layout)
-
-
-def _with_positions(options: dict[str, Any], query, key) -> dict[str, Any]:
-    """`options` with the positions the documents layout passes (every token's, unless given), as shapes:
-    its plan is decided from the call it runs."""
-    options = dict(options)
-    for name, x in (("q_positions", query), ("kv_positions", key)):
-        if options.get(name) is None:
-            options[name] = jax.ShapeDtypeStruct(x.shape[:2], jnp.int32)
-    return options
 
 
 def _check_call_options(options: dict[str, Any]) -> dict[str, Any]:

@@ -78,4 +78,29 @@ def choose(rows: list[dict[str, Any]], key: ProblemKey, runnable: Callable[[str]
                              f"{others or 'no other implementation is tuned for it'})")
 
 
-__all__ = ["choose", "decisions"]
+def runnable_choice(rows: list[dict[str, Any]], key: ProblemKey, spec: AttentionSpec, dtype: Any,
+                    target: registry.Target, return_lse: bool, strategy: str) -> tuple[str, str] | None:
+    """What `auto` runs by measurement for a call, and the reason to give (`choose` over the problem's
+    `decisions` rows): only implementations that can honour this call (and are of `strategy`, unless it
+    is "auto") count; the measured ones that cannot are named with their reason. None to decide by the
+    platform's preference."""
+    passed_over: dict[str, str] = {}
+
+    def runnable(name: str) -> bool:
+        implementation = registry.find(name)
+        its = None if implementation is None else registry.strategy_of(implementation)
+        if its is None or registry.mesh_axes(implementation) != 1 or strategy not in ("auto", its):
+            return False
+        reason = registry.why_not(implementation, spec, dtype, key.head_dim, target, return_lse=return_lse,
+                                  shapes=key, ring_size=key.ring_size)
+        if reason is not None:
+            passed_over[name] = reason
+        return reason is None
+
+    chosen = choose(rows, key, runnable)
+    if chosen is None or not passed_over:
+        return chosen
+    return chosen[0], f"{chosen[1]}; passed over: {'; '.join(f'{n} {r}' for n, r in passed_over.items())}"
+
+
+__all__ = ["choose", "decisions", "runnable_choice"]

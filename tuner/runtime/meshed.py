@@ -5,7 +5,9 @@ The layout is over the ring's positions: the axis's size, or over two axes the r
 position's chunk is then cut evenly over the group axis by the sharding `PartitionSpec(None,
 (ring_axis, group_axis))`. Per-call arrays along the sequence (segment ids, positions) are laid out the same
 way; a bias `[B, H, Tq, Tk]` is laid out on both sequence axes and sharded over its query axis only.
-The documents layout is one permutation per batch row, computed from the row's segment ids.
+The documents layout is one permutation per batch row, computed from the row's segment ids. A global
+length the layout does not split is padded first, and the padding stripped from the results
+(`tuner.semantics.padding`).
 """
 
 from __future__ import annotations
@@ -18,9 +20,15 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from tuner import registry
+from tuner.runtime.plan import ARRAY_OPTIONS
 from tuner.semantics import documents, layouts
+from tuner.semantics.documents import DOCUMENTS
+from tuner.semantics.padding import Padding
 
 SEQUENCE_OPTIONS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")
+DOCUMENTS_NOTE = ("documents layout: each row laid out from its segment ids, keyed as contiguous (every shard in "
+                  "token order, positions given)")
 
 
 def local_shape(x, size: int, name: str, axis: int = 1) -> jax.ShapeDtypeStruct:
@@ -30,6 +38,56 @@ def local_shape(x, size: int, name: str, axis: int = 1) -> jax.ShapeDtypeStruct:
     shape = list(x.shape)
     shape[axis] //= size
     return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+
+
+def padding(query, key, options: dict[str, Any], *, devices: int, layout: str, causal: bool) -> Padding:
+    """The padding of a call on global arrays: to lengths `layout` splits over `devices` (the documents
+    layout splits as contiguous does)."""
+    return Padding.of(query, key, options, devices=devices, causal=causal,
+                      layout="contiguous" if layout == DOCUMENTS else layout)
+
+
+def planned(padding: Padding, query, key, value, options: dict[str, Any], *, layout: str):
+    """The global shapes the call runs on (`jax.ShapeDtypeStruct`s): padded, and with the positions the
+    documents layout passes, so that a decision made from them is the traced call's."""
+    arrays = {n: x for n, x in options.items() if n in ARRAY_OPTIONS and x is not None}
+    query, key, value, arrays = jax.eval_shape(padding.pad, query, key, value, arrays)
+    options = {**options, **arrays}
+    return query, key, value, with_positions(options, query, key) if layout == DOCUMENTS else options
+
+
+def with_positions(options: dict[str, Any], query, key) -> dict[str, Any]:
+    """`options` with the positions the documents layout passes (every token's, unless given), as shapes."""
+    options = dict(options)
+    for name, x in (("q_positions", query), ("kv_positions", key)):
+        if options.get(name) is None:
+            options[name] = jax.ShapeDtypeStruct(x.shape[:2], jnp.int32)
+    return options
+
+
+def shards(query, key, value, options: dict[str, Any], size: int):
+    """What one device of `size` holds of global arrays of lengths they divide: `(query, key, value,
+    options)` as `jax.ShapeDtypeStruct`s (a bias is sharded over its query axis only)."""
+    query, key, value = (local_shape(x, size, name) for x, name in ((query, "query"), (key, "key"), (value, "value")))
+    options = {n: local_shape(x, size, n) if n in SEQUENCE_OPTIONS and x is not None else x for n, x in options.items()}
+    if options.get("bias") is not None and options["bias"].shape[2] > 1:
+        options["bias"] = local_shape(options["bias"], size, "bias", axis=2)
+    return query, key, value, options
+
+
+def run(local: Callable[..., Any], decide: Callable[..., Any], mesh: Mesh, axis_name: Hashable, layout: str,
+        ring: int, padding: Padding, query, key, value, options: dict[str, Any], *, causal: bool, window):
+    """The loader's call on global arrays: padded, laid out (the documents layout planned for the tiles of
+    `decide(query, key, value, options)`'s config), run by `local` on each device, back in token order
+    and stripped of the padding."""
+    query, key, value, options = padding.pad(query, key, value, options)
+    if layout == DOCUMENTS:
+        tiles = registry.forward_tiles(decide(query, key, value, with_positions(options, query, key)).config)
+        result = call_documents(local, mesh, axis_name, ring, query, key, value, options, causal=causal,
+                                window=window, tiles=tiles or (documents.DEFAULT_TILE,) * 2)
+    else:
+        result = call(local, mesh, axis_name, layout, ring, query, key, value, options)
+    return padding.strip(result, bool(options.get("return_lse")))
 
 
 def call(local: Callable[..., Any], mesh: Mesh, axis_name: Hashable, layout: str, ring: int, query, key, value,
@@ -100,4 +158,5 @@ def _sharded(local, mesh: Mesh, axis_name: Hashable, lay_out, restore, query, ke
     return restore(result)
 
 
-__all__ = ["SEQUENCE_OPTIONS", "call", "call_documents", "local_shape"]
+__all__ = ["DOCUMENTS_NOTE", "SEQUENCE_OPTIONS", "call", "call_documents", "local_shape", "padding", "planned",
+           "run", "shards", "with_positions"]

@@ -100,5 +100,25 @@ def decide(problem: Problem, platform: str, runnable: Callable[[str], str | None
     return Verdict("ring", f"{head}; keeps the ring{': ' if notes else ''}{'; '.join(notes)}", predictions)
 
 
+def verdict(rows: list[dict[str, Any]], key, spec: AttentionSpec, dtype: Any, target: registry.Target,
+            return_lse: bool) -> Verdict | None:
+    """The model's verdict on the call of `key` (a `ProblemKey`), with the bench times of the problem's
+    cache `rows` beside its predictions; None where the model does not decide (the CPU: a simulation
+    platform, or a one-device ring)."""
+    platform = model_platform(target.platform, key.device_kind)
+    problem = None if platform is None or key.ring_size == 1 else problem_of(key, spec, key.ring_size, key.layout)
+    if problem is None:
+        return None
+
+    def runnable(strategy: str) -> str | None:
+        implementation = registry.find(strategy)
+        if implementation is None or registry.strategy_of(implementation) != strategy:
+            return "no implementation is registered for it"
+        return registry.why_not(implementation, spec, dtype, key.head_dim, target, return_lse=return_lse,
+                                shapes=key, ring_size=key.ring_size)
+
+    return decide(problem, platform, runnable, measured=bench_seconds(rows, key.backend), return_lse=return_lse)
+
+
 __all__ = ["CANDIDATES", "MARGIN", "Predictions", "Verdict", "bench_seconds", "decide", "model_platform",
-           "problem_of"]
+           "problem_of", "verdict"]
