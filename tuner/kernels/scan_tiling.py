@@ -13,18 +13,8 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 
 from tuner.semantics import masks
+from tuner.semantics.padding import pad_to
 from tuner.semantics.spec import AttentionSpec
-
-
-def _pad_to(x, axis: int, length: int, mode: str = "constant", value: float = 0):
-    pad = length - x.shape[axis]
-    if pad == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    if mode == "edge":
-        return jnp.pad(x, widths, mode="edge")
-    return jnp.pad(x, widths, constant_values=value)
 
 
 def _split(x, axis: int, block: int):
@@ -76,12 +66,12 @@ class Operands:
         tq, tk = tiling.num_q * tiling.block_q, tiling.num_kv * tiling.block_kv
 
         self.q = self.query_side(q)
-        self.k = _split(_pad_to(jnp.moveaxis(k, 1, 2), 2, tk), 2, tiling.block_kv)  # [nk,B,Hkv,bk,D]
-        self.v = _split(_pad_to(jnp.moveaxis(v, 1, 2), 2, tk), 2, tiling.block_kv)
-        self.q_pos = _split(_pad_to(q_pos, 1, tq, "edge"), 1, tiling.block_q)  # [nq,B,bq]
-        self.kv_pos = _split(_pad_to(kv_pos, 1, tk, "edge"), 1, tiling.block_kv)  # [nk,B,bk]
-        self.q_seg = None if q_seg is None else _split(_pad_to(q_seg, 1, tq, "edge"), 1, tiling.block_q)
-        self.kv_seg = None if kv_seg is None else _split(_pad_to(kv_seg, 1, tk, "edge"), 1,
+        self.k = _split(pad_to(jnp.moveaxis(k, 1, 2), 2, tk), 2, tiling.block_kv)  # [nk,B,Hkv,bk,D]
+        self.v = _split(pad_to(jnp.moveaxis(v, 1, 2), 2, tk), 2, tiling.block_kv)
+        self.q_pos = _split(pad_to(q_pos, 1, tq, "edge"), 1, tiling.block_q)  # [nq,B,bq]
+        self.kv_pos = _split(pad_to(kv_pos, 1, tk, "edge"), 1, tiling.block_kv)  # [nk,B,bk]
+        self.q_seg = None if q_seg is None else _split(pad_to(q_seg, 1, tq, "edge"), 1, tiling.block_q)
+        self.kv_seg = None if kv_seg is None else _split(pad_to(kv_seg, 1, tk, "edge"), 1,
                                                          tiling.block_kv)
         self.kv_valid = _split(jnp.arange(tk) < tiling.kv_len, 0, tiling.block_kv)  # [nk,bk]
 
@@ -93,11 +83,11 @@ class Operands:
             grouped = bias.reshape((bb,) + heads + (bq, bk))
             self.bias_q_tiled, self.bias_kv_tiled = bq > 1, bk > 1
             if self.bias_kv_tiled:
-                grouped = _split(_pad_to(grouped, 4, tk), 4, tiling.block_kv)
+                grouped = _split(pad_to(grouped, 4, tk), 4, tiling.block_kv)
             else:
                 grouped = grouped[None]
             if self.bias_q_tiled:
-                grouped = _split(_pad_to(grouped, 4, tq), 4, tiling.block_q)
+                grouped = _split(pad_to(grouped, 4, tq), 4, tiling.block_q)
             else:
                 grouped = grouped[None]
             self.bias = grouped  # [nq|1, nk|1, Bb, Hkv|1, G|1, bq|1, bk|1]
@@ -106,13 +96,13 @@ class Operands:
         """`[B, T, H, D]` -> `[nq, B, Hkv, G, bq, D]` tiles (pads with zeros)."""
         b, t, h, d = x.shape
         x = jnp.moveaxis(x.reshape(b, t, h // self.group, self.group, d), 1, 3)
-        return _split(_pad_to(x, 3, self.tiling.num_q * self.tiling.block_q), 3, self.tiling.block_q)
+        return _split(pad_to(x, 3, self.tiling.num_q * self.tiling.block_q), 3, self.tiling.block_q)
 
     def row_stat(self, x, pad_value: float):
         """`[B, H, T]` row statistic -> `[nq, B, Hkv, G, bq]` tiles."""
         b, h, t = x.shape
         x = x.reshape(b, h // self.group, self.group, t)
-        return _split(_pad_to(x, 3, self.tiling.num_q * self.tiling.block_q, value=pad_value), 3,
+        return _split(pad_to(x, 3, self.tiling.num_q * self.tiling.block_q, value=pad_value), 3,
                       self.tiling.block_q)
 
     def untile_query(self, x):

@@ -33,6 +33,8 @@ is computed inside `jax.jit` from traced segment ids, and on the host from NumPy
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -46,31 +48,47 @@ PIECE = (1, 4)  # tried: the shortest piece of a cut document, in tiles
 COUNTED_TILES = 1024  # at most this many tiles a row when the candidates' work is counted
 
 
+class Documents(NamedTuple):
+    """Per token of one row: its document (numbered in order of appearance), the document's length, the
+    token's offset in it, the keys of its own document it may read, and its document's cost (the sum of
+    those reads)."""
+
+    doc: Any
+    size: Any
+    offset: Any
+    reads: Any
+    cost: Any
+
+    @classmethod
+    def of(cls, segments, spec: AttentionSpec) -> Documents:
+        """The documents of `segments [T]`: runs of equal segment ids."""
+        total = segments.shape[0]
+        token = jnp.arange(total, dtype=jnp.int32)
+        starts = jnp.concatenate([jnp.ones((1,), bool), segments[1:] != segments[:-1]])
+        doc = jnp.cumsum(starts, dtype=jnp.int32) - 1
+        size = jax.ops.segment_sum(jnp.ones_like(token), doc, total)[doc]
+        offset = token - jax.ops.segment_min(token, doc, total)[doc]
+        left, right = (total, total) if spec.window is None else spec.window
+        reads = jnp.minimum(offset, left) + 1
+        if not spec.causal:
+            reads += jnp.minimum(size - 1 - offset, right)
+        reads = reads.astype(jnp.float32)
+        return cls(doc, size, offset, reads, jax.ops.segment_sum(reads, doc, total)[doc])
+
+
 def plans(segments, ring: int, spec: AttentionSpec, tile: int):
     """The candidate layouts of one row of `segments [T]`: `[n, T]`, one per threshold and piece length."""
-    return jnp.stack([plan(segments, ring, spec, heavy, piece * tile) for heavy in HEAVY for piece in PIECE])
+    docs = Documents.of(segments, spec)
+    return jnp.stack([plan(docs, ring, heavy, piece * tile) for heavy in HEAVY for piece in PIECE])
 
 
-def plan(segments, ring: int, spec: AttentionSpec, heavy: float, piece: int):
+def plan(docs: Documents, ring: int, heavy: float, piece: int):
     """One row's layout (`[T]` token indices, device-major) that cuts every document costing more than
     `heavy` of a device's share into pieces of at least `piece` tokens, paired over up to P devices."""
-    total = segments.shape[0]
+    doc, size, offset, reads, cost = docs
+    total = doc.shape[0]
     local = total // ring
     token = jnp.arange(total, dtype=jnp.int32)
-
-    # Documents: runs of equal segment ids, numbered in order of appearance.
-    starts = jnp.concatenate([jnp.ones((1,), bool), segments[1:] != segments[:-1]])
-    doc = jnp.cumsum(starts, dtype=jnp.int32) - 1
-    size = jax.ops.segment_sum(jnp.ones_like(token), doc, total)[doc]
-    offset = token - jax.ops.segment_min(token, doc, total)[doc]
-
-    # Cost: the keys of its own document each token may read.
-    left, right = (total, total) if spec.window is None else spec.window
-    reads = jnp.minimum(offset, left) + 1
-    if not spec.causal:
-        reads += jnp.minimum(size - 1 - offset, right)
-    reads = reads.astype(jnp.float32)
-    cost = jax.ops.segment_sum(reads, doc, total)[doc]
     devices = jnp.clip(size // (2 * piece), 1, ring)  # the devices a heavy document is spread over
     is_heavy = (cost > heavy * reads.sum() / ring) & (devices > 1)
 

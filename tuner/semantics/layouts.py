@@ -129,8 +129,8 @@ def document_order(segment_ids, ring_size: int, *, causal: bool = True, window: 
     tiles = (tile, tile) if isinstance(tile, int) else tuple(tile)
     if len(tiles) != 2:
         raise ValueError(f"tile must be an int or a (query, key) pair of ints, got {tile!r}")
-    for name, t in zip(("tile", "tile"), tiles):
-        check_int(name, t, numeric=True)
+    for t in tiles:
+        check_int("tile", t, numeric=True)
     if np.ndim(segment_ids) != 2:
         raise ValueError(f"segment_ids must be [batch, length], got shape {np.shape(segment_ids)}")
     length = np.shape(segment_ids)[1]

@@ -76,29 +76,29 @@ class Padding:
     def pad(self, query, key, value, options: dict[str, Any]):
         """The padded `(query, key, value, options)`."""
         options = dict(options)
-        query = _pad(query, 1, self.q_to)
-        key, value = (_pad(x, 1, self.kv_to) for x in (key, value))
+        query = pad_to(query, 1, self.q_to)
+        key, value = (pad_to(x, 1, self.kv_to) for x in (key, value))
         for name in ("q_positions", "kv_positions"):
             if options.get(name) is not None:
-                options[name] = _pad(options[name], 1, self.q_to if name[0] == "q" else self.kv_to, edge=True)
+                options[name] = pad_to(options[name], 1, self.q_to if name[0] == "q" else self.kv_to, "edge")
         q_seg, kv_seg = options.get("q_segment_ids"), options.get("kv_segment_ids")
         if self.by_position:
             if q_seg is not None:
-                options["q_segment_ids"] = _pad(q_seg, 1, self.q_to, edge=True)
-                options["kv_segment_ids"] = _pad(kv_seg, 1, self.kv_to, edge=True)
+                options["q_segment_ids"] = pad_to(q_seg, 1, self.q_to, "edge")
+                options["kv_segment_ids"] = pad_to(kv_seg, 1, self.kv_to, "edge")
         else:
             if q_seg is None:
                 q_seg = jnp.zeros((query.shape[0], self.q_len), jnp.int32)
                 kv_seg = jnp.zeros((key.shape[0], self.kv_len), jnp.int32)
             lowest = jnp.maximum(jnp.minimum(q_seg.min(), kv_seg.min()), INT32_MIN + 2)
-            options["q_segment_ids"] = _pad(q_seg, 1, self.q_to, value=lowest - 1)
-            options["kv_segment_ids"] = _pad(kv_seg, 1, self.kv_to, value=lowest - 2)
+            options["q_segment_ids"] = pad_to(q_seg, 1, self.q_to, value=lowest - 1)
+            options["kv_segment_ids"] = pad_to(kv_seg, 1, self.kv_to, value=lowest - 2)
         bias = options.get("bias")
         if bias is not None:
             if bias.shape[2] > 1:
-                bias = _pad(bias, 2, self.q_to)
+                bias = pad_to(bias, 2, self.q_to)
             if bias.shape[3] > 1:
-                bias = _pad(bias, 3, self.kv_to)
+                bias = pad_to(bias, 3, self.kv_to)
             options["bias"] = bias
         return query, key, value, options
 
@@ -110,10 +110,17 @@ class Padding:
         return result[:, :self.q_len]
 
 
-def _pad(x, axis: int, length: int, *, edge: bool = False, value: Any = 0):
-    """`x` with its `axis` padded at the end to `length`: with `value`, or with `edge` its last entry."""
+def pad_to(x, axis: int, length: int, mode: str = "constant", value: Any = 0):
+    """`x` with its `axis` padded at the end to `length`: with `value`, or with `mode="edge"` its last
+    entry repeated (positions and segment ids, whose ranges then stay as they were)."""
+    pad = length - x.shape[axis]
+    if pad == 0:
+        return x
     widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, length - x.shape[axis])
-    if edge:
+    widths[axis] = (0, pad)
+    if mode == "edge":
         return jnp.pad(x, widths, mode="edge")
-    return jnp.pad(x, widths, constant_values=jnp.asarray(value, x.dtype))
+    return jnp.pad(x, widths, constant_values=value)
+
+
+__all__ = ["Padding", "pad_to", "padded_length"]
