@@ -34,6 +34,7 @@ class Case:
     kv_heads: int
     head_dim: int
     ring: int = 1
+    value_head_dim: int | None = None  # None: the values have head_dim too
     layout: str = "contiguous"
     causal: bool = False
     window: int | tuple[int, int] | None = None
@@ -50,6 +51,10 @@ class Case:
     seed: int = 0
     backend: str = "scan"
     interpret: bool = True  # kernel backends run in their interpreter unless this is False (on their hardware)
+
+    @property
+    def value_dim(self) -> int:
+        return self.head_dim if self.value_head_dim is None else self.value_head_dim
 
     @property
     def options(self) -> dict:
@@ -69,9 +74,11 @@ def cases(draw, ring_sizes=(1,), layouts_=layouts.LAYOUTS, dtype: str = "float32
                             st.tuples(st.integers(0, length), st.integers(0, length))))
     fused = draw(st.booleans())
     block = st.integers(2, 2 * local)
+    head_dim = draw(st.sampled_from([4, 8, 16]))
     return Case(
         batch=draw(st.sampled_from([1, 2])), length=length, heads=kv_heads * group, kv_heads=kv_heads,
-        head_dim=draw(st.sampled_from([4, 8, 16])), ring=ring, layout=layout,
+        head_dim=head_dim, value_head_dim=draw(st.sampled_from([None, None, head_dim // 2, 3 * head_dim // 2])),
+        ring=ring, layout=layout,
         causal=draw(st.booleans()), window=window,
         chunk=draw(st.one_of(st.none(), st.integers(1, length))),
         softcap=draw(st.one_of(st.none(), st.floats(0.5, 20.0))),
@@ -112,7 +119,8 @@ def triton_cases(draw, ring_sizes=(1,), dtype: str = "float32") -> Case:
     heads = case.kv_heads * draw(st.sampled_from([1, 2]))
     tile = st.sampled_from([16, 32])
     return dataclasses.replace(
-        case, backend="triton", length=local * case.ring, head_dim=draw(st.sampled_from([16, 32])), bias=None,
+        case, backend="triton", length=local * case.ring, head_dim=draw(st.sampled_from([16, 32])),
+        value_head_dim=None, bias=None,
         heads=heads, batch=1 if heads > 2 else case.batch,
         fwd=FwdParams(draw(tile), draw(tile)), bwd=BwdParams(draw(tile), draw(tile), draw(tile), draw(tile)))
 
@@ -127,7 +135,8 @@ def pallas_tpu_cases(draw, ring_sizes=(1,), dtype: str = "float32") -> Case:
     heads = case.kv_heads * draw(st.sampled_from([1, 2]))
     q_tile, kv_tile = st.sampled_from([8, 16, 32, 512]), st.sampled_from([128, 256])
     return dataclasses.replace(
-        case, backend="pallas_tpu", length=local * case.ring, head_dim=draw(st.sampled_from([8, 16])), bias=None,
+        case, backend="pallas_tpu", length=local * case.ring, head_dim=draw(st.sampled_from([8, 16])),
+        value_head_dim=None, bias=None,
         heads=heads, batch=1 if heads > 2 else case.batch,
         fwd=FwdParams(draw(q_tile), draw(kv_tile), block_kv_compute=draw(st.sampled_from([None, 128]))),
         bwd=BwdParams(draw(q_tile), draw(kv_tile), draw(q_tile), draw(kv_tile)))
@@ -135,7 +144,7 @@ def pallas_tpu_cases(draw, ring_sizes=(1,), dtype: str = "float32") -> Case:
 
 def make_arrays(case: Case) -> Arrays:
     rng = np.random.default_rng(case.seed)
-    b, t, h, hkv, d = case.batch, case.length, case.heads, case.kv_heads, case.head_dim
+    b, t, h, hkv, d, dv = case.batch, case.length, case.heads, case.kv_heads, case.head_dim, case.value_dim
 
     def normal(*shape):
         return rng.standard_normal(shape).astype(np.float32)
@@ -152,9 +161,9 @@ def make_arrays(case: Case) -> Arrays:
     positions = None
     if case.explicit_positions:  # strictly increasing, with gaps and a per-row offset
         positions = np.cumsum(rng.integers(1, 3, (b, t)), axis=1).astype(np.int32) - 1
-    return Arrays(normal(b, t, h, d), normal(b, t, hkv, d), normal(b, t, hkv, d),
+    return Arrays(normal(b, t, h, d), normal(b, t, hkv, d), normal(b, t, hkv, dv),
                   bias() if bias else None, sinks() if sinks else None, q_seg, kv_seg, positions,
-                  normal(b, t, h, d), normal(b, h, t))
+                  normal(b, t, h, dv), normal(b, h, t))
 
 
 def _loss(out, lse, arrays_w, arrays_u):

@@ -17,7 +17,7 @@ from typing import Any
 
 from tuner.support import resources
 from tuner.cache.files import read_shipped
-from tuner.cache.rows import (FAMILY_FIELDS, SIZE_FIELDS, TABLE, features_text, is_int, row_digest, row_key,
+from tuner.cache.rows import (FAMILY_FIELDS, SIZE_FIELDS, TABLE, is_int, key_columns, row_digest, row_key,
                               row_problem, warn_once)
 from tuner.registry.versions import VERSION_FIELDS, stale_reason
 from tuner.semantics.problem import ProblemKey
@@ -128,7 +128,7 @@ class _Search:
         """The best entry of the cache file, and how it matched ("exact", "nearest" or "")."""
         key, versions = self.key, self.versions
         matches = " AND ".join(f"{f} = ?" for f in FAMILY_FIELDS) + " AND {source} = 'search'"
-        family_values = [key.op, key.backend, key.device_kind, key.head_dim, key.dtype, features_text(key.features)]
+        family_values = [key.op, key.backend, key.device_kind, key.head_dim, key.dtype, key_columns(key)["features"]]
         brief = ", ".join(("rowid", "key", "layout", *SIZE_FIELDS, *VERSION_FIELDS))
         exact = self.select(f"SELECT * FROM {TABLE} WHERE key = ?", [key.digest])
         current = " AND ".join(f"{f} = ?" for f in VERSION_FIELDS)
@@ -200,7 +200,7 @@ def neighbours(select: Callable[..., list[dict[str, Any]]], key: ProblemKey, ver
         if distance is None or row_problem(row) is not None or not is_int(row["head_dim"]) or row["head_dim"] <= 0:
             continue
         distance += abs(math.log2(row["head_dim"] / key.head_dim))
-        distance += 0.0 if row["features"] == features_text(key.features) else 1.0
+        distance += 0.0 if row["features"] == key_columns(key)["features"] else 1.0
         ranked.append((distance, row))
     ranked.sort(key=lambda item: item[0])
     return ranked[:limit]

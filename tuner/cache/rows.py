@@ -63,6 +63,10 @@ INDEXES = {"tuned_family": FAMILY_FIELDS, "tuned_measured_at": ("measured_at",)}
 FEATURES: dict[str, str] = {"causal": "bool", "window": "window", "chunk_size": "positive or null",
                             "softcap": "bool", "segments": "bool", "bias": "bool", "sinks": "count"}
 HEX_KEY = re.compile(r"^[0-9a-f]{16}$")
+# A key whose value head dim differs from its query/key head dim (multi-head latent attention) keeps the value
+# head dim in its features JSON, under this name: the table keeps its columns, every other row its text, and
+# the family index tells such problems apart.
+VALUE_DIM = "value_head_dim"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -106,7 +110,13 @@ def json_object(text: Any, name: str) -> dict[str, Any]:
     return value
 
 
-def _check_features(features: dict[str, Any]) -> None:
+def _check_features(features: dict[str, Any], head_dim: int) -> None:
+    if VALUE_DIM in features:
+        value = features[VALUE_DIM]
+        if not (is_int(value) and value > 0 and value != head_dim):
+            raise ValueError(f"features.{VALUE_DIM} must be a positive int other than head_dim {head_dim} (absent "
+                             f"when the values have the query/key head dim), got {value!r}")
+        features = {k: v for k, v in features.items() if k != VALUE_DIM}
     unknown = sorted(set(features) - set(FEATURES))
     missing = sorted(set(FEATURES) - set(features))
     if unknown or missing:
@@ -182,7 +192,7 @@ def _check_row(row: dict[str, Any]) -> None:
     if not all(isinstance(k, str) and is_int(v) and v >= 0 for k, v in failed.items()):
         raise ValueError(f"trials_failed must map reasons to counts, got {row['trials_failed'][:80]!r}")
     check_date(row["measured_at"], "measured_at")
-    _check_features(json_object(row["features"], "features"))
+    _check_features(json_object(row["features"], "features"), row["head_dim"])
     _config(row)
     digest = row_digest(row_key(row), row["source"])
     if digest != row["key"]:
@@ -237,9 +247,19 @@ def upgrade(row: dict[str, Any]) -> dict[str, Any]:
 def row_key(row: dict[str, Any]) -> ProblemKey:
     """The `ProblemKey` of a cache row."""
     fields_ = {f: row[f] for f in KEY_FIELDS}
-    fields_["features"] = json.loads(fields_["features"]) if isinstance(fields_["features"], str) \
-        else fields_["features"]
-    return ProblemKey(**fields_)
+    features = json.loads(fields_["features"]) if isinstance(fields_["features"], str) else fields_["features"]
+    fields_["features"] = {k: v for k, v in features.items() if k != VALUE_DIM}
+    return ProblemKey(**fields_, value_head_dim=features.get(VALUE_DIM))
+
+
+def key_columns(key: ProblemKey) -> dict[str, Any]:
+    """The key fields of `key` as a row stores them: the features as their one text, holding the value head
+    dim where it differs (`VALUE_DIM`)."""
+    fields_ = key.as_dict()
+    value_head_dim = fields_.pop(VALUE_DIM, None)
+    fields_["features"] = features_text({**fields_["features"],
+                                         **({VALUE_DIM: value_head_dim} if value_head_dim is not None else {})})
+    return fields_
 
 
 def row_config(row: dict[str, Any]) -> Config:
@@ -267,8 +287,7 @@ def make_row(key: ProblemKey, fwd: FwdParams | Config, bwd: BwdParams | None = N
     JSON, versions, timestamp and `measured` fields (objective, best_s, default_s, speedup, trials_run,
     trials_pruned, trials_failed, study)."""
     parts = fwd.to_dict() if bwd is None else {"fwd": fwd.to_dict(), "bwd": bwd.to_dict()}
-    fields_ = key.as_dict()
-    fields_["features"] = features_text(fields_["features"])
+    fields_ = key_columns(key)
     failed = measured.pop("trials_failed", {})
     row = {"key": row_digest(key, source), **fields_, "source": source, "fwd_params": json.dumps(parts["fwd"]),
            "bwd_params": json.dumps(parts["bwd"]), "trials_failed": json.dumps(failed, sort_keys=True),

@@ -64,7 +64,10 @@ def _add_problem(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seq-len", type=int, default=d.seq_len, help="global sequence length")
     group.add_argument("--heads", type=int, default=d.heads, help="query heads")
     group.add_argument("--kv-heads", type=int, default=d.kv_heads, help="key/value heads (GQA)")
-    group.add_argument("--head-dim", type=int, default=d.head_dim)
+    group.add_argument("--head-dim", type=int, default=d.head_dim, help="query/key head dim")
+    group.add_argument("--value-head-dim", type=int, default=None, metavar="DV",
+                       help="value head dim, where it differs from --head-dim (MLA: --head-dim 192 "
+                            "--value-head-dim 128)")
     group.add_argument("--dtype", choices=DTYPES, default=d.dtype)
     group.add_argument("--causal", action=argparse.BooleanOptionalAction, default=d.causal)
     group.add_argument("--window", type=_window, default=None, metavar="W|L,R", help="sliding window")
@@ -238,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-POSITIVE = ("devices", "batch", "seq_len", "heads", "kv_heads", "head_dim", "runs", "calls", "trials",
+POSITIVE = ("devices", "batch", "seq_len", "heads", "kv_heads", "head_dim", "value_head_dim", "runs", "calls", "trials",
             "ring_size", "a2a_size", "chunk", "timeout", "trial_timeout", "limit", "page", "heartbeat",
             "reconnect")
 

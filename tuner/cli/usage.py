@@ -46,7 +46,8 @@ def loader_call(problem: Problem, backend: str | None = None) -> list[str]:
         lines.append(f'mesh = Mesh(np.array(jax.devices()[:{problem.ring_size}]), ("sp",))')
     lines += [f"attn = get_tuned_ring_attention({', '.join(options)})",
               f"out = attn(q, k, v{extras})  # {problem.dtype} q [{problem.batch}, {problem.seq_len}, {problem.heads}, "
-              f"{problem.head_dim}], k/v [{problem.batch}, {problem.seq_len}, {problem.kv_heads}, {problem.head_dim}]"
+              f"{problem.head_dim}], k/v [{problem.batch}, {problem.seq_len}, {problem.kv_heads}, "
+              f"{problem.head_dim if problem.value_head_dim is None else f'{problem.head_dim}/{problem.value_dim}'}]"
               f"{shapes}{', global, in token order' if ring else ''}"]
     return lines
 

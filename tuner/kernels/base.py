@@ -4,9 +4,12 @@ A backend computes attention between one block of queries and one block of keys 
 about rings. The ring driver (`tuner.strategies.ring`) calls it once per ring step and merges the results.
 
     block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec, params, interpret)
-        -> o_f32 [B,Tq,H,D], lse_f32 [B,H,Tq]
+        -> o_f32 [B,Tq,H,Dv], lse_f32 [B,H,Tq]
     block_bwd(q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec, params, interpret)
         -> dq, dk, dv (float32), dbias (bias's shape and float32, or None without bias)
+
+`q` is `[B,Tq,H,D]`, `k` `[B,Tk,Hkv,D]`, `v` `[B,Tk,Hkv,Dv]`: the value head dim Dv may differ from the
+query/key head dim D (multi-head latent attention); `o` and `do` have Dv, each gradient its input's shape.
 
 Positions and segment ids are int32 `[B, T]`; `q_seg`/`kv_seg` are None without segments. `bias` is
 the slice for this key block (`[B|1, H|1, Tq|1, Tk|1]`) or None. `lse` and `delta` are those of the
@@ -74,14 +77,17 @@ class Backend(Protocol):
         traced, `tuner.support.targets.compile_target`), or run in their interpreter with `interpret`; else why
         not."""
 
-    def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int) -> str | None:
-        """None when every feature of `spec` is honoured, else the first one that is not."""
+    def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int, value_head_dim: int | None = None
+                 ) -> str | None:
+        """None when every feature of `spec` is honoured at these head dims (`value_head_dim`: the values',
+        where it differs from `head_dim`), else the first one that is not."""
 
     def check_params(self, fwd: FwdParams, bwd: BwdParams) -> None:
         """Raise `ValueError` naming the field for parameters this backend cannot honour."""
 
-    def default_params(self, q_len: int, kv_len: int, head_dim: int) -> tuple[FwdParams, BwdParams]:
-        """The heuristic default for a local problem of these lengths."""
+    def default_params(self, q_len: int, kv_len: int, head_dim: int, value_head_dim: int | None = None
+                       ) -> tuple[FwdParams, BwdParams]:
+        """The heuristic default for a local problem of these lengths and head dims."""
 
     def search_space(self, shapes: LocalShapes, spec: AttentionSpec) -> SearchSpace:
         """The candidate tiles (and launch settings) worth trying for these local shapes."""

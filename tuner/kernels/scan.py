@@ -26,13 +26,15 @@ class ScanBackend:
     def unavailable_reason(self, interpret: bool = False, platform: str | None = None) -> str | None:
         return None
 
-    def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int) -> str | None:
+    def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int, value_head_dim: int | None = None
+                 ) -> str | None:
         return None
 
     def check_params(self, fwd: FwdParams, bwd: BwdParams) -> None:
         reject_settings(self.name, fwd, bwd, launch=False, compute_slice=False)
 
-    def default_params(self, q_len: int, kv_len: int, head_dim: int) -> tuple[FwdParams, BwdParams]:
+    def default_params(self, q_len: int, kv_len: int, head_dim: int, value_head_dim: int | None = None
+                       ) -> tuple[FwdParams, BwdParams]:
         """Tall query tiles, short key tiles, dq fused: the best of a sweep on a 2-core x86 CPU
         (local T=1024, H=8, D=64, float32); half a 1024-token shard keeps zigzag chunks tile-aligned.
         Tiles are cut to the local lengths (the same computation, named as the search space names it)."""

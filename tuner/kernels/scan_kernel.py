@@ -6,8 +6,10 @@ softmax runs over the key tiles. A tile pair whose position / segment ranges exc
 
 Heads stay grouped: queries are viewed as `[B, Hkv, G, T, D]` (G = H // Hkv query heads per kv head),
 so grouped-query attention never repeats keys or values. Lengths that are not a multiple of the tile
-are padded; padded keys are masked out and padded query rows are dropped. The tiled operands are
-`tuner.kernels.scan_tiling`'s; this module holds the tile loops.
+are padded; padded keys are masked out and padded query rows are dropped. The values' head dim may
+differ from the queries' and keys' (multi-head latent attention): the output, its accumulator and dv
+take the values' one. The tiled operands are `tuner.kernels.scan_tiling`'s; this module holds the tile
+loops.
 
 `forward` and `backward` are the entry points; `tuner.kernels.scan` wraps them in the backend
 contract. The arguments are those of `block_fwd` / `block_bwd` (`tuner.kernels.base`).
@@ -114,7 +116,7 @@ def _forward(ops: Operands, spec: AttentionSpec):
             return _visit_tile(ops, spec, i, j, compute, carry), None
 
         init = (jnp.full(stat_shape, -jnp.inf, F32), jnp.zeros(stat_shape, F32),
-                jnp.zeros(q_tile.shape, F32))
+                jnp.zeros((*stat_shape, ops.v.shape[-1]), F32))
         init = jax.tree.map(lambda x: vma.like(x, q_tile), init)
         (row_max, row_sum, acc), _ = lax.scan(key_tile, init, jnp.arange(tiles.num_kv))
         has_mass = row_sum > 0
@@ -178,7 +180,6 @@ class _Grads:
 def _backward(ops: Operands, spec: AttentionSpec, do, lse, delta, dq_ops: Operands | None,
               dq_do=None, dq_lse=None, dq_delta=None):
     tiles = ops.tiling
-    k_tile_shape = ops.k.shape[1:]
     fused = dq_ops is None
 
     def key_tile(outer, j):
@@ -196,8 +197,8 @@ def _backward(ops: Operands, spec: AttentionSpec, do, lse, delta, dq_ops: Operan
             return _visit_tile(ops, spec, i, j, compute, inner), None
 
         dq, dbias = outer
-        zeros = vma.like(jnp.zeros(k_tile_shape, F32), ops.q)
-        (dk, dv, dq, dbias), _ = lax.scan(query_tile, (zeros, zeros, dq, dbias), jnp.arange(tiles.num_q))
+        dk0, dv0 = (vma.like(jnp.zeros(x.shape[1:], F32), ops.q) for x in (ops.k, ops.v))
+        (dk, dv, dq, dbias), _ = lax.scan(query_tile, (dk0, dv0, dq, dbias), jnp.arange(tiles.num_q))
         return (dq, dbias), (dk, dv)
 
     nq, b, hkv, g, bq, d = ops.q.shape

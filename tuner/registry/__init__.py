@@ -155,9 +155,10 @@ class Implementation(Protocol):
     def available(self, target: Target) -> str | None:
         """None when it can run on `target`, else why not."""
 
-    def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int, *, return_lse: bool = False
-                 ) -> str | None:
-        """None when every feature of the call is honoured, else the first one that is not."""
+    def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int, *, return_lse: bool = False,
+                 value_head_dim: int | None = None) -> str | None:
+        """None when every feature of the call is honoured, else the first one that is not.
+        `value_head_dim` is the values' head dim where it differs from `head_dim` (None: it does not)."""
 
     def default_config(self, shapes: LocalShapes, spec: AttentionSpec) -> Config:
         """The heuristic default for one device's shapes."""
@@ -282,12 +283,14 @@ def problem_key(problem: Problem, name: str, device_kind: str) -> ProblemKey:
 def why_not(implementation: Implementation, spec: AttentionSpec, dtype: Any, head_dim: int, target: Target,
             *, return_lse: bool = False, shapes: LocalShapes | None = None, ring_size: int = 1,
             group: int | None = None) -> str | None:
-    """Why `implementation` cannot run this call on `target` (unavailable, a feature it lacks, or with
-    `shapes`, one device's shapes on a ring of `ring_size` it cannot split; `group`: `shape_violation`)."""
+    """Why `implementation` cannot run this call on `target` (unavailable, a feature it lacks -- with
+    `shapes`, their value head dim too --, or one device's `shapes` on a ring of `ring_size` it cannot split;
+    `group`: `shape_violation`)."""
     reason = implementation.available(target)
     if reason is not None:
         return f"cannot run here: {reason}"
-    reason = implementation.supports(spec, dtype, head_dim, return_lse=return_lse)
+    value_head_dim = None if shapes is None else shapes.value_head_dim
+    reason = implementation.supports(spec, dtype, head_dim, return_lse=return_lse, value_head_dim=value_head_dim)
     if reason is not None:
         return f"does not support {reason}"
     reason = None if shapes is None else shape_violation(implementation, shapes, ring_size, group)

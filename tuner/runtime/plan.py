@@ -101,7 +101,7 @@ def resolve(query, key, value, *, ring_size: int, layout: str, backend: str, tar
                       softmax_aux=arrays["softmax_aux"], **mask,
                       position_span=layout_span(ring_size, query.shape[1], key.shape[1], arrays["q_positions"],
                                                 arrays["kv_positions"]))
-    dtype, head_dim, shapes = jnp.dtype(query.dtype), query.shape[3], LocalShapes.of_shards(query, key)
+    dtype, head_dim, shapes = jnp.dtype(query.dtype), query.shape[3], LocalShapes.of_shards(query, key, value)
     call = dict(return_lse=return_lse, shapes=shapes, ring_size=ring_size, group=group)
     if strategy in SELECTING or backend != "auto":
         argument, name = ("backend", backend) if backend != "auto" else ("strategy", strategy)

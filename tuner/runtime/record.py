@@ -156,6 +156,7 @@ class Call:
             raise ValueError("interpret=True runs the kernels in their interpreter: there is nothing to tune")
         (b, tq, h, d), dtype = self.query
         (_, tk, hkv, _), _ = self.key
+        dv = self.value[0][3]
         if tq != tk:
             raise ValueError(f"queries and keys have different lengths per device (Tq={tq}, Tk={tk}); "
                              f"tuner search tunes self-attention shards")
@@ -168,7 +169,8 @@ class Call:
                           causal=bool(self.mask.get("causal")), window=self.mask.get("sliding_window"),
                           chunk_size=self.mask.get("chunk_size"), softcap=self.mask.get("logits_soft_cap"),
                           segments=min(DOCUMENTS, seq_len) if "q_segment_ids" in self.arrays else 0,
-                          sinks=sinks, ring_size=self.ring_size, layout=self.layout, a2a_size=self.a2a_size)
+                          sinks=sinks, ring_size=self.ring_size, layout=self.layout, a2a_size=self.a2a_size,
+                          value_head_dim=dv)
         wanted = self.decision["key"]
         got = registry.problem_key(problem, self.decision["implementation"], self.device_kind).as_dict()
         differ = [f"{name} {got[name]!r} (call: {wanted.get(name)!r})" for name in got if got[name] != wanted.get(name)]

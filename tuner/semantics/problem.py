@@ -33,6 +33,8 @@ class Problem:
     `ring_size` is every device the sequence is split over; `a2a_size` > 1 makes it a problem over two mesh
     axes (the hybrid's, or another implementation's over two): `ring_size / a2a_size` ring positions, each a
     group of `a2a_size` devices, the layout over the ring positions.
+    `value_head_dim` is the head dim of the values where it differs from `head_dim`, the query/key one
+    (multi-head latent attention), else None.
     `segments` is the number of packed documents per batch row (0: no segment ids); `sinks` the number
     of sink logits per head (0: none); `window` is `(left, right)` or None, kept as `clip_window` leaves
     it for a `seq_len`-token sequence (a window at least that long is None, and so is a chunk), as
@@ -55,10 +57,13 @@ class Problem:
     ring_size: int = 4
     layout: str = "zigzag"
     a2a_size: int = 1
+    value_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch", "seq_len", "heads", "kv_heads", "head_dim", "ring_size", "a2a_size"):
             check_int(name, getattr(self, name))
+        if check_int("value_head_dim", self.value_head_dim, optional=True) == self.head_dim:
+            object.__setattr__(self, "value_head_dim", None)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.layout not in LAYOUTS:
@@ -101,10 +106,15 @@ class Problem:
         return self.a2a_size if self.a2a_size > 1 else None
 
     @property
+    def value_dim(self) -> int:
+        """The head dim of the values (and of the output): `value_head_dim`, else `head_dim`."""
+        return self.head_dim if self.value_head_dim is None else self.value_head_dim
+
+    @property
     def shapes(self) -> LocalShapes:
         """What each device's block kernels see."""
         return LocalShapes(self.batch, self.local_len, self.local_len, self.heads, self.kv_heads, self.head_dim,
-                           self.dtype)
+                           self.dtype, value_head_dim=self.value_head_dim)
 
     @property
     def spec(self) -> AttentionSpec:
@@ -119,7 +129,8 @@ class Problem:
                                         (f"segments={self.segments}", self.segments),
                                         (f"softcap={self.softcap}", self.softcap),
                                         (f"sinks={self.sinks}", self.sinks)) if on]
-        return (f"B={self.batch} T={self.seq_len} H={self.heads} Hkv={self.kv_heads} D={self.head_dim} "
+        dims = f"D={self.head_dim}" + (f" Dv={self.value_head_dim}" if self.value_head_dim is not None else "")
+        return (f"B={self.batch} T={self.seq_len} H={self.heads} Hkv={self.kv_heads} {dims} "
                 f"{self.dtype} {' '.join(extras) or 'full'} | ring {self.ring_positions} x "
                 f"{f'a2a {self.a2a_size} x ' if self.a2a_size > 1 else ''}{self.local_len} "
                 f"tokens, {self.layout}")
@@ -133,6 +144,7 @@ class Problem:
                              f"tokens, layout): {str(text)[:80]!r}")
         fields = dict(batch=int(match["batch"]), seq_len=int(match["seq_len"]), heads=int(match["heads"]),
                       kv_heads=int(match["kv_heads"]), head_dim=int(match["head_dim"]), dtype=match["dtype"],
+                      value_head_dim=int(match["value_head_dim"]) if match["value_head_dim"] else None,
                       ring_size=int(match["ring"]) * int(match["a2a"] or 1), a2a_size=int(match["a2a"] or 1),
                       layout=match["layout"], causal=False)
         features = re.sub(r"\((\d+), (\d+)\)", r"(\1,\2)", match["features"])  # a window's "(left, right)"
@@ -155,7 +167,8 @@ class Problem:
 
 
 _DESCRIPTION = re.compile(r"B=(?P<batch>\d+) T=(?P<seq_len>\d+) H=(?P<heads>\d+) Hkv=(?P<kv_heads>\d+) "
-                          r"D=(?P<head_dim>\d+) (?P<dtype>\w+) (?P<features>.+?) \| ring (?P<ring>\d+) x "
+                          r"D=(?P<head_dim>\d+) (?:Dv=(?P<value_head_dim>\d+) )?(?P<dtype>\w+) (?P<features>.+?) "
+                          r"\| ring (?P<ring>\d+) x "
                           r"(?:a2a (?P<a2a>\d+) x )?\d+ tokens, (?P<layout>\w+)")
 
 
@@ -186,7 +199,12 @@ class ProblemKey(LocalShapes):
                    layout=key_layout(layout, ring_size), features=spec.features())
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The key's fields; `value_head_dim` only where the value head dim differs, so that keys of equal
+        dims keep the digests (and cache rows) they had before values could differ."""
+        fields_ = asdict(self)
+        if fields_["value_head_dim"] is None:
+            del fields_["value_head_dim"]
+        return fields_
 
     @property
     def digest(self) -> str:
@@ -197,7 +215,7 @@ class ProblemKey(LocalShapes):
     @property
     def family(self) -> tuple:
         """What must match for a tuned entry to be borrowed by a nearby shape (nearest lookup)."""
-        return (self.op, self.backend, self.device_kind, self.head_dim, self.dtype,
+        return (self.op, self.backend, self.device_kind, self.head_dim, self.value_dim, self.dtype,
                 json.dumps(self.features, sort_keys=True))
 
     def distance(self, other: ProblemKey) -> float:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -58,8 +58,14 @@ class AttentionSpec:
 
 @dataclass(frozen=True)
 class LocalShapes:
-    """The shapes one device's block kernels see: its query shard `[batch, q_len, heads, head_dim]` and
-    key/value shard `[batch, kv_len, kv_heads, head_dim]`, and their dtype's name."""
+    """The shapes one device's block kernels see: its query shard `[batch, q_len, heads, head_dim]`, key
+    shard `[batch, kv_len, kv_heads, head_dim]` and value shard `[batch, kv_len, kv_heads, value_dim]`,
+    and their dtype's name.
+
+    `value_head_dim` is the value head dim where it differs from the query/key head dim (multi-head
+    latent attention: 192 and 128), else None, so that shapes of equal dims compare, hash and key as
+    they always have.
+    """
 
     batch: int
     q_len: int
@@ -68,12 +74,24 @@ class LocalShapes:
     kv_heads: int
     head_dim: int
     dtype: str
+    value_head_dim: int | None = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        if self.value_head_dim == self.head_dim:
+            object.__setattr__(self, "value_head_dim", None)
+
+    @property
+    def value_dim(self) -> int:
+        """The head dim of the values (and of the output): `value_head_dim`, else `head_dim`."""
+        return self.head_dim if self.value_head_dim is None else self.value_head_dim
 
     @classmethod
-    def of_shards(cls, query: Any, key: Any) -> LocalShapes:
-        """The shapes of a query shard and a key shard (arrays or `jax.ShapeDtypeStruct`s)."""
+    def of_shards(cls, query: Any, key: Any, value: Any = None) -> LocalShapes:
+        """The shapes of a query, a key and a value shard (arrays or `jax.ShapeDtypeStruct`s); without
+        `value`, values of the keys' shape."""
         b, tq, h, d = query.shape
-        return cls(b, tq, key.shape[1], h, key.shape[2], d, jnp.dtype(query.dtype).name)
+        dv = d if value is None else value.shape[3]
+        return cls(b, tq, key.shape[1], h, key.shape[2], d, jnp.dtype(query.dtype).name, value_head_dim=dv)
 
 
 def normalize_window(sliding_window: int | tuple[int, int] | None, *,
@@ -227,7 +245,8 @@ def check_inputs(
 ) -> None:
     """Raise `ValueError` / `TypeError` naming the argument for every malformed input.
 
-    Shapes are the local shards: `query [B, Tq, H, D]`, `key`/`value [B, Tk, Hkv, D]`; `bias` spans the
+    Shapes are the local shards: `query [B, Tq, H, D]`, `key [B, Tk, Hkv, D]`, `value [B, Tk, Hkv, Dv]` (the
+    value head dim may differ from the query/key one, as in multi-head latent attention); `bias` spans the
     global key axis (`ring_size * Tk`). Positions not given come from a layout, which numbers at most
     2**31 tokens.
     """
@@ -240,15 +259,17 @@ def check_inputs(
         raise TypeError(f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, "
                         f"{value.dtype}")
     b, tq, h, d = query.shape
-    if key.shape != value.shape:
-        raise ValueError(f"key and value must have the same shape, got {key.shape} and {value.shape}")
+    if key.shape[:3] != value.shape[:3]:
+        raise ValueError(f"key and value must have the same batch, length and heads [batch, length, kv_heads], "
+                         f"got {key.shape} and {value.shape}")
     _, tk, hkv, _ = key.shape
     if key.shape[0] != b:
         raise ValueError(f"key batch {key.shape[0]} does not match query batch {b}")
     if key.shape[3] != d:
         raise ValueError(f"key head_dim {key.shape[3]} does not match query head_dim {d}")
-    if min(b, tq, tk, h, hkv, d) == 0:
-        raise ValueError(f"query {query.shape} and key {key.shape} must have no empty dimension")
+    if min(b, tq, tk, h, hkv, d, value.shape[3]) == 0:
+        raise ValueError(f"query {query.shape}, key {key.shape} and value {value.shape} must have no empty "
+                         f"dimension")
     if h % hkv:
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hkv})")
 

@@ -49,9 +49,10 @@ BIAS_REASON = "bias: the all-gather does not carry a bias over the key axis; the
 
 
 def gathered_bytes(shapes: LocalShapes, ring_size: int) -> int:
-    """Bytes of the gathered K and V on each device: `2 * B * (ring_size * kv_len) * Hkv * D * itemsize`."""
+    """Bytes of the gathered K and V on each device: `B * (ring_size * kv_len) * Hkv * (D + Dv) * itemsize`."""
     itemsize = jnp.dtype(shapes.dtype).itemsize
-    return 2 * shapes.batch * ring_size * shapes.kv_len * shapes.kv_heads * shapes.head_dim * itemsize
+    return (shapes.batch * ring_size * shapes.kv_len * shapes.kv_heads * (shapes.head_dim + shapes.value_dim)
+            * itemsize)
 
 
 def device_bytes_limit() -> int | None:

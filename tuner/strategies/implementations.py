@@ -146,13 +146,15 @@ class Ring:
     def available(self, target: Target) -> str | None:
         return self.kernel.unavailable_reason(target.interpret, target.platform)
 
-    def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int, *, return_lse: bool = False) -> str | None:
-        return self.kernel.supports(spec, dtype, head_dim)
+    def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int, *, return_lse: bool = False,
+                 value_head_dim: int | None = None) -> str | None:
+        return self.kernel.supports(spec, dtype, head_dim, value_head_dim)
 
     def default_config(self, shapes: LocalShapes, spec: AttentionSpec) -> TileConfig:
         """The kernel's default tiles; with segment ids (packed documents) no longer than `PACKED_TILE`,
         where the kernel accepts them, so that the masks can skip the tiles of other documents."""
-        default = TileConfig(*self.kernel.default_params(shapes.q_len, shapes.kv_len, shapes.head_dim))
+        default = TileConfig(*self.kernel.default_params(shapes.q_len, shapes.kv_len, shapes.head_dim,
+                                                         shapes.value_head_dim))
         if not spec.has_segments:
             return default
         fwd, bwd = default.fwd, default.bwd
@@ -199,8 +201,9 @@ class Gathered:
     def available(self, target: Target) -> str | None:
         return "gathered mechanisms have no interpreter mode" if target.interpret else None
 
-    def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int, *, return_lse: bool = False) -> str | None:
-        return mechanisms.gathered_unsupported(self.name, spec, return_lse=return_lse)
+    def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int, *, return_lse: bool = False,
+                 value_head_dim: int | None = None) -> str | None:
+        return mechanisms.gathered_unsupported(self.name, spec, return_lse=return_lse, value_head_dim=value_head_dim)
 
     def default_config(self, shapes: LocalShapes, spec: AttentionSpec) -> NoConfig:
         return NoConfig()
@@ -271,12 +274,13 @@ class ExchangedScan:
     def available(self, target: Target) -> str | None:
         return self.inner.unavailable_reason(target.interpret, target.platform)
 
-    def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int, *, return_lse: bool = False) -> str | None:
-        return self.bias_reason if spec.has_bias else self.inner.supports(spec, dtype, head_dim)
+    def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int, *, return_lse: bool = False,
+                 value_head_dim: int | None = None) -> str | None:
+        return self.bias_reason if spec.has_bias else self.inner.supports(spec, dtype, head_dim, value_head_dim)
 
     def default_config(self, shapes: LocalShapes, spec: AttentionSpec) -> TileConfig:
         full = self._full(shapes)
-        return TileConfig(*self.inner.default_params(full.q_len, full.kv_len, full.head_dim))
+        return TileConfig(*self.inner.default_params(full.q_len, full.kv_len, full.head_dim, full.value_head_dim))
 
     def check(self, config: TileConfig) -> None:
         if not isinstance(config, TileConfig):

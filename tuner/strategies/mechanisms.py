@@ -30,11 +30,15 @@ from tuner.semantics.reference import dense_attention
 from tuner.strategies.ring import ring_geometry
 from tuner.semantics.spec import AttentionSpec
 
-def gathered_unsupported(mechanism: str, spec: AttentionSpec, *, return_lse: bool = False) -> str | None:
-    """Why a gathered mechanism cannot honour this call, or None."""
+
+def gathered_unsupported(mechanism: str, spec: AttentionSpec, *, return_lse: bool = False,
+                         value_head_dim: int | None = None) -> str | None:
+    """Why a gathered mechanism cannot honour this call (`value_head_dim`: the values' head dim where it
+    differs from the query/key one), or None."""
     if mechanism == "jax_nn":
         for present, what in ((spec.softcap is not None, "a logits soft cap"), (spec.num_sinks > 0, "sinks"),
-                              (return_lse, "return_lse")):
+                              (return_lse, "return_lse"),
+                              (value_head_dim is not None, "value head dim other than the query/key head dim")):
             if present:
                 return f"jax.nn.dot_product_attention has no {what}"
     return None
@@ -46,7 +50,8 @@ def gathered_attention(query, key, value, *, mechanism: str, spec: AttentionSpec
     """Attention of this device's queries to the whole ring's keys, for a call resolved to `spec`
     (`tuner.runtime.plan.resolve`): K/V (with positions and segment ids) are all-gathered along `axis_name`, in
     ring order -- the global key order a bias is given in. Arrays as in `tuner.ring_attention`."""
-    reason = gathered_unsupported(mechanism, spec, return_lse=return_lse)
+    value_head_dim = value.shape[3] if value.shape[3] != key.shape[3] else None
+    reason = gathered_unsupported(mechanism, spec, return_lse=return_lse, value_head_dim=value_head_dim)
     if reason is not None:
         raise ValueError(f"mechanism {mechanism!r}: {reason}")
     size, rank = ring_geometry(axis_name)

@@ -135,8 +135,8 @@ def _visits(cfg: RingConfig, ring_mask: masks.RingMask, step, size: int):
 def _forward(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks):
     backend = block_kernel(cfg.backend)
     size, rank = ring_geometry(cfg.axis_name)
-    b, tq, h, d = q.shape
-    kv_len = k.shape[1]
+    b, tq, h, _ = q.shape
+    kv_len, value_dim = k.shape[1], v.shape[3]
 
     def block(visiting, step, out, lse):
         k_, v_, kv_pos_, kv_seg_ = visiting
@@ -156,7 +156,7 @@ def _forward(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks
 
     ring_mask = masks.ring_mask(q_pos, kv_pos, q_seg, kv_seg, cfg.spec, cfg.axis_name, size, rank)
     with work.on_device(rank):
-        out = vma.like(jnp.zeros((b, tq, h, d), F32), q)
+        out = vma.like(jnp.zeros((b, tq, h, value_dim), F32), q)
         lse = vma.like(jnp.full((b, h, tq), -jnp.inf, F32), q)
         visiting = _travelling(k, v, kv_pos, kv_seg)
         if size > 1:

@@ -69,7 +69,7 @@ def bench(problem: Problem, *, device: str, backend: str = "auto", objective: st
     timings = run_interleaved(thunks, runs=runs, warmup=2, calls=calls)
 
     flops = attention_flops(problem.batch, problem.heads, problem.seq_len, problem.seq_len, problem.head_dim,
-                            causal=problem.causal, objective=objective)
+                            causal=problem.causal, objective=objective, value_head_dim=problem.value_head_dim)
     totals = {name: sum(t.median for key, t in timings.items() if key.split(":")[0] == name)
               for name in compiled}
     reference = totals["dense xla"]
@@ -184,8 +184,9 @@ def bench_mechanisms(problem: Problem, *, device: str, objective: str = "fwd+bwd
 def _local_structs(problem: Problem):
     local = problem.local_len
     q = jax.ShapeDtypeStruct((problem.batch, local, problem.heads, problem.head_dim), problem.dtype)
-    kv = jax.ShapeDtypeStruct((problem.batch, local, problem.kv_heads, problem.head_dim), problem.dtype)
-    return q, kv, kv
+    k = jax.ShapeDtypeStruct((problem.batch, local, problem.kv_heads, problem.head_dim), problem.dtype)
+    v = jax.ShapeDtypeStruct((problem.batch, local, problem.kv_heads, problem.value_dim), problem.dtype)
+    return q, k, v
 
 
 def _call_structs(problem: Problem) -> dict:

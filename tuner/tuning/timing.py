@@ -110,10 +110,12 @@ def time_interleaved(
 
 
 def attention_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, *, causal: bool,
-                    objective: str = "fwd") -> float:
-    """FLOPs of exact attention (DESIGN section 11): forward 4*B*H*Tq*Tk*D, half when causal;
-    backward 2.5x forward; `objective` is "fwd", "bwd" or "fwd+bwd"."""
-    forward = 4.0 * batch * heads * q_len * kv_len * head_dim * (0.5 if causal else 1.0)
+                    objective: str = "fwd", value_head_dim: int | None = None) -> float:
+    """FLOPs of exact attention (DESIGN section 11): forward 2*B*H*Tq*Tk*(D + Dv) (4*B*H*Tq*Tk*D where the
+    values have the query/key head dim: `value_head_dim` None), half when causal; backward 2.5x forward;
+    `objective` is "fwd", "bwd" or "fwd+bwd"."""
+    dims = head_dim + (head_dim if value_head_dim is None else value_head_dim)
+    forward = 2.0 * batch * heads * q_len * kv_len * dims * (0.5 if causal else 1.0)
     factor = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
     if objective not in factor:
         raise ValueError(f"objective must be one of {', '.join(factor)}, got {objective!r}")

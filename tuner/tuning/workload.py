@@ -116,7 +116,7 @@ class Workload:
 
         host: Inputs = {"q": normal(p.batch, p.seq_len, p.heads, p.head_dim),
                         "k": normal(p.batch, p.seq_len, p.kv_heads, p.head_dim),
-                        "v": normal(p.batch, p.seq_len, p.kv_heads, p.head_dim)}
+                        "v": normal(p.batch, p.seq_len, p.kv_heads, p.value_dim)}
         if p.segments:
             cuts = np.sort(rng.choice(np.arange(1, p.seq_len), size=p.segments - 1, replace=False), axis=-1) \
                 if p.segments > 1 else np.zeros(0, np.int64)
@@ -128,7 +128,7 @@ class Workload:
         inputs = {name: jax.device_put(jnp.asarray(x, jnp.int32 if name == "segment_ids" else dtype),
                                        NamedSharding(self.mesh, self.specs[name]))
                   for name, x in host.items()}
-        dout = jax.device_put(jnp.asarray(normal(p.batch, p.seq_len, p.heads, p.head_dim), dtype),
+        dout = jax.device_put(jnp.asarray(normal(p.batch, p.seq_len, p.heads, p.value_dim), dtype),
                               NamedSharding(self.mesh, self.specs["q"]))
         return inputs, dout
 
@@ -138,7 +138,7 @@ class Workload:
         p = self.problem
         shapes = {"q": ((p.batch, p.seq_len, p.heads, p.head_dim), p.dtype),
                   "k": ((p.batch, p.seq_len, p.kv_heads, p.head_dim), p.dtype),
-                  "v": ((p.batch, p.seq_len, p.kv_heads, p.head_dim), p.dtype)}
+                  "v": ((p.batch, p.seq_len, p.kv_heads, p.value_dim), p.dtype)}
         if p.segments:
             shapes["segment_ids"] = ((p.batch, p.seq_len), "int32")
         if p.sinks:
