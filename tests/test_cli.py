@@ -216,6 +216,8 @@ def test_corrupt_cache_file_is_one_line_with_what_to_do(tmp_path):
     (("search", "--device", "cpu", "--heads", "6", "--kv-heads", "4"), "--heads 6 must be a multiple of --kv-heads 4"),
     (("search", "--device", "cpu", "--seq-len", "1001"), "--seq-len 1001 must be divisible by --ring-size 4"),
     (("search", "--device", "cpu", "--trials", "0"), "--trials must be positive"),
+    (("search", "--device", "cpu", "--value-head-dim", "0"), "--value-head-dim must be positive"),
+    (("search", "--device", "cpu", "--documents", "1000"), "--documents '1000': the documents' lengths sum to 1000"),
     (("bench", "--device", "cpu", "--calls", "0"), "--calls must be positive"),
     (("search", "--device", "tpu"), "no tpu device here"),
     (("search", "--device", "cpu", "--backend", "cuda"), "backend must be one of"),
@@ -230,6 +232,22 @@ def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
     assert result.returncode == 2, result.stdout
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_search_tunes_a_value_head_dim_and_a_packing_under_their_own_key(tmp_path):
+    """`--value-head-dim` and `--documents`: the problem line, the loader call and the stored key (the one the
+    loader looks up) say both dims and the packing."""
+    from tuner import registry
+    from tuner.semantics.problem import Problem
+
+    result = tuner("search", "--device", "cpu", "--seq-len", "64", "--heads", "2", "--kv-heads", "1", "--head-dim",
+                   "24", "--value-head-dim", "16", "--documents", "32,8x4", "--ring-size", "2", "--trials", "2",
+                   "--runs", "1", "--objective", "fwd", home=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "D=24 Dv=16 float32 causal segments=5 packing=32,8x4" in result.stdout
+    assert 'packing="32,8x4"' in result.stdout and "k [1, 64, 1, 24], v [1, 64, 1, 16]" in result.stdout
+    problem = Problem(seq_len=64, heads=2, kv_heads=1, head_dim=24, value_head_dim=16, ring_size=2, packing="32,8x4")
+    assert stored_key(result.stdout) == registry.problem_key(problem, "scan", "cpu").digest
 
 
 def test_demo_checks_and_times_a_ring(tmp_path):

@@ -36,6 +36,7 @@ from typing import Any
 
 from tuner import registry
 from tuner.kernels.params import BwdParams, FwdParams
+from tuner.semantics.packing import Packing
 from tuner.semantics.problem import DTYPES, OBJECTIVES, ProblemKey
 from tuner.registry import Config
 from tuner.registry.versions import VERSION_FIELDS
@@ -63,10 +64,11 @@ INDEXES = {"tuned_family": FAMILY_FIELDS, "tuned_measured_at": ("measured_at",)}
 FEATURES: dict[str, str] = {"causal": "bool", "window": "window", "chunk_size": "positive or null",
                             "softcap": "bool", "segments": "bool", "bias": "bool", "sinks": "count"}
 HEX_KEY = re.compile(r"^[0-9a-f]{16}$")
-# A key whose value head dim differs from its query/key head dim (multi-head latent attention) keeps the value
-# head dim in its features JSON, under this name: the table keeps its columns, every other row its text, and
-# the family index tells such problems apart.
-VALUE_DIM = "value_head_dim"
+# A key whose value head dim differs from its query/key head dim (multi-head latent attention), or that names
+# the packing of its documents, keeps them in its features JSON under these names: the table keeps its
+# columns, every other row its text, and the family index tells such problems apart.
+VALUE_DIM, PACKING = "value_head_dim", "packing"
+IN_FEATURES = (VALUE_DIM, PACKING)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -116,7 +118,16 @@ def _check_features(features: dict[str, Any], head_dim: int) -> None:
         if not (is_int(value) and value > 0 and value != head_dim):
             raise ValueError(f"features.{VALUE_DIM} must be a positive int other than head_dim {head_dim} (absent "
                              f"when the values have the query/key head dim), got {value!r}")
-        features = {k: v for k, v in features.items() if k != VALUE_DIM}
+    if PACKING in features:
+        packing = features[PACKING]
+        try:
+            described = Packing.parse(packing).describe() if isinstance(packing, str) else None
+        except ValueError:
+            described = None
+        if described != packing or not features.get("segments"):
+            raise ValueError(f"features.{PACKING} must be a packing in its one text form (tuner.semantics.packing), "
+                             f"with segments, got {packing!r}")
+    features = {k: v for k, v in features.items() if k not in IN_FEATURES}
     unknown = sorted(set(features) - set(FEATURES))
     missing = sorted(set(FEATURES) - set(features))
     if unknown or missing:
@@ -248,17 +259,16 @@ def row_key(row: dict[str, Any]) -> ProblemKey:
     """The `ProblemKey` of a cache row."""
     fields_ = {f: row[f] for f in KEY_FIELDS}
     features = json.loads(fields_["features"]) if isinstance(fields_["features"], str) else fields_["features"]
-    fields_["features"] = {k: v for k, v in features.items() if k != VALUE_DIM}
-    return ProblemKey(**fields_, value_head_dim=features.get(VALUE_DIM))
+    fields_["features"] = {k: v for k, v in features.items() if k not in IN_FEATURES}
+    return ProblemKey(**fields_, value_head_dim=features.get(VALUE_DIM), packing=features.get(PACKING))
 
 
 def key_columns(key: ProblemKey) -> dict[str, Any]:
     """The key fields of `key` as a row stores them: the features as their one text, holding the value head
-    dim where it differs (`VALUE_DIM`)."""
+    dim where it differs and the packing where the key names one (`IN_FEATURES`)."""
     fields_ = key.as_dict()
-    value_head_dim = fields_.pop(VALUE_DIM, None)
-    fields_["features"] = features_text({**fields_["features"],
-                                         **({VALUE_DIM: value_head_dim} if value_head_dim is not None else {})})
+    extra = {name: fields_.pop(name) for name in IN_FEATURES if name in fields_}
+    fields_["features"] = features_text({**fields_["features"], **extra})
     return fields_
 
 

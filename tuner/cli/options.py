@@ -52,12 +52,12 @@ def problem_of(args: argparse.Namespace) -> Problem:
                        head_dim=args.head_dim, dtype=args.dtype, causal=args.causal, window=args.window,
                        chunk_size=args.chunk, segments=args.segments, softcap=args.softcap,
                        sinks=args.sinks, ring_size=ring, layout=args.layout, a2a_size=getattr(args, "a2a_size", 1),
-                       value_head_dim=args.value_head_dim)
+                       value_head_dim=args.value_head_dim, packing=args.documents)
     except ValueError as error:  # name the flag, not the field
         message = str(error)
         for field in ("seq_len", "kv_heads", "value_head_dim", "head_dim", "ring_size", "a2a_size", "chunk_size",
-                      "batch", "heads", "segments", "sinks", "softcap", "dtype", "layout", "window"):
-            flag = "--chunk" if field == "chunk_size" else "--" + field.replace("_", "-")
+                      "batch", "heads", "segments", "sinks", "softcap", "dtype", "layout", "window", "packing"):
+            flag = {"chunk_size": "--chunk", "packing": "--documents"}.get(field, "--" + field.replace("_", "-"))
             message = message.replace(f"{field}=", f"{flag} ").replace(f"{field} must", f"{flag} must")
         raise UsageError(message) from None
 

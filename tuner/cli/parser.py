@@ -73,7 +73,11 @@ def _add_problem(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--window", type=_window, default=None, metavar="W|L,R", help="sliding window")
     group.add_argument("--chunk", type=int, default=None, help="chunked attention: chunk size")
     group.add_argument("--segments", type=int, default=0, metavar="N",
-                       help="pack N documents per row (segment ids); 0: none")
+                       help="pack N documents per row (segment ids) cut at random points; 0: none")
+    group.add_argument("--documents", default=None, metavar="PACKING",
+                       help="pack documents of these lengths per row: '2048,128x16' (fixed, filling --seq-len), "
+                            "'lognormal:14[,sigma=S][,seed=K]' or 'uniform:8[,seed=K]' (drawn per row); tuned under "
+                            "its own key: pass packing= to the loader")
     group.add_argument("--softcap", type=_finite, default=None, help="logits soft cap")
     group.add_argument("--sinks", type=int, default=0, metavar="N", help="sink logits per head; 0: none")
     group.add_argument("--ring-size", type=int, default=None,

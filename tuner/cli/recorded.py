@@ -19,7 +19,7 @@ from tuner.semantics.problem import Problem
 FROM_FILE = dict(  # flags whose values --from takes from the file (the objective: from each call's gradients)
     objective="fwd+bwd", batch=Problem().batch, seq_len=Problem().seq_len, heads=Problem().heads,
     kv_heads=Problem().kv_heads, head_dim=Problem().head_dim, value_head_dim=None, dtype=Problem().dtype,
-    causal=Problem().causal, window=None, chunk=None, segments=0, softcap=None, sinks=0,
+    causal=Problem().causal, window=None, chunk=None, segments=0, documents=None, softcap=None, sinks=0,
     ring_size=None, layout=Problem().layout, backend="auto", target=[])
 
 

@@ -28,7 +28,8 @@ def loader_call(problem: Problem, backend: str | None = None) -> list[str]:
     options += [text for on, text in ((problem.causal, "causal=True"),
                                       (problem.window is not None, f"sliding_window={problem.window}"),
                                       (problem.chunk_size is not None, f"chunk_size={problem.chunk_size}"),
-                                      (problem.softcap is not None, f"logits_soft_cap={problem.softcap}")) if on]
+                                      (problem.softcap is not None, f"logits_soft_cap={problem.softcap}"),
+                                      (problem.packing is not None, f'packing="{problem.packing}"')) if on]
     if ring:
         options += [f'layout="{problem.layout}"', "mesh=mesh"]
     extras, shapes = "", ""
@@ -44,10 +45,12 @@ def loader_call(problem: Problem, backend: str | None = None) -> list[str]:
                      f'{problem.a2a_size}), ("ring", "a2a"))')
     elif ring:
         lines.append(f'mesh = Mesh(np.array(jax.devices()[:{problem.ring_size}]), ("sp",))')
+    kv_shape = f"{problem.batch}, {problem.seq_len}, {problem.kv_heads}"
+    kv = f"k/v [{kv_shape}, {problem.head_dim}]" if problem.value_head_dim is None else \
+        f"k [{kv_shape}, {problem.head_dim}], v [{kv_shape}, {problem.value_dim}]"
     lines += [f"attn = get_tuned_ring_attention({', '.join(options)})",
               f"out = attn(q, k, v{extras})  # {problem.dtype} q [{problem.batch}, {problem.seq_len}, {problem.heads}, "
-              f"{problem.head_dim}], k/v [{problem.batch}, {problem.seq_len}, {problem.kv_heads}, "
-              f"{problem.head_dim if problem.value_head_dim is None else f'{problem.head_dim}/{problem.value_dim}'}]"
+              f"{problem.head_dim}], {kv}"
               f"{shapes}{', global, in token order' if ring else ''}"]
     return lines
 

@@ -263,21 +263,22 @@ def shape_violation(implementation: Implementation, shapes: LocalShapes, ring_si
 
 
 def key(implementation: Implementation, shapes: LocalShapes, spec: AttentionSpec, *, device_kind: str,
-        ring_size: int, layout: str, group: int | None = None) -> ProblemKey:
+        ring_size: int, layout: str, group: int | None = None, packing: str | None = None) -> ProblemKey:
     """The cache key of a call of `implementation` on one device's `shapes`, on a ring of `ring_size` devices
-    (`group` of them per ring position over two axes): the one place a key is built, by the search and the
-    loader alike. It keys what the implementation's config is tuned for (its optional `key_shapes`)."""
+    (`group` of them per ring position over two axes), with documents packed as `packing` says where the call
+    declares it: the one place a key is built, by the search and the loader alike. It keys what the
+    implementation's config is tuned for (its optional `key_shapes`)."""
     hook = getattr(implementation, "key_shapes", None)
     if hook is not None and group is not None:
         shapes, ring_size = hook(shapes, ring_size, group)
     return ProblemKey.of(shapes, spec, backend=implementation.name, device_kind=device_kind, ring_size=ring_size,
-                         layout=layout)
+                         layout=layout, packing=packing)
 
 
 def problem_key(problem: Problem, name: str, device_kind: str) -> ProblemKey:
     """The cache key of `problem` run by the implementation `name` on `device_kind`."""
     return key(get(name), problem.shapes, problem.spec, device_kind=device_kind, ring_size=problem.ring_size,
-               layout=problem.layout, group=problem.group)
+               layout=problem.layout, group=problem.group, packing=problem.packing)
 
 
 def why_not(implementation: Implementation, spec: AttentionSpec, dtype: Any, head_dim: int, target: Target,

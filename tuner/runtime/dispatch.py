@@ -36,6 +36,7 @@ from jax.sharding import Mesh
 
 from tuner.semantics import layouts
 from tuner.semantics.documents import DOCUMENTS
+from tuner.semantics.packing import Packing
 from tuner.runtime import agreement, measured, meshed, modelled, plan, record
 from tuner import registry
 from tuner.cache import LOADER_BUSY_TIMEOUT_S, Cache, CacheError, row_config, warn_once, writes
@@ -65,7 +66,7 @@ class TunedRingAttention:
 
     def __init__(self, *, axis_name: Hashable | None, causal: bool, sliding_window, chunk_size,
                  logits_soft_cap, softmax_scale, layout: str, backend: str, db, mesh: Mesh | None,
-                 strategy: str = "auto"):
+                 strategy: str = "auto", packing: str | None = None):
         if layout is not None and (not isinstance(layout, str) or layout not in LOADER_LAYOUTS):
             raise ValueError(f"layout must be one of {', '.join(LOADER_LAYOUTS)} or None, got {layout!r}")
         if layout == DOCUMENTS and mesh is None:
@@ -91,7 +92,12 @@ class TunedRingAttention:
                             softmax_scale=softmax_scale)
         build_spec(jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32), has_segments=False, bias=None,
                    softmax_aux=None, **self.options)  # the scalar options fail here, not at trace time
-        self.db = db
+        if packing is not None:
+            try:
+                packing = Packing.parse(packing).describe()
+            except ValueError as error:
+                raise ValueError(f"packing: {error}") from None
+        self.db, self.packing = db, packing
         self._decisions: dict[tuple, Decision] = {}
         self._agreed: dict[tuple, Decision] = {}  # the decisions of traced calls, agreed across processes
         self._writes = writes()
@@ -211,7 +217,7 @@ class TunedRingAttention:
             caller="loader", query=record.struct_of(query), key=record.struct_of(key), value=record.struct_of(value),
             arrays={n: record.struct_of(x) for n, x in options.items() if n in plan.ARRAY_OPTIONS and x is not None},
             mask=self.options, ring_size=ring_size, layout=decision.layout, backend=self.backend,
-            strategy=self.strategy, a2a_size=a2a_size,
+            strategy=self.strategy, a2a_size=a2a_size, packing=self.packing,
             return_lse=bool(options.get("return_lse")), interpret=bool(options.get("interpret")),
             db=str(Cache(self.db).path), platform=platform, device_kind=device_kind,
             decision=dict(implementation=decision.backend, source=decision.source, reason=decision.reason,
@@ -232,8 +238,11 @@ class TunedRingAttention:
                                 axis_name=self.axis_name, group=group)
         spec, shapes, implementation, fallback = (resolved.spec, resolved.shapes, resolved.implementation,
                                                   resolved.fallback)
+        if self.packing is not None and not spec.has_segments:
+            raise ValueError(f"packing={self.packing!r} describes the documents of packed rows, but this call has no "
+                             f"segment ids: pass q_segment_ids and kv_segment_ids, or leave packing None")
         problem = registry.key(implementation, shapes, spec, device_kind=device_kind, ring_size=ring_size,
-                               layout=layout, group=group)
+                               layout=layout, group=group, packing=self.packing)
         if self._writes != writes():  # this process wrote to a cache since: decide again
             self._decisions.clear()
             self._agreed.clear()
@@ -355,6 +364,7 @@ def get_tuned_ring_attention(
     db: str | None = None,
     mesh: Mesh | None = None,
     strategy: str = "auto",
+    packing: str | None = None,
 ) -> TunedRingAttention:
     """Ring attention that runs the tuned variant for each problem it is traced with.
 
@@ -373,8 +383,12 @@ def get_tuned_ring_attention(
     ring. "hybrid" (or "auto" with a pair `axis_name=(ring_axis, a2a_axis)`) runs all-to-all over the
     second axis and the ring over the first (`tuner.strategies.hybrid`): with `mesh`, the sequence is sharded over
     both axes, ring axis outer, and `layout` applies over the ring axis.
+
+    `packing` declares how the documents of the calls' packed rows are drawn, as `tuner search --documents`
+    took it (e.g. "lognormal:14"): the calls then run the config tuned for that packing (their segment ids are
+    still what decides the masks). Without it, packed calls run the config tuned with `--segments`.
     """
     return TunedRingAttention(axis_name=axis_name, causal=causal, sliding_window=sliding_window,
                               chunk_size=chunk_size, logits_soft_cap=logits_soft_cap,
                               softmax_scale=softmax_scale, layout=layout, backend=backend, db=db, mesh=mesh,
-                              strategy=strategy)
+                              strategy=strategy, packing=packing)

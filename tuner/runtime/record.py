@@ -75,6 +75,7 @@ class Call:
     gradients: bool = False
     strategy: str = "auto"
     a2a_size: int = 1
+    packing: str | None = None
 
     def __post_init__(self) -> None:
         if self.caller not in CALLERS:
@@ -110,9 +111,10 @@ class Call:
 
     @property
     def id(self) -> str:
-        """16 hex digits naming the call (everything but the decision and `gradients`; the strategy fields
-        only where they are not their defaults, so the ids of calls recorded before them stay)."""
-        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in ("strategy", "a2a_size")}
+        """16 hex digits naming the call (everything but the decision and `gradients`; the strategy fields and
+        the packing only where they are not their defaults, so the ids of calls recorded before them stay)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in ("strategy", "a2a_size",
+                                                                                      "packing")}
         fields = {k: v for k, v in self.to_json().items() if k not in ("decision", "gradients", "version", "tool")
                   and not (k in defaults and v == defaults[k])}
         text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
@@ -168,7 +170,8 @@ class Call:
         problem = Problem(batch=b, seq_len=seq_len, heads=h, kv_heads=hkv, head_dim=d, dtype=dtype,
                           causal=bool(self.mask.get("causal")), window=self.mask.get("sliding_window"),
                           chunk_size=self.mask.get("chunk_size"), softcap=self.mask.get("logits_soft_cap"),
-                          segments=min(DOCUMENTS, seq_len) if "q_segment_ids" in self.arrays else 0,
+                          segments=min(DOCUMENTS, seq_len) if "q_segment_ids" in self.arrays and self.packing is None
+                          else 0, packing=self.packing,
                           sinks=sinks, ring_size=self.ring_size, layout=self.layout, a2a_size=self.a2a_size,
                           value_head_dim=dv)
         wanted = self.decision["key"]

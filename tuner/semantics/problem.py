@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tuner.semantics import layouts
+from tuner.semantics.packing import Packing
 from tuner.support.checks import check_int
 from tuner.semantics.spec import (INT32_MAX, LAYOUTS, AttentionSpec, LocalShapes, check_int32_length, clip_window,
                         normalize_window)
@@ -34,7 +35,9 @@ class Problem:
     axes (the hybrid's, or another implementation's over two): `ring_size / a2a_size` ring positions, each a
     group of `a2a_size` devices, the layout over the ring positions.
     `value_head_dim` is the head dim of the values where it differs from `head_dim`, the query/key one
-    (multi-head latent attention), else None.
+    (multi-head latent attention), else None. `packing` is how the documents of a row are drawn
+    (`tuner.semantics.packing.Packing`'s text; `segments` is then its document count), else None: with
+    `segments` > 0, that many documents cut at random points, a packing the key does not name.
     `segments` is the number of packed documents per batch row (0: no segment ids); `sinks` the number
     of sink logits per head (0: none); `window` is `(left, right)` or None, kept as `clip_window` leaves
     it for a `seq_len`-token sequence (a window at least that long is None, and so is a chunk), as
@@ -58,6 +61,7 @@ class Problem:
     layout: str = "zigzag"
     a2a_size: int = 1
     value_head_dim: int | None = None
+    packing: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch", "seq_len", "heads", "kv_heads", "head_dim", "ring_size", "a2a_size"):
@@ -86,6 +90,17 @@ class Problem:
             raise ValueError(f"softcap must be a positive number, got {self.softcap!r}")
         for name in ("segments", "sinks"):
             check_int(name, getattr(self, name), non_negative=True)
+        if self.packing is not None:
+            try:
+                packing = Packing.parse(self.packing)
+                packing.check(self.seq_len)
+            except ValueError as error:
+                raise ValueError(f"packing={self.packing!r}: {error}") from None
+            if self.segments not in (0, packing.documents):
+                raise ValueError(f"segments={self.segments} does not match the packing's {packing.documents} "
+                                 f"documents; leave segments 0 with a packing")
+            object.__setattr__(self, "packing", packing.describe())
+            object.__setattr__(self, "segments", packing.documents)
         if self.segments > self.seq_len:
             raise ValueError(f"segments={self.segments} cannot exceed seq_len={self.seq_len} "
                              f"(every packed document needs a token)")
@@ -111,6 +126,14 @@ class Problem:
         return self.head_dim if self.value_head_dim is None else self.value_head_dim
 
     @property
+    def documents(self) -> Packing | None:
+        """How a row's documents are drawn: the packing, else `segments` documents cut uniformly at random
+        (seed 0), else None (no segment ids)."""
+        if self.packing is not None:
+            return Packing.parse(self.packing)
+        return Packing("uniform", count=self.segments) if self.segments else None
+
+    @property
     def shapes(self) -> LocalShapes:
         """What each device's block kernels see."""
         return LocalShapes(self.batch, self.local_len, self.local_len, self.heads, self.kv_heads, self.head_dim,
@@ -127,6 +150,7 @@ class Problem:
         extras = [name for name, on in (("causal", self.causal), (f"window={self.window}", self.window),
                                         (f"chunk={self.chunk_size}", self.chunk_size),
                                         (f"segments={self.segments}", self.segments),
+                                        (f"packing={self.packing}", self.packing),
                                         (f"softcap={self.softcap}", self.softcap),
                                         (f"sinks={self.sinks}", self.sinks)) if on]
         dims = f"D={self.head_dim}" + (f" Dv={self.value_head_dim}" if self.value_head_dim is not None else "")
@@ -158,6 +182,8 @@ class Problem:
                 fields[{"chunk": "chunk_size"}.get(name, name)] = int(value)
             elif name == "softcap" and value:
                 fields["softcap"] = float(value)
+            elif name == "packing" and value:
+                fields["packing"] = value
             else:
                 raise ValueError(f"unknown feature {word!r} in problem description {text[:80]!r}")
         problem = cls(**fields)
@@ -181,7 +207,8 @@ def key_layout(layout: str, ring_size: int) -> str:
 @dataclass(frozen=True)
 class ProblemKey(LocalShapes):
     """The cache key of DESIGN section 8, less the versions (those decide staleness, not identity): one
-    device's shapes, and the implementation, device kind, ring and features they run with."""
+    device's shapes, and the implementation, device kind, ring and features they run with; `packing`, the
+    packing of the documents where the call declares one (`Problem.packing`), else None."""
 
     backend: str
     device_kind: str
@@ -189,21 +216,26 @@ class ProblemKey(LocalShapes):
     layout: str
     features: dict[str, Any] = field(default_factory=dict)
     op: str = "ring_attention"
+    packing: str | None = field(default=None, kw_only=True)
 
     @classmethod
     def of(cls, shapes: LocalShapes, spec: AttentionSpec, *, backend: str, device_kind: str, ring_size: int,
-           layout: str) -> ProblemKey:
-        """The key of one device's shapes and the spec on a ring of `ring_size` in `layout`
-        (`tuner.registry.key` builds every key through it, from what the implementation is tuned for)."""
+           layout: str, packing: str | None = None) -> ProblemKey:
+        """The key of one device's shapes and the spec on a ring of `ring_size` in `layout`, with segment ids
+        packed as `packing` says (`tuner.registry.key` builds every key through it, from what the
+        implementation is tuned for)."""
+        if packing is not None and not spec.has_segments:
+            raise ValueError(f"packing={packing!r} describes packed documents, but the call has no segment ids")
         return cls(**asdict(shapes), backend=backend, device_kind=device_kind, ring_size=ring_size,
-                   layout=key_layout(layout, ring_size), features=spec.features())
+                   layout=key_layout(layout, ring_size), features=spec.features(), packing=packing)
 
     def as_dict(self) -> dict[str, Any]:
-        """The key's fields; `value_head_dim` only where the value head dim differs, so that keys of equal
-        dims keep the digests (and cache rows) they had before values could differ."""
+        """The key's fields; `value_head_dim` and `packing` only where they are set, so that the keys of calls
+        without them keep the digests (and cache rows) they had before either existed."""
         fields_ = asdict(self)
-        if fields_["value_head_dim"] is None:
-            del fields_["value_head_dim"]
+        for name in ("value_head_dim", "packing"):
+            if fields_[name] is None:
+                del fields_[name]
         return fields_
 
     @property
@@ -216,7 +248,7 @@ class ProblemKey(LocalShapes):
     def family(self) -> tuple:
         """What must match for a tuned entry to be borrowed by a nearby shape (nearest lookup)."""
         return (self.op, self.backend, self.device_kind, self.head_dim, self.value_dim, self.dtype,
-                json.dumps(self.features, sort_keys=True))
+                json.dumps(self.features, sort_keys=True), self.packing)
 
     def distance(self, other: ProblemKey) -> float:
         """How far apart two shapes of one family are: summed |log2 ratio| of the size fields."""

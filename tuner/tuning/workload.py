@@ -117,12 +117,9 @@ class Workload:
         host: Inputs = {"q": normal(p.batch, p.seq_len, p.heads, p.head_dim),
                         "k": normal(p.batch, p.seq_len, p.kv_heads, p.head_dim),
                         "v": normal(p.batch, p.seq_len, p.kv_heads, p.value_dim)}
-        if p.segments:
-            cuts = np.sort(rng.choice(np.arange(1, p.seq_len), size=p.segments - 1, replace=False), axis=-1) \
-                if p.segments > 1 else np.zeros(0, np.int64)
-            natural = np.searchsorted(cuts, np.arange(p.seq_len), side="right").astype(np.int32)
+        if p.documents is not None:  # the rows' documents in token order, laid out as the problem's layout
             order = layouts.global_order(p.layout, p.seq_len, p.ring_positions)
-            host["segment_ids"] = np.broadcast_to(natural[order], (p.batch, p.seq_len)).copy()
+            host["segment_ids"] = p.documents.segment_ids(p.seq_len, p.batch)[:, order]
         if p.sinks:
             host["sinks"] = normal(p.heads, p.sinks) if p.sinks > 1 else normal(p.heads)
         inputs = {name: jax.device_put(jnp.asarray(x, jnp.int32 if name == "segment_ids" else dtype),
