@@ -14,7 +14,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tuner.kernels.params import FwdParams
 from tuner.models import hlo, strategy_model
+from tuner.semantics import layouts
 from tuner.runtime import plan
 from tuner import registry, ring_attention
 from tuner.strategies.all_to_all import kv_repeats
@@ -174,8 +176,46 @@ def test_causal_work_is_what_the_scan_ring_computes_tile_by_tile(ring, seq_len, 
     counted = max(counts["tile_area"].values()) / (seq_len // ring * seq_len)
     problem = Problem(seq_len=seq_len, heads=1, kv_heads=1, head_dim=8, ring_size=ring, layout=layout)
     shards = strategy_model._shards(problem, ring)
-    assert strategy_model._causal_share(problem, shards, shards, strategy_model.SCAN_TILES) == counted
+    assert strategy_model._work_share(problem, shards, shards, strategy_model.SCAN_TILES) == counted
     assert 0.5 < counted < 1.0  # some tiles skipped, some crossing the diagonal
+
+
+@pytest.mark.parametrize("packing, causal", [("512,64x8", True), ("lognormal:6,seed=1", True), ("256x4", False)])
+def test_packed_work_is_what_the_scan_ring_computes_tile_by_tile(packing, causal):
+    """With documents, the model's share of the slowest device is the scan ring's count at the ring's packed
+    default tiles, on the packing's segment ids laid out in zigzag."""
+    problem = Problem(seq_len=1024, heads=1, kv_heads=1, head_dim=8, ring_size=4, layout="zigzag", causal=causal,
+                      packing=packing)
+    tiles = strategy_model._ring_tiles(problem, dataclasses.replace(PLATFORMS["h100"], ring_tiles=(512, 256)))
+    assert tiles == (64, 64)
+    mesh, seq = Mesh(np.array(jax.devices()[:4]), ("sp",)), P(None, "sp")
+    attend = jax.shard_map(
+        lambda q, k, v, s: ring_attention(q, k, v, causal=causal, axis_name="sp", layout="zigzag", q_segment_ids=s,
+                                          kv_segment_ids=s, fwd_params=FwdParams(*tiles)),
+        mesh=mesh, in_specs=(seq, seq, seq, seq), out_specs=seq)
+    x = jnp.zeros((1, 1024, 1, 8), jnp.float32)
+    segment_ids = problem.documents.segment_ids(1024, 1)[:, layouts.global_order("zigzag", 1024, 4)]
+    with count_work() as counts:
+        jax.block_until_ready(jax.jit(attend)(x, x, x, jnp.asarray(segment_ids)))
+    counted = max(counts["tile_area"].values()) / (1024 // 4 * 1024)
+    shards = strategy_model._shards(problem, 4)
+    assert strategy_model._work_share(problem, shards, shards, tiles) == counted
+    assert counted < 0.5  # the documents' tiles are skipped
+
+
+def test_a_long_document_costs_the_ring_and_not_all_to_all():
+    """Half the sequence one document: the ring's slowest device holds more of its causal work than of a
+    single sequence's, and all_to_all, whose devices each hold the whole sequence, overtakes the ring."""
+    def compute(packing, strategy):
+        problem = Problem(seq_len=131072, heads=16, kv_heads=16, head_dim=128, dtype="bfloat16", ring_size=8,
+                          packing=packing)
+        return predict(problem, strategy, "h100").compute_s
+
+    packed, single = "65536,4096x16", None
+    assert compute(single, "ring") == pytest.approx(compute(single, "all_to_all"), rel=0.02)
+    assert compute(packed, "ring") > 1.5 * compute(packed, "all_to_all")
+    assert rank(Problem(seq_len=131072, heads=16, kv_heads=16, head_dim=128, dtype="bfloat16", ring_size=8,
+                        packing=packed), "h100")[0].strategy == "all_to_all"
 
 
 @pytest.mark.parametrize("kv_heads, winner", [(8, "all_to_all"), (1, "all_gather")])

@@ -28,18 +28,21 @@ heads, D head size, `item` bytes per element; T = S / P tokens per device):
   fastest split with both > 1.
 
 Compute: FLOPs / (peak x efficiency), 4 B H Tq Tk D per full block; the efficiency is an assumption per
-platform (override it). Causal work is counted the way the kernels skip it, tile by tile (`_causal_share`):
-a query tile x key tile is computed unless every key in it comes after every query, over the token
-positions each strategy's kernels see (a ring's shards in its layout, all_to_all's whole sequence in the
-layout's order, all_gather's shard against it, the hybrid's chunks over its ring positions), and the
-slowest device's share counts. Tiles: the ring kernel's default forward tiles on the platform
-(`Platform.ring_tiles`), the scan kernel's inside the other strategies, cut to the lengths; the backward
-is taken to skip the same share. Windows, chunks, documents, HBM traffic and kernel overheads are not
-modelled. Transfers: latency + bytes on the links / rate. `Prediction.bytes` counts what
-`tuner.models.hlo.collective_bytes` reads from a compiled program -- each collective's result size on one
-device -- from which a device puts on its links (P-1)/P of an all-gather's or all-to-all's result, all of a
-collective-permute's and (P-1) times a reduce-scatter's (`link_bytes`). XLA:CPU widens bf16 collectives to
-float32; the model does not.
+platform (override it). Masked work is counted the way the kernels skip it, tile by tile (`_work_share`):
+a query tile x key tile is computed unless every key in it comes after every query (causal), or the
+documents its queries and its keys belong to cannot meet (packed rows: the first row of the problem's
+packing, `Problem.documents`), over the token positions each strategy's kernels see (a ring's shards in
+its layout, all_to_all's whole sequence in the layout's order, all_gather's shard against it, the
+hybrid's chunks over its ring positions), and the slowest device's share counts. So a packing that
+leaves one device of the ring a long document's tail costs the ring, while all_to_all, whose every
+device holds the whole sequence, stays balanced. Tiles: the ring kernel's default forward tiles on the
+platform (`Platform.ring_tiles`; at most `PACKED_TILE` with documents, as the ring's default), the scan
+kernel's inside the other strategies, cut to the lengths; the backward is taken to skip the same share.
+Windows, chunks, HBM traffic and kernel overheads are not modelled. Transfers: latency + bytes on the
+links / rate. `Prediction.bytes` counts what `tuner.models.hlo.collective_bytes` reads from a compiled
+program -- each collective's result size on one device -- from which a device puts on its links (P-1)/P
+of an all-gather's or all-to-all's result, all of a collective-permute's and (P-1) times a
+reduce-scatter's (`link_bytes`). XLA:CPU widens bf16 collectives to float32; the model does not.
 
 Rates, per device, one direction (`PLATFORMS`; `Platform` fields override them):
 - h100: 989 TFLOP/s dense bf16, 67 TFLOP/s float32 (NVIDIA H100 SXM datasheet); NVLink 4, 900 GB/s
@@ -66,6 +69,7 @@ import numpy as np
 
 from tuner.semantics import layouts
 from tuner.strategies.all_to_all import kv_repeats
+from tuner.strategies.implementations import PACKED_TILE
 from tuner.kernels import BACKENDS
 from tuner.kernels.tpu_memory import GENERATION_TILES
 from tuner.models.hlo import COLLECTIVE_KINDS
@@ -226,9 +230,11 @@ def _shards(problem: Problem, positions: int) -> list[np.ndarray]:
     return [layouts.local_positions_np(problem.layout, length, positions, r) for r in range(positions)]
 
 
-def _computed(queries: np.ndarray, keys: np.ndarray, tiles: tuple[int, int]) -> int:
-    """The logits a causal kernel computes of `queries` against `keys` (positions, in the order it walks
-    them) in tiles of `tiles`, cut to the lengths: every tile but those whose keys all follow its queries."""
+def _computed(queries: np.ndarray, keys: np.ndarray, tiles: tuple[int, int], causal: bool,
+              documents: np.ndarray | None) -> int:
+    """The logits a kernel computes of `queries` against `keys` (positions, in the order it walks them) in
+    tiles of `tiles`, cut to the lengths: every tile but those whose keys all follow its queries (`causal`)
+    and those whose documents' ranges cannot meet (`documents`: the document of every position of a row)."""
     block_q, block_kv = min(tiles[0], len(queries)), min(tiles[1], len(keys))
 
     def cut(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -237,17 +243,36 @@ def _computed(queries: np.ndarray, keys: np.ndarray, tiles: tuple[int, int]) -> 
 
     _, q_last, q_size = cut(queries, block_q)
     k_first, _, k_size = cut(keys, block_kv)
-    return int(np.sum(np.outer(q_size, k_size) * (k_first[None, :] <= q_last[:, None])))
+    computed = np.ones((len(q_size), len(k_size)), bool)
+    if causal:
+        computed &= k_first[None, :] <= q_last[:, None]
+    if documents is not None:
+        q_lo, q_hi, _ = cut(documents[queries], block_q)
+        k_lo, k_hi, _ = cut(documents[keys], block_kv)
+        computed &= (q_lo[:, None] <= k_hi[None, :]) & (k_lo[None, :] <= q_hi[:, None])
+    return int(np.sum(np.outer(q_size, k_size) * computed))
 
 
-def _causal_share(problem: Problem, queries: list[np.ndarray], keys: list[np.ndarray],
-                  tiles: tuple[int, int]) -> float:
-    """The share of its logits the slowest device computes (1 without a causal mask): each device attends
-    its `queries[i]` to every shard of `keys` (a ring's steps, or one gathered sequence), in `tiles`."""
-    if not problem.causal:
+def _work_share(problem: Problem, queries: list[np.ndarray], keys: list[np.ndarray], tiles: tuple[int, int]
+                ) -> float:
+    """The share of its logits the slowest device computes (1 with neither a causal mask nor documents): each
+    device attends its `queries[i]` to every shard of `keys` (a ring's steps, or one gathered sequence), in
+    `tiles`. Documents are those of the first row of the problem's packing (`Problem.documents`)."""
+    packing = problem.documents
+    documents = None if packing is None else packing.segment_ids(problem.seq_len, 1)[0]
+    if not problem.causal and documents is None:
         return 1.0
     total = sum(len(k) for k in keys)
-    return max(sum(_computed(q, k, tiles) for k in keys) / (len(q) * total) for q in queries)
+    return max(sum(_computed(q, k, tiles, problem.causal, documents) for k in keys) / (len(q) * total)
+               for q in queries)
+
+
+def _ring_tiles(problem: Problem, platform: Platform) -> tuple[int, int]:
+    """The forward tiles the ring runs by default: the platform's, at most `PACKED_TILE` with documents
+    (`tuner.strategies.implementations.Ring.default_config`)."""
+    if not problem.segments:
+        return platform.ring_tiles
+    return min(platform.ring_tiles[0], PACKED_TILE), min(platform.ring_tiles[1], PACKED_TILE)
 
 
 def _ring(acc: _Pass, problem: Problem, size: int, heads: int, kv_heads: int, tokens: int, backward: bool,
@@ -312,7 +337,7 @@ def _predict(problem: Problem, strategy: str, platform: Platform, backward: bool
     if strategy == "ring":
         shards = _shards(problem, p)
         _ring(acc, problem, p, h, problem.kv_heads, s // p, backward,
-              _causal_share(problem, shards, shards, platform.ring_tiles))
+              _work_share(problem, shards, shards, _ring_tiles(problem, platform)))
     elif strategy == "all_gather":
         kv = b * s * problem.kv_heads * d * item
         for _ in range(2):  # K and V (and back dK and dV)
@@ -322,7 +347,7 @@ def _predict(problem: Problem, strategy: str, platform: Platform, backward: bool
         if problem.segments:
             acc.wait(False, acc.collective("all-gather", b * s * 4, p))
         shards = _shards(problem, p)
-        share = _causal_share(problem, shards, [layouts.global_order(problem.layout, s, p)], SCAN_TILES)
+        share = _work_share(problem, shards, [layouts.global_order(problem.layout, s, p)], SCAN_TILES)
         block = _block_seconds(problem, platform, h, s // p, s, share)
         acc.compute_for(False, block)
         if backward:
@@ -335,7 +360,7 @@ def _predict(problem: Problem, strategy: str, platform: Platform, backward: bool
         # laid out over its ring positions
         chunks = [layouts.global_order(problem.layout, s, p)] if rows == 1 else _shards(problem, rows)
         _ring(acc, problem, rows, h // group, kv_heads // group, s // rows, backward,
-              _causal_share(problem, chunks, chunks, SCAN_TILES))
+              _work_share(problem, chunks, chunks, SCAN_TILES))
         gathered = 2 * b * (s // rows) * (h + kv_heads) // group * d * item  # q, k, v and out of the head group
     return Prediction(strategy, platform.name, acc.seconds[0], acc.seconds[1], acc.compute, acc.bytes, acc.link,
                       gathered, axes)

@@ -49,16 +49,20 @@ def model_platform(platform: str, device_kind: str) -> str | None:
     return None
 
 
-def problem_of(shapes: LocalShapes, spec: AttentionSpec, ring_size: int, layout: str) -> Problem | None:
-    """The global `Problem` of one device's `shapes` on a ring of `ring_size` in `layout`, or None where
-    the model has none (queries and keys of different lengths, a bias, a dtype it does not know)."""
+def problem_of(shapes: LocalShapes, spec: AttentionSpec, ring_size: int, layout: str,
+               packing: str | None = None) -> Problem | None:
+    """The global `Problem` of one device's `shapes` on a ring of `ring_size` in `layout`, its documents
+    packed as the call declares (`packing`; one document a row where it declares none), or None where the
+    model has none (queries and keys of different lengths, a bias, a dtype it does not know)."""
     if shapes.q_len != shapes.kv_len or spec.has_bias:
         return None
     try:
         return Problem(batch=shapes.batch, seq_len=shapes.q_len * ring_size, heads=shapes.heads,
                        kv_heads=shapes.kv_heads, head_dim=shapes.head_dim, dtype=shapes.dtype, causal=spec.causal,
-                       window=spec.window, chunk_size=spec.chunk_size, segments=int(spec.has_segments),
-                       softcap=spec.softcap, sinks=spec.num_sinks, ring_size=ring_size, layout=layout)
+                       window=spec.window, chunk_size=spec.chunk_size,
+                       segments=int(spec.has_segments and packing is None), softcap=spec.softcap,
+                       sinks=spec.num_sinks, ring_size=ring_size, layout=layout,
+                       value_head_dim=shapes.value_head_dim, packing=packing)
     except ValueError:
         return None
 
@@ -106,7 +110,8 @@ def verdict(rows: list[dict[str, Any]], key, spec: AttentionSpec, dtype: Any, ta
     cache `rows` beside its predictions; None where the model does not decide (the CPU: a simulation
     platform, or a one-device ring)."""
     platform = model_platform(target.platform, key.device_kind)
-    problem = None if platform is None or key.ring_size == 1 else problem_of(key, spec, key.ring_size, key.layout)
+    problem = None if platform is None or key.ring_size == 1 else problem_of(key, spec, key.ring_size, key.layout,
+                                                                             key.packing)
     if problem is None:
         return None
 
