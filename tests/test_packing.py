@@ -107,3 +107,22 @@ def test_the_loader_runs_the_config_tuned_for_its_declared_packing(tmp_path):
         declared.explain(q, k, k)
     with pytest.raises(ValueError, match="packing: a packing is fixed lengths"):
         get_tuned_ring_attention(packing="many")
+
+
+def test_a_recorded_call_keeps_its_packing_and_value_dim_for_the_search(tmp_path):
+    """What `tuner.autotune` and `tuner search --from` tune: the recorded call's problem names the declared
+    packing and the value head dim, under the key its loader looks up (`problem()` checks it), and a replay of
+    the call decides for that same key."""
+    from tuner.runtime import record
+    from tuner.tuning.autotuning import replay
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("sp",))
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, db=tmp_path / "db.sqlite",
+                                    packing="lognormal:3")
+    q, v = jax.ShapeDtypeStruct((1, 64, 2, 24), jnp.float32), jax.ShapeDtypeStruct((1, 64, 2, 16), jnp.float32)
+    seg = jax.ShapeDtypeStruct((1, 64), jnp.int32)
+    (call,) = record.calls_in(lambda q, v, s: attn(q, q, v, q_segment_ids=s, kv_segment_ids=s), q, v, seg)
+    problem = call.problem()
+    assert (problem.packing, problem.segments, problem.value_head_dim) == ("lognormal:3", 3, 16)
+    assert replay(call).decision["key"] == call.decision["key"]
+    assert record.Call.from_json(json.loads(json.dumps(call.to_json()))) == call

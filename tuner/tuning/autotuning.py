@@ -210,7 +210,7 @@ def replay(call: Call, db: str | None = None) -> Call:
     ring, pair = call.ring_size > 1, call.strategy in registry.TWO_AXES
     axis_name = REPLAY_AXES if pair else REPLAY_AXES[0] if ring else None
     attn = get_tuned_ring_attention(axis_name=axis_name, layout=call.layout, backend=call.backend,
-                                    strategy=call.strategy, db=db or call.db, **call.mask)
+                                    strategy=call.strategy, db=db or call.db, packing=call.packing, **call.mask)
     structs = {n: jax.ShapeDtypeStruct(shape, dtype) for n, (shape, dtype) in call.arrays.items()}
     q, k, v = (jax.ShapeDtypeStruct(*s) for s in (call.query, call.key, call.value))
     sizes = (call.ring_size // call.a2a_size, call.a2a_size) if pair else call.ring_size if ring else None
