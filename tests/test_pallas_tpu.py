@@ -4,6 +4,7 @@ float32 at DESIGN tolerances and bf16 within twice dense's error); masked tiles 
 standard variant lowers for the TPU platform; the constraints, the contract and `tuner search --device
 tpu [--dry-run]`."""
 
+import dataclasses
 import importlib.util
 import re
 
@@ -136,6 +137,32 @@ def test_the_mask_free_interior(monkeypatch):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"{name}, every tile unmasked")
 
 
+@pytest.mark.parametrize("head_dim, value_head_dim", [(192, 128), (128, 64)])
+def test_values_of_another_head_dim_than_queries_and_keys(head_dim, value_head_dim):
+    """Multi-head latent attention's dims -- queries and keys `head_dim` wide, values, output and its
+    gradient `value_head_dim` -- with 4 query heads on 2 kv heads, causal, 192 tokens in 64x128 tiles
+    (the last key tile padded): out, lse, dq, dk and dv match the float64 dense reference in value and
+    shape. The backward is given the reference's lse and output, so it is checked on its own."""
+    rng = np.random.default_rng(2)
+    q, k = rng.standard_normal((1, 192, 4, head_dim)), rng.standard_normal((1, 192, 2, head_dim))
+    v, do = rng.standard_normal((1, 192, 2, value_head_dim)), rng.standard_normal((1, 192, 4, value_head_dim))
+    spec = AttentionSpec(scale=head_dim ** -0.5, causal=True)
+    with jax.enable_x64(True):
+        (out, lse), pullback = jax.vjp(lambda q, k, v: dense_attention(q, k, v, causal=True, softmax_scale=spec.scale),
+                                       q, k, v)
+        want = [np.asarray(x) for x in (out, lse, *pullback((do, jnp.zeros_like(lse))))]
+    q, k, v, do, out, lse = (jnp.asarray(x, jnp.float32) for x in (q, k, v, do, *want[:2]))
+    positions = jnp.arange(192, dtype=jnp.int32)[None]
+    got = BACKEND.block_fwd(q, k, v, positions, positions, None, None, None, spec=spec,
+                            params=FwdParams(block_q=64, block_kv=128), interpret=True)
+    delta = jnp.einsum("bqhd,bqhd->bhq", do, out)
+    got += BACKEND.block_bwd(q, k, v, out, lse, do, delta, positions, positions, None, None, None, spec=spec,
+                             params=BwdParams(64, 128, 64, 128), interpret=True)[:3]
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        assert g.shape == w.shape and g.dtype == jnp.float32, (name, g.shape, g.dtype)
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
 # --------------------------------------------------------------------------------------------------
 # Lowering for TPU without a TPU.
 # --------------------------------------------------------------------------------------------------
@@ -176,6 +203,12 @@ def test_the_lowering_rejects_what_a_tpu_cannot_tile():
 def test_what_the_backend_supports_and_rejects():
     spec = AttentionSpec(scale=0.125, causal=True)
     assert BACKEND.supports(spec, jnp.bfloat16, 128) is None
+    assert BACKEND.supports(spec, jnp.bfloat16, 192, 128) is None
+    assert BACKEND.supports(spec, jnp.float32, 128, 64) is None
+    # the value head dim is part of the rendered module (None: the query/key head dim)
+    mla = pallas_tpu.variant(spec, jnp.bfloat16, 192, 128)
+    assert mla.filename != pallas_tpu.variant(spec, jnp.bfloat16, 192).filename
+    assert pallas_tpu.variant(spec, jnp.bfloat16, 128, 128) == pallas_tpu.variant(spec, jnp.bfloat16, 128)
     assert "bias" in BACKEND.supports(AttentionSpec(scale=0.1, has_bias=True), jnp.float32, 64)
     assert "dtype float16" in BACKEND.supports(spec, jnp.float16, 64)
     with pytest.raises(ValueError, match="block_q_dq and block_kv_dq must be set"):
@@ -237,6 +270,13 @@ def test_vmem_and_smem_constraints(monkeypatch):
     assert re.fullmatch(r"dkv kernel needs about \d+\.\d MiB of VMEM with 1024x1024 tiles, over the 8 MiB "
                         r"scoped limit on TPU v4", reason), reason
     assert BACKEND.violation(problem.shapes, problem.spec, FwdParams(block_q=256, block_kv=512), None) is None
+    # values wider than the keys take more VMEM: the estimate and the default tiles see the value head dim
+    wide_values = dataclasses.replace(problem.shapes, value_head_dim=512)
+    half = BwdParams(block_q_dkv=256, block_kv_dkv=512, block_q_dq=256, block_kv_dq=512)
+    assert BACKEND.violation(problem.shapes, problem.spec, None, half) is None
+    assert "dkv kernel needs about" in BACKEND.violation(wide_values, problem.spec, None, half)
+    assert BACKEND.default_params(16384, 16384, 128)[1] == half
+    assert BACKEND.default_params(16384, 16384, 128, 512)[1].block_kv_dkv < 512
     monkeypatch.setenv("TUNER_TPU_CHIP", "v3")  # 16 KiB of SMEM: a 128x128-tile schedule of 16k tokens is 64 KiB
     reason = BACKEND.violation(problem.shapes, problem.spec, FwdParams(block_q=128, block_kv=128, block_kv_compute=128),
                                None)

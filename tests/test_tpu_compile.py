@@ -93,6 +93,32 @@ def test_kernels_ask_for_the_vmem_of_the_target_chip(topology, vmem_mib):
         assert 0 < used <= asked, (name, used, asked)
 
 
+def test_kernels_with_values_of_another_head_dim_use_no_more_vmem_than_estimated():
+    """Multi-head latent attention's dims (queries and keys 192 wide, values 128), bf16, at the default
+    tiles of v5e on an 8192-token shard (several tiles each way, so blocks are double-buffered): each
+    kernel, compiled alone, uses no more VMEM than the constraints' estimate, which stays within what
+    the kernels ask for."""
+    from tuner.kernels import pallas_tpu, tpu_memory
+    from tuner.semantics.spec import AttentionSpec, LocalShapes
+    from tuner.tuning import compiled
+
+    shapes = LocalShapes(1, 8192, 8192, H, HKV, 192, "bfloat16", value_head_dim=128)
+    spec = AttentionSpec(scale=192**-0.5, causal=True)
+    backend = pallas_tpu.PallasTpuBackend()
+    with jax.sharding.use_abstract_mesh(topology_mesh("v5e:2x2").abstract_mesh):
+        fwd, bwd = backend.default_params(shapes.q_len, shapes.kv_len, 192, 128)
+        assert backend.violation(shapes, spec, fwd, bwd) is None
+    used = compiled.compile_step(shapes, spec, "v5e:2x2", fwd, bwd)
+    assert isinstance(used, dict) and set(used) == {"fwd", "dkv", "dq"}, used  # else the compiler's error
+    (dkv_q, dkv_kv), (dq_q, dq_kv) = pallas_tpu.bwd_tiles(bwd, shapes.q_len, shapes.kv_len)
+    tiles = {"fwd": pallas_tpu.fwd_tiles(fwd, shapes.q_len, shapes.kv_len), "dkv": (dkv_q, dkv_kv, None),
+             "dq": (dq_q, dq_kv, None)}
+    for kernel, (asked, use) in used.items():
+        estimate = tpu_memory.vmem_bytes(kernel, *tiles[kernel][:2], 192, "bfloat16", 1, tiles[kernel][2],
+                                         value_head_dim=128)
+        assert 0 < use <= estimate <= asked == 64 * 2**20, (kernel, use, estimate, asked)
+
+
 @functools.cache
 def compiled_ring(topology: str, causal: bool) -> str:
     """The scheduled HLO of the gradient of a ring over `topology` (pallas_tpu kernels, zigzag)."""

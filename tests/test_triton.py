@@ -1,21 +1,25 @@
 """The Triton backend without a GPU: the rendered kernels run in Triton's interpreter inside the whole
 ring (every feature but bias, forward and every gradient, rings of 1, 2 and 4 simulated devices,
-float32 at DESIGN tolerances and bf16/fp16 within twice dense's error), and every standard variant
-compiles for sm_80 and sm_90 with its resources reported."""
+float32 at DESIGN tolerances and bf16/fp16 within twice dense's error), and as block kernels with a value
+head dim other than the query/key one (multi-head latent attention); every standard variant, and a variant
+of head dims 192 and 128, compiles for sm_80 or sm_90 with its resources reported."""
 
 import importlib.util
 import re
 import shutil
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from tests.cases import check_case, check_low_precision, triton_cases
+from tests.cases import check_case, check_low_precision, rel_err, triton_cases
 from tuner import BwdParams, FwdParams, ring_attention
 from tuner.kernels import codegen
 from tuner.kernels import triton as triton_backend
 from tuner.semantics.problem import Problem
+from tuner.semantics.reference import dense_attention
 from tuner.tuning.search import SearchOptions, search
 from tuner.semantics.spec import AttentionSpec
 
@@ -38,6 +42,34 @@ def test_interpreted_kernels_in_the_ring_match_dense(case):
 @settings(max_examples=max(2, FEW // 2))
 def test_interpreted_low_precision_within_twice_dense_error(case):
     check_low_precision(case)
+
+
+@pytest.mark.parametrize("head_dim, value_head_dim", [(192, 128), (128, 64)])
+def test_value_head_dim_other_than_the_query_key_one(head_dim, value_head_dim):
+    """Multi-head latent attention: values and the output of another head dim than queries and keys (192
+    runs on 256 columns, the padded ones masked), grouped heads, causal, a partial last tile. `block_fwd`
+    and `block_bwd` in the interpreter against the dense float64 reference at DESIGN tolerances."""
+    b, t, h, hkv = 1, 24, 4, 2
+    rng = np.random.default_rng(0)
+    q, k, v, do = (rng.standard_normal(shape) for shape in ((b, t, h, head_dim), (b, t, hkv, head_dim),
+                                                             (b, t, hkv, value_head_dim), (b, t, h, value_head_dim)))
+    with jax.enable_x64(True):
+        (out, lse), vjp = jax.vjp(lambda q, k, v: dense_attention(q, k, v, causal=True), q, k, v)
+        dq, dk, dv = vjp((do, jnp.zeros_like(lse)))
+        delta = jnp.einsum("bthd,bthd->bht", out, do)
+    want = {name: np.asarray(x) for name, x in dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv).items()}
+
+    backend, spec = triton_backend.TritonBackend(), AttentionSpec(scale=head_dim**-0.5, causal=True)
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    q, k, v, do, out, lse, delta = (jnp.asarray(x, jnp.float32) for x in (q, k, v, do, out, lse, delta))
+    got = dict(zip(("out", "lse"), backend.block_fwd(q, k, v, pos, pos, None, None, None, spec=spec,
+                                                    params=FwdParams(16, 16), interpret=True)))
+    got.update(zip(("dq", "dk", "dv"), backend.block_bwd(q, k, v, out, lse, do, delta, pos, pos, None, None, None,
+                                                         spec=spec, params=BwdParams(16, 16, 16, 16), interpret=True)))
+    for name, tol in (("out", 1e-5), ("lse", 1e-5), ("dq", 1e-4), ("dk", 1e-4), ("dv", 1e-4)):
+        assert got[name].shape == want[name].shape, name
+        error = rel_err(np.asarray(got[name]), want[name])
+        assert error <= tol, f"{name} error {error:.2e}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -76,12 +108,15 @@ def test_features_are_compiled_in_or_out():
 # Compiling for real GPU targets without a GPU.
 # --------------------------------------------------------------------------------------------------
 
-# In CI: every feature set (bf16, D=128) for sm_90, and the causal set in bf16 D=64 and fp16 D=128 for
-# sm_80 (each of the three kernels takes ptxas a few seconds; float32 variants, exact `ieee` products on
-# FMA units, about a minute). `tuner generate --compile sm_80,sm_90` compiles the whole standard set;
-# its report is in benchmarks/results/.
+# In CI: every feature set (bf16, D=128) for sm_90, the causal set in bf16 D=64 and fp16 D=128 for sm_80,
+# and the causal bf16 variant of multi-head latent attention (D=192 padded to 256, Dv=128) for sm_90 (each
+# of the three kernels takes ptxas a few seconds; float32 variants, exact `ieee` products on FMA units,
+# about a minute). `tuner generate --compile sm_80,sm_90` compiles the whole standard set; its report is in
+# benchmarks/results/.
 def _compiled_in_ci():
     plain_causal = {"causal": True, "window": False, "chunk": False, "segments": False, "softcap": False}
+    latent = triton_backend.variant(AttentionSpec(scale=192**-0.5, causal=True), jnp.bfloat16, 192, 128)
+    yield pytest.param(latent, 90, id=f"{latent.filename}-sm_90")
     sm_90 = 0
     for variant in triton_backend.standard_variants():
         features = variant.features
@@ -113,8 +148,9 @@ def test_what_the_backend_supports_and_rejects():
     backend = triton_backend.TritonBackend()
     spec = AttentionSpec(scale=0.125, causal=True)
     assert backend.supports(spec, jnp.bfloat16, 128) is None
+    assert backend.supports(spec, jnp.bfloat16, 192, 128) is None and backend.supports(spec, jnp.float32, 48) is None
     assert "bias" in backend.supports(AttentionSpec(scale=0.1, has_bias=True), jnp.float32, 64)
-    assert "head_dim 48" in backend.supports(spec, jnp.float32, 48)
+    assert "dtype" in backend.supports(spec, jnp.float64, 64)
     with pytest.raises(ValueError, match="block_q_dq"):
         backend.check_params(FwdParams(64, 64), BwdParams(64, 64))
     with pytest.raises(ValueError, match="fwd_params.block_kv must be a power of two"):

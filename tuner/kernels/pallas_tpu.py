@@ -10,8 +10,10 @@ simulates each device's memories; under `shard_map` on simulated CPU devices it 
 
 Layout: TPU blocks need their last two dims to be multiples of (8, 128) or whole, so the block
 functions here transpose q/k/v to heads-major `[B, H, T, D]` (a copy in HBM, in the input dtype) and
-pad local lengths to whole tiles when a tile does not divide them. dq is a kernel of its own (a fused
-dq would need atomics), and bias and float16 are not supported (`backend="auto"` takes scan for them).
+pad local lengths to whole tiles when a tile does not divide them. Values, the output and its gradient
+may have a head dim of their own (multi-head latent attention: 192 for queries and keys, 128 for
+values). dq is a kernel of its own (a fused dq would need atomics), and bias and float16 are not
+supported (`backend="auto"` takes scan for them).
 """
 
 from __future__ import annotations
@@ -43,17 +45,18 @@ def _dtype_name(dtype: Any) -> str:
     return jnp.dtype(dtype).name
 
 
-def variant(spec: AttentionSpec, dtype: Any, head_dim: int) -> codegen.Variant:
-    """The rendered module for these features (window / cap values and tiles are trace-time arguments)."""
+def variant(spec: AttentionSpec, dtype: Any, head_dim: int, value_head_dim: int | None = None) -> codegen.Variant:
+    """The rendered module for these features (window / cap values and tiles are trace-time arguments);
+    `value_head_dim` None: the values' head dim is `head_dim`."""
     return codegen.Variant("pallas_tpu", TEMPLATE, {
         "causal": spec.causal, "window": spec.window is not None, "chunk": spec.chunk_size is not None,
         "segments": spec.has_segments, "softcap": spec.softcap is not None, "dtype": _dtype_name(dtype),
-        "head_dim": head_dim})
+        "head_dim": head_dim, "value_head_dim": head_dim if value_head_dim is None else value_head_dim})
 
 
 def standard_variants() -> list[codegen.Variant]:
-    """`codegen.STANDARD_FEATURES` in bfloat16 and float32, head dims 64 and 128."""
-    return [codegen.Variant("pallas_tpu", TEMPLATE, {**f, "dtype": dtype, "head_dim": d})
+    """`codegen.STANDARD_FEATURES` in bfloat16 and float32, head dims 64 and 128 (values of the same dim)."""
+    return [codegen.Variant("pallas_tpu", TEMPLATE, {**f, "dtype": dtype, "head_dim": d, "value_head_dim": d})
             for f in codegen.STANDARD_FEATURES for dtype in DTYPES for d in (64, 128)]
 
 
@@ -174,7 +177,11 @@ class PallasTpuBackend:
             return "no TPU visible to jax (interpret=True runs the kernels on the CPU)"
         return None
 
-    def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int) -> str | None:
+    def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int, value_head_dim: int | None = None
+                 ) -> str | None:
+        """Bias and dtypes other than `DTYPES` are refused; head dims are not: each block spans the whole
+        head dim, which TPU tiling takes at any width, and queries/keys and values have their own blocks
+        (compiled for v5e with dims from 1 to 576, values narrower and wider than keys)."""
         if spec.has_bias:
             return "bias (the scan backend supports it)"
         if _dtype_name(dtype) not in DTYPES:
@@ -187,17 +194,19 @@ class PallasTpuBackend:
             raise ValueError("bwd_params.block_q_dq and block_kv_dq must be set: the pallas_tpu backend "
                              "computes dq in its own kernel")
 
-    def default_params(self, q_len: int, kv_len: int, head_dim: int) -> tuple[FwdParams, BwdParams]:
+    def default_params(self, q_len: int, kv_len: int, head_dim: int, value_head_dim: int | None = None
+                       ) -> tuple[FwdParams, BwdParams]:
         """The tiles of the target chip's generation (`GENERATION_TILES`, chosen from compile results;
-        `FALLBACK_TILES` elsewhere), each kernel's halved until the VMEM estimate for float32 at this
-        head dim fits the chip's limit (the defaults never depend on the dtype), cut to the local
-        lengths. Not yet measured on a TPU."""
+        `FALLBACK_TILES` elsewhere), each kernel's halved until the VMEM estimate for float32 at these
+        head dims (`value_head_dim` None: `head_dim`) fits the chip's limit (the defaults never depend on
+        the dtype), cut to the local lengths. Not yet measured on a TPU."""
         info = chip()
         fwd, bwd = GENERATION_TILES.get(info.chip_version.value, FALLBACK_TILES)
         limit = vmem_limit_bytes(info)
-        fwd_q, fwd_kv = fitted_tiles("fwd", fwd.block_q, fwd.block_kv, head_dim, limit, fwd.block_kv_compute)
-        dkv_q, dkv_kv = fitted_tiles("dkv", bwd.block_q_dkv, bwd.block_kv_dkv, head_dim, limit)
-        dq_q, dq_kv = fitted_tiles("dq", bwd.block_q_dq, bwd.block_kv_dq, head_dim, limit)
+        dims = dict(head_dim=head_dim, limit=limit, value_head_dim=value_head_dim)
+        fwd_q, fwd_kv = fitted_tiles("fwd", fwd.block_q, fwd.block_kv, compute=fwd.block_kv_compute, **dims)
+        dkv_q, dkv_kv = fitted_tiles("dkv", bwd.block_q_dkv, bwd.block_kv_dkv, **dims)
+        dq_q, dq_kv = fitted_tiles("dq", bwd.block_q_dq, bwd.block_kv_dq, **dims)
         return (FwdParams(block_q=min(fwd_q, q_len), block_kv=min(fwd_kv, kv_len),
                           block_kv_compute=min(fwd.block_kv_compute, fwd_kv, kv_len)),
                 BwdParams(block_q_dkv=min(dkv_q, q_len), block_kv_dkv=min(dkv_kv, kv_len),
@@ -239,7 +248,8 @@ class PallasTpuBackend:
         except ValueError as error:
             return str(error)
         for kernel, block_q, block_kv, compute in kernels:
-            used = vmem_bytes(kernel, block_q, block_kv, head_dim, shapes.dtype, ids, compute)
+            used = vmem_bytes(kernel, block_q, block_kv, head_dim, shapes.dtype, ids, compute,
+                              value_head_dim=shapes.value_dim)
             if used > limit:
                 return (f"{kernel} kernel needs about {used / 2**20:.1f} MiB of VMEM with {block_q}x{block_kv} "
                         f"tiles, over the {limit / 2**20:.0f} MiB scoped limit on TPU {info.chip_version.value}")
@@ -258,7 +268,7 @@ class PallasTpuBackend:
         tq, tk = q.shape[1], k.shape[1]
         block_q, block_kv, compute = fwd_tiles(params, tq, tk)
         q_len, kv_len = _padded(tq, block_q), _padded(tk, block_kv)
-        module = codegen.load(variant(spec, q.dtype, q.shape[3]))
+        module = codegen.load(variant(spec, q.dtype, q.shape[3], v.shape[3]))
         out, lse = module.attention_fwd(
             *_flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, block_q, block_kv),
             _heads_major(q, q_len), _heads_major(k, kv_len), _heads_major(v, kv_len),
@@ -270,7 +280,7 @@ class PallasTpuBackend:
     def block_bwd(self, q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *,
                   spec: AttentionSpec, params: BwdParams, interpret: bool = False):
         tq, tk = q.shape[1], k.shape[1]
-        module = codegen.load(variant(spec, q.dtype, q.shape[3]))
+        module = codegen.load(variant(spec, q.dtype, q.shape[3], v.shape[3]))
         lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # a row that read nothing: p = exp(s - inf) = 0
         common = dict(kv_len=tk, **_mask_values(spec), vmem_limit_bytes=vmem_limit_bytes(),
                       interpret=_interpret_mode(interpret, q))
@@ -300,16 +310,18 @@ class PallasTpuBackend:
 def step_programs(shapes: LocalShapes, spec: AttentionSpec, fwd: FwdParams | None = None,
                   bwd: BwdParams | None = None, sharding: Any = None) -> list[tuple[Any, tuple]]:
     """One ring step's kernels for these local shapes as jitted programs with their argument structs
-    (`sharding` on each): the forward block when `fwd` is given, the backward block (dK/dV and dQ
-    kernels) when `bwd` is."""
+    (`sharding` on each; values, output and its gradient `shapes.value_dim` wide): the forward block
+    when `fwd` is given, the backward block (dK/dV and dQ kernels) when `bwd` is."""
     backend = PallasTpuBackend()
-    b, tq, tk, h, hkv, d = shapes.batch, shapes.q_len, shapes.kv_len, shapes.heads, shapes.kv_heads, shapes.head_dim
+    b, tq, tk, h, hkv = shapes.batch, shapes.q_len, shapes.kv_len, shapes.heads, shapes.kv_heads
+    d, dv = shapes.head_dim, shapes.value_dim
 
     def struct(shape, dtype):
         return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
 
-    q, k, o, do = (struct((b, t, n, d), dtype) for t, n, dtype in
-                   ((tq, h, shapes.dtype), (tk, hkv, shapes.dtype), (tq, h, shapes.dtype), (tq, h, jnp.float32)))
+    q, k, v, o, do = (struct((b, t, n, width), dtype) for t, n, width, dtype in
+                      ((tq, h, d, shapes.dtype), (tk, hkv, d, shapes.dtype), (tk, hkv, dv, shapes.dtype),
+                       (tq, h, dv, shapes.dtype), (tq, h, dv, jnp.float32)))
     lse, q_pos, kv_pos = struct((b, h, tq), jnp.float32), struct((b, tq), jnp.int32), struct((b, tk), jnp.int32)
     q_seg, kv_seg = (q_pos, kv_pos) if spec.has_segments else (None, None)
     programs = []
@@ -317,13 +329,13 @@ def step_programs(shapes: LocalShapes, spec: AttentionSpec, fwd: FwdParams | Non
         def forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg):
             return backend.block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, None, spec=spec, params=fwd)
 
-        programs.append((jax.jit(forward), (q, k, k, q_pos, kv_pos, q_seg, kv_seg)))
+        programs.append((jax.jit(forward), (q, k, v, q_pos, kv_pos, q_seg, kv_seg)))
     if bwd is not None:
         def backward(q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg):
             return backend.block_bwd(q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, None, spec=spec,
                                      params=bwd)
 
-        programs.append((jax.jit(backward), (q, k, k, o, lse, do, lse, q_pos, kv_pos, q_seg, kv_seg)))
+        programs.append((jax.jit(backward), (q, k, v, o, lse, do, lse, q_pos, kv_pos, q_seg, kv_seg)))
     return programs
 
 

@@ -88,42 +88,58 @@ def _rows(n: int, width: int, itemsize: int) -> int:
 
 
 def vmem_terms(kernel: str, block_q: int, block_kv: int, head_dim: int, dtype: Any, ids: int,
-               block_kv_compute: int | None = None) -> tuple[int, int, int, int]:
+               block_kv_compute: int | None = None, *, value_head_dim: int | None = None) -> tuple[int, int, int, int]:
     """The VMEM bytes one kernel's estimate is a combination of (`VMEM_MULTIPLES`): its input and output
     blocks double-buffered with its scratch ("held"); a float32 `[block_q, block_kv]` tile (the
     forward's `[block_q, block_kv_compute]` key slice); a float32 `[block_q, head_dim]` row block; a
-    float32 `[block_kv, head_dim]` (the forward: slice) column block."""
+    float32 `[block_kv, head_dim]` (the forward: slice) column block.
+
+    With a `value_head_dim` (None: `head_dim`), the held blocks of values, of the output and of its
+    gradient are that wide, and the row and column blocks are those of the wider of the two dims: the
+    multiples were fitted with equal dims, so each stands for temporaries of either kind. At D=192,
+    Dv=128 this bounds the compiler's reports over the tile space of v5e and v4 (bf16 and float32),
+    which the mean of the two dims does not."""
+    value_head_dim = head_dim if value_head_dim is None else value_head_dim
     item = jnp.dtype(dtype).itemsize
     q_rows, kv_rows = _rows(block_q, head_dim, item), _rows(block_kv, head_dim, item)
+    do_rows, v_rows = _rows(block_q, value_head_dim, item), _rows(block_kv, value_head_dim, item)
     ids_bytes = _rows(block_q, ids, 4) + _rows(ids, block_kv, 4)
     stats = _rows(block_q, 1, 4)
     if kernel == "fwd":
-        inputs = q_rows + 2 * kv_rows + ids_bytes
-        outputs = _rows(block_q, head_dim, 4) + stats
-        held = 2 * (inputs + outputs) + _rows(block_q, head_dim, 4) + 2 * stats
+        inputs = q_rows + kv_rows + v_rows + ids_bytes
+        outputs = _rows(block_q, value_head_dim, 4) + stats
+        held = 2 * (inputs + outputs) + _rows(block_q, value_head_dim, 4) + 2 * stats
     else:
-        inputs = 2 * q_rows + 2 * kv_rows + 2 * stats + ids_bytes
-        outputs = 2 * _rows(block_kv, head_dim, 4) if kernel == "dkv" else _rows(block_q, head_dim, 4)
+        inputs = q_rows + do_rows + kv_rows + v_rows + 2 * stats + ids_bytes
+        if kernel == "dkv":
+            outputs = _rows(block_kv, head_dim, 4) + _rows(block_kv, value_head_dim, 4)
+        else:
+            outputs = _rows(block_q, head_dim, 4)
         held = 2 * (inputs + outputs)
     cols = (block_kv_compute or block_kv) if kernel == "fwd" else block_kv
-    return held, _rows(block_q, cols, 4), _rows(block_q, head_dim, 4), _rows(cols, head_dim, 4)
+    wide = max(head_dim, value_head_dim)
+    return held, _rows(block_q, cols, 4), _rows(block_q, wide, 4), _rows(cols, wide, 4)
 
 
 def vmem_bytes(kernel: str, block_q: int, block_kv: int, head_dim: int, dtype: Any, ids: int,
-               block_kv_compute: int | None = None, *, multiples: tuple[float, ...] | None = None) -> int:
+               block_kv_compute: int | None = None, *, value_head_dim: int | None = None,
+               multiples: tuple[float, ...] | None = None) -> int:
     """An estimate of one kernel's VMEM: `multiples` (default `VMEM_MULTIPLES`, fitted to the compiler's
-    reports) of the terms of `vmem_terms`."""
+    reports) of the terms of `vmem_terms` (values `value_head_dim` wide; None: `head_dim`)."""
     multiples = multiples if multiples is not None else VMEM_MULTIPLES[(kernel, jnp.dtype(dtype).name)]
-    terms = vmem_terms(kernel, block_q, block_kv, head_dim, dtype, ids, block_kv_compute)
+    terms = vmem_terms(kernel, block_q, block_kv, head_dim, dtype, ids, block_kv_compute,
+                       value_head_dim=value_head_dim)
     return math.ceil(sum(m * t for m, t in zip(multiples, terms)))
 
 
 def fitted_tiles(kernel: str, block_q: int, block_kv: int, head_dim: int, limit: int,
-                 compute: int | None = None) -> tuple[int, int]:
+                 compute: int | None = None, *, value_head_dim: int | None = None) -> tuple[int, int]:
     """`(block_q, block_kv)` halved, the longer first, until the kernel's VMEM estimate for float32 at
-    `head_dim` (every id column) fits `limit`, or both are at the smallest TPU tile."""
+    `head_dim` and `value_head_dim` (None: `head_dim`; every id column) fits `limit`, or both are at the
+    smallest TPU tile."""
     def estimate(q: int, kv: int) -> int:
-        return vmem_bytes(kernel, q, kv, head_dim, jnp.float32, 3, min(compute, kv) if compute else None)
+        return vmem_bytes(kernel, q, kv, head_dim, jnp.float32, 3, min(compute, kv) if compute else None,
+                          value_head_dim=value_head_dim)
 
     while estimate(block_q, block_kv) > limit and max(block_q, block_kv) > LANES:
         if block_kv >= block_q:

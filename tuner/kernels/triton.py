@@ -10,6 +10,11 @@ without triton, torch or jax-triton.
 The backward is two kernels: dk/dv (a key tile against every query tile of its head group, so grouped
 heads need no atomics) and dq. dq is therefore never fused (`BwdParams.block_q_dq/block_kv_dq` are
 required), and bias is not supported (`backend="auto"` takes scan for it).
+
+The value head dim may differ from the query/key one (multi-head latent attention, e.g. 192 and 128).
+Any head dim runs: the kernels' tiles are the head dims rounded up to powers of two >= 16 (what
+`tl.arange` and `tl.dot` take), zero-filled past the real dim, which costs the padded columns' products
+(192 computes q.k on 256 columns).
 """
 
 from __future__ import annotations
@@ -54,31 +59,38 @@ def _pow2_at_least(n: int) -> int:
     return max(16, 1 << (max(n, 1) - 1).bit_length())
 
 
-def variant(spec: AttentionSpec, dtype: Any, head_dim: int) -> codegen.Variant:
+def variant(spec: AttentionSpec, dtype: Any, head_dim: int, value_head_dim: int | None = None) -> codegen.Variant:
     """The rendered module for these features (window / chunk / softcap values stay compile-time
-    parameters, so one module serves every value)."""
+    parameters, so one module serves every value); `value_head_dim` None means `head_dim`."""
     name = _dtype_name(dtype)
     return codegen.Variant("triton", TEMPLATE, {
         "causal": spec.causal, "window": spec.window is not None, "chunk": spec.chunk_size is not None,
         "segments": spec.has_segments, "softcap": spec.softcap is not None, "dtype": name,
-        "head_dim": head_dim, "precision": "ieee" if name == "float32" else "tf32"})
+        "head_dim": head_dim, "value_head_dim": value_head_dim or head_dim,
+        "precision": "ieee" if name == "float32" else "tf32"})
 
 
 def standard_variants() -> list[codegen.Variant]:
     """The feature sets `tuner generate` renders: full, causal, causal + segments, causal + window,
-    causal + chunk, causal + softcap; in bfloat16, float16 and float32; head dims 64 and 128."""
-    return [codegen.Variant("triton", TEMPLATE, {**f, "dtype": dtype, "head_dim": d,
+    causal + chunk, causal + softcap; in bfloat16, float16 and float32; head dims 64 and 128 (values of
+    the same dim)."""
+    return [codegen.Variant("triton", TEMPLATE, {**f, "dtype": dtype, "head_dim": d, "value_head_dim": d,
                                                  "precision": "ieee" if dtype == "float32" else "tf32"})
             for f in codegen.STANDARD_FEATURES for dtype in ("bfloat16", "float16", "float32") for d in (64, 128)]
 
 
 def _constants(spec: AttentionSpec, q_len: int, kv_len: int, heads: int, kv_heads: int, head_dim: int,
-               block_q: int, block_kv: int) -> dict[str, Any]:
+               block_q: int, block_kv: int, *, value_head_dim: int | None = None) -> dict[str, Any]:
+    """The kernels' compile-time parameters: tiles cut to the power-of-two-rounded lengths, head dims with
+    their padded tile widths (`value_head_dim` None means `head_dim`)."""
     left, right = spec.window if spec.window is not None else (0, 0)
     block_q, block_kv = min(block_q, _pow2_at_least(q_len)), min(block_kv, _pow2_at_least(kv_len))
+    value_head_dim = value_head_dim or head_dim
     return dict(Q_LEN=q_len, KV_LEN=kv_len, HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
-                SCALE=float(spec.scale), SOFTCAP=float(spec.softcap or 0.0), WINDOW_LEFT=left,
-                WINDOW_RIGHT=right, CHUNK=spec.chunk_size or 1, BLOCK_Q=block_q, BLOCK_KV=block_kv,
+                V_HEAD_DIM=value_head_dim, HEAD_DIM_PADDED=_pow2_at_least(head_dim),
+                V_HEAD_DIM_PADDED=_pow2_at_least(value_head_dim), SCALE=float(spec.scale),
+                SOFTCAP=float(spec.softcap or 0.0), WINDOW_LEFT=left, WINDOW_RIGHT=right, CHUNK=spec.chunk_size or 1,
+                BLOCK_Q=block_q, BLOCK_KV=block_kv,
                 NUM_Q_TILES=-(-q_len // block_q), NUM_KV_TILES=-(-kv_len // block_kv))
 
 
@@ -151,8 +163,8 @@ def _interpret(source: codegen.Variant, kernel: str, grid, inputs, out_shapes, c
 
 
 def _launch(kernel_name: str, spec: AttentionSpec, inputs: list, out_shapes: list, grid: tuple,
-            constants: dict, num_warps: int | None, num_stages: int | None, interpret: bool, q):
-    source = variant(spec, q.dtype, q.shape[-1])
+            constants: dict, num_warps: int | None, num_stages: int | None, interpret: bool, dtype):
+    source = variant(spec, dtype, constants["HEAD_DIM"], constants["V_HEAD_DIM"])
     if interpret:
         return _interpret(source, kernel_name, grid, inputs, out_shapes, constants)
     import jax_triton
@@ -232,14 +244,15 @@ def standard_resources(source_variant: codegen.Variant, capability: int, local_l
                        heads: int = 16) -> list[dict[str, Any]]:
     """Resources of the three kernels of a variant at the backend's default params for a local length,
     compiled for `sm_<capability>` (what `tuner generate --compile` reports)."""
-    head_dim = source_variant.features["head_dim"]
+    head_dim, value_head_dim = source_variant.features["head_dim"], source_variant.features["value_head_dim"]
     _, spec = codegen.standard_shapes(source_variant, local_len, heads, kv_heads=heads)
-    fwd, bwd = TritonBackend().default_params(local_len, local_len, head_dim)
+    fwd, bwd = TritonBackend().default_params(local_len, local_len, head_dim, value_head_dim)
     rows = []
     for kernel, block_q, block_kv, params in (("attention_fwd", fwd.block_q, fwd.block_kv, fwd),
                                               ("attention_dkv", bwd.block_q_dkv, bwd.block_kv_dkv, bwd),
                                               ("attention_dq", bwd.block_q_dq, bwd.block_kv_dq, bwd)):
-        constants = _constants(spec, local_len, local_len, heads, heads, head_dim, block_q, block_kv)
+        constants = _constants(spec, local_len, local_len, heads, heads, head_dim, block_q, block_kv,
+                               value_head_dim=value_head_dim)
         report = resources(source_variant, kernel, constants, num_warps=params.num_warps,
                            num_stages=params.num_stages, capability=capability)
         rows.append({"kernel": kernel, "target": f"sm_{capability}", "block_q": block_q, "block_kv": block_kv,
@@ -272,11 +285,12 @@ class TritonBackend:
             return f"jax-triton cannot be imported ({error})"
         return None
 
-    def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int) -> str | None:
+    def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int, value_head_dim: int | None = None
+                 ) -> str | None:
+        """Every head dim runs (padded to a power of two in the kernels); bias and dtypes other than
+        bfloat16, float16 and float32 do not."""
         if spec.has_bias:
             return "bias (the scan backend supports it)"
-        if head_dim < 16 or head_dim & (head_dim - 1):
-            return f"head_dim {head_dim} (Triton tiles need a power of two >= 16)"
         if _dtype_name(dtype) not in ("bfloat16", "float16", "float32"):
             return f"dtype {dtype}"
         return None
@@ -296,16 +310,24 @@ class TritonBackend:
             if params.num_warps is not None and params.num_warps not in WARPS:
                 raise ValueError(f"{owner}.num_warps must be one of {WARPS}, got {params.num_warps}")
 
-    def default_params(self, q_len: int, kv_len: int, head_dim: int) -> tuple[FwdParams, BwdParams]:
-        """Head dim 128: 128x64 forward tiles with 4 warps and 3 stages; 64x64 dk/dv and dq tiles with 4
-        warps and 3 stages -- the fastest of the shapes timed on an H100 (causal, S=8192, B=2, H=16;
-        2026-11-22): forward 0.65x cuDNN, backward 0.66x. Smaller head dims keep shapes chosen from the
-        sm_90 compiler report, not yet timed against alternatives: 128x64 forward tiles with 8 warps
-        and 3 stages; 64x128 dk/dv and 128x64 dq tiles with 8 warps and 2 stages. Tiles are cut to the
-        (power-of-two-rounded) local lengths."""
+    def default_params(self, q_len: int, kv_len: int, head_dim: int, value_head_dim: int | None = None
+                       ) -> tuple[FwdParams, BwdParams]:
+        """Sized by the larger head dim (query/key or value). Head dim 128: 128x64 forward tiles with 4
+        warps and 3 stages; 64x64 dk/dv and dq tiles with 4 warps and 3 stages -- the fastest of the shapes
+        timed on an H100 (causal, S=8192, B=2, H=16; 2026-11-22): forward 0.65x cuDNN, backward 0.66x.
+        Other head dims keep shapes chosen from the sm_90 compiler report, not yet timed against
+        alternatives. Up to 64: 128x64 forward tiles with 8 warps and 3 stages; 64x128 dk/dv and 128x64 dq
+        tiles with 8 warps and 2 stages. Over 128 (192 and 128 of multi-head latent attention, 256): the
+        tiles of head dim 128 with 8 warps, and 2 stages in the backward; with 4 warps every kernel spills.
+        Tiles are cut to the (power-of-two-rounded) local lengths."""
         q = _pow2_at_least(q_len)
         kv = _pow2_at_least(kv_len)
-        if head_dim > 64:
+        width = max(head_dim, value_head_dim or head_dim)
+        if width > 128:
+            return (FwdParams(block_q=min(128, q), block_kv=min(64, kv), num_warps=8, num_stages=3),
+                    BwdParams(block_q_dkv=min(64, q), block_kv_dkv=min(64, kv), block_q_dq=min(64, q),
+                              block_kv_dq=min(64, kv), num_warps=8, num_stages=2))
+        if width > 64:
             return (FwdParams(block_q=min(128, q), block_kv=min(64, kv), num_warps=4, num_stages=3),
                     BwdParams(block_q_dkv=min(64, q), block_kv_dkv=min(64, kv), block_q_dq=min(64, q),
                               block_kv_dq=min(64, kv), num_warps=4, num_stages=3))
@@ -329,7 +351,7 @@ class TritonBackend:
         (sm_90 when there is none), against what one block may use there."""
         capability = _capability()
         limit = SHARED_MEMORY_BYTES.get(capability, 99 * 1024)
-        source = variant(spec, shapes.dtype, shapes.head_dim)
+        source = variant(spec, shapes.dtype, shapes.head_dim, shapes.value_dim)
         launches = []
         if fwd is not None:
             launches.append(("attention_fwd", fwd.block_q, fwd.block_kv, fwd))
@@ -338,7 +360,7 @@ class TritonBackend:
             launches.append(("attention_dq", bwd.block_q_dq, bwd.block_kv_dq, bwd))
         for kernel, block_q, block_kv, params in launches:
             constants = _constants(spec, shapes.q_len, shapes.kv_len, shapes.heads, shapes.kv_heads,
-                                   shapes.head_dim, block_q, block_kv)
+                                   shapes.head_dim, block_q, block_kv, value_head_dim=shapes.value_dim)
             try:
                 used = resources(source, kernel, constants, num_warps=params.num_warps or 4,
                                  num_stages=params.num_stages or 2, capability=capability)["shared"]
@@ -352,35 +374,36 @@ class TritonBackend:
     def block_fwd(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec,
                   params: FwdParams, interpret: bool = False):
         b, tq, h, d = q.shape
-        tk, hkv = k.shape[1], k.shape[2]
-        constants = _constants(spec, tq, tk, h, hkv, d, params.block_q, params.block_kv)
+        tk, hkv, d_v = v.shape[1:]
+        constants = _constants(spec, tq, tk, h, hkv, d, params.block_q, params.block_kv, value_head_dim=d_v)
         q_seg, kv_seg = (q_pos, kv_pos) if q_seg is None else (q_seg, kv_seg)
         schedule = masks.tile_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, constants["BLOCK_Q"],
                                        constants["BLOCK_KV"])
-        out_shapes = [jax.ShapeDtypeStruct((b, tq, h, d), jnp.float32), jax.ShapeDtypeStruct((b, h, tq), jnp.float32)]
+        out_shapes = [jax.ShapeDtypeStruct((b, tq, h, d_v), jnp.float32), jax.ShapeDtypeStruct((b, h, tq), jnp.float32)]
         grid = (constants["NUM_Q_TILES"], b * h)
         out, lse = _launch("attention_fwd", spec, [q, k, v, q_pos, kv_pos, q_seg, kv_seg, *schedule], out_shapes,
-                           grid, constants, params.num_warps, params.num_stages, interpret, q)
+                           grid, constants, params.num_warps, params.num_stages, interpret, q.dtype)
         return out, lse
 
     def block_bwd(self, q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *,
                   spec: AttentionSpec, params: BwdParams, interpret: bool = False):
         b, tq, h, d = q.shape
-        tk, hkv = k.shape[1], k.shape[2]
+        tk, hkv, d_v = v.shape[1:]
         q_seg, kv_seg = (q_pos, kv_pos) if q_seg is None else (q_seg, kv_seg)
         inputs = [q, k, v, do.astype(q.dtype), lse, delta, q_pos, kv_pos, q_seg, kv_seg]
-        dkv = _constants(spec, tq, tk, h, hkv, d, params.block_q_dkv, params.block_kv_dkv)
+        dkv = _constants(spec, tq, tk, h, hkv, d, params.block_q_dkv, params.block_kv_dkv, value_head_dim=d_v)
         by_key = masks.tile_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, dkv["BLOCK_Q"], dkv["BLOCK_KV"],
                                      by_key=True)
-        kv_shape = jax.ShapeDtypeStruct((b, tk, hkv, d), jnp.float32)
-        dk, dv = _launch("attention_dkv", spec, [*inputs, *by_key], [kv_shape, kv_shape],
-                         (dkv["NUM_KV_TILES"], b * hkv), dkv, params.num_warps, params.num_stages, interpret, q)
-        dq_constants = _constants(spec, tq, tk, h, hkv, d, params.block_q_dq, params.block_kv_dq)
+        kv_shapes = [jax.ShapeDtypeStruct((b, tk, hkv, dim), jnp.float32) for dim in (d, d_v)]
+        dk, dv = _launch("attention_dkv", spec, [*inputs, *by_key], kv_shapes, (dkv["NUM_KV_TILES"], b * hkv), dkv,
+                         params.num_warps, params.num_stages, interpret, q.dtype)
+        dq_constants = _constants(spec, tq, tk, h, hkv, d, params.block_q_dq, params.block_kv_dq,
+                                  value_head_dim=d_v)
         by_query = masks.tile_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, dq_constants["BLOCK_Q"],
                                        dq_constants["BLOCK_KV"])
         (dq,) = _launch("attention_dq", spec, [*inputs, *by_query], [jax.ShapeDtypeStruct((b, tq, h, d), jnp.float32)],
                         (dq_constants["NUM_Q_TILES"], b * h), dq_constants, params.num_warps,
-                        params.num_stages, interpret, q)
+                        params.num_stages, interpret, q.dtype)
         return dq, dk, dv, None
 
 

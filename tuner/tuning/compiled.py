@@ -228,11 +228,12 @@ def variants_of(problem: Problem, mesh: Mesh) -> tuple[list[Variant], FwdParams,
     constraints admit them, else beside the admitted forward tiles with the smallest VMEM estimate (a
     forward that cannot compile would fail every backward variant for a reason not its own)."""
     backend = pallas_tpu.PallasTpuBackend()
-    reason = backend.supports(problem.spec, jax.numpy.dtype(problem.dtype), problem.head_dim)
+    reason = backend.supports(problem.spec, jax.numpy.dtype(problem.dtype), problem.head_dim, problem.value_head_dim)
     if reason is not None:
         raise ValueError(f"the pallas_tpu backend does not support {reason}")
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # the target chip's default tiles
-        default_fwd, default_bwd = backend.default_params(problem.local_len, problem.local_len, problem.head_dim)
+        default_fwd, default_bwd = backend.default_params(problem.local_len, problem.local_len, problem.head_dim,
+                                                          problem.value_head_dim)
     space = backend.search_space(problem.shapes, problem.spec)
 
     def constrain(variants: list[Variant]) -> list[Variant]:
@@ -259,7 +260,8 @@ def estimate(problem: Problem, variant: Variant) -> int:
     shapes, spec = problem.shapes, problem.spec
     ids = 1 + (spec.chunk_size is not None) + spec.has_segments
     block_q, block_kv, compute = _kernel_tiles(variant, shapes.q_len, shapes.kv_len)
-    return tpu_memory.vmem_bytes(variant.part, block_q, block_kv, shapes.head_dim, shapes.dtype, ids, compute)
+    return tpu_memory.vmem_bytes(variant.part, block_q, block_kv, shapes.head_dim, shapes.dtype, ids, compute,
+                                 value_head_dim=shapes.value_dim)
 
 
 def compile_target(problem: Problem, target: str, *, sample: int | None = None, largest: bool = False,

@@ -115,7 +115,7 @@ def dry_run(problem: Problem, *, samples: int = 3, seed: int = 0,
     cannot take the problem."""
     started = time.perf_counter()
     backend = pallas_tpu.PallasTpuBackend()
-    reason = backend.supports(problem.spec, jnp.dtype(problem.dtype), problem.head_dim)
+    reason = backend.supports(problem.spec, jnp.dtype(problem.dtype), problem.head_dim, problem.value_head_dim)
     if reason is not None:
         raise ValueError(f"the pallas_tpu backend does not support {reason}; a TPU search would use scan")
     space = backend.search_space(problem.shapes, problem.spec)
@@ -149,7 +149,8 @@ def dry_run(problem: Problem, *, samples: int = 3, seed: int = 0,
         if progress is not None:
             progress("lower", done, len(candidates))
 
-    default = TileConfig(*backend.default_params(problem.local_len, problem.local_len, problem.head_dim))
+    default = TileConfig(*backend.default_params(problem.local_len, problem.local_len, problem.head_dim,
+                                                 problem.value_head_dim))
     pool = [TileConfig(f, b) for f in good_fwd for b in good_bwd if TileConfig(f, b) != default]
     chosen = [default, *random.Random(seed).sample(pool, min(max(samples - 1, 0), len(pool)))][:samples]
     if chosen:
