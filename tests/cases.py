@@ -127,16 +127,17 @@ def triton_cases(draw, ring_sizes=(1,), dtype: str = "float32") -> Case:
 
 @st.composite
 def pallas_tpu_cases(draw, ring_sizes=(1,), dtype: str = "float32") -> Case:
-    """Cases the Pallas TPU kernels take: no bias (unsupported), dq in its own kernel, tiles by TPU rules
-    (query tiles multiples of 8, key tiles of 128, else the whole local length). Local lengths from a
-    single unaligned tile up to several key tiles and a padded last one; kept small (B*H <= 4)."""
+    """Cases the Pallas TPU kernels take: value head dims of their own too, no bias (unsupported), dq in its
+    own kernel, tiles by TPU rules (query tiles multiples of 8, key tiles of 128, else the whole local
+    length). Local lengths from a single unaligned tile up to several key tiles and a padded last one; kept
+    small (B*H <= 4)."""
     case = draw(cases(ring_sizes=ring_sizes, dtype=dtype))
     local = draw(st.sampled_from([12, 40, 160, 256]))
     heads = case.kv_heads * draw(st.sampled_from([1, 2]))
     q_tile, kv_tile = st.sampled_from([8, 16, 32, 512]), st.sampled_from([128, 256])
     return dataclasses.replace(
         case, backend="pallas_tpu", length=local * case.ring, head_dim=draw(st.sampled_from([8, 16])),
-        value_head_dim=None, bias=None,
+        value_head_dim=draw(st.sampled_from([None, 8, 24])), bias=None,
         heads=heads, batch=1 if heads > 2 else case.batch,
         fwd=FwdParams(draw(q_tile), draw(kv_tile), block_kv_compute=draw(st.sampled_from([None, 128]))),
         bwd=BwdParams(draw(q_tile), draw(kv_tile), draw(q_tile), draw(kv_tile)))
