@@ -30,7 +30,7 @@ class Faulty(ScanBackend):
 
     name = "faulty"
 
-    def default_params(self, q_len, kv_len, head_dim):
+    def default_params(self, q_len, kv_len, head_dim, value_head_dim=None):
         return FwdParams(16, 8), BwdParams(16, 8)
 
     def search_space(self, shapes, spec):

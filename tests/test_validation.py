@@ -26,7 +26,7 @@ def _raises(exc, match, **kwargs):
 def test_rank_and_shapes():
     q, k, v = _arrays()
     _raises(ValueError, "query must have rank 4", qkv=(q[0], k, v))
-    _raises(ValueError, "key and value must have the same shape", qkv=(q, k, v[:, :4]))
+    _raises(ValueError, "key and value must have the same batch, length and heads", qkv=(q, k, v[:, :4]))
     _raises(ValueError, "key batch", qkv=(q, k[:1], v[:1]))
     _raises(ValueError, "key head_dim", qkv=(q, k[..., :4], v[..., :4]))
     _raises(ValueError, r"query heads \(4\) must be a multiple of key/value heads \(3\)",

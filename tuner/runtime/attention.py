@@ -95,7 +95,8 @@ def ring_attention(
                              sizes=sizes, layout=layout, backend=backend, interpret=bool(interpret),
                              return_lse=return_lse)
     chosen = block_kernel(resolved.implementation.name)
-    default_fwd, default_bwd = chosen.default_params(query.shape[1], key.shape[1], query.shape[3], value.shape[3])
+    shapes = resolved.shapes
+    default_fwd, default_bwd = chosen.default_params(shapes.q_len, shapes.kv_len, *shapes.head_dims)
     given = [name for name, params in (("fwd_params", fwd_params), ("bwd_params", bwd_params)) if params is not None]
     fwd_params = fwd_params or default_fwd
     bwd_params = bwd_params or default_bwd

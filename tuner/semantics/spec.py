@@ -85,6 +85,12 @@ class LocalShapes:
         """The head dim of the values (and of the output): `value_head_dim`, else `head_dim`."""
         return self.head_dim if self.value_head_dim is None else self.value_head_dim
 
+    @property
+    def head_dims(self) -> tuple[int, ...]:
+        """`(head_dim,)`, or `(head_dim, value_head_dim)` where they differ: the dims a block kernel's
+        `default_params` takes after the lengths (one written before values could differ takes one)."""
+        return (self.head_dim,) if self.value_head_dim is None else (self.head_dim, self.value_head_dim)
+
     @classmethod
     def of_shards(cls, query: Any, key: Any, value: Any = None) -> LocalShapes:
         """The shapes of a query, a key and a value shard (arrays or `jax.ShapeDtypeStruct`s); without

@@ -148,13 +148,16 @@ class Ring:
 
     def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int, *, return_lse: bool = False,
                  value_head_dim: int | None = None) -> str | None:
+        """The kernel's answer; the value head dim is passed where it differs, so a kernel written before
+        values could differ still answers for equal dims."""
+        if value_head_dim is None:
+            return self.kernel.supports(spec, dtype, head_dim)
         return self.kernel.supports(spec, dtype, head_dim, value_head_dim)
 
     def default_config(self, shapes: LocalShapes, spec: AttentionSpec) -> TileConfig:
         """The kernel's default tiles; with segment ids (packed documents) no longer than `PACKED_TILE`,
         where the kernel accepts them, so that the masks can skip the tiles of other documents."""
-        default = TileConfig(*self.kernel.default_params(shapes.q_len, shapes.kv_len, shapes.head_dim,
-                                                         shapes.value_head_dim))
+        default = TileConfig(*self.kernel.default_params(shapes.q_len, shapes.kv_len, *shapes.head_dims))
         if not spec.has_segments:
             return default
         fwd, bwd = default.fwd, default.bwd
