@@ -59,7 +59,7 @@ class QueryChunked:
     def available(self, target: registry.Target) -> str | None:
         return None
 
-    def supports(self, spec, dtype, head_dim: int, *, return_lse: bool = False, value_head_dim=None) -> str | None:
+    def supports(self, spec, dtype, head_dim: int, *, return_lse: bool = False) -> str | None:
         extras = (spec.window, spec.chunk_size, spec.softcap, spec.has_segments, spec.has_bias, spec.num_sinks,
                   return_lse)
         return "anything but the causal mask" if any(extras) else None

@@ -158,7 +158,7 @@ class Implementation(Protocol):
     def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int, *, return_lse: bool = False,
                  value_head_dim: int | None = None) -> str | None:
         """None when every feature of the call is honoured, else the first one that is not.
-        `value_head_dim` is the values' head dim where it differs from `head_dim` (None: it does not)."""
+        `value_head_dim` is the values' head dim, passed only where it differs from `head_dim`."""
 
     def default_config(self, shapes: LocalShapes, spec: AttentionSpec) -> Config:
         """The heuristic default for one device's shapes."""
@@ -290,8 +290,10 @@ def why_not(implementation: Implementation, spec: AttentionSpec, dtype: Any, hea
     reason = implementation.available(target)
     if reason is not None:
         return f"cannot run here: {reason}"
-    value_head_dim = None if shapes is None else shapes.value_head_dim
-    reason = implementation.supports(spec, dtype, head_dim, return_lse=return_lse, value_head_dim=value_head_dim)
+    # the value head dim only where it differs: an implementation written before values could differ still
+    # answers for equal dims
+    differs = {} if shapes is None or shapes.value_head_dim is None else {"value_head_dim": shapes.value_head_dim}
+    reason = implementation.supports(spec, dtype, head_dim, return_lse=return_lse, **differs)
     if reason is not None:
         return f"does not support {reason}"
     reason = None if shapes is None else shape_violation(implementation, shapes, ring_size, group)
