@@ -2,11 +2,15 @@
 ring (every feature but bias, forward and every gradient, rings of 1, 2 and 4 simulated devices,
 float32 at DESIGN tolerances and bf16/fp16 within twice dense's error), and as block kernels with a value
 head dim other than the query/key one (multi-head latent attention); every standard variant, and a variant
-of head dims 192 and 128, compiles for sm_80 or sm_90 with its resources reported."""
+of head dims 192 and 128, compiles for sm_80, sm_90 or sm_100 as jax_triton compiles it (16-byte aligned
+pointers: vectorized loads) with its resources reported."""
 
 import importlib.util
 import re
 import shutil
+import subprocess
+import tempfile
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -109,14 +113,20 @@ def test_features_are_compiled_in_or_out():
 # --------------------------------------------------------------------------------------------------
 
 # In CI: every feature set (bf16, D=128) for sm_90, the causal set in bf16 D=64 and fp16 D=128 for sm_80,
-# and the causal bf16 variant of multi-head latent attention (D=192 padded to 256, Dv=128) for sm_90 (each
-# of the three kernels takes ptxas a few seconds; float32 variants, exact `ieee` products on FMA units,
-# about a minute). `tuner generate --compile sm_80,sm_90` compiles the whole standard set; its report is in
-# benchmarks/results/.
+# the causal bf16 D=128 set for sm_100 (B200: tcgen05 MMAs), and the causal bf16 variant of multi-head latent
+# attention (D=192 padded to 256, Dv=128) for sm_90 (each of the three kernels takes ptxas a few seconds;
+# float32 variants, exact `ieee` products on FMA units, about a minute). `tuner generate --compile
+# sm_80,sm_90,sm_100` compiles the whole standard set, `benchmarks/triton_resources.py` the search space;
+# their reports are in benchmarks/results/.
+MMA = {80: "HMMA", 90: "HGMMA", 100: "UTCHMMA"}
+
+
 def _compiled_in_ci():
     plain_causal = {"causal": True, "window": False, "chunk": False, "segments": False, "softcap": False}
     latent = triton_backend.variant(AttentionSpec(scale=192**-0.5, causal=True), jnp.bfloat16, 192, 128)
     yield pytest.param(latent, 90, id=f"{latent.filename}-sm_90")
+    causal = triton_backend.variant(AttentionSpec(scale=128**-0.5, causal=True), jnp.bfloat16, 128)
+    yield pytest.param(causal, 100, id=f"{causal.filename}-sm_100")
     sm_90 = 0
     for variant in triton_backend.standard_variants():
         features = variant.features
@@ -129,14 +139,35 @@ def _compiled_in_ci():
 
 
 @pytest.mark.parametrize("variant, capability", list(_compiled_in_ci()))
-def test_standard_variants_compile_for_sm80_and_sm90(variant, capability):
+def test_standard_variants_compile_for_sm80_sm90_and_sm100(variant, capability):
     rows = triton_backend.standard_resources(variant, capability)
     for row in rows:
         print(f"{variant.filename} {row['kernel']} sm_{capability}: {row['shared']} B shared, "
-              f"{row['registers']} registers, {row['spill_bytes']} B stack, {row['mma']}")
+              f"{row['registers']} registers, {row['spill_bytes']} B stack, {row['mma']}, "
+              f"{row['blocks_per_sm']} blocks/SM ({row['limited_by']})")
         assert 0 < row["shared"] <= triton_backend.SHARED_MEMORY_BYTES[capability]
         assert row["registers"] is not None and row["registers"] <= 255
-        assert row["mma"] == ("HGMMA" if capability == 90 else "HMMA")
+        assert row["mma"] == MMA[capability] and row["tensor_core"]
+        assert row["tmem"] <= 512 and (row["tmem"] > 0) == (capability == 100)
+        assert row["blocks_per_sm"] >= 1 and row["warps_per_sm"] == row["blocks_per_sm"] * row["num_warps"]
+
+
+def test_pointers_aligned_as_jax_triton_aligns_them_give_vectorized_loads():
+    """The forward (bf16, D=128, the default 128x64 tiles) compiled as jax_triton compiles it: its tiles
+    come in 16-byte `cp.async` copies (LDGSTS.E.BYPASS.128) and 16-byte loads (LDG.E.128), none in 2-byte
+    ones (LDG.E.U16: what the same kernel compiles to without the alignment, with less shared memory)."""
+    variant = triton_backend.standard_variants()[1]
+    assert variant.features["dtype"] == "bfloat16" and variant.features["head_dim"] == 128
+    _, spec = codegen.standard_shapes(variant, 4096, 16, kv_heads=16)
+    constants = triton_backend._constants(spec, 4096, 4096, 16, 16, 128, 128, 64)
+    compiled = triton_backend._compiled(variant, "attention_fwd", tuple(sorted(constants.items())), 4, 3, 90)
+    assert re.search(r"tt\.divisibility = 16", compiled.asm["ttir"])
+    cubin = Path(tempfile.mkdtemp()) / "kernel.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    sass = subprocess.run([triton_backend._tool("cuobjdump"), "-sass", str(cubin)], capture_output=True,
+                          text=True, check=True).stdout
+    shutil.rmtree(cubin.parent)
+    assert "LDGSTS.E.BYPASS.128" in sass and "LDG.E.128" in sass and "LDG.E.U16" not in sass
 
 
 # --------------------------------------------------------------------------------------------------

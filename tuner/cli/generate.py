@@ -1,6 +1,8 @@
 """`tuner generate`: render a kernel backend's standard variants (`tuner.kernels.codegen`), and report what they
-build to without the hardware -- Triton kernels compiled for GPU targets (shared memory, registers,
-spills, MMA instructions), Pallas kernels lowered for TPU (the Mosaic kernels at the default tiles).
+build to without the hardware -- Triton kernels compiled for GPU targets (sm_80, sm_90, sm_100, ...) as
+jax_triton compiles them (16-byte aligned pointers): shared memory, registers, spills, the MMA instructions
+and whether they are the architecture's tensor-core path, the occupancy those imply
+(`tuner.kernels.triton.resources`); Pallas kernels lowered for TPU (the Mosaic kernels at the default tiles).
 """
 
 from __future__ import annotations
@@ -37,10 +39,12 @@ class Generated:
                  f"rendered {len(self.files)} variants into {self.folder}"]
         if self.targets:
             lines.append(table(["file", "kernel", "target", "tiles", "warps", "stages", "smem KiB", "regs", "stack B",
-                                "mma"],
+                                "mma", "tensor core", "blocks/SM", "warps/SM", "limited by"],
                                [[r["file"], r["kernel"], r["target"], f"{r['block_q']}x{r['block_kv']}",
                                  r["num_warps"], r["num_stages"], f"{r['shared'] / 1024:.0f}", r["registers"],
-                                 r["spill_bytes"], r["mma"]] for r in self.report]))
+                                 r["spill_bytes"], r["mma"], "yes" if r["tensor_core"] else "no",
+                                 r.get("blocks_per_sm", "?"), r.get("warps_per_sm", "?"), r.get("limited_by", "?")]
+                                for r in self.report]))
         if self.lowered:
             report = self.report
             lines.append(f"lowered {len(report)} variants for TPU at their default tiles for a "

@@ -216,9 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--backend", default="triton", help="whose templates: triton or pallas_tpu")
     generate.add_argument("--out", default=None, help="folder (default: kernels_generated/ of the checkout, "
                                                       "else $TUNER_HOME/kernels_generated)")
-    generate.add_argument("--compile", default=None, metavar="sm_80,sm_90",
+    generate.add_argument("--compile", default=None, metavar="sm_80,sm_90,sm_100",
                           help="also compile every kernel for these targets (no GPU needed) and report "
-                               "shared memory, registers, spills and the MMA instructions")
+                               "shared memory, registers, spills, the MMA instructions, whether they are the "
+                               "target's tensor-core path, and the occupancy")
     generate.add_argument("--lower", action="store_true",
                           help="pallas_tpu: also export every variant for TPU (no TPU needed), which runs "
                                "the Mosaic lowering of its kernels")
