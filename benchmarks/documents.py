@@ -32,6 +32,7 @@ from jax.sharding import Mesh  # noqa: E402
 
 from tuner import get_tuned_ring_attention  # noqa: E402
 from tuner.strategies import implementations  # noqa: E402
+from tuner.semantics.packing import Packing  # noqa: E402
 from tuner.support.tables import table  # noqa: E402
 from tuner.support.work import count_work  # noqa: E402
 from tuner.tuning.timing import time_interleaved  # noqa: E402
@@ -60,10 +61,6 @@ def packings(total: int) -> dict[str, list[int]]:
     }
 
 
-def segment_ids(lengths: list[int]) -> np.ndarray:
-    return np.concatenate([np.full(n, i + 1, np.int32) for i, n in enumerate(lengths)])[None]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ring", type=int, default=8)
@@ -88,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, lengths in packings(args.length).items():
         if args.only and args.only not in name:
             continue
-        seg = jnp.asarray(segment_ids(lengths))
+        seg = jnp.asarray(Packing("fixed", tuple(lengths)).segment_ids(sum(lengths), 1))
         useful = sum(n * (n + 1) // 2 for n in lengths) * args.heads
         steps = {}
         for layout in LAYOUTS:

@@ -27,7 +27,7 @@ os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
 import jax  # noqa: E402
 
-from tuner.kernels import pallas_tpu, tpu_memory, triton  # noqa: E402
+from tuner.kernels import pallas_tpu, triton  # noqa: E402
 from tuner.semantics.spec import AttentionSpec, LocalShapes  # noqa: E402
 from tuner.support.tables import table  # noqa: E402
 from tuner.tuning import compiled  # noqa: E402
@@ -36,21 +36,9 @@ HEADS, KV_HEADS = 8, 2
 
 
 def triton_rows(head_dim: int, value_head_dim: int, local: int, capability: int) -> list[dict]:
-    spec = AttentionSpec(scale=head_dim**-0.5, causal=True)
-    source = triton.variant(spec, "bfloat16", head_dim, value_head_dim)
-    fwd, bwd = triton.TritonBackend().default_params(local, local, head_dim, value_head_dim)
-    rows = []
-    for kernel, block_q, block_kv, params in (("attention_fwd", fwd.block_q, fwd.block_kv, fwd),
-                                              ("attention_dkv", bwd.block_q_dkv, bwd.block_kv_dkv, bwd),
-                                              ("attention_dq", bwd.block_q_dq, bwd.block_kv_dq, bwd)):
-        constants = triton._constants(spec, local, local, HEADS, KV_HEADS, head_dim, block_q, block_kv,
-                                      value_head_dim=value_head_dim)
-        report = triton.resources(source, kernel, constants, num_warps=params.num_warps,
-                                  num_stages=params.num_stages, capability=capability)
-        rows.append({"dims": f"{head_dim}/{value_head_dim}", "target": f"sm_{capability}", "kernel": kernel,
-                     "tiles": f"{block_q}x{block_kv}", "warps": params.num_warps, "stages": params.num_stages,
-                     **report})
-    return rows
+    source = triton.variant(AttentionSpec(scale=head_dim**-0.5, causal=True), "bfloat16", head_dim, value_head_dim)
+    return [{"dims": f"{head_dim}/{value_head_dim}", **row}
+            for row in triton.standard_resources(source, capability, local, HEADS, KV_HEADS)]
 
 
 def tpu_rows(head_dim: int, value_head_dim: int, local: int, target: str) -> list[dict]:
@@ -60,14 +48,11 @@ def tpu_rows(head_dim: int, value_head_dim: int, local: int, target: str) -> lis
     with jax.sharding.use_abstract_mesh(compiled.topology_mesh(target).abstract_mesh):
         fwd, bwd = backend.default_params(local, local, head_dim, value_head_dim)
     used = compiled.compile_step(shapes, spec, target, fwd, bwd)
-    (dkv_q, dkv_kv), (dq_q, dq_kv) = pallas_tpu.bwd_tiles(bwd, local, local)
-    tiles = {"fwd": pallas_tpu.fwd_tiles(fwd, local, local), "dkv": (dkv_q, dkv_kv, None), "dq": (dq_q, dq_kv, None)}
+    estimates = pallas_tpu.vmem_estimates(shapes, spec, fwd, bwd)
     rows = []
-    for kernel, (block_q, block_kv, compute) in tiles.items():
-        estimate = tpu_memory.vmem_bytes(kernel, block_q, block_kv, head_dim, "bfloat16", 1, compute,
-                                         value_head_dim=value_head_dim)
+    for kernel, (block_q, block_kv, compute) in pallas_tpu.kernel_tiles(fwd, bwd, local, local).items():
         row = {"dims": f"{head_dim}/{value_head_dim}", "target": target, "kernel": kernel,
-               "tiles": f"{block_q}x{block_kv}" + (f" ({compute})" if compute else ""), "estimate": estimate}
+               "tiles": f"{block_q}x{block_kv}" + (f" ({compute})" if compute else ""), "estimate": estimates[kernel]}
         if isinstance(used, dict):
             row.update(asked=used[kernel][0], used=used[kernel][1])
         else:
@@ -93,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path(__file__).parent / "results" / f"head_dims-{datetime.date.today()}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(table(["dims", "target", "kernel", "tiles", "warps", "stages", "shared KiB", "registers", "spill B", "mma"],
-                [[r["dims"], r["target"], r["kernel"], r["tiles"], r["warps"], r["stages"], r["shared"] // 1024,
+                [[r["dims"], r["target"], r["kernel"], f"{r['block_q']}x{r['block_kv']}", r["num_warps"],
+                  r["num_stages"], r["shared"] // 1024,
                   r["registers"], r["spill_bytes"], r["mma"]] for r in result["triton"]]))
     print()
     print(table(["dims", "target", "kernel", "tiles", "used MiB", "estimate MiB", "asked MiB"],

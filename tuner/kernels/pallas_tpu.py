@@ -89,6 +89,28 @@ def fwd_tiles(params: FwdParams, q_len: int, kv_len: int) -> tuple[int, int, int
     return block_q, block_kv, compute
 
 
+def kernel_tiles(fwd: FwdParams | None, bwd: BwdParams | None, q_len: int, kv_len: int
+                 ) -> dict[str, tuple[int, int, int | None]]:
+    """(block_q, block_kv, block_kv_compute) of each kernel the given parts run, as run for these local
+    lengths: "fwd" with `fwd`, "dkv" and "dq" with `bwd` (no compute slice); `ValueError` naming the field."""
+    tiles = {}
+    if fwd is not None:
+        tiles["fwd"] = fwd_tiles(fwd, q_len, kv_len)
+    if bwd is not None:
+        (dkv_q, dkv_kv), (dq_q, dq_kv) = bwd_tiles(bwd, q_len, kv_len)
+        tiles.update(dkv=(dkv_q, dkv_kv, None), dq=(dq_q, dq_kv, None))
+    return tiles
+
+
+def vmem_estimates(shapes: LocalShapes, spec: AttentionSpec, fwd: FwdParams | None, bwd: BwdParams | None
+                   ) -> dict[str, int]:
+    """The VMEM estimate (`tpu_memory.vmem_bytes`) of each kernel the given parts run (`kernel_tiles`)."""
+    ids = 1 + (spec.chunk_size is not None) + spec.has_segments
+    return {kernel: vmem_bytes(kernel, block_q, block_kv, shapes.head_dim, shapes.dtype, ids, compute,
+                               value_head_dim=shapes.value_dim)
+            for kernel, (block_q, block_kv, compute) in kernel_tiles(fwd, bwd, shapes.q_len, shapes.kv_len).items()}
+
+
 def bwd_tiles(params: BwdParams, q_len: int, kv_len: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """((block_q, block_kv) of dk/dv, (block_q, block_kv) of dq) as run for these local lengths."""
     return ((_tile("bwd_params.block_q_dkv", params.block_q_dkv, q_len, Q_ALIGN),
@@ -230,26 +252,18 @@ class PallasTpuBackend:
                   ) -> str | None:
         """TPU tiling of each tile, the VMEM estimate of each kernel against the scoped limit the
         kernels request, and the scalar-prefetched schedules against SMEM."""
-        q_len, kv_len, head_dim = shapes.q_len, shapes.kv_len, shapes.head_dim
+        q_len, kv_len = shapes.q_len, shapes.kv_len
         info = chip()
         limit = vmem_limit_bytes(info)
-        ids = 1 + (spec.chunk_size is not None) + spec.has_segments
-        kernels = []
         if fwd is not None and fwd.block_kv_compute is not None and fwd.block_kv_compute > min(fwd.block_kv, kv_len):
             return (f"block_kv_compute={fwd.block_kv_compute} is longer than the key tile, so it is cut to it: "
                     f"the point with block_kv_compute={min(fwd.block_kv, kv_len)}")
         try:
-            if fwd is not None:
-                block_q, block_kv, compute = fwd_tiles(fwd, q_len, kv_len)
-                kernels.append(("fwd", block_q, block_kv, compute))
-            if bwd is not None:
-                (dkv_q, dkv_kv), (dq_q, dq_kv) = bwd_tiles(bwd, q_len, kv_len)
-                kernels += [("dkv", dkv_q, dkv_kv, None), ("dq", dq_q, dq_kv, None)]
+            tiles = kernel_tiles(fwd, bwd, q_len, kv_len)
         except ValueError as error:
             return str(error)
-        for kernel, block_q, block_kv, compute in kernels:
-            used = vmem_bytes(kernel, block_q, block_kv, head_dim, shapes.dtype, ids, compute,
-                              value_head_dim=shapes.value_dim)
+        for kernel, used in vmem_estimates(shapes, spec, fwd, bwd).items():
+            block_q, block_kv, _ = tiles[kernel]
             if used > limit:
                 return (f"{kernel} kernel needs about {used / 2**20:.1f} MiB of VMEM with {block_q}x{block_kv} "
                         f"tiles, over the {limit / 2**20:.0f} MiB scoped limit on TPU {info.chip_version.value}")

@@ -355,18 +355,28 @@ def resources(source_variant: codegen.Variant, kernel_name: str, constants: dict
     return report
 
 
+def launches(fwd: FwdParams | None, bwd: BwdParams | None) -> list[tuple[str, int, int, FwdParams | BwdParams]]:
+    """(kernel, block_q, block_kv, params) of each kernel the given parts launch: the forward with `fwd`, the
+    dk/dv and dq kernels with `bwd`."""
+    kernels = [] if fwd is None else [("attention_fwd", fwd.block_q, fwd.block_kv, fwd)]
+    if bwd is not None:
+        kernels += [("attention_dkv", bwd.block_q_dkv, bwd.block_kv_dkv, bwd),
+                    ("attention_dq", bwd.block_q_dq, bwd.block_kv_dq, bwd)]
+    return kernels
+
+
 def standard_resources(source_variant: codegen.Variant, capability: int, local_len: int = 4096,
-                       heads: int = 16) -> list[dict[str, Any]]:
-    """Resources of the three kernels of a variant at the backend's default params for a local length,
-    compiled for `sm_<capability>` (what `tuner generate --compile` reports)."""
+                       heads: int = 16, kv_heads: int | None = None) -> list[dict[str, Any]]:
+    """Resources of the three kernels of a variant at the backend's default params for a local length and
+    head counts (`kv_heads` None: `heads`), compiled for `sm_<capability>` (what `tuner generate --compile`
+    reports)."""
     head_dim, value_head_dim = source_variant.features["head_dim"], source_variant.features["value_head_dim"]
-    _, spec = codegen.standard_shapes(source_variant, local_len, heads, kv_heads=heads)
+    kv_heads = heads if kv_heads is None else kv_heads
+    _, spec = codegen.standard_shapes(source_variant, local_len, heads, kv_heads=kv_heads)
     fwd, bwd = TritonBackend().default_params(local_len, local_len, head_dim, value_head_dim)
     rows = []
-    for kernel, block_q, block_kv, params in (("attention_fwd", fwd.block_q, fwd.block_kv, fwd),
-                                              ("attention_dkv", bwd.block_q_dkv, bwd.block_kv_dkv, bwd),
-                                              ("attention_dq", bwd.block_q_dq, bwd.block_kv_dq, bwd)):
-        constants = _constants(spec, local_len, local_len, heads, heads, head_dim, block_q, block_kv,
+    for kernel, block_q, block_kv, params in launches(fwd, bwd):
+        constants = _constants(spec, local_len, local_len, heads, kv_heads, head_dim, block_q, block_kv,
                                value_head_dim=value_head_dim)
         report = resources(source_variant, kernel, constants, num_warps=params.num_warps,
                            num_stages=params.num_stages, capability=capability)
@@ -468,13 +478,7 @@ class TritonBackend:
         capability = _capability()
         limit = SHARED_MEMORY_BYTES.get(capability, 99 * 1024)
         source = variant(spec, shapes.dtype, shapes.head_dim, shapes.value_dim)
-        launches = []
-        if fwd is not None:
-            launches.append(("attention_fwd", fwd.block_q, fwd.block_kv, fwd))
-        if bwd is not None:
-            launches.append(("attention_dkv", bwd.block_q_dkv, bwd.block_kv_dkv, bwd))
-            launches.append(("attention_dq", bwd.block_q_dq, bwd.block_kv_dq, bwd))
-        for kernel, block_q, block_kv, params in launches:
+        for kernel, block_q, block_kv, params in launches(fwd, bwd):
             constants = _constants(spec, shapes.q_len, shapes.kv_len, shapes.heads, shapes.kv_heads,
                                    shapes.head_dim, block_q, block_kv, value_head_dim=shapes.value_dim)
             try:

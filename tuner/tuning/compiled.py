@@ -213,14 +213,6 @@ def compile_step(shapes: LocalShapes, spec: AttentionSpec, target: str, fwd: Fwd
     return kernels
 
 
-def _kernel_tiles(variant: Variant, q_len: int, kv_len: int) -> tuple[int, int, int | None]:
-    """(block_q, block_kv, block_kv_compute) of the variant's own kernel, as the kernel runs them."""
-    if variant.part == "fwd":
-        return pallas_tpu.fwd_tiles(variant.config.fwd, q_len, kv_len)
-    (dkv_q, dkv_kv), (dq_q, dq_kv) = pallas_tpu.bwd_tiles(variant.config.bwd, q_len, kv_len)
-    return (dkv_q, dkv_kv, None) if variant.part == "dkv" else (dq_q, dq_kv, None)
-
-
 def variants_of(problem: Problem, mesh: Mesh) -> tuple[list[Variant], FwdParams, BwdParams]:
     """Every variant of the problem's pallas_tpu search space, one kernel's tiles at a time, with what
     the constraints of the mesh's chip rule out; and the tiles the other kernels keep: the default
@@ -257,11 +249,8 @@ def variants_of(problem: Problem, mesh: Mesh) -> tuple[list[Variant], FwdParams,
 
 def estimate(problem: Problem, variant: Variant) -> int:
     """The VMEM bytes the constraints estimate for the variant's own kernel."""
-    shapes, spec = problem.shapes, problem.spec
-    ids = 1 + (spec.chunk_size is not None) + spec.has_segments
-    block_q, block_kv, compute = _kernel_tiles(variant, shapes.q_len, shapes.kv_len)
-    return tpu_memory.vmem_bytes(variant.part, block_q, block_kv, shapes.head_dim, shapes.dtype, ids, compute,
-                                 value_head_dim=shapes.value_dim)
+    fwd, bwd = (variant.config.fwd, None) if variant.part == "fwd" else (None, variant.config.bwd)
+    return pallas_tpu.vmem_estimates(problem.shapes, problem.spec, fwd, bwd)[variant.part]
 
 
 def compile_target(problem: Problem, target: str, *, sample: int | None = None, largest: bool = False,
