@@ -166,7 +166,7 @@ class _Search:
             if compiled is not None:
                 parts = [*self.notes.parts(), f"no measured entry for this problem; compiled entry {compiled['key']} "
                          f"{origin}: {compiled['study']} (model {compiled['best_s'] * 1e3:.3g} ms fwd+bwd, not "
-                         f"measured: run tuner search on the TPU to measure)"]
+                         f"measured: run tuner search on that device to measure)"]
                 return Lookup(compiled, "compiled", "; ".join(parts))
         if row is None:
             row, kind = self.shipped()

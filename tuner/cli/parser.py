@@ -132,15 +132,17 @@ def build_parser() -> argparse.ArgumentParser:
                                                                  "interpreter (CPU checks)")
     tuning.add_argument("--dry-run", action="store_true",
                         help="with --device tpu, without a TPU: enumerate and constrain the search space, "
-                             "lower every variant for TPU, run --samples of them in the interpreter")
+                             "lower every variant for TPU, run --samples of them in the interpreter; with "
+                             "--device gpu --target, without a GPU: compile every Triton launch for that GPU")
     tuning.add_argument("--samples", type=int, default=None, help="with --dry-run: variants to run in the "
                                                                   "interpreter against scan (default 3); with "
                                                                   "--target: variants per kernel to compile besides "
                                                                   "the default (default: every one)")
-    tuning.add_argument("--target", action="append", default=[], metavar="TOPOLOGY",
-                        help="with --dry-run: compile every variant with the TPU compiler for this TPU topology "
-                             "(v5e:2x2, v6e:2x2, v5p:2x2x1, v4:2x2x1; repeat, or comma-separate; 'all': those "
-                             "four) and store the best by the model as a 'compiled' entry (needs libtpu)")
+    tuning.add_argument("--target", action="append", default=[], metavar="TARGET",
+                        help="with --dry-run: compile every variant for this TPU topology (--device tpu: "
+                             "v5e:2x2, v6e:2x2, v5p:2x2x1, v4:2x2x1; needs libtpu) or GPU (--device gpu: a100, "
+                             "h100, h200, b200; needs triton); repeat, or comma-separate; 'all': every one; "
+                             "store the best by the model as a 'compiled' entry")
     tuning.add_argument("--from", dest="from_file", default=None, metavar="FILE",
                         help="tune every problem of a record file (tuner record) not tuned yet, instead of the "
                              "problem flags")

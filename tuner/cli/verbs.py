@@ -33,7 +33,8 @@ def run_search(args: argparse.Namespace) -> int:
     if args.samples is not None:
         raise UsageError("--samples goes with --dry-run (how many variants to run in the interpreter)")
     if args.target:
-        raise UsageError("--target compiles for TPU topologies without a TPU: use it with --device tpu --dry-run")
+        raise UsageError("--target compiles for a TPU topology or a GPU without one: use it with --dry-run and "
+                         "--device tpu or gpu")
     from tuner.tuning.search import SearchOptions, check_device, resolve_backend, search
     from tuner.cli.usage import search_summary
 
@@ -96,10 +97,20 @@ def run_search(args: argparse.Namespace) -> int:
 
 
 def _dry_run(args: argparse.Namespace) -> int:
-    """`tuner search --device tpu --dry-run`: 0 when every variant lowers and every sample matches."""
+    """`tuner search --device tpu --dry-run`: 0 when every variant lowers and every sample matches;
+    `--device gpu --dry-run --target`: 0 when every target has a config."""
+    if args.device == "gpu":
+        if not args.target:
+            raise UsageError(f"--device gpu --dry-run compiles the Triton kernels for a GPU without one: name it "
+                             f"with --target ({', '.join(targets.GPU_TARGETS)} or all)")
+        if args.backend not in ("auto", "triton"):
+            raise UsageError(f"--device gpu --dry-run compiles the triton backend, got --backend {args.backend}")
+        if args.a2a_size != 1:
+            raise UsageError(f"--dry-run compiles the ring over one axis, got --a2a-size {args.a2a_size}")
+        return targets.compile_gpu_targets(args)
     if args.device != "tpu":
-        raise UsageError(f"--dry-run checks the TPU kernels without a TPU; use it with --device tpu (a "
-                         f"--device {args.device} search runs for real here)")
+        raise UsageError(f"--dry-run checks the TPU or GPU kernels without the device; use it with --device tpu "
+                         f"or --device gpu --target (a --device {args.device} search runs for real here)")
     if args.backend not in ("auto", "pallas_tpu"):
         raise UsageError(f"--dry-run checks the pallas_tpu backend, got --backend {args.backend}")
     if args.a2a_size != 1:

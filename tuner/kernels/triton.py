@@ -20,6 +20,7 @@ Any head dim runs: the kernels' tiles are the head dims rounded up to powers of 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import fnmatch
 import functools
 import importlib
@@ -54,6 +55,37 @@ WARPS = (1, 2, 4, 8, 16)
 # shared memory per thread block"): 163 KiB on 8.0, 99 KiB on 8.6 and 8.9, 227 KiB on 9.0 and on 10.0 (B200:
 # 228 KiB per SM, 1 KiB of it reserved per block; the same in CCCL's `cuda/__device/arch_traits.h`).
 SHARED_MEMORY_BYTES = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024}
+
+
+WIDTHS = (64, 128, 256)  # the head-dim classes of `DEFAULTS`: up to 64, up to 128, over 128
+
+
+def _fwd(block_q: int, block_kv: int, warps: int, stages: int) -> FwdParams:
+    return FwdParams(block_q=block_q, block_kv=block_kv, num_warps=warps, num_stages=stages)
+
+
+def _bwd(dkv: tuple[int, int], dq: tuple[int, int], warps: int, stages: int) -> BwdParams:
+    return BwdParams(block_q_dkv=dkv[0], block_kv_dkv=dkv[1], block_q_dq=dq[0], block_kv_dq=dq[1], num_warps=warps,
+                     num_stages=stages)
+
+
+# The default tiles per (architecture, head-dim class): among the launches of the whole search space that the
+# compiler builds without spilling, within shared memory and on the architecture's tensor-core path, the best by
+# the roofline model (`tuner.models.gpu_model`) for a causal bf16 problem of 4096 tokens a device and 16 heads
+# on the A100 (80), H100 (90) and B200 (100): `benchmarks/triton_defaults.py` over the sweeps of
+# `benchmarks/triton_resources.py` (Triton 3.9), written to `benchmarks/results/triton_defaults.json`;
+# `tests/test_gpu_model.py` derives them again. Modelled, not timed.
+DEFAULTS: dict[tuple[int, int], tuple[FwdParams, BwdParams]] = {
+    (80, 64): (_fwd(128, 64, 8, 3), _bwd((64, 128), (128, 64), 8, 2)),
+    (80, 128): (_fwd(128, 128, 8, 2), _bwd((128, 64), (128, 64), 8, 2)),
+    (80, 256): (_fwd(128, 64, 8, 3), _bwd((64, 64), (64, 64), 8, 2)),
+    (90, 64): (_fwd(128, 64, 8, 3), _bwd((64, 128), (128, 64), 8, 2)),
+    (90, 128): (_fwd(128, 32, 4, 2), _bwd((64, 128), (128, 128), 8, 2)),
+    (90, 256): (_fwd(128, 64, 8, 3), _bwd((64, 64), (64, 64), 8, 2)),
+    (100, 64): (_fwd(128, 64, 8, 3), _bwd((64, 128), (128, 64), 8, 2)),
+    (100, 128): (_fwd(128, 128, 8, 2), _bwd((64, 128), (128, 128), 8, 2)),
+    (100, 256): (_fwd(128, 64, 8, 3), _bwd((64, 64), (64, 64), 8, 2)),
+}
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -97,6 +129,12 @@ def _constants(spec: AttentionSpec, q_len: int, kv_len: int, heads: int, kv_head
                 SOFTCAP=float(spec.softcap or 0.0), WINDOW_LEFT=left, WINDOW_RIGHT=right, CHUNK=spec.chunk_size or 1,
                 BLOCK_Q=block_q, BLOCK_KV=block_kv,
                 NUM_Q_TILES=-(-q_len // block_q), NUM_KV_TILES=-(-kv_len // block_kv))
+
+
+def launch_constants(shapes: LocalShapes, spec: AttentionSpec, block_q: int, block_kv: int) -> dict[str, Any]:
+    """The compile-time parameters of a launch with these tiles for one device's shapes."""
+    return _constants(spec, shapes.q_len, shapes.kv_len, shapes.heads, shapes.kv_heads, shapes.head_dim, block_q,
+                      block_kv, value_head_dim=shapes.value_dim)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -365,15 +403,47 @@ def launches(fwd: FwdParams | None, bwd: BwdParams | None) -> list[tuple[str, in
     return kernels
 
 
+def space_launches(shapes: LocalShapes, spec: AttentionSpec) -> list[tuple[str, int, int, int, int]]:
+    """Each distinct (kernel, block_q, block_kv, num_warps, num_stages) the search space launches: the
+    forward at its points, dK/dV at the backward points, dQ at the dq tiles with the backward's warps and
+    stages."""
+    space = TritonBackend().search_space(shapes, spec)
+    seen: dict[tuple, None] = {}
+    for fwd in space.fwd_points():
+        seen[("attention_fwd", fwd.block_q, fwd.block_kv, fwd.num_warps, fwd.num_stages)] = None
+    for bwd in space.bwd_points():
+        seen[("attention_dkv", bwd.block_q_dkv, bwd.block_kv_dkv, bwd.num_warps, bwd.num_stages)] = None
+    for bwd in space.bwd_points():
+        seen[("attention_dq", bwd.block_q_dq, bwd.block_kv_dq, bwd.num_warps, bwd.num_stages)] = None
+    return list(seen)
+
+
+def ruled_out(report: dict[str, Any], capability: int) -> str | None:
+    """Why the compiler's verdict on one launch for `sm_<capability>` (`resources`, or `{"error": ...}`)
+    keeps it from being timed, or None: it does not compile, needs more shared memory than a block may
+    use there, spills registers (any stack bytes: Triton's kernels keep no stack otherwise), or no block
+    of it fits an SM (registers, or sm_100's tensor memory)."""
+    if "error" in report:
+        return f"does not compile for sm_{capability}: {report['error']}"
+    limit = SHARED_MEMORY_BYTES.get(capability, 99 * 1024)
+    if report["shared"] > limit:
+        return f"needs {report['shared'] // 1024} KiB of shared memory, over the {limit // 1024} KiB of sm_{capability}"
+    if report.get("spill_bytes"):
+        return f"spills registers on sm_{capability} ({report['spill_bytes']} bytes of stack)"
+    if report.get("blocks_per_sm") == 0:
+        return f"fits no SM of sm_{capability} (by {report['limited_by']})"
+    return None
+
+
 def standard_resources(source_variant: codegen.Variant, capability: int, local_len: int = 4096,
                        heads: int = 16, kv_heads: int | None = None) -> list[dict[str, Any]]:
-    """Resources of the three kernels of a variant at the backend's default params for a local length and
+    """Resources of the three kernels of a variant at the architecture's default params for a local length and
     head counts (`kv_heads` None: `heads`), compiled for `sm_<capability>` (what `tuner generate --compile`
     reports)."""
     head_dim, value_head_dim = source_variant.features["head_dim"], source_variant.features["value_head_dim"]
     kv_heads = heads if kv_heads is None else kv_heads
     _, spec = codegen.standard_shapes(source_variant, local_len, heads, kv_heads=kv_heads)
-    fwd, bwd = TritonBackend().default_params(local_len, local_len, head_dim, value_head_dim)
+    fwd, bwd = TritonBackend().default_params(local_len, local_len, head_dim, value_head_dim, capability=capability)
     rows = []
     for kernel, block_q, block_kv, params in launches(fwd, bwd):
         constants = _constants(spec, local_len, local_len, heads, kv_heads, head_dim, block_q, block_kv,
@@ -435,31 +505,17 @@ class TritonBackend:
             if params.num_warps is not None and params.num_warps not in WARPS:
                 raise ValueError(f"{owner}.num_warps must be one of {WARPS}, got {params.num_warps}")
 
-    def default_params(self, q_len: int, kv_len: int, head_dim: int, value_head_dim: int | None = None
-                       ) -> tuple[FwdParams, BwdParams]:
-        """Sized by the larger head dim (query/key or value). Head dim 128: 128x64 forward tiles with 4
-        warps and 3 stages; 64x64 dk/dv and dq tiles with 4 warps and 3 stages -- the fastest of the shapes
-        timed on an H100 (causal, S=8192, B=2, H=16; 2026-11-22): forward 0.65x cuDNN, backward 0.66x.
-        Other head dims keep shapes chosen from the sm_90 compiler report, not yet timed against
-        alternatives. Up to 64: 128x64 forward tiles with 8 warps and 3 stages; 64x128 dk/dv and 128x64 dq
-        tiles with 8 warps and 2 stages. Over 128 (192 and 128 of multi-head latent attention, 256): the
-        tiles of head dim 128 with 8 warps, and 2 stages in the backward; with 4 warps the 192/128 forward and
-        dk/dv kernels spill on sm_90 (488 and 296 bytes).
-        Tiles are cut to the (power-of-two-rounded) local lengths."""
-        q = _pow2_at_least(q_len)
-        kv = _pow2_at_least(kv_len)
+    def default_params(self, q_len: int, kv_len: int, head_dim: int, value_head_dim: int | None = None, *,
+                       capability: int | None = None) -> tuple[FwdParams, BwdParams]:
+        """`DEFAULTS` of the architecture (`capability`; None: this GPU's, sm_90 without one) and the
+        width class of the larger head dim, tiles cut to the (power-of-two-rounded) local lengths."""
+        family = arch_family(_capability() if capability is None else capability)
         width = max(head_dim, value_head_dim or head_dim)
-        if width > 128:
-            return (FwdParams(block_q=min(128, q), block_kv=min(64, kv), num_warps=8, num_stages=3),
-                    BwdParams(block_q_dkv=min(64, q), block_kv_dkv=min(64, kv), block_q_dq=min(64, q),
-                              block_kv_dq=min(64, kv), num_warps=8, num_stages=2))
-        if width > 64:
-            return (FwdParams(block_q=min(128, q), block_kv=min(64, kv), num_warps=4, num_stages=3),
-                    BwdParams(block_q_dkv=min(64, q), block_kv_dkv=min(64, kv), block_q_dq=min(64, q),
-                              block_kv_dq=min(64, kv), num_warps=4, num_stages=3))
-        return (FwdParams(block_q=min(128, q), block_kv=min(64, kv), num_warps=8, num_stages=3),
-                BwdParams(block_q_dkv=min(64, q), block_kv_dkv=min(128, kv), block_q_dq=min(128, q),
-                          block_kv_dq=min(64, kv), num_warps=8, num_stages=2))
+        fwd, bwd = DEFAULTS[(family, next(w for w in WIDTHS if width <= w or w == WIDTHS[-1]))]
+        q, kv = _pow2_at_least(q_len), _pow2_at_least(kv_len)
+        return (dataclasses.replace(fwd, block_q=min(fwd.block_q, q), block_kv=min(fwd.block_kv, kv)),
+                dataclasses.replace(bwd, block_q_dkv=min(bwd.block_q_dkv, q), block_kv_dkv=min(bwd.block_kv_dkv, kv),
+                                    block_q_dq=min(bwd.block_q_dq, q), block_kv_dq=min(bwd.block_kv_dq, kv)))
 
     def code_hash(self) -> str:
         return source_hash(codegen.template_path("triton", TEMPLATE), Path(__file__))
@@ -471,24 +527,24 @@ class TritonBackend:
             bwd={"block_q_dkv": tiles, "block_kv_dkv": tiles, "num_warps": (4, 8), "num_stages": (1, 2, 3)},
             dq_tiles=tiles, dq_passes=("separate",))
 
-    def violation(self, shapes: LocalShapes, spec: AttentionSpec, fwd: FwdParams | None, bwd: BwdParams | None
-                  ) -> str | None:
-        """Shared memory of each kernel, compiled with `triton.compile` for this GPU's architecture
-        (sm_90 when there is none), against what one block may use there."""
-        capability = _capability()
-        limit = SHARED_MEMORY_BYTES.get(capability, 99 * 1024)
+    def violation(self, shapes: LocalShapes, spec: AttentionSpec, fwd: FwdParams | None, bwd: BwdParams | None,
+                  *, capability: int | None = None) -> str | None:
+        """The compiler's verdict (`ruled_out`) on each kernel the parts launch, compiled with
+        `triton.compile` for `sm_<capability>` (None: this GPU's architecture, sm_90 when there is none):
+        a kernel that does not compile, needs more shared memory than a block may use, spills registers
+        or fits no SM is not timed."""
+        capability = _capability() if capability is None else capability
         source = variant(spec, shapes.dtype, shapes.head_dim, shapes.value_dim)
         for kernel, block_q, block_kv, params in launches(fwd, bwd):
-            constants = _constants(spec, shapes.q_len, shapes.kv_len, shapes.heads, shapes.kv_heads,
-                                   shapes.head_dim, block_q, block_kv, value_head_dim=shapes.value_dim)
+            constants = launch_constants(shapes, spec, block_q, block_kv)
+            warps, stages = params.num_warps or 4, params.num_stages or 2
             try:
-                used = resources(source, kernel, constants, num_warps=params.num_warps or 4,
-                                 num_stages=params.num_stages or 2, capability=capability)["shared"]
+                report = resources(source, kernel, constants, num_warps=warps, num_stages=stages,
+                                   capability=capability)
             except Exception as error:  # noqa: BLE001 - a point the compiler rejects cannot run
-                return f"{kernel} does not compile for sm_{capability}: {error_line(error, limit=200)}"
-            if used > limit:
-                return (f"{kernel} needs {used // 1024} KiB of shared memory with {params.num_stages} stages, "
-                        f"over the {limit // 1024} KiB of sm_{capability}")
+                report = {"error": error_line(error, limit=200)}
+            if (reason := ruled_out(report, capability)) is not None:
+                return f"{kernel} {block_q}x{block_kv} ({warps} warps, {stages} stages) {reason}"
         return None
 
     def block_fwd(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec,
@@ -525,6 +581,12 @@ class TritonBackend:
                         (dq_constants["NUM_Q_TILES"], b * h), dq_constants, params.num_warps,
                         params.num_stages, interpret, q.dtype)
         return dq, dk, dv, None
+
+
+def arch_family(capability: int) -> int:
+    """The architecture whose `DEFAULTS` a compute capability takes: 80 below Hopper (sm_86 and sm_89 too,
+    whose shared memory per block is smaller: not checked), 90 for Hopper, 100 from Blackwell on."""
+    return 80 if capability < 90 else 90 if capability < 100 else 100
 
 
 def _capability() -> int:

@@ -72,6 +72,7 @@ from tuner.strategies.all_to_all import kv_repeats
 from tuner.strategies.implementations import PACKED_TILE
 from tuner.kernels import BACKENDS
 from tuner.kernels.tpu_memory import GENERATION_TILES
+from tuner.kernels.triton import DEFAULTS as TRITON_DEFAULTS
 from tuner.models.hlo import COLLECTIVE_KINDS
 from tuner.semantics.problem import Problem
 from tuner.registry import STRATEGIES
@@ -125,10 +126,11 @@ def _tpu(name: str) -> Platform:
                     (fwd.block_q, fwd.block_kv), scatter_as_all_reduce=True)
 
 
+_H100 = TRITON_DEFAULTS[(90, 128)][0]  # the Triton kernel's sm_90 forward tiles at head dim 128
 PLATFORMS = {"h100": Platform("h100", 989e12, 67e12, EFFICIENCY, 450e9, 450e9, 450e9, 10e-6, 80e9,
                               "NVIDIA H100 SXM datasheet: 989 TFLOP/s dense bf16, 67 float32, NVLink 4 900 GB/s "
-                              "bidirectional per GPU via NVSwitch, 80 GB; the Triton kernel's 128x64 tiles",
-                              (128, 64)),
+                              f"bidirectional per GPU via NVSwitch, 80 GB; the Triton kernel's sm_90 "
+                              f"{_H100.block_q}x{_H100.block_kv} tiles", (_H100.block_q, _H100.block_kv)),
              **{name: _tpu(name) for name in CHIPS}}
 
 

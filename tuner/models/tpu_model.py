@@ -1,9 +1,8 @@
 """An analytic time model of the pallas_tpu ring on a TPU generation: how `tuner search --dry-run
 --target` ranks the variants the TPU compiler accepted, where nothing can be timed.
 
-For every ring step and every device, the tile schedule the kernels run (`tuner.semantics.masks.tile_schedule`
-on the positions the layout gives that device and the shard visiting it) says which tile pairs are
-visited; a masked pair costs as much as a full one (the MXU computes the whole tile). A step's kernel
+For every ring step and every device, `tuner.models.tiles.visited` says which tile pairs the kernels
+visit; a masked pair costs as much as a full one (the MXU computes the whole tile). A step's kernel
 time is the larger of its FLOPs over the chip's peak and its HBM bytes over the chip's bandwidth, plus
 a fixed cost per grid iteration (every iteration of the grid runs, visited or not); the step takes the
 larger of that and the time the step's transfers need over one ICI link; the ring waits for its
@@ -17,13 +16,12 @@ estimates, never measurements, and are stored as such (source `compiled`).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import jax.numpy as jnp
 import numpy as np
 
-from tuner.semantics import layouts, masks
+from tuner.models import tiles
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.semantics.problem import Problem
 
@@ -72,20 +70,6 @@ class Prediction:
     grid_steps: int
 
 
-@functools.lru_cache(maxsize=256)
-def _visited(problem: Problem, block_q: int, block_kv: int, by_key: bool) -> np.ndarray:
-    """Visited tile pairs per (step, device) of the ring: `[ring_size, ring_size]`."""
-    p, t = problem.ring_size, problem.local_len
-    positions = [jnp.broadcast_to(layouts.local_positions(problem.layout, t, p, r), (1, t)) for r in range(p)]
-    counts = np.zeros((p, p), np.int64)
-    for step in range(p):
-        for device in range(p):
-            schedule = masks.tile_schedule(positions[device], positions[(device - step) % p], None, None,
-                                           problem.spec, block_q, block_kv, by_key=by_key)
-            counts[step, device] = int(schedule.count.sum())
-    return counts
-
-
 @dataclass(frozen=True)
 class _Kernel:
     """One kernel over the ring: per (step, device) its FLOPs and HBM bytes, and its grid iterations."""
@@ -114,7 +98,7 @@ def predict(problem: Problem, chip: Chip, fwd: FwdParams | None = None, bwd: Bwd
     def kernel(block_q: int, block_kv: int, by_key: bool, matmuls: int, tile_bytes: int, row_bytes: int) -> _Kernel:
         """A kernel of `matmuls` [bq, bk, d] products per visited tile pair and head, reading
         `tile_bytes` per pair and `row_bytes` per token and head once."""
-        pairs = _visited(problem, block_q, block_kv, by_key) * b * h
+        pairs = tiles.visited(problem, block_q, block_kv, by_key) * b * h
         grid = b * h * -(-t // block_q) * -(-t // block_kv)
         return _Kernel(pairs * 2.0 * matmuls * block_q * block_kv * d,
                        pairs * float(tile_bytes) + b * h * t * d * row_bytes, grid)
