@@ -16,9 +16,11 @@ the compile took (or the compiler's error). Default file:
 `benchmarks/results/triton_resources-<targets>-<date>.jsonl`. Records already in the file are skipped, so a
 run can be stopped and resumed; `--limit` and `--only` (a regex over a point's label, e.g.
 `attention_fwd .* sm_100`) run a slice. The compiles run in `--jobs` processes. Every run ends with the
-summary of the whole file (`--summary`: only that): per target and kernel, the points, how many spill, how
-many lack the tensor-core path, how many exceed the shared memory of a block, and how many cannot run at
-all (zero blocks per SM: shared memory, registers or sm_100's tensor memory).
+summary of the whole file (`--summary`: only that; and `size_rule`, what a pruning rule fitted on tile
+sizes would cost instead of the compiler's verdict): per target and kernel, the points, how many spill, how
+many lack the tensor-core path, how many exceed the shared memory of a block, how many cannot run at
+all (zero blocks per SM: shared memory, registers or sm_100's tensor memory), and how many the search's
+pruning rule (`tuner.kernels.triton.ruled_out`) rules out.
 """
 
 from __future__ import annotations
@@ -62,20 +64,6 @@ def parse_variant(text: str) -> tuple[AttentionSpec, str, int, int]:
     return spec, dtype, head_dim, int(dims[-1])
 
 
-def launches(shapes: LocalShapes, spec: AttentionSpec) -> list[tuple[str, int, int, int, int]]:
-    """Each distinct (kernel, block_q, block_kv, num_warps, num_stages) of the search space's points."""
-    space = triton.TritonBackend().search_space(shapes, spec)
-    seen: dict[tuple, None] = {}
-    for fwd in space.fwd_points():
-        seen[("attention_fwd", fwd.block_q, fwd.block_kv, fwd.num_warps, fwd.num_stages)] = None
-    bwd_points = list(space.bwd_points())
-    for bwd in bwd_points:
-        seen[("attention_dkv", bwd.block_q_dkv, bwd.block_kv_dkv, bwd.num_warps, bwd.num_stages)] = None
-    for bwd in bwd_points:
-        seen[("attention_dq", bwd.block_q_dq, bwd.block_kv_dq, bwd.num_warps, bwd.num_stages)] = None
-    return list(seen)
-
-
 def measure(task: dict) -> dict:
     """Compile one launch for one target (in a worker process) and return its record."""
     spec, dtype, head_dim, value_head_dim = parse_variant(task["variant"])
@@ -102,7 +90,8 @@ def label(task: dict) -> str:
 
 def summary(records: list[dict]) -> str:
     """Per target and kernel: points, compile errors, spills, no tensor-core path, over the shared memory of a
-    block, no block fits an SM (any reason), sm_100's tensor memory over 512 columns."""
+    block, no block fits an SM (any reason), sm_100's tensor memory over 512 columns, ruled out by the
+    search's pruning rule."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for record in records:
         groups[(record["variant"], int(record["target"][3:]), record["kernel"])].append(record)
@@ -113,9 +102,40 @@ def summary(records: list[dict]) -> str:
         rows.append([variant, f"sm_{capability}", kernel, len(group), len(group) - len(ok),
                      sum(r["spill_bytes"] > 0 for r in ok), sum(not r["tensor_core"] for r in ok),
                      sum(not r["fits_shared"] for r in ok), sum(r.get("blocks_per_sm", 1) == 0 for r in ok),
-                     sum(r.get("tmem", 0) > triton.TMEM_COLUMNS for r in ok)])
+                     sum(r.get("tmem", 0) > triton.TMEM_COLUMNS for r in ok),
+                     sum(triton.ruled_out(r, capability) is not None for r in group)])
     return table(["variant", "target", "kernel", "points", "errors", "spill", "no tensor core", "over shared",
-                  "0 blocks/SM", "tmem > 512"], rows)
+                  "0 blocks/SM", "tmem > 512", "ruled out"], rows)
+
+
+def live_elements(record: dict) -> float:
+    """A size rule's measure of a launch's register pressure: the float32 elements each thread holds in
+    its accumulators and score tile (forward: o and s; dK/dV: dk, dv and s; dQ: dq and s)."""
+    head_dim, value_head_dim = (int(d) for d in (record["variant"].split("/")[2:] * 2)[:2])
+    bq, bk = record["block_q"], record["block_kv"]
+    held = {"attention_fwd": bq * value_head_dim, "attention_dkv": bk * (head_dim + value_head_dim),
+            "attention_dq": bq * head_dim}[record["kernel"]]
+    return (held + bq * bk) / (32 * record["num_warps"])
+
+
+def size_rule(records: list[dict]) -> str:
+    """Why the pruning rule is the compiler's verdict and not a fitted size rule: per target and kernel,
+    the loosest threshold on `live_elements` (and shared memory) that admits no launch the compiler
+    spills, and how many spill-free launches that threshold rules out."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for record in records:
+        if "error" not in record:
+            groups[(record["variant"], record["target"], record["kernel"])].append(record)
+    rows = []
+    for (variant, target, kernel), group in sorted(groups.items()):
+        spilled = [r for r in group if r["spill_bytes"] > 0]
+        clean = [r for r in group if r["spill_bytes"] == 0 and r["fits_shared"]]
+        limit = min((live_elements(r) for r in spilled), default=float("inf"))
+        lost = sum(live_elements(r) >= limit for r in clean)
+        rows.append([variant, target, kernel, len(spilled), len(clean), f"< {limit:g}", lost,
+                     f"{lost / max(len(clean), 1):.0%}"])
+    return table(["variant", "target", "kernel", "spill", "spill-free", "size rule: elements/thread",
+                  "spill-free ruled out", "share"], rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     records = [json.loads(line) for line in out.read_text().splitlines() if line.strip()] if out.exists() else []
     if args.summary:
         print(summary(records))
+        print(size_rule(records))
         return 0
     done = {tuple(r[k] for k in KEY) for r in records}
     todo = []
@@ -147,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         spec, dtype, head_dim, value_head_dim = parse_variant(text)
         shapes = LocalShapes(1, args.local_len, args.local_len, args.heads, args.kv_heads, head_dim, dtype,
                              value_head_dim=value_head_dim)
-        for kernel, block_q, block_kv, warps, stages in launches(shapes, spec):
+        for kernel, block_q, block_kv, warps, stages in triton.space_launches(shapes, spec):
             for target in targets:
                 task = dict(variant=text, local_len=args.local_len, heads=args.heads, kv_heads=args.kv_heads,
                             kernel=kernel, block_q=block_q, block_kv=block_kv, num_warps=warps, num_stages=stages,
@@ -175,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"({record['compile_s']}s)", file=sys.stderr, flush=True)
     print(f"compiled {len(todo)} launches in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     print(summary(records))
+    print(size_rule(records))
     return 0
 
 

@@ -286,13 +286,19 @@ def test_a_reported_error_is_one_line_even_without_a_message():
 
 
 def test_target_flags_refuse_what_they_cannot_do(monkeypatch, capsys):
-    """`--target` compiles for TPU topologies only in a TPU dry run, says how to get libtpu where it is
-    missing, and is not silently dropped by `--from`."""
+    """`--target` compiles for TPU topologies or GPUs only in a dry run, says how to get libtpu where it
+    is missing, names the GPU targets, and is not silently dropped by `--from`."""
     from tuner.tuning import compiled
     from tuner.cli import main
 
     assert main(["search", "--device", "cpu", "--target", "v5e:2x2"]) == 2
-    assert "use it with --device tpu --dry-run" in capsys.readouterr().err
+    assert "use it with --dry-run and --device tpu or gpu" in capsys.readouterr().err
+    assert main(["search", "--device", "gpu", "--dry-run", "--target", "v5e:2x2"]) == 2
+    assert "--target v5e:2x2: not a GPU target; use one of a100, h100, h200, b200 or all" in capsys.readouterr().err
+    assert main(["search", "--device", "gpu", "--dry-run"]) == 2
+    assert "name it with --target (a100, h100, h200, b200 or all)" in capsys.readouterr().err
+    assert main(["search", "--device", "gpu", "--dry-run", "--target", "h100", "--backend", "scan"]) == 2
+    assert "compiles the triton backend, got --backend scan" in capsys.readouterr().err
     monkeypatch.setattr(compiled, "libtpu_missing", lambda: "libtpu is not installed: pip install 'ring-tuner[tpu]'")
     assert main(["search", "--device", "tpu", "--dry-run", "--target", "v5e:2x2"]) == 2
     assert "--target: libtpu is not installed: pip install 'ring-tuner[tpu]'" in capsys.readouterr().err

@@ -204,8 +204,8 @@ def test_shared_memory_constraint_compiles_and_compares(monkeypatch):
     assert backend.violation(problem.shapes, problem.spec, fwd, None) is None
     monkeypatch.setitem(triton_backend.SHARED_MEMORY_BYTES, 90, 16 * 1024)
     reason = backend.violation(problem.shapes, problem.spec, fwd, None)
-    assert re.fullmatch(r"attention_fwd needs \d+ KiB of shared memory with 3 stages, over the 16 KiB of sm_90",
-                        reason), reason
+    assert re.fullmatch(rf"attention_fwd {fwd.block_q}x{fwd.block_kv} \({fwd.num_warps} warps, {fwd.num_stages} "
+                        rf"stages\) needs \d+ KiB of shared memory, over the 16 KiB of sm_90", reason), reason
 
 
 def test_search_runs_the_triton_backend_in_the_interpreter(tmp_path):

@@ -92,7 +92,8 @@ def _dtype_name(dtype: Any) -> str:
     return jnp.dtype(dtype).name
 
 
-def _pow2_at_least(n: int) -> int:
+def pow2_at_least(n: int) -> int:
+    """The power of two >= 16 that a tile of `n` rows or columns spans (what `tl.arange` and `tl.dot` take)."""
     return max(16, 1 << (max(n, 1) - 1).bit_length())
 
 
@@ -121,11 +122,11 @@ def _constants(spec: AttentionSpec, q_len: int, kv_len: int, heads: int, kv_head
     """The kernels' compile-time parameters: tiles cut to the power-of-two-rounded lengths, head dims with
     their padded tile widths (`value_head_dim` None means `head_dim`)."""
     left, right = spec.window if spec.window is not None else (0, 0)
-    block_q, block_kv = min(block_q, _pow2_at_least(q_len)), min(block_kv, _pow2_at_least(kv_len))
+    block_q, block_kv = min(block_q, pow2_at_least(q_len)), min(block_kv, pow2_at_least(kv_len))
     value_head_dim = value_head_dim or head_dim
     return dict(Q_LEN=q_len, KV_LEN=kv_len, HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
-                V_HEAD_DIM=value_head_dim, HEAD_DIM_PADDED=_pow2_at_least(head_dim),
-                V_HEAD_DIM_PADDED=_pow2_at_least(value_head_dim), SCALE=float(spec.scale),
+                V_HEAD_DIM=value_head_dim, HEAD_DIM_PADDED=pow2_at_least(head_dim),
+                V_HEAD_DIM_PADDED=pow2_at_least(value_head_dim), SCALE=float(spec.scale),
                 SOFTCAP=float(spec.softcap or 0.0), WINDOW_LEFT=left, WINDOW_RIGHT=right, CHUNK=spec.chunk_size or 1,
                 BLOCK_Q=block_q, BLOCK_KV=block_kv,
                 NUM_Q_TILES=-(-q_len // block_q), NUM_KV_TILES=-(-kv_len // block_kv))
@@ -512,7 +513,7 @@ class TritonBackend:
         family = arch_family(_capability() if capability is None else capability)
         width = max(head_dim, value_head_dim or head_dim)
         fwd, bwd = DEFAULTS[(family, next(w for w in WIDTHS if width <= w or w == WIDTHS[-1]))]
-        q, kv = _pow2_at_least(q_len), _pow2_at_least(kv_len)
+        q, kv = pow2_at_least(q_len), pow2_at_least(kv_len)
         return (dataclasses.replace(fwd, block_q=min(fwd.block_q, q), block_kv=min(fwd.block_kv, kv)),
                 dataclasses.replace(bwd, block_q_dkv=min(bwd.block_q_dkv, q), block_kv_dkv=min(bwd.block_kv_dkv, kv),
                                     block_q_dq=min(bwd.block_q_dq, q), block_kv_dq=min(bwd.block_kv_dq, kv)))
@@ -521,7 +522,7 @@ class TritonBackend:
         return source_hash(codegen.template_path("triton", TEMPLATE), Path(__file__))
 
     def search_space(self, shapes: LocalShapes, spec: AttentionSpec) -> SearchSpace:
-        tiles = tuple(t for t in TILES if t <= _pow2_at_least(max(shapes.q_len, shapes.kv_len)))
+        tiles = tuple(t for t in TILES if t <= pow2_at_least(max(shapes.q_len, shapes.kv_len)))
         return SearchSpace(
             fwd={"block_q": tiles, "block_kv": tiles, "num_warps": (4, 8), "num_stages": (2, 3, 4)},
             bwd={"block_q_dkv": tiles, "block_kv_dkv": tiles, "num_warps": (4, 8), "num_stages": (1, 2, 3)},

@@ -8,9 +8,10 @@ One kernel launch (forward, dK/dV or dQ) per ring step and device does, for each
   two the kernel computes on (forward q.k and p.v; dK/dV q.k, do.v, p.do, ds.q; dQ q.k, do.v, ds.k);
 - one exponential per score (the GPU's special-function units: 16 per clock per SM on sm_80 to
   sm_100, CUDA C++ Programming Guide, "Arithmetic Instructions");
-- `ALU_OPS` other float32 operations per score (scale, row max, subtraction, the exponential's
-  multiply, row sum, conversion; assumed from the kernels' code), and in the forward the rescaling of
-  the accumulator, one multiply per value column per row;
+- `ALU_OPS` other float32 operations per score (forward: scale, row max, subtraction, row sum,
+  conversion; the backward's kernels subtract the statistics, take the softmax's derivative and convert
+  twice; assumed from the kernels' code, whose scale carries log2(e) for `exp2`), and in the forward the
+  rescaling of the accumulator, one multiply per value column per row;
 - shared-memory traffic: each product's second operand read from shared memory, once per warp that
   holds a slice of the first one's rows for mma.sync, once per warpgroup for wgmma, once per block for
   sm_100's tcgen05 (shared memory serves 128 bytes per clock per SM);
@@ -42,6 +43,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from tuner.kernels.triton import pow2_at_least
 from tuner.models import tiles
 from tuner.semantics.problem import Problem
 
@@ -50,7 +52,7 @@ SHARED_BYTES_PER_CLOCK = 128  # shared-memory bandwidth per SM: 32 banks of 4 by
 ITERATION_CYCLES = 200  # assumed: a tile iteration's fixed cost (barriers, MMA waits, pipeline bookkeeping)
 LOAD_LATENCY_CYCLES = 600  # assumed: a global load's latency, exposed per tile iteration without pipelining
 SATURATING_WARPS = 8  # assumed: resident warps per SM that keep its tensor cores busy
-ALU_OPS = {"attention_fwd": 6, "attention_dkv": 8, "attention_dq": 7}  # assumed float32 operations per score
+ALU_OPS = {"attention_fwd": 5, "attention_dkv": 7, "attention_dq": 6}  # assumed float32 operations per score
 KERNELS = tuple(ALU_OPS)
 
 
@@ -118,10 +120,6 @@ class Prediction:
         return self.flops / self.seconds / 1e12 if self.seconds else 0.0
 
 
-def _pow2(n: int) -> int:
-    return max(16, 1 << (max(n, 1) - 1).bit_length())
-
-
 def matmul_rate(gpu: Gpu, dtype: str, verdict: dict[str, Any]) -> float:
     """FLOP/s of the products: the CUDA cores for float32 inputs or without any MMA, the tensor cores on
     the architecture's path, `legacy` of them on mma.sync where that is not the path."""
@@ -162,9 +160,9 @@ def predict(problem: Problem, gpu: Gpu, kernel: str, block_q: int, block_kv: int
         raise ValueError(f"kernel must be one of {', '.join(ALU_OPS)}, got {kernel!r}")
     b, h, hkv, t = problem.batch, problem.heads, problem.kv_heads, problem.local_len
     d, dv = problem.head_dim, problem.value_dim
-    dp, dvp = _pow2(d), _pow2(dv)
+    dp, dvp = pow2_at_least(d), pow2_at_least(dv)
     item = jnp.dtype(problem.dtype).itemsize
-    bq, bk = min(block_q, _pow2(t)), min(block_kv, _pow2(t))
+    bq, bk = min(block_q, pow2_at_least(t)), min(block_kv, pow2_at_least(t))
     by_key = kernel == "attention_dkv"
     pairs = tiles.visited(problem, bq, bk, by_key).astype(np.float64) * b * h
     scores = pairs * bq * bk
