@@ -29,8 +29,7 @@ from tuner.support.tables import describe_config, table
 from tuner.tuning import compiled_gpu
 
 RESULTS = Path(__file__).parent / "results"
-SWEEPS = (RESULTS / "triton_resources-sm_80-sm_90-sm_100-2026-11-25.jsonl",
-          RESULTS / "triton_resources-sm_80-sm_90-sm_100-d64-d256-2026-11-25.jsonl")
+SWEEPS = (RESULTS / "triton_resources-sm_80-sm_90-sm_100-d64-d128-d256-2026-11-25.jsonl",)
 GPU_OF = {80: "a100", 90: "h100", 100: "b200"}  # the GPU whose rates rank an architecture's launches
 
 

@@ -179,3 +179,20 @@ def test_the_gpu_dry_run_stores_the_models_best_as_a_compiled_row_the_lookup_ser
     assert json.loads(found.row["fwd_params"]) == dataclasses.asdict(report.config.fwd)
     with pytest.raises(ValueError, match="--target tpu"):
         compiled_gpu.compile_gpu_target(problem, "tpu")
+
+
+@pytest.mark.slow
+def test_tuner_search_gpu_dry_run_prints_the_verdicts_and_stores_the_row(tmp_path, capsys):
+    """The command itself, on the default's launches only (`--samples 0`), for the A100: a table per
+    kernel, the stored row's key, and the model's source."""
+    from tuner.cli import main
+
+    db = tmp_path / "tuning.sqlite"
+    assert main(["search", "--device", "gpu", "--dry-run", "--target", "a100", "--seq-len", "256", "--heads", "4",
+                 "--kv-heads", "2", "--head-dim", "64", "--dtype", "bfloat16", "--ring-size", "2", "--samples", "0",
+                 "--db", str(db)]) == 0
+    out = capsys.readouterr().out
+    assert "a100 (NVIDIA A100-SXM4-80GB, sm_80): 3 launches compiled" in out, out
+    assert "stored  compiled entry" in out and "NVIDIA A100 datasheet" in out
+    [row] = Cache(db).rows()
+    assert row["source"] == "compiled" and row["device_kind"] == "NVIDIA A100-SXM4-80GB"

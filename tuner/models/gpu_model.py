@@ -163,8 +163,7 @@ def predict(problem: Problem, gpu: Gpu, kernel: str, block_q: int, block_kv: int
     dp, dvp = pow2_at_least(d), pow2_at_least(dv)
     item = jnp.dtype(problem.dtype).itemsize
     bq, bk = min(block_q, pow2_at_least(t)), min(block_kv, pow2_at_least(t))
-    by_key = kernel == "attention_dkv"
-    pairs = tiles.visited(problem, bq, bk, by_key).astype(np.float64) * b * h
+    pairs = tiles.visited(problem, bq, bk).astype(np.float64) * b * h
     scores = pairs * bq * bk
     if kernel == "attention_fwd":  # s = q k^T, o += p v; k and v tiles per pair; q in, o (float32) and lse out
         inner, alu = dp + dvp, scores * ALU_OPS[kernel] + pairs * bq * dvp

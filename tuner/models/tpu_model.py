@@ -95,23 +95,23 @@ def predict(problem: Problem, chip: Chip, fwd: FwdParams | None = None, bwd: Bwd
     peak = chip.flops / (FLOAT32_PASSES if problem.dtype == "float32" else 1)
     shard = b * t * (2 * hkv * d * item + 4)  # the k and v shards and their positions
 
-    def kernel(block_q: int, block_kv: int, by_key: bool, matmuls: int, tile_bytes: int, row_bytes: int) -> _Kernel:
+    def kernel(block_q: int, block_kv: int, matmuls: int, tile_bytes: int, row_bytes: int) -> _Kernel:
         """A kernel of `matmuls` [bq, bk, d] products per visited tile pair and head, reading
         `tile_bytes` per pair and `row_bytes` per token and head once."""
-        pairs = tiles.visited(problem, block_q, block_kv, by_key) * b * h
+        pairs = tiles.visited(problem, block_q, block_kv) * b * h
         grid = b * h * -(-t // block_q) * -(-t // block_kv)
         return _Kernel(pairs * 2.0 * matmuls * block_q * block_kv * d,
                        pairs * float(tile_bytes) + b * h * t * d * row_bytes, grid)
 
     if fwd is not None:  # s = q k^T, o += p v: the key tile's k and v per pair; q in, o (float32) out
         bq, bk = min(fwd.block_q, t), min(fwd.block_kv, t)
-        kernels = [kernel(bq, bk, False, 2, 2 * bk * d * item, item + 4)]
+        kernels = [kernel(bq, bk, 2, 2 * bk * d * item, item + 4)]
         ici = shard
     else:  # dK/dV: s, dp, dv, dk (q and do tiles per pair); dQ: s, dp, dq (k and v tiles per pair)
         dkv_q, dkv_kv = min(bwd.block_q_dkv, t), min(bwd.block_kv_dkv, t)
         dq_q, dq_kv = min(bwd.block_q_dq, t), min(bwd.block_kv_dq, t)
-        kernels = [kernel(dkv_q, dkv_kv, True, 4, 2 * dkv_q * d * item, 2 * (item + 4)),
-                   kernel(dq_q, dq_kv, False, 3, 2 * dq_kv * d * item, 2 * item + 4)]
+        kernels = [kernel(dkv_q, dkv_kv, 4, 2 * dkv_q * d * item, 2 * (item + 4)),
+                   kernel(dq_q, dq_kv, 3, 2 * dq_kv * d * item, 2 * item + 4)]
         ici = shard + b * t * 2 * hkv * d * 4  # and the dk, dv accumulators, float32
     kernel_s = sum(k.seconds(chip, peak) for k in kernels)
     step_s = np.maximum(kernel_s, ici / chip.ici_link).max(axis=1)  # each step waits for its slowest device
