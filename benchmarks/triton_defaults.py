@@ -52,8 +52,8 @@ def launches_of(records: list[dict]) -> list[compiled_gpu.Launch]:
 
 
 def choose_defaults(records: list[dict]) -> dict[tuple[str, int], dict]:
-    """Per (variant, architecture) of the sweep records: the chosen launches, the config and the model's
-    prediction of each."""
+    """Per (variant, architecture) of the sweep records: the chosen launches, the config, the model's
+    prediction of each, and whether the sweep holds every launch of each kernel (`whole`)."""
     groups: dict[tuple[str, int], list[dict]] = {}
     for record in records:
         groups.setdefault((record["variant"], int(record["target"][3:])), []).append(record)
@@ -68,11 +68,14 @@ def choose_defaults(records: list[dict]) -> dict[tuple[str, int], dict]:
         on_path = [x if x.verdict.get("tensor_core") else replace(x, predicted=None) for x in launches]
         picked = compiled_gpu.choose(on_path)
         if picked is None:
-            chosen[(variant, arch)] = {"variant": variant, "arch": arch, "gpu": gpu.name, "config": None}
+            chosen[(variant, arch)] = {"variant": variant, "arch": arch, "gpu": gpu.name, "config": None,
+                                       "whole": False}
             continue
         config = compiled_gpu.config_of(*picked)
+        counts = {kernel: sum(r["kernel"] == kernel for r in group) for kernel in triton.KERNEL_ARGS}
         chosen[(variant, arch)] = {
             "variant": variant, "arch": arch, "gpu": gpu.name, "problem": problem.describe(),
+            "whole": len(set(counts.values())) == 1,
             "config": config.to_dict(),
             "launches": {x.kernel: {"tiles": x.label, "registers": x.verdict["registers"],
                                     "shared": x.verdict["shared"], "mma": x.verdict["mma"],
@@ -102,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         config = TileConfig.from_dict(entry["config"])
         model = " / ".join(f"{x['model_tflops']:.0f}" for x in entry["launches"].values())
-        rows.append([variant, f"sm_{arch}", entry["gpu"], describe_config(config), model,
-                     " / ".join(str(n) for n in entry["on_path"].values())])
+        rows.append([variant + ("" if entry["whole"] else " (part of dQ)"), f"sm_{arch}", entry["gpu"],
+                     describe_config(config), model, " / ".join(str(n) for n in entry["on_path"].values())])
     print(table(["variant", "arch", "ranked on", "chosen", "model TFLOP/s fwd / dkv / dq",
                  "admitted on path fwd / dkv / dq"], rows))
     Path(args.out).write_text(json.dumps(list(chosen.values()), indent=1) + "\n")
