@@ -199,6 +199,32 @@ def test_workers_sharing_a_study_run_its_total_between_them(faulty, tmp_path, mo
     assert optuna.trial.TrialState.RUNNING not in {t.state for t in trials}
 
 
+def test_a_trial_another_worker_failed_while_it_ran_is_dropped_and_the_search_goes_on(faulty, tmp_path,
+                                                                                        monkeypatch):
+    """Another worker fails this worker's running trial as stale (as after a storage outage that stopped its
+    heartbeat): optuna then refuses the trial's result; the search drops it and runs its total without it."""
+    from tuner.tuning.trials import Trials
+
+    db = tmp_path / "tuning.sqlite"
+    objective = Trials.objective
+    dropped = []
+
+    def failed_meanwhile(self, trial: optuna.Trial) -> float:
+        value = objective(self, trial)
+        if not dropped:  # the first trial that returns a time
+            _competitor(db, trial.study.study_name).tell(trial.number, state=optuna.trial.TrialState.FAIL)
+            dropped.append(trial.number)
+        return value
+
+    monkeypatch.setattr(Trials, "objective", failed_meanwhile)
+    result = search(TINY, device="cpu", backend="faulty", db=db,
+                    options=SearchOptions(objective="fwd", trials=3, sampler="grid", runs=1, final_runs=1))
+    trials = optuna.load_study(study_name=result.study, storage=default_storage(db)).trials
+    lost = trials[dropped[0]]
+    assert lost.state == optuna.trial.TrialState.FAIL and not counted(lost)
+    assert sum(counted(t) for t in trials) == 3 and result.best is not None
+
+
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning",
                             "ignore:Heartbeat of storage is supposed to be used with Study.optimize")
 def test_a_dead_workers_trial_does_not_hold_its_place(faulty, tmp_path):

@@ -48,8 +48,12 @@ def run_until_decided(study: optuna.Study, objective: Callable[[optuna.Trial], f
             return None
         waiting = any(t.state == optuna.trial.TrialState.WAITING for t in trials)
         if waiting or (not covered() and taken(trials) < total):
-            study.optimize(objective, timeout=left, catch=(TrialFailed,), callbacks=[after_trial],
-                           gc_after_trial=False)
+            try:
+                study.optimize(objective, timeout=left, catch=(TrialFailed,), callbacks=[after_trial],
+                               gc_after_trial=False)
+            except Exception as error:
+                if not _failed_elsewhere(error):
+                    raise
         else:
             time.sleep(POLL_S if left is None else min(POLL_S, left))
 
@@ -88,6 +92,18 @@ def quiet_heartbeats() -> Iterator[None]:
         yield
     finally:
         threading.excepthook = previous
+
+
+def _failed_elsewhere(error: BaseException) -> bool:
+    """Whether optuna refused to record this worker's result because its trial had been ended meanwhile:
+    another worker failed it as stale while this one could not reach the storage to beat its heartbeat
+    (and queued its retry). Optuna raises a ValueError, or, when the objective had returned, an assertion
+    error while handling it. The result is dropped, as a killed worker's would be, and the worker goes on."""
+    while error is not None:
+        if isinstance(error, ValueError) and str(error).startswith("Cannot tell a "):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _first_cause(error: BaseException) -> BaseException:
