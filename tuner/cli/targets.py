@@ -7,10 +7,50 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from tuner.cli.options import UsageError, check_writable_cache, problem_of
+from tuner.semantics.problem import Problem
 
 GPU_TARGETS = ("a100", "h100", "h200", "b200")  # `tuner.models.gpu_model.GPUS`, named here without importing it
+
+
+def _targets(args: argparse.Namespace, known: tuple[str, ...]) -> list[str]:
+    """--target's names in order, `all` expanded, each named once."""
+    if args.samples is not None and args.samples < 0:
+        raise UsageError(f"--samples must be zero or more, got {args.samples}")
+    return list(dict.fromkeys(t for arg in args.target for t in (known if arg == "all" else arg.split(","))))
+
+
+def _compile_each(args: argparse.Namespace, jobs: dict[str, tuple[Problem, str]], unit: str,
+                  compile_one: Callable[..., Any], store: Callable[[Any, str], dict | None],
+                  no_config: str, stored: Callable[[Any, dict], str]) -> int:
+    """Compile each target's variants under a progress bar, print the report, store its best.
+
+    `jobs` maps a target to its problem and the banner that says what is compiled; 0 when every target stored
+    a config, else 1."""
+    from tqdm import tqdm
+
+    status = 0
+    for target, (problem, banner) in jobs.items():
+        print(banner, file=sys.stderr)
+        with tqdm(desc=f"compile {target}", unit=unit, file=sys.stderr, dynamic_ncols=True) as bar:
+            def progress(done: int, total: int) -> None:
+                bar.total = total
+                bar.update(done - bar.n)
+            try:
+                report = compile_one(problem, target, sample=args.samples, progress=progress)
+            except ValueError as error:
+                raise UsageError(str(error)) from None
+        print(report.render())
+        row = store(report, args.db)
+        if row is None:
+            print(f"no config for {target}: {no_config}")
+            status = 1
+        else:
+            print(stored(report, row))
+    return status
 
 
 def compile_targets(args: argparse.Namespace) -> int:
@@ -20,10 +60,8 @@ def compile_targets(args: argparse.Namespace) -> int:
     missing = compiled.libtpu_missing()
     if missing:
         raise UsageError(f"--target: {missing}")
-    targets = list(dict.fromkeys(t for arg in args.target for t in
-                                 (compiled.TARGETS if arg == "all" else arg.split(","))))
     meshes = {}
-    for target in targets:
+    for target in _targets(args, compiled.TARGETS):
         try:
             meshes[target] = compiled.topology_mesh(target)
         except ValueError as error:
@@ -32,36 +70,19 @@ def compile_targets(args: argparse.Namespace) -> int:
         sizes = ", ".join(f"{t}: {m.size}" for t, m in meshes.items())
         raise UsageError(f"--ring-size {args.ring_size} does not match the targets' chips ({sizes}); drop "
                          f"--ring-size, a target's ring is its chips")
-    if args.samples is not None and args.samples < 0:
-        raise UsageError(f"--samples must be zero or more, got {args.samples}")
     args.ring_size = next(iter(meshes.values())).size
     problem = problem_of(args)
     check_writable_cache(args)
 
-    from tqdm import tqdm
-
-    status = 0
+    jobs = {}
     for target, mesh in meshes.items():
         target_problem = dataclasses.replace(problem, ring_size=mesh.size)
-        print(f"compiling the pallas_tpu variants of {target_problem.describe()}\n  for {target} "
-              f"({mesh.devices.flat[0].device_kind}) with the TPU compiler; nothing runs", file=sys.stderr)
-        with tqdm(desc=f"compile {target}", unit="variant", file=sys.stderr, dynamic_ncols=True) as bar:
-            def progress(done: int, total: int) -> None:
-                bar.total = total
-                bar.update(done - bar.n)
-            try:
-                report = compiled.compile_target(target_problem, target, sample=args.samples, progress=progress)
-            except ValueError as error:
-                raise UsageError(str(error)) from None
-        print(report.render())
-        row = compiled.store(report, args.db)
-        if row is None:
-            print(f"no config for {target}: no forward or no backward variant compiled")
-            status = 1
-        else:
-            print(f"stored  compiled entry {row['key']} for {report.device_kind}: the loader uses it there until "
-                  f"tuner search measures this problem on the TPU\nmodel    {report.chip.source}")
-    return status
+        jobs[target] = (target_problem, f"compiling the pallas_tpu variants of {target_problem.describe()}\n  for "
+                                        f"{target} ({mesh.devices.flat[0].device_kind}) with the TPU compiler; "
+                                        f"nothing runs")
+    return _compile_each(
+        args, jobs, "variant", compiled.compile_target, compiled.store, "no forward or no backward variant compiled",
+        lambda report, row: _stored(row, report.device_kind, "TPU", report.chip.source))
 
 
 def compile_gpu_targets(args: argparse.Namespace) -> int:
@@ -71,39 +92,26 @@ def compile_gpu_targets(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("triton") is None:
         raise UsageError("--target: triton is not installed (pip install 'ring-tuner[gpu]'); it compiles for GPUs "
                          "on any host")
-    targets = list(dict.fromkeys(t for arg in args.target for t in
-                                 (GPU_TARGETS if arg == "all" else arg.split(","))))
+    targets = _targets(args, GPU_TARGETS)
     for target in targets:
         if target not in GPU_TARGETS:
             raise UsageError(f"--target {target}: not a GPU target; use one of {', '.join(GPU_TARGETS)} or all")
-    if args.samples is not None and args.samples < 0:
-        raise UsageError(f"--samples must be zero or more, got {args.samples}")
     problem = problem_of(args)
     check_writable_cache(args)
 
-    from tqdm import tqdm
-
     from tuner.tuning import compiled_gpu
 
-    status = 0
+    jobs = {}
     for target in targets:
         gpu = compiled_gpu.gpu_model.GPUS[target]
-        print(f"compiling the triton launches of {problem.describe()}\n  for {target} ({gpu.device_kind}, "
-              f"sm_{gpu.arch}) with Triton and ptxas; nothing runs", file=sys.stderr)
-        with tqdm(desc=f"compile {target}", unit="launch", file=sys.stderr, dynamic_ncols=True) as bar:
-            def progress(done: int, total: int) -> None:
-                bar.total = total
-                bar.update(done - bar.n)
-            try:
-                report = compiled_gpu.compile_gpu_target(problem, target, sample=args.samples, progress=progress)
-            except ValueError as error:
-                raise UsageError(str(error)) from None
-        print(report.render())
-        row = compiled_gpu.store(report, args.db)
-        if row is None:
-            print(f"no config for {target}: no forward, or no pair of backward launches, is admitted")
-            status = 1
-        else:
-            print(f"stored  compiled entry {row['key']} for {gpu.device_kind}: the loader uses it there until "
-                  f"tuner search measures this problem on the GPU\nmodel    {gpu.source}")
-    return status
+        jobs[target] = (problem, f"compiling the triton launches of {problem.describe()}\n  for {target} "
+                                 f"({gpu.device_kind}, sm_{gpu.arch}) with Triton and ptxas; nothing runs")
+    return _compile_each(
+        args, jobs, "launch", compiled_gpu.compile_gpu_target, compiled_gpu.store,
+        "no forward, or no pair of backward launches, is admitted",
+        lambda report, row: _stored(row, report.gpu.device_kind, "GPU", report.gpu.source))
+
+
+def _stored(row: dict, device_kind: str, device: str, model: str) -> str:
+    return (f"stored  compiled entry {row['key']} for {device_kind}: the loader uses it there until tuner search "
+            f"measures this problem on the {device}\nmodel    {model}")
