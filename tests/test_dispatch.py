@@ -91,9 +91,9 @@ def test_tuned_call_with_mesh_equals_dense_forward_and_gradients(tmp_path, monke
     grads = jax.jit(jax.grad(lambda *a: loss(attn, *a), argnums=(0, 1, 2)))(q, k, v)
     with jax.enable_x64(True):
         q64, k64, v64 = (x.astype(jnp.float64) for x in (q, k, v))
-        want = dense_attention(q64, k64, v64, causal=True)[0]
-        want_grads = jax.grad(lambda *a: loss(lambda *b: dense_attention(*b, causal=True)[0], *a),
-                              argnums=(0, 1, 2))(q64, k64, v64)
+        want = jax.jit(lambda *a: dense_attention(*a, causal=True)[0])(q64, k64, v64)
+        want_grads = jax.jit(jax.grad(lambda *a: loss(lambda *b: dense_attention(*b, causal=True)[0], *a),
+                                      argnums=(0, 1, 2)))(q64, k64, v64)
     np.testing.assert_allclose(out, want, rtol=0, atol=2e-5)
     for got, expected in zip(grads, want_grads):
         got, expected = np.asarray(got, np.float64), np.asarray(expected)

@@ -108,10 +108,11 @@ def _check_against_dense(rows: np.ndarray, ring: int, heads: tuple[int, int], ca
                                    sliding_window=window)
         return jnp.vdot(out, w.astype(jnp.float64)), (out, lse)
 
-    (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
     with jax.enable_x64(True):
         f64 = [jnp.asarray(x, jnp.float64) for x in (q, k, v)]
-        (_, (ref_out, ref_lse)), ref_grads = jax.value_and_grad(dense_loss, argnums=(0, 1, 2), has_aux=True)(*f64)
+        (_, (ref_out, ref_lse)), ref_grads = jax.jit(jax.value_and_grad(dense_loss, argnums=(0, 1, 2),
+                                                                        has_aux=True))(*f64)
     np.testing.assert_allclose(out, ref_out, atol=1e-5)
     np.testing.assert_allclose(lse, ref_lse, atol=1e-5)
     for got, want in zip(grads, ref_grads):

@@ -21,6 +21,8 @@ query reads, and strips the result (`tuner.semantics.padding`).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -138,6 +140,16 @@ def document_order(segment_ids, ring_size: int, *, causal: bool = True, window: 
         raise ValueError(f"segment_ids: the documents layout splits each row evenly, so its length ({length}) must "
                          f"be a multiple of ring_size ({ring_size})")
     spec = AttentionSpec(scale=1.0, causal=causal, window=window, has_segments=True)
+    order = _document_order(jnp.asarray(segment_ids, jnp.int32), ring_size, spec, tiles)
+    return np.asarray(order) if isinstance(segment_ids, np.ndarray) else order
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _document_order(segment_ids: jax.Array, ring_size: int, spec: AttentionSpec, tiles: tuple[int, int]
+                    ) -> jax.Array:
+    """`document_order`'s choice, one compiled program per shape and masks (called eagerly, the plans'
+    many small operations would each be dispatched, and compiled, apart)."""
+    length = segment_ids.shape[1]
     local = length // ring_size
     counted = tuple(max(t, -(-length // documents.COUNTED_TILES)) for t in tiles)  # coarser on long rows
     fixed = [global_order(name, length, ring_size) for name in LAYOUTS if name != "zigzag" or local % 2 == 0]
@@ -148,8 +160,7 @@ def document_order(segment_ids, ring_size: int, *, causal: bool = True, window: 
         work = jax.vmap(lambda order: documents.busiest(order, segments, ring_size, spec, counted))(candidates)
         return candidates[jnp.argmin(work)]  # ties: the first, a fixed layout
 
-    order = jax.vmap(row_order)(jnp.asarray(segment_ids, jnp.int32))
-    return np.asarray(order) if isinstance(segment_ids, np.ndarray) else order
+    return jax.vmap(row_order)(segment_ids)
 
 
 __all__ = ["DOCUMENTS", "LAYOUTS", "Padding", "check_axes", "check_layout", "document_order", "global_order",
