@@ -16,7 +16,9 @@ Skipped where libtpu is not installed (`pip install -e '.[tpu]'`)."""
 import dataclasses
 import functools
 import importlib.util
+import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -32,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from tuner import get_tuned_ring_attention, ring_attention  # noqa: E402
+from tuner.cache import Cache  # noqa: E402
 from tuner.models import hlo  # noqa: E402
 
 RING, T, H, HKV, D = 4, 4 * 2048, 8, 2, 128
@@ -70,9 +73,9 @@ def other_generation(*values) -> pytest.param:
 
 
 @pytest.mark.parametrize("topology, causal", [
-    ("v5e:2x2", True), ("v5e:2x2", False), other_generation("v6e:2x2", True), other_generation("v6e:2x2", False),
-    other_generation("v5p:2x2x1", True), other_generation("v4:2x2x1", True)],
-    ids=["v5e-causal", "v5e-full", "v6e-causal", "v6e-full", "v5p-causal", "v4-causal"])
+    ("v5e:2x2", True), ("v5e:2x2", False), other_generation("v6e:2x2", True), other_generation("v5p:2x2x1", True),
+    other_generation("v4:2x2x1", True)],
+    ids=["v5e-causal", "v5e-full", "v6e-causal", "v5p-causal", "v4-causal"])  # without a mask: v5e only
 def test_every_ring_step_overlaps_its_transfers_forward_and_backward(topology, causal):
     text = compiled_ring(topology, causal)
     forward, backward = hlo.loop_bodies(text)
@@ -131,33 +134,35 @@ def compiled_ring(topology: str, causal: bool) -> str:
 
 
 @pytest.mark.slow
-def test_the_compiled_dry_run_ranks_what_the_compiler_accepts_and_the_loader_uses_it(tmp_path):
-    """`tuner search --dry-run --target`'s engine on v5e (the default tiles and one more per kernel):
-    every admitted variant compiles, the compiler never reports more VMEM than the estimate the
-    constraints rule by (so they never admit a variant over the limit; the margin is in the report),
-    and the stored `compiled` row is what the loader runs on that topology, saying so."""
-    from tuner.tuning import compiled
-    from tuner.semantics.problem import Problem
+def test_the_tpu_dry_run_compiles_the_defaults_and_the_loader_uses_its_row(tmp_path, capsys):
+    """`tuner search --device tpu --dry-run --target v5e:2x2 --samples 0`: the default tiles of each kernel
+    compile in the whole ring, the compiler never reports more VMEM than the estimate the constraints rule
+    by (so they never admit a variant over the limit), and the stored `compiled` row is what the loader runs
+    on that topology, saying so. (`test_the_largest_variants...` compiles the other end of the space.)"""
+    from tuner.cli import main
+    from tuner.tuning.compiled import PARTS
 
-    problem = Problem(seq_len=4 * 1024, heads=H, kv_heads=HKV, head_dim=D, dtype="bfloat16", causal=True,
-                      ring_size=RING)
-    report = compiled.compile_target(problem, "v5e:2x2", sample=1)
-    tried = [v for v in report.variants if v.ruled_out is None]
-    assert sorted({v.part for v in tried}) == sorted(compiled.PARTS) and len(tried) == 6, report.render()
-    assert all(v.compiled for v in tried), report.render()
-    for variant in tried:
-        [(asked, used, estimate)] = variant.vmem.values()
-        assert asked == 64 * 2**20 and 0 <= used <= estimate, (variant.part, asked, used, estimate)
-        assert variant.predicted.seconds > 0 and variant.temp_bytes > 0
     db = tmp_path / "tuning.sqlite"
-    row = compiled.store(report, db)
+    assert main(["search", "--device", "tpu", "--dry-run", "--target", "v5e:2x2", "--samples", "0",
+                 "--seq-len", str(T // 2), "--heads", str(H), "--kv-heads", str(HKV), "--head-dim", str(D),
+                 "--dtype", "bfloat16", "--causal", "--db", str(db)]) == 0
+    out = capsys.readouterr().out
+    assert "3 of 3 compiled" in out and "stored  compiled entry" in out, out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.split()[:1] and line.split()[0] in PARTS}
+    assert sorted(rows) == sorted(PARTS), out
+    for part, line in rows.items():
+        used, estimate = map(float, re.search(r"(\d+\.\d+) / (\d+\.\d+)", line).groups())
+        assert 0 < used <= estimate < 64 * 1024, (part, line)
+    [row] = Cache(db).rows()
     assert row["source"] == "compiled" and row["default_s"] is None
     mesh = topology_mesh("v5e:2x2")
     sharding = NamedSharding(mesh, P(None, "sp"))
-    q = jax.ShapeDtypeStruct((1, problem.seq_len, H, D), jnp.bfloat16, sharding=sharding)
-    kv = jax.ShapeDtypeStruct((1, problem.seq_len, HKV, D), jnp.bfloat16, sharding=sharding)
+    q = jax.ShapeDtypeStruct((1, T // 2, H, D), jnp.bfloat16, sharding=sharding)
+    kv = jax.ShapeDtypeStruct((1, T // 2, HKV, D), jnp.bfloat16, sharding=sharding)
     decision = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, db=str(db)).explain(q, kv, kv)
-    assert (decision.backend, decision.source, decision.config) == ("pallas_tpu", "compiled", report.config)
+    assert (decision.backend, decision.source) == ("pallas_tpu", "compiled")
+    assert json.loads(row["fwd_params"]) == dataclasses.asdict(decision.config.fwd)
+    assert json.loads(row["bwd_params"]) == dataclasses.asdict(decision.config.bwd)
     assert "not measured" in decision.reason, decision.reason
 
 
