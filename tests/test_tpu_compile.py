@@ -138,7 +138,7 @@ def test_the_tpu_dry_run_compiles_the_defaults_and_the_loader_uses_its_row(tmp_p
     """`tuner search --device tpu --dry-run --target v5e:2x2 --samples 0`: the default tiles of each kernel
     compile in the whole ring, the compiler never reports more VMEM than the estimate the constraints rule
     by (so they never admit a variant over the limit), and the stored `compiled` row is what the loader runs
-    on that topology, saying so. (`test_the_largest_variants...` compiles the other end of the space.)"""
+    on that topology, saying so. (`test_the_largest_tiles...` compiles the other end of the space.)"""
     from tuner.cli import main
     from tuner.tuning.compiled import PARTS
 
@@ -167,47 +167,32 @@ def test_the_tpu_dry_run_compiles_the_defaults_and_the_loader_uses_its_row(tmp_p
 
 
 @pytest.mark.slow
-def test_the_largest_variants_the_vmem_constraint_admits_compile_on_the_smallest_vmem():
-    """On v5p (64 MiB of VMEM, the kernels ask for 32), bf16 at D=128: the admitted variant of each kernel
-    with the largest VMEM estimate compiles within the limit, inside the whole ring, and uses no more
-    than the estimate. (`python benchmarks/tpu_vmem.py` does this on every generation;
-    `benchmarks/tpu_vmem_kernels.py` over the whole tile space.)"""
+@pytest.mark.parametrize("topology, dtype, head_dim, ring, local_len, asked_mib", [
+    ("v5p:2x2x1", "bfloat16", D, RING, 2048, 32),  # the smallest VMEM (64 MiB, the kernels ask for half)
+    ("v4:2x2x1", "float32", 256, 8, 4096, 8)])  # v4 asks for 8 MiB; float32 at D=256 needs the most per tile
+def test_the_largest_tiles_the_vmem_constraint_admits_compile_within_the_estimate(topology, dtype, head_dim, ring,
+                                                                                 local_len, asked_mib):
+    """The admitted tiles of each kernel with the largest VMEM estimate, compiled alone
+    (`compiled.compile_step`: a kernel's VMEM is its own, whatever program it sits in), compile and use no
+    more than the estimate, which stays within what the kernels ask for. Before the estimate was fitted to
+    the compiler, it admitted a v4 forward the compiler rejected (256x1024: estimated 7.6 MiB of 8).
+    (`python benchmarks/tpu_vmem.py` compiles them in the whole ring on every generation;
+    `benchmarks/tpu_vmem_kernels.py` the whole tile space.)"""
     from tuner.tuning import compiled
     from tuner.semantics.problem import Problem
 
-    problem = Problem(seq_len=4 * 2048, heads=H, kv_heads=HKV, head_dim=D, dtype="bfloat16", causal=True,
-                      ring_size=RING)
-    report = compiled.compile_target(problem, "v5p:2x2x1", largest=True)
-    admitted = [v for v in report.variants if v.forced is None]
-    assert [v.part for v in admitted] == list(compiled.PARTS)
-    for variant in admitted:
-        assert variant.compiled, (variant.part, variant.config, variant.error)
-        [(asked, used, estimate)] = variant.vmem.values()
-        assert estimate <= asked == 32 * 2**20 and used <= asked, (variant.part, used, estimate, asked)
-        assert used <= estimate, (variant.part, used, estimate)
-
-
-@pytest.mark.slow
-def test_the_largest_float32_tiles_the_vmem_constraint_admits_on_v4_compile_within_the_estimate():
-    """v4 asks for 8 MiB, float32 at D=256 needs the most per tile: the admitted tiles of each kernel with
-    the largest VMEM estimate, compiled alone (`compiled.compile_step`), compile and use no more than
-    the estimate. Before the estimate was fitted to the compiler, it admitted a forward the compiler
-    rejected here (256x1024: estimated 7.6 MiB of 8)."""
-    from tuner.tuning import compiled
-    from tuner.semantics.problem import Problem
-
-    problem = Problem(seq_len=8 * 4096, heads=H, kv_heads=HKV, head_dim=256, dtype="float32", causal=True,
-                      ring_size=8)
-    variants, _, _ = compiled.variants_of(problem, topology_mesh("v4:2x2x1"))
+    problem = Problem(seq_len=ring * local_len, heads=H, kv_heads=HKV, head_dim=head_dim, dtype=dtype, causal=True,
+                      ring_size=ring)
+    variants, _, _ = compiled.variants_of(problem, topology_mesh(topology))
     largest = {part: max((v for v in variants if v.part == part and v.ruled_out is None),
                          key=lambda v: compiled.estimate(problem, v)) for part in compiled.PARTS}
     bwd = dataclasses.replace(largest["dkv"].config.bwd, block_q_dq=largest["dq"].config.bwd.block_q_dq,
                               block_kv_dq=largest["dq"].config.bwd.block_kv_dq)
     used = {}
     for tiles in ({"fwd": largest["fwd"].config.fwd}, {"bwd": bwd}):
-        result = compiled.compile_step(problem.shapes, problem.spec, "v4:2x2x1", **tiles)
+        result = compiled.compile_step(problem.shapes, problem.spec, topology, **tiles)
         assert isinstance(result, dict), (tiles, result)  # else the compiler's error
         used.update(result)
     for part in compiled.PARTS:
         asked, use = used[part]
-        assert use <= compiled.estimate(problem, largest[part]) <= asked == 8 * 2**20, (part, use, asked)
+        assert use <= compiled.estimate(problem, largest[part]) <= asked == asked_mib * 2**20, (part, use, asked)
