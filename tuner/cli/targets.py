@@ -18,8 +18,6 @@ GPU_TARGETS = ("a100", "h100", "h200", "b200")  # `tuner.models.gpu_model.GPUS`,
 
 def _targets(args: argparse.Namespace, known: tuple[str, ...]) -> list[str]:
     """--target's names in order, `all` expanded, each named once."""
-    if args.samples is not None and args.samples < 0:
-        raise UsageError(f"--samples must be zero or more, got {args.samples}")
     return list(dict.fromkeys(t for arg in args.target for t in (known if arg == "all" else arg.split(","))))
 
 
@@ -30,6 +28,8 @@ def _compile_each(args: argparse.Namespace, jobs: dict[str, tuple[Problem, str]]
 
     `jobs` maps a target to its problem and the banner that says what is compiled; 0 when every target stored
     a config, else 1."""
+    if args.samples is not None and args.samples < 0:
+        raise UsageError(f"--samples must be zero or more, got {args.samples}")
     from tqdm import tqdm
 
     status = 0
