@@ -99,11 +99,7 @@ def _failed_elsewhere(error: BaseException) -> bool:
     another worker failed it as stale while this one could not reach the storage to beat its heartbeat
     (and queued its retry). Optuna raises a ValueError, or, when the objective had returned, an assertion
     error while handling it. The result is dropped, as a killed worker's would be, and the worker goes on."""
-    while error is not None:
-        if isinstance(error, ValueError) and str(error).startswith("Cannot tell a "):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
+    return _in_chain(error, lambda e: isinstance(e, ValueError) and str(e).startswith("Cannot tell a "))
 
 
 def _first_cause(error: BaseException) -> BaseException:
@@ -117,8 +113,13 @@ def _lost_storage(error: BaseException) -> bool:
     """Whether `error`, or an error it was raised from or while handling, is the storage not answering
     (optuna can raise another error while it handles the storage's, when its cleanup reads the storage
     too)."""
+    return _in_chain(error, lambda e: isinstance(e, STORAGE_ERRORS))
+
+
+def _in_chain(error: BaseException | None, matches: Callable[[BaseException], bool]) -> bool:
+    """Whether `error`, or an error it was raised from or while handling, `matches`."""
     while error is not None:
-        if isinstance(error, STORAGE_ERRORS):
+        if matches(error):
             return True
         error = error.__cause__ or error.__context__
     return False
