@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_attention.py                        # the whole grid, on a CUDA GPU
     python benchmarks/gpu_attention.py --head-dims 128 --seq-lens 4096,16384
+    python benchmarks/gpu_attention.py --tuned tuning.sqlite  # also the tiles `tuner search` stored there
     python benchmarks/gpu_attention.py --interpret --tokens 64 --hidden 32 --head-dims 16 --seq-lens 32
                                                               # CPU: the harness, kernels interpreted
 
@@ -17,13 +18,15 @@ dims 64 and 128, S from 1k to 16k, causal and not, bfloat16. For each point it
    issued back to back so the host's dispatch gap stays out of sub-millisecond kernels; medians.
 
 Implementations: `ring` is `tuner.ring_attention(backend="triton")` with `axis_name=None` (a ring of
-one device: the generated kernels plus the driver's float32 bookkeeping); `cudnn` and `xla` are
-`jax.nn.dot_product_attention` with that implementation. An implementation that cannot run a point
+one device: the generated kernels plus the driver's float32 bookkeeping) at the backend's default tiles;
+with `--tuned DB`, `tuned` is the same ring at the tiles that `tuner search --device gpu` stored in DB for
+the point on this device (a point without such a row is said so and times `ring` alone); `cudnn` and `xla`
+are `jax.nn.dot_product_attention` with that implementation. An implementation that cannot run a point
 (cuDNN without a GPU, XLA out of memory) is recorded with its error instead of a timing.
 
 TFLOP/s count forward 4*B*H*S^2*D, half when causal, backward 2.5x that (`tuner.tuning.timing.attention_flops`).
 The targets of issue 3 are checked and printed: at D=128 and S >= 4k, forward >= 0.6x and backward
->= 0.5x cuDNN's time-based throughput. JSON goes to `--out` (default
+>= 0.5x cuDNN's time-based throughput (of `tuned` where it ran, else of `ring`). JSON goes to `--out` (default
 benchmarks/results/gpu_attention-<device>-<date>.json).
 """
 
@@ -45,21 +48,28 @@ import numpy as np
 
 import tuner
 from tuner import ring_attention
+from tuner.cache import Cache, row_params
 from tuner.kernels import BACKENDS
+from tuner.kernels.params import BwdParams, FwdParams
+from tuner.semantics.problem import Problem, ProblemKey
 from tuner.support.tables import error_line
 from tuner.tuning.timing import Timing, attention_flops, compile_timed, run_interleaved
 
 OBJECTIVES = ("fwd", "bwd", "fwd+bwd")
-IMPLEMENTATIONS = ("ring", "cudnn", "xla")
+IMPLEMENTATIONS = ("tuned", "ring", "cudnn", "xla")
 TARGETS = {"fwd": 0.6, "bwd": 0.5}  # of cuDNN's throughput, at D=128 and S >= TARGET_MIN_SEQ
 TARGET_MIN_SEQ = 4096
 CHECK_HEADS = 2  # heads of the first batch row that the correctness check compares
 
 
-def attention_fn(implementation: str, causal: bool, interpret: bool) -> Callable:
-    """`fn(q, k, v) -> out` for one implementation, all arrays [B, S, H, D]."""
-    if implementation == "ring":
-        return lambda q, k, v: ring_attention(q, k, v, causal=causal, backend="triton", interpret=interpret)
+def attention_fn(implementation: str, causal: bool, interpret: bool,
+                 params: tuple[FwdParams, BwdParams] | None = None) -> Callable:
+    """`fn(q, k, v) -> out` for one implementation, all arrays [B, S, H, D]; `params` are the tiles of
+    `tuned`."""
+    if implementation in ("ring", "tuned"):
+        fwd, bwd = params if implementation == "tuned" else (None, None)
+        return lambda q, k, v: ring_attention(q, k, v, causal=causal, backend="triton", interpret=interpret,
+                                              fwd_params=fwd, bwd_params=bwd)
     return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
 
 
@@ -149,6 +159,18 @@ def unavailable(implementation: str, interpret: bool) -> str | None:
     return None
 
 
+def tuned_params(cache: Cache, point: dict[str, int], causal: bool) -> tuple[FwdParams, BwdParams] | None:
+    """The tiles `tuner search` stored in `cache` for this point on this device (Triton, one device, bf16),
+    or None."""
+    problem = Problem(batch=point["batch"], seq_len=point["seq_len"], heads=point["heads"],
+                      kv_heads=point["heads"], head_dim=point["head_dim"], dtype="bfloat16", causal=causal,
+                      ring_size=1, layout="contiguous")
+    key = ProblemKey.of(problem.shapes, problem.spec, backend="triton", device_kind=jax.devices()[0].device_kind,
+                        ring_size=1, layout="contiguous")
+    row = cache.entry(key.digest)
+    return row_params(row) if row is not None else None
+
+
 def device_name() -> str:
     device = jax.devices()[0]
     if device.platform == "cpu":
@@ -184,11 +206,12 @@ def target_checks(rows: list[dict]) -> list[dict]:
     checks = []
     for row in rows:
         want = TARGETS.get(row["objective"])
-        ratio = row.get("ratio_vs_cudnn")
+        of = "tuned" if "tuned_vs_cudnn" in row else "ring"
+        ratio = row.get("tuned_vs_cudnn" if of == "tuned" else "ratio_vs_cudnn")
         if want is None or row["head_dim"] != 128 or row["seq_len"] < TARGET_MIN_SEQ or ratio is None:
             continue
         checks.append({"objective": row["objective"], "seq_len": row["seq_len"], "causal": row["causal"],
-                       "ratio_vs_cudnn": ratio, "target": want, "met": ratio >= want})
+                       "of": of, "ratio_vs_cudnn": ratio, "target": want, "met": ratio >= want})
     return checks
 
 
@@ -207,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="largest relative error against float32 XLA that passes (bf16 inputs)")
     parser.add_argument("--interpret", action="store_true",
                         help="run the Triton kernels in Triton's interpreter (a CPU check of the harness)")
+    parser.add_argument("--tuned", metavar="DB",
+                        help="cache file of a `tuner search --device gpu` run: also time its tiles per point")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/gpu_attention-<device>-<date>.json)")
     args = parser.parse_args(argv)
 
@@ -228,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
                   parse_ints(args.seq_lens, "--seq-lens"))
     causals = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
     skipped = {name: why for name in IMPLEMENTATIONS if (why := unavailable(name, args.interpret))}
+    if args.tuned is not None and not Path(args.tuned).is_file():
+        parser.error(f"--tuned: no cache file at {args.tuned}")
+    cache = Cache(args.tuned) if args.tuned else None
     if "ring" in skipped:
         print(f"error: the Triton backend cannot run here: {skipped['ring']}", file=sys.stderr)
         return 2
@@ -240,9 +268,11 @@ def main(argv: list[str] | None = None) -> int:
               "triton": _version("triton"),
               "command": " ".join(["python", "benchmarks/gpu_attention.py", *(sys.argv[1:] if argv is None else argv)]),
               "dtype": "bfloat16", "interpret": args.interpret, "runs": args.runs, "calls": args.calls,
-              "unavailable": skipped, "rows": [], "checks": []}
+              "unavailable": skipped, "tuned_from": args.tuned, "tuned": [], "rows": [], "checks": []}
+    names = [name for name in IMPLEMENTATIONS if name not in skipped and (name != "tuned" or cache is not None)]
     header = (f"{'D':>4} {'S':>6} {'B':>3} {'H':>3} {'causal':>6} {'objective':>8} "
-              + "".join(f"{name + ' ms':>11} {'TFLOP/s':>8}" for name in IMPLEMENTATIONS) + f" {'ring/cudnn':>10}")
+              + "".join(f"{name + ' ms':>11} {'TFLOP/s':>8}" for name in names) + f" {'ring/cudnn':>10}"
+              + (f" {'tuned/cudnn':>11} {'tuned/ring':>10}" if "tuned" in names else ""))
     print(f"device: {device}; bfloat16; {args.runs} runs x {args.calls} calls, medians")
     print(header)
     failed = False
@@ -250,8 +280,15 @@ def main(argv: list[str] | None = None) -> int:
         b, s, h, d = point["batch"], point["seq_len"], point["heads"], point["head_dim"]
         sets = draw_sets((b, s, h, d), 3, seed=s * d, dtype=jnp.bfloat16)
         for causal in causals:
-            fns = {name: attention_fn(name, causal, args.interpret) for name in IMPLEMENTATIONS
-                   if name not in skipped}
+            params = tuned_params(cache, point, causal) if cache is not None else None
+            if cache is not None and params is None:
+                print(f"note: {args.tuned} holds no search row for D={d} S={s} B={b} H={h} causal={causal} "
+                      f"on this device; timing the default tiles only")
+            fns = {name: attention_fn(name, causal, args.interpret, params) for name in names
+                   if name != "tuned" or params is not None}
+            if params is not None:
+                result["tuned"].append({**point, "causal": causal, "fwd": params[0].to_dict(),
+                                        "bwd": params[1].to_dict()})
             errors = check(fns, causal, *[x[:1, :, :CHECK_HEADS] for x in sets[0]])
             result["checks"].append({**point, "causal": causal, "errors": errors})
             # An implementation that cannot run the point is left out of its timings; one that runs
@@ -269,18 +306,23 @@ def main(argv: list[str] | None = None) -> int:
                                                  warmup=args.warmup)
                 flops = attention_flops(b, h, s, s, d, causal=causal, objective=objective)
                 row = {**point, "causal": causal, "objective": objective, "flops": flops}
-                for name in (n for n in IMPLEMENTATIONS if n not in skipped):
+                for name in fns:
                     if name in timings:
                         row[name] = {**timings[name].to_dict(), "tflops": flops / timings[name].median / 1e12}
                     else:
                         row[name] = {"error": run_errors.get(name) or errors[name]}
                 if "median_s" in row.get("ring", {}) and "median_s" in row.get("cudnn", {}):
                     row["ratio_vs_cudnn"] = row["cudnn"]["median_s"] / row["ring"]["median_s"]
+                if "median_s" in row.get("tuned", {}):
+                    for other, field in (("cudnn", "tuned_vs_cudnn"), ("ring", "tuned_vs_ring")):
+                        if "median_s" in row.get(other, {}):
+                            row[field] = row[other]["median_s"] / row["tuned"]["median_s"]
                 result["rows"].append(row)
-                print(_table_row(row), flush=True)
+                print(_table_row(row, names), flush=True)
     result["targets"] = target_checks(result["rows"])
     for target in result["targets"]:
-        print(f"target {target['objective']:>3} D=128 S={target['seq_len']:>5} causal={target['causal']!s:5}: "
+        print(f"target {target['objective']:>3} D=128 S={target['seq_len']:>5} causal={target['causal']!s:5} "
+              f"({target['of']}): "
               f"{target['ratio_vs_cudnn']:.2f}x cuDNN (target {target['target']}x) "
               f"{'met' if target['met'] else 'NOT met'}")
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -289,17 +331,18 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def _table_row(row: dict) -> str:
+def _table_row(row: dict, names: list[str]) -> str:
     cells = []
-    for name in IMPLEMENTATIONS:
+    for name in names:
         entry = row.get(name)
         if entry is None or "error" in entry:
             cells.append(f"{'-':>11} {'-':>8}")
         else:
             cells.append(f"{entry['median_s'] * 1e3:>11.3f} {entry['tflops']:>8.1f}")
-    ratio = f"{row['ratio_vs_cudnn']:.2f}x" if "ratio_vs_cudnn" in row else "-"
+    ratios = [("ratio_vs_cudnn", 10)] + ([("tuned_vs_cudnn", 11), ("tuned_vs_ring", 10)] if "tuned" in names else [])
+    text = "".join(f" {(f'{row[field]:.2f}x' if field in row else '-'):>{width}}" for field, width in ratios)
     return (f"{row['head_dim']:>4} {row['seq_len']:>6} {row['batch']:>3} {row['heads']:>3} {row['causal']!s:>6} "
-            f"{row['objective']:>8} " + "".join(cells) + f" {ratio:>10}")
+            f"{row['objective']:>8} " + "".join(cells) + text)
 
 
 def _version(package: str) -> str | None:
