@@ -6,6 +6,7 @@ of head dims 192 and 128, compiles for sm_80, sm_90 or sm_100 as jax_triton comp
 pointers: vectorized loads) with its resources reported."""
 
 import importlib.util
+import os
 import re
 import shutil
 import subprocess
@@ -168,6 +169,18 @@ def test_pointers_aligned_as_jax_triton_aligns_them_give_vectorized_loads():
                           text=True, check=True).stdout
     shutil.rmtree(cubin.parent)
     assert "LDGSTS.E.BYPASS.128" in sass and "LDG.E.128" in sass and "LDG.E.U16" not in sass
+
+
+def test_it_compiles_after_jax_triton_emptied_the_cache_folder_variable(monkeypatch):
+    """jax_triton sets TRITON_CACHE_DIR to "" when imported; `triton.compile` then raised "Could not create or
+    locate cache dir" and a search on an H200 ruled out every launch. The compile gets a folder meanwhile."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", "")
+    variant = triton_backend.standard_variants()[0]
+    _, spec = codegen.standard_shapes(variant, 256, 2, kv_heads=2)
+    constants = triton_backend._constants(spec, 256, 256, 2, 2, variant.features["head_dim"], 64, 64)
+    compiled = triton_backend._compiled.__wrapped__(variant, "attention_fwd", tuple(sorted(constants.items())),
+                                                    4, 2, 80)
+    assert compiled.asm["cubin"] and os.environ["TRITON_CACHE_DIR"] == ""
 
 
 # --------------------------------------------------------------------------------------------------

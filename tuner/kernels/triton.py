@@ -20,6 +20,7 @@ Any head dim runs: the kernels' tiles are the head dims rounded up to powers of 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import fnmatch
 import functools
@@ -251,6 +252,23 @@ def _pointer_type(arg: str, dtype: str) -> str:
     return "*fp32"
 
 
+@contextlib.contextmanager
+def _triton_file_cache():
+    """A Triton file cache for `triton.compile` while the block runs. jax_triton sets `TRITON_CACHE_DIR` to ""
+    when imported (it keeps the kernels it compiles itself), and `triton.compile` then stops with "Could not
+    create or locate cache dir": on an H200 every launch of a search was ruled out so. The variable is set
+    to Triton's own default folder meanwhile, and put back after."""
+    if os.environ.get("TRITON_CACHE_DIR") != "":
+        yield
+        return
+    home = os.environ.get("TRITON_HOME") or os.path.expanduser("~")
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(home, ".triton", "cache")
+    try:
+        yield
+    finally:
+        os.environ["TRITON_CACHE_DIR"] = ""
+
+
 @functools.lru_cache(maxsize=256)
 def _compiled(source_variant: codegen.Variant, kernel_name: str, constants: tuple, num_warps: int,
               num_stages: int, capability: int):
@@ -269,9 +287,10 @@ def _compiled(source_variant: codegen.Variant, kernel_name: str, constants: tupl
     signature.update({name: "constexpr" for name, _ in constants})
     attrs = {(i,): ALIGNED_POINTER for i in range(len(args))}
     source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=dict(constants), attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", capability, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages, "num_ctas": 1,
-                                   "enable_fp_fusion": True})
+    with _triton_file_cache():
+        return triton.compile(source, target=GPUTarget("cuda", capability, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages, "num_ctas": 1,
+                                       "enable_fp_fusion": True})
 
 
 def tensor_core_family(capability: int) -> str:
