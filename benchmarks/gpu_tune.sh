@@ -3,15 +3,18 @@
 # B*S = 16k tokens, hidden 2048, S = 4k and 16k, causal and not; then time the tuned tiles against the
 # default ones, cuDNN and XLA in one run (benchmarks/gpu_attention.py --tuned).
 #
-#   benchmarks/gpu_tune.sh OUT_DIR [SECONDS_PER_SEARCH [SEQ_LENS]]   # defaults: 70 s of trials per
+#   benchmarks/gpu_tune.sh OUT_DIR [SECONDS_PER_SEARCH [SEQ_LENS]]   # defaults: 150 s of trials per
 #                                                                    # problem; 4096,16384
+#
+# On an H200 a search's first trial compiled for 80 to 110 s, so a search takes about 3 minutes: pass
+# one sequence length per call where a call is limited to 10 minutes.
 #
 # OUT_DIR gets gpu.sqlite (the tuned rows; `tuner export --db OUT_DIR/gpu.sqlite FILE` writes them as
 # JSON lines for cache_db/), the studies, both logs and gpu_attention.json.
 # On the lent GPU machine, install the wheels of ../shared/tools/gpu-prepare.sh first.
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_tune.sh OUT_DIR [SECONDS_PER_SEARCH [SEQ_LENS]]}
-per=${2:-70}
+per=${2:-150}
 seqs=${3:-4096,16384}
 mkdir -p "$out"
 db="$out/gpu.sqlite"
