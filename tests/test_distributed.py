@@ -55,7 +55,7 @@ def url(server) -> str:
 def start(home: Path, *args: str) -> subprocess.Popen:
     """`tuner ARGS` as a worker with its own cache under `home`."""
     home.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "TUNER_HOME": str(home), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "TUNER_HOME": str(home), "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1"}
     env.pop("XLA_FLAGS", None)
     env.pop("TUNER_DB", None)
     return subprocess.Popen([sys.executable, "-m", "tuner.cli", *args], env=env, stdout=subprocess.PIPE,
@@ -63,15 +63,20 @@ def start(home: Path, *args: str) -> subprocess.Popen:
 
 
 def finish(workers: list[subprocess.Popen]) -> list[tuple[int, str, str]]:
-    """Each worker's (exit code, stdout, stderr); a worker still running after `TIMEOUT_S` is killed."""
+    """Each worker's (exit code, stdout, stderr); a worker still running after `TIMEOUT_S` is aborted
+    (SIGABRT: its stderr then ends with every thread's stack, `PYTHONFAULTHANDLER`), then killed."""
     done = []
     for worker in workers:
         try:
             out, err = worker.communicate(timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            worker.kill()
-            out, err = worker.communicate()
-            err += f"\n(killed after {TIMEOUT_S} s)"
+            worker.send_signal(signal.SIGABRT)
+            try:
+                out, err = worker.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                out, err = worker.communicate()
+            err += f"\n(stopped after {TIMEOUT_S} s)"
         done.append((worker.returncode, out, err))
     return done
 
@@ -196,7 +201,7 @@ def test_a_restarted_server_loses_nothing(tmp_path):
             listed = start(home, "list", "--db", str(home / "tuning.sqlite")).communicate(timeout=TIMEOUT_S)[0]
             assert "invalid" not in listed, listed
             if code != 0:
-                assert err.strip().splitlines()[-1].startswith("tuner: error: lost the study storage"), err[-3000:]
+                assert err.strip().splitlines()[-1].startswith("tuner: error: lost the study storage"), err[-8000:]
                 assert rows(home) == []  # never a partial winner
         if any(resumed):
             trials = the_study(url).get_trials()

@@ -83,6 +83,32 @@ def test_a_failed_check_stops_the_point_and_the_exit_status_says_so(tmp_path, ca
     assert result["rows"] == [] and len(result["checks"]) == 1
 
 
+def test_tuned_tiles_are_the_search_row_of_the_point_on_this_device(tmp_path):
+    """`--tuned DB` times the tiles `tuner search` stored for the point's own key (one device, bf16, this
+    device kind); a point without such a row gets None (the harness then times the default alone)."""
+    import jax
+
+    from tuner import BwdParams, FwdParams, registry
+    from tuner.cache import Cache, make_row
+    from tuner.semantics.problem import Problem, ProblemKey
+
+    bench = load_benchmark()
+    point = {"batch": 2, "seq_len": 256, "heads": 4, "head_dim": 64}
+    problem = Problem(batch=2, seq_len=256, heads=4, kv_heads=4, head_dim=64, dtype="bfloat16", causal=True,
+                      ring_size=1)
+    key = ProblemKey.of(problem.shapes, problem.spec, backend="triton", device_kind=jax.devices()[0].device_kind,
+                        ring_size=1, layout="zigzag")
+    fwd = FwdParams(block_q=64, block_kv=32, num_warps=4, num_stages=3)
+    bwd = BwdParams(block_q_dkv=32, block_kv_dkv=64, block_q_dq=64, block_kv_dq=32, num_warps=8, num_stages=2)
+    db = tmp_path / "tuning.sqlite"
+    Cache(db).put(make_row(key, fwd, bwd, versions=registry.versions(registry.get("triton")), tool_version="test",
+                           objective="fwd+bwd", best_s=1.0, default_s=2.0, speedup=2.0, trials_run=3,
+                           trials_pruned=0, study="s"))
+    assert bench.tuned_params(Cache(db), point, causal=True) == (fwd, bwd)
+    assert bench.tuned_params(Cache(db), point, causal=False) is None
+    assert bench.tuned_params(Cache(db), {**point, "batch": 1}, causal=True) is None
+
+
 def test_targets_are_checked_at_d128_from_4k_tokens():
     bench = load_benchmark()
     base = {"batch": 4, "heads": 16, "head_dim": 128, "causal": True}

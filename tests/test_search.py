@@ -6,6 +6,7 @@ import dataclasses
 import json
 import re
 import sqlite3
+import time
 
 import jax
 import optuna
@@ -19,7 +20,7 @@ from tuner.cli.usage import search_summary
 from tuner.strategies.implementations import Ring, TileConfig, TileSpace
 from tuner.semantics.problem import Problem
 from tuner.tuning.search import SearchOptions, search
-from tuner.tuning.study import counted, default_storage, study_name
+from tuner.tuning.study import counted, default_storage, fail_stale, open_storage, study_name
 
 TINY = Problem(batch=1, seq_len=64, heads=2, kv_heads=1, head_dim=16, causal=True, ring_size=2,
                layout="zigzag")
@@ -162,6 +163,28 @@ def test_bad_options_name_the_field():
 def _competitor(db, name: str) -> optuna.Study:
     """Another worker's handle on the study (no heartbeat: its trials stay running until told)."""
     return optuna.load_study(study_name=name, storage=default_storage(db))
+
+
+def test_a_running_trial_that_never_beat_is_failed_and_retried(tmp_path):
+    """A worker that lost the storage between creating its trial and the trial's first heartbeat leaves
+    it running without one; optuna's stale check passes over it and the other workers waited for ever.
+    Two heartbeats after it started (and `orphan_after`), it is failed and its retry queued; a trial
+    that just started is left alone."""
+    storage = open_storage(f"sqlite:///{tmp_path / 'studies.sqlite'}", heartbeat=1)
+    study = optuna.create_study(study_name="orphans", storage=storage)
+    orphan = study.ask()  # `ask` records no heartbeat: only `optimize`'s thread does
+    orphan.suggest_int("x", 0, 9)
+    time.sleep(2.2)
+    fresh = study.ask()
+    fail_stale(study, storage, orphan_after=0)
+    trials = study.get_trials(deepcopy=False)
+    states = {t.number: t.state for t in trials}
+    assert states[orphan.number] == optuna.trial.TrialState.FAIL
+    assert states[fresh.number] == optuna.trial.TrialState.RUNNING
+    (retry,) = [t for t in trials if t.state == optuna.trial.TrialState.WAITING]
+    assert optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(retry) == orphan.number
+    fail_stale(study, storage, orphan_after=0)  # a second worker's check finds nothing more to do
+    assert len(study.get_trials(deepcopy=False)) == len(trials)
 
 
 def test_workers_sharing_a_study_run_its_total_between_them(faulty, tmp_path, monkeypatch):

@@ -37,7 +37,7 @@ def run_until_decided(study: optuna.Study, objective: Callable[[optuna.Trial], f
     worker found the space covered. Returns the winner another worker decided on `total` trials or
     more, or on the whole space; else None: this worker decides."""
     while True:
-        fail_stale(study)
+        fail_stale(study, shared.storage)
         trials = study.get_trials(deepcopy=False)
         decided = shared.winner(study.study_name)
         if decided is not None and (decided["trials"] >= total or decided["covered"]):
