@@ -109,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     tuning.add_argument("--objective", choices=OBJECTIVES, default="fwd+bwd")
     tuning.add_argument("--trials", type=int, default=12, help="trials the study should reach (a re-run "
                                                                "resumes and runs the rest)")
-    tuning.add_argument("--timeout", type=_finite, default=None, help="seconds for this run's trials")
+    tuning.add_argument("--timeout", type=_finite, default=None,
+                        help="seconds for this run's trials, counted once the default is built (its trial "
+                             "always runs)")
     tuning.add_argument("--trial-timeout", type=_finite, default=120.0, help="seconds per trial")
     tuning.add_argument("--sampler", choices=SAMPLERS, default="tpe")
     tuning.add_argument("--seed", type=_seed, default=0)

@@ -182,7 +182,9 @@ def search(
         if taken(trials) >= options.trials:
             study.stop()
 
-    deadline = None if options.timeout is None else started + options.timeout
+    # `timeout` is the trials' budget: it starts once the reference and the default are built (on a GPU
+    # those compiles took 80 to 110 s, which a short budget would have spent before any trial).
+    deadline = None if options.timeout is None else time.perf_counter() + options.timeout
     with quiet_heartbeats():
         decision = reconnecting(storage_url, lambda: run_until_decided(
             study, state.objective, after_trial, state.shared, options.trials, deadline, lambda: state.exhausted),

@@ -2,7 +2,8 @@
 storage that stops answering for a while.
 
 A study is decided when it counts its total of trials, when the search space is covered and no trial
-runs, or when this run's time is up. Until then a worker with nothing to start waits for the others'
+runs, or when this run's time is up and it counts a trial (the default's, queued first, runs however
+short the time). Until then a worker with nothing to start waits for the others'
 running trials: one of them may die, and then its retry (queued by the heartbeat, see
 `tuner.tuning.study.open_storage`) is this worker's to run.
 """
@@ -44,13 +45,15 @@ def run_until_decided(study: optuna.Study, objective: Callable[[optuna.Trial], f
             return decided
         left = None if deadline is None else deadline - time.perf_counter()
         running = any(not t.state.is_finished() for t in trials)
-        if len(finished(trials)) >= total or (left is not None and left <= 0) or (covered() and not running):
+        done = finished(trials)
+        over = left is not None and left <= 0
+        if len(done) >= total or (over and done) or (covered() and not running):
             return None
         waiting = any(t.state == optuna.trial.TrialState.WAITING for t in trials)
         if waiting or (not covered() and taken(trials) < total):
-            try:
-                study.optimize(objective, timeout=left, catch=(TrialFailed,), callbacks=[after_trial],
-                               gc_after_trial=False)
+            try:  # past the deadline with nothing counted, one trial (the default, queued first) still runs
+                study.optimize(objective, n_trials=1 if over else None, timeout=None if over else left,
+                               catch=(TrialFailed,), callbacks=[after_trial], gc_after_trial=False)
             except Exception as error:
                 if not _failed_elsewhere(error):
                     raise
