@@ -133,8 +133,8 @@ def fail_stale(study: optuna.Study, storage: optuna.storages.RDBStorage, orphan_
 
     optuna's own check passes over a trial without a heartbeat. A worker that loses the storage after
     `study.ask` created its trial and before the trial's first beat (the sampler reads the storage in
-    between) leaves such a trial running for ever, and the other workers would wait for it: after a
-    restart of the server in CI, both workers hung with 8 of 9 trials counted."""
+    between) leaves such a trial running for ever, and the other workers would wait for it (after a
+    restart of the server in CI, a worker hung with 8 of 9 trials counted, likely so)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)

@@ -58,7 +58,7 @@ def run_until_decided(study: optuna.Study, objective: Callable[[optuna.Trial], f
                 if not _failed_elsewhere(error):
                     raise
         else:
-            time.sleep(POLL_S if left is None else min(POLL_S, left))
+            time.sleep(POLL_S if left is None or over else min(POLL_S, left))  # over: others' trials run
 
 
 def reconnecting(url: str, step: Callable[[], T], patience: float) -> T:
