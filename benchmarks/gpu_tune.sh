@@ -6,8 +6,9 @@
 #   benchmarks/gpu_tune.sh OUT_DIR [SECONDS_PER_SEARCH [SEQ_LENS]]   # defaults: 150 s of trials per
 #                                                                    # problem; 4096,16384
 #
-# On an H200 a search's first trial compiled for 80 to 110 s, so a search takes about 3 minutes: pass
-# one sequence length per call where a call is limited to 10 minutes.
+# On an H200 the reference and the default took 80 to 110 s to build before a search's trials (which
+# SECONDS_PER_SEARCH bounds): where a call is limited to 10 minutes, pass one sequence length per call
+# and 90 s (`benchmarks/gpu_tune.sh OUT 90 4096`).
 #
 # OUT_DIR gets gpu.sqlite (the tuned rows; `tuner export --db OUT_DIR/gpu.sqlite FILE` writes them as
 # JSON lines for cache_db/), the studies, both logs and gpu_attention.json.
