@@ -130,13 +130,12 @@ def bench_mechanisms(problem: Problem, *, device: str, objective: str = "fwd+bwd
     failed: dict[str, str] = {}
     for name, fn in candidates.items():
         try:
-            checked = workload.compile(fn, reference.inputs, reference.dout, backward=backward)
+            checked = reference.compile(fn)
             mismatch = reference.mismatch(checked)
             if mismatch is not None:
                 failed[name] = f"wrong: {mismatch}"
                 continue
-            compiled[name] = checked if problem.dtype == "float32" else workload.compile(
-                fn, *sets[0], backward=backward)
+            compiled[name] = workload.compile(fn, *sets[0], backward=backward) if reference.separate else checked
         except Exception as error:  # noqa: BLE001 - a mechanism that cannot run is reported, not fatal
             failed[name] = error_line(error, limit=200)
     if not compiled:

@@ -160,7 +160,7 @@ def dry_run(problem: Problem, *, samples: int = 3, seed: int = 0,
             start = time.perf_counter()
             fn = workload.attend(backend.name, config, interpret=True)
             try:
-                compiled = workload.compile(fn, reference.inputs, reference.dout, backward=True)
+                compiled = reference.compile(fn)
                 mismatch = reference.mismatch(compiled)
             except Exception as error:  # noqa: BLE001 - a sample that fails to run is a failed sample
                 mismatch = error_line(error)

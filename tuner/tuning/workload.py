@@ -190,18 +190,16 @@ class Workload:
         return Compiled(lambda x: with_residuals(x)[0], time.perf_counter() - start, with_residuals,
                         backward_fn)
 
-    def reference(self, seed: int, backward: bool) -> tuple[Inputs, Any, dict[str, Any]]:
-        """Fixed random float32 inputs, an output cotangent, and the scan ring's results on them at its default
-        tiles (with `backward`, its gradients too): what every candidate must reproduce. Over two axes the
-        scan ring runs over the same devices as one axis, on the same tokens in its own layout, and its
-        results are laid out back."""
-        inputs, dout = self.draw(seed=seed, dtype="float32")
+    def reference(self, inputs: Inputs, dout, backward: bool) -> dict[str, Any]:
+        """The scan ring's results on `inputs` at its default tiles (with `backward`, its gradients too): what
+        every candidate must reproduce. Over two axes the scan ring runs over the same devices as one axis, on
+        the same tokens in its own layout, and its results are laid out back."""
         p = self.problem
         scan = registry.get(registry.FALLBACK)
         default = scan.default_config(p.shapes, p.spec)
         if not self.pair:
-            return inputs, dout, self.compile(self.attend(scan.name, default), inputs, dout,
-                                              backward=backward).results(inputs, dout, backward)
+            return self.compile(self.attend(scan.name, default), inputs, dout,
+                                backward=backward).results(inputs, dout, backward)
         line = Workload(dataclasses.replace(p, a2a_size=1), devices=list(self.mesh.devices.flat))
 
         def relayout(x, source: int, target: int):  # a global array laid out over `source` ring positions
@@ -214,8 +212,7 @@ class Workload:
         moved, moved_dout = {n: x if n == "sinks" else to_line(x, n) for n, x in inputs.items()}, to_line(dout, "q")
         compiled = line.compile(line.attend(scan.name, default), moved, moved_dout, backward=backward)
         results = compiled.results(moved, moved_dout, backward)
-        return inputs, dout, {n: x if n == "dsinks" else relayout(x, p.ring_size, p.ring_positions)
-                              for n, x in results.items()}
+        return {n: x if n == "dsinks" else relayout(x, p.ring_size, p.ring_positions) for n, x in results.items()}
 
     def dense(self, implementation: str = "xla") -> Callable[[Inputs], Any]:
         """`jax.nn.dot_product_attention` over the global arrays with the problem's causal flag: the
