@@ -70,15 +70,20 @@ def finish(workers: list[subprocess.Popen]) -> list[tuple[int, str, str]]:
         try:
             out, err = worker.communicate(timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            worker.send_signal(signal.SIGABRT)
-            try:
-                out, err = worker.communicate(timeout=10)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-                out, err = worker.communicate()
+            out, err = stop(worker, signal.SIGABRT, 10)
             err += f"\n(stopped after {TIMEOUT_S} s)"
         done.append((worker.returncode, out, err))
     return done
+
+
+def stop(process: subprocess.Popen, sig: int, grace: float) -> tuple[str, str]:
+    """Send `sig` to `process`, then kill it if it has not ended `grace` seconds later: its stdout and stderr."""
+    process.send_signal(sig)
+    try:
+        return process.communicate(timeout=grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.communicate()
 
 
 def the_study(url: str, name: str | None = None) -> optuna.Study:
@@ -298,10 +303,5 @@ def test_dashboard_lists_the_study_just_run(three_workers, tmp_path):
         assert listed is not None, dashboard.stderr.read() if dashboard.poll() is not None else "no answer"
         assert [s["study_name"] for s in listed] == [the_study(url).study_name]
     finally:
-        dashboard.send_signal(signal.SIGINT)
-        try:
-            out, _ = dashboard.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            dashboard.kill()
-            out, _ = dashboard.communicate()
+        out, _ = stop(dashboard, signal.SIGINT, 30)
     assert f"http://127.0.0.1:{port}" in out

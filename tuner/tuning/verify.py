@@ -25,6 +25,7 @@ every exact candidate failed the 1e-5 check against it. Only where float32 produ
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -82,9 +83,7 @@ class ReferenceCheck:
     def compile(self, fn: Callable[[Inputs], Any]) -> Compiled:
         """`fn` compiled to run on the reference inputs as the check runs it (float32 traced at
         `CHECK_PRECISION`)."""
-        if not self.separate:
-            return self.workload.compile(fn, self.inputs, self.dout, backward=self.backward)
-        with jax.default_matmul_precision(CHECK_PRECISION):
+        with jax.default_matmul_precision(CHECK_PRECISION) if self.separate else contextlib.nullcontext():
             return self.workload.compile(fn, self.inputs, self.dout, backward=self.backward)
 
     def run(self, compiled: Compiled) -> dict[str, Any]:
