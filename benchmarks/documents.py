@@ -2,10 +2,13 @@
 
     python benchmarks/documents.py                # ring 8, T=4096, causal, 6 packings, 4 layouts
     python benchmarks/documents.py --no-time      # the work counts only (a minute)
-    python benchmarks/documents.py --packed-tile 0 --only long   # the default tiles before the packed cap
+    python benchmarks/documents.py --undeclared   # the loader not told the packing: tiles of PACKED_TILE
+    python benchmarks/documents.py --packed-tile 0 --undeclared --only long   # before the packed cap
 
-Every layout runs through `get_tuned_ring_attention(mesh=..., layout=...)` on an empty cache, so with
-the default tiles a user gets before tuning. Work is counted with `tuner.support.work.count_work` on
+Every layout runs through `get_tuned_ring_attention(mesh=..., layout=..., packing=...)` on an empty
+cache, so with the default tiles a user gets before tuning; the loader is told each row's packing (its
+document lengths), from which it picks the tile (`tuner.semantics.documents.declared_tile`), unless
+`--undeclared`. Work is counted with `tuner.support.work.count_work` on
 the forward pass: imbalance = busiest device / mean device, efficiency = useful work (the sum of the
 documents' causal triangles) / (ring size x the busiest device's work). Wall time is forward+backward
 under `jax.jit` on the simulated devices, the layouts interleaved, medians. Writes
@@ -31,7 +34,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from tuner import get_tuned_ring_attention  # noqa: E402
-from tuner.strategies import implementations  # noqa: E402
+from tuner.semantics import documents  # noqa: E402
 from tuner.semantics.packing import Packing  # noqa: E402
 from tuner.support.tables import table  # noqa: E402
 from tuner.support.work import count_work  # noqa: E402
@@ -69,12 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-time", action="store_true", help="count the work only")
-    parser.add_argument("--packed-tile", type=int, default=implementations.PACKED_TILE,
+    parser.add_argument("--packed-tile", type=int, default=documents.PACKED_TILE,
                         help="the longest default tile of a packed call (0: no limit, as before 2026-11-25)")
+    parser.add_argument("--undeclared", action="store_true", help="do not tell the loader the packing")
     parser.add_argument("--only", default=None, help="run only the packings whose name contains this")
     args = parser.parse_args(argv)
-    suffix = "" if args.packed_tile == implementations.PACKED_TILE else f"-tile{args.packed_tile}"
-    implementations.PACKED_TILE = args.packed_tile or 2**31
+    suffix = ("" if args.packed_tile == documents.PACKED_TILE else f"-tile{args.packed_tile}") + (
+        "-undeclared" if args.undeclared else "")
+    documents.PACKED_TILE = args.packed_tile or 2**31
 
     mesh = Mesh(np.array(jax.devices()[:args.ring]), ("sp",))
     rng = np.random.default_rng(0)
@@ -85,11 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     for name, lengths in packings(args.length).items():
         if args.only and args.only not in name:
             continue
-        seg = jnp.asarray(Packing("fixed", tuple(lengths)).segment_ids(sum(lengths), 1))
+        declared = Packing("fixed", tuple(lengths)).describe()
+        seg = jnp.asarray(Packing.parse(declared).segment_ids(sum(lengths), 1))
         useful = sum(n * (n + 1) // 2 for n in lengths) * args.heads
         steps = {}
         for layout in LAYOUTS:
-            attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, layout=layout, db=db)
+            attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, layout=layout, db=db,
+                                            packing=None if args.undeclared else declared)
             with count_work() as counts:  # a fresh trace inside the context counts
                 jax.block_until_ready(jax.jit(lambda q, k, v, s, a=attn: a(q, k, v, q_segment_ids=s,
                                                                            kv_segment_ids=s))(q, k, v, seg))
@@ -122,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                        f"documents-{args.ring}x{args.length}{suffix}-{datetime.date.today().isoformat()}.json")
     with open(out, "w") as f:
         json.dump(dict(ring=args.ring, length=args.length, heads=args.heads, head_dim=args.head_dim,
-                       packed_tile=args.packed_tile,
+                       packed_tile=args.packed_tile, declared=not args.undeclared,
                        platform=f"{jax.devices()[0].platform} x{args.ring} simulated", results=results), f, indent=1)
     print(f"wrote {out}")
     return 0

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from tuner import FwdParams, BwdParams, get_tuned_ring_attention, layouts, ring_attention
 from tuner.semantics import documents
+from tuner.semantics.packing import Packing
 from tuner.semantics.reference import dense_attention
 from tuner.semantics.spec import AttentionSpec
 from tuner.support.work import count_work
@@ -68,22 +69,71 @@ def _counted(order: np.ndarray, seg: np.ndarray, ring: int, tile: int):
     return counts["tile_area"]
 
 
-def test_one_long_document_among_short_ones_is_spread_over_the_ring():
-    """Half the row in one document, the rest in 16 short ones, ring 8, tiles of 16: the ring's own
-    count shows every device within 10% of the mean and 75% of the busiest device's work useful; the
-    best fixed layout is far from it."""
-    lengths = [512] + [32] * 16
-    seg = segment_ids(lengths)
-    useful = sum(n * (n + 1) // 2 for n in lengths)
+def _loader_counted(packing: str, ring: int, layout: str = "documents") -> tuple[dict, int]:
+    """The tile area each device computes when the loader, told the rows' `packing`, runs them in
+    `layout` (counted by the ring itself), and the forward tile it chose."""
+    mesh = Mesh(np.array(jax.devices()[:ring]), ("sp",))
+    lengths = Packing.parse(packing).row_lengths(sum(Packing.parse(packing).lengths))
+    seg = jnp.asarray(segment_ids(lengths))
+    x = jnp.zeros((1, seg.shape[1], 1, 8), jnp.float32)
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, layout=layout, packing=packing)
+    with count_work() as counts:
+        jax.block_until_ready(jax.jit(lambda x, s: attn(x, x, x, q_segment_ids=s, kv_segment_ids=s))(x, seg))
+    tile = attn.explain(x, x, x, q_segment_ids=seg, kv_segment_ids=seg).config.to_dict()["fwd"]["block_q"]
+    return counts["tile_area"], tile
 
-    def measure(order):
-        work = _counted(order, seg, 8, 16)
+
+@pytest.mark.parametrize("packing, tile", [("512,32x16", 32), ("64x16", 16)])
+def test_the_loader_told_the_packing_balances_the_ring_and_wastes_little(packing, tile):
+    """Ring 8, 1024 tokens, the loader on an empty cache told the packing: one long document among short
+    ones, or 16 tiny ones. The ring's own count: every device within 10% of the mean, and 75% of the
+    busiest device's work useful, on tiles the packing chose. For the long document, the best fixed
+    layout (on the same tiles) is far from it."""
+    lengths = Packing.parse(packing).lengths
+    useful = sum(n * (n + 1) // 2 for n in Packing.parse(packing).row_lengths(sum(lengths)))
+
+    def measure(work):
         return max(work.values()) / (sum(work.values()) / 8), useful / (8 * max(work.values()))
 
-    imbalance, efficiency = measure(layouts.document_order(seg, 8, tile=16))
+    work, chosen = _loader_counted(packing, 8)
+    assert chosen == tile
+    imbalance, efficiency = measure(work)
     assert imbalance <= 1.10 and efficiency >= 0.75, (imbalance, efficiency)
-    fixed = [measure(layouts.global_order(name, 1024, 8)[None]) for name in layouts.LAYOUTS]
-    assert max(e for _, e in fixed) < 0.7 * efficiency, fixed
+    if packing.startswith("512"):
+        seg = segment_ids(Packing.parse(packing).row_lengths(1024))
+        fixed = [measure(_counted(layouts.global_order(name, 1024, 8)[None], seg, 8, tile)) for name in layouts.LAYOUTS]
+        assert max(e for _, e in fixed) < 0.7 * efficiency, fixed
+
+
+@given(st.lists(st.integers(1, 400), min_size=1, max_size=12), st.sampled_from([2, 4, 8]), st.booleans(),
+       st.sampled_from([16, 32]))
+@settings(max_examples=5, deadline=None)
+def test_the_plan_deals_within_one_chunk_and_its_host_estimate_is_its_count(lengths, ring, causal, tile):
+    """The documents plan's devices differ by at most one chunk's cost, and `efficiency` (the host-side
+    estimate the default tile is chosen by) is what `busiest` counts for the plan."""
+    total = -(-sum(lengths) // (ring * tile)) * ring * tile
+    lengths = lengths + [total - sum(lengths)] if total > sum(lengths) else lengths
+    spec = AttentionSpec(scale=1.0, causal=causal, has_segments=True)
+    seg = jnp.asarray(segment_ids(lengths)[0])
+    order = np.asarray(documents.plan(seg, ring, spec, tile))
+    cost = documents.chunk_costs(lengths, spec, tile)
+    loads = cost[order.reshape(ring, -1, tile)[:, :, 0] // tile].sum(axis=1)
+    assert loads.max() - loads.min() <= cost.max()
+    useful = documents.useful_logits(lengths, spec)
+    counted = int(documents.busiest(jnp.asarray(order), seg, ring, spec, (tile, tile)))
+    assert documents.efficiency(lengths, spec, ring, tile) == pytest.approx(useful / (ring * counted))
+
+
+def test_a_declared_packing_chooses_the_longest_tile_that_wastes_little():
+    spec = AttentionSpec(scale=1.0, causal=True, has_segments=True)
+    assert documents.declared_tile(None, 4096, 8, spec) is None
+    assert documents.declared_tile("2048,128x16", 4096, 8, spec) == 64  # one long document: tiles of 64 suffice
+    assert documents.declared_tile("64x64", 4096, 8, spec) == 16  # tiny ones: diagonals waste less in short tiles
+    tailed = documents.declared_tile("lognormal:14", 4096, 8, spec)
+    rows = [Packing.parse("lognormal:14").row_lengths(4096, r) for r in range(documents.DECLARED_ROWS)]
+    assert min(documents.efficiency(row, spec, 8, tailed) for row in rows) >= documents.EFFICIENT
+    assert tailed == 64 or min(documents.efficiency(row, spec, 8, 2 * tailed) for row in rows) < documents.EFFICIENT
+    assert documents.declared_tile("1000,24", 1032, 8, spec) == documents.declared_tile("1000,24,8", 1032, 8, spec)
 
 
 def _check_against_dense(rows: np.ndarray, ring: int, heads: tuple[int, int], causal: bool, window) -> None:

@@ -28,21 +28,21 @@ heads, D head size, `item` bytes per element; T = S / P tokens per device):
   fastest split with both > 1.
 
 Compute: FLOPs / (peak x efficiency), 4 B H Tq Tk D per full block; the efficiency is an assumption per
-platform (override it). Masked work is counted the way the kernels skip it, tile by tile (`_work_share`):
-a query tile x key tile is computed unless every key in it comes after every query (causal), or the
-documents its queries and its keys belong to cannot meet (packed rows: the first row of the problem's
-packing, `Problem.documents`), over the token positions each strategy's kernels see (a ring's shards in
-its layout, all_to_all's whole sequence in the layout's order, all_gather's shard against it, the
-hybrid's chunks over its ring positions), and the slowest device's share counts. So a packing that
-leaves one device of the ring a long document's tail costs the ring, while all_to_all, whose every
-device holds the whole sequence, stays balanced. Tiles: the ring kernel's default forward tiles on the
-platform (`Platform.ring_tiles`; at most `PACKED_TILE` with documents, as the ring's default), the scan
-kernel's inside the other strategies, cut to the lengths; the backward is taken to skip the same share.
-Windows, chunks, HBM traffic and kernel overheads are not modelled. Transfers: latency + bytes on the
-links / rate. `Prediction.bytes` counts what `tuner.models.hlo.collective_bytes` reads from a compiled
-program -- each collective's result size on one device -- from which a device puts on its links (P-1)/P
-of an all-gather's or all-to-all's result, all of a collective-permute's and (P-1) times a
-reduce-scatter's (`link_bytes`). XLA:CPU widens bf16 collectives to float32; the model does not.
+platform (override it). Masked work is counted the way the kernels skip it, tile by tile (`_work_share`): a
+query tile x key tile is computed unless every key in it comes after every query (causal), or the documents
+its queries and its keys belong to cannot meet (packed rows: the first row of the problem's packing,
+`Problem.documents`), over the token positions each strategy's kernels see (a ring's shards in its layout,
+all_to_all's whole sequence in the layout's order, all_gather's shard against it, the hybrid's chunks over its
+ring positions), and the slowest device's share counts. So a packing that leaves one device of the ring a long
+document's tail costs the ring, while all_to_all, whose every device holds the whole sequence, stays balanced.
+Tiles: the ring kernel's default forward tiles on the platform (`Platform.ring_tiles`; with documents at most
+`PACKED_TILE`, or the declared packing's tile, as the ring's default), the scan kernel's inside the other
+strategies, cut to the lengths; the backward is taken to skip the same share. Windows, chunks, HBM traffic and
+kernel overheads are not modelled. Transfers: latency + bytes on the links / rate. `Prediction.bytes` counts
+what `tuner.models.hlo.collective_bytes` reads from a compiled program -- each collective's result size on one
+device -- from which a device puts on its links (P-1)/P of an all-gather's or all-to-all's result, all of a
+collective-permute's and (P-1) times a reduce-scatter's (`link_bytes`). XLA:CPU widens bf16 collectives to
+float32; the model does not.
 
 Rates, per device, one direction (`PLATFORMS`; `Platform` fields override them):
 - h100: 989 TFLOP/s dense bf16, 67 TFLOP/s float32 (NVIDIA H100 SXM datasheet); NVLink 4, 900 GB/s
@@ -67,9 +67,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tuner.semantics import layouts
+from tuner.semantics import documents, layouts
 from tuner.strategies.all_to_all import kv_repeats
-from tuner.strategies.implementations import PACKED_TILE
 from tuner.kernels import BACKENDS
 from tuner.kernels.tpu_memory import GENERATION_TILES
 from tuner.kernels.triton import DEFAULTS as TRITON_DEFAULTS
@@ -270,11 +269,13 @@ def _work_share(problem: Problem, queries: list[np.ndarray], keys: list[np.ndarr
 
 
 def _ring_tiles(problem: Problem, platform: Platform) -> tuple[int, int]:
-    """The forward tiles the ring runs by default: the platform's, at most `PACKED_TILE` with documents
-    (`tuner.strategies.implementations.Ring.default_config`)."""
+    """The forward tiles the ring runs by default: the platform's, with documents at most the declared
+    packing's tile, else `PACKED_TILE` (`tuner.strategies.implementations.Ring.default_config`)."""
     if not problem.segments:
         return platform.ring_tiles
-    return min(platform.ring_tiles[0], PACKED_TILE), min(platform.ring_tiles[1], PACKED_TILE)
+    declared = documents.declared_tile(problem.packing, problem.seq_len, problem.ring_size, problem.spec)
+    cap = declared or documents.PACKED_TILE
+    return min(platform.ring_tiles[0], cap), min(platform.ring_tiles[1], cap)
 
 
 def _ring(acc: _Pass, problem: Problem, size: int, heads: int, kv_heads: int, tokens: int, backward: bool,

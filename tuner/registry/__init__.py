@@ -160,8 +160,10 @@ class Implementation(Protocol):
         """None when every feature of the call is honoured, else the first one that is not.
         `value_head_dim` is the values' head dim, passed only where it differs from `head_dim`."""
 
-    def default_config(self, shapes: LocalShapes, spec: AttentionSpec) -> Config:
-        """The heuristic default for one device's shapes."""
+    def default_config(self, shapes: LocalShapes, spec: AttentionSpec, *, packed_tile: int | None = None) -> Config:
+        """The heuristic default for one device's shapes. `packed_tile`: with segment ids, the longest tile
+        the declared packing's documents want (`tuner.semantics.documents.declared_tile`); None where no
+        packing is declared. An implementation without tiles has none to shorten."""
 
     def space(self, shapes: LocalShapes, spec: AttentionSpec) -> Space:
         """The candidates worth trying."""
@@ -357,6 +359,15 @@ def versions(implementation: Implementation) -> dict[str, str]:
     return current_versions(implementation.code_hash(), triton="triton" in implementation.packages)
 
 
+def default_config(implementation: Implementation, shapes: LocalShapes, spec: AttentionSpec,
+                   packed_tile: int | None) -> Config:
+    """`implementation`'s default config; `packed_tile` is passed only where a declared packing set it, so
+    that an implementation written before packings were declared still answers."""
+    if packed_tile is None:
+        return implementation.default_config(shapes, spec)
+    return implementation.default_config(shapes, spec, packed_tile=packed_tile)
+
+
 def combine(implementation: Implementation, fwd_from: Config, bwd_from: Config) -> Config:
     """The config running the forward pass of `fwd_from` and the backward pass of `bwd_from`."""
     return config_from_parts(implementation, fwd_from.to_dict()["fwd"], bwd_from.to_dict()["bwd"])
@@ -372,6 +383,6 @@ def forward_tiles(config: Config) -> tuple[int, int] | None:
 
 
 __all__ = ["FALLBACK", "GATHERED", "OBJECTIVE_PARTS", "PARTS", "PREFERENCE", "STRATEGIES", "ChoiceSpace", "Config",
-           "Implementation", "Space", "TWO_AXES", "Target", "choose", "combine", "config_from_parts", "find",
-           "forward_tiles", "get", "key", "label", "mesh_axes", "names", "problem_key", "register", "registered",
-           "resolve_auto", "shape_violation", "strategy_of", "unregister", "versions", "why_not"]
+           "Implementation", "Space", "TWO_AXES", "Target", "choose", "combine", "config_from_parts", "default_config",
+           "find", "forward_tiles", "get", "key", "label", "mesh_axes", "names", "problem_key", "register",
+           "registered", "resolve_auto", "shape_violation", "strategy_of", "unregister", "versions", "why_not"]

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from tuner.semantics import layouts
+from tuner.semantics import documents, layouts
 from tuner.semantics.documents import DOCUMENTS
 from tuner.semantics.packing import Packing
 from tuner.runtime import agreement, measured, meshed, modelled, plan, record
@@ -325,7 +325,8 @@ class TunedRingAttention:
                 return str(error)
             return None
 
-        default = implementation.default_config(shapes, spec)
+        tile = documents.declared_tile(problem.packing, shapes.q_len * problem.ring_size, problem.ring_size, spec)
+        default = registry.default_config(implementation, shapes, spec, tile)
         cache = Cache(self.db, busy_timeout=LOADER_BUSY_TIMEOUT_S)
         name = implementation.name
         try:

@@ -4,118 +4,159 @@ A fixed layout balances one causal sequence. A packed row holds many documents, 
 causal work grows with the square of its length, so a fixed layout leaves one device with a long
 document's tail, or spreads every document over every tile so that no tile can be skipped.
 
-A plan, per batch row (a document is a run of equal segment ids), for a threshold `heavy` and a piece
-length `piece`:
-
-1. Cost. A token's work is the number of keys of its own document it may read (its offset plus one
-   when causal, the document's length otherwise, both capped by the window). A document's cost is the
-   sum over its tokens; a device's share is the row's total over P.
-2. Heavy documents are cut. A document costing more than `heavy` shares is cut into 2k pieces of at
-   least `piece` tokens (k <= P), paired as zigzag pairs them (piece j with piece 2k-1-j, pairs of equal
-   cost), and the pairs of all heavy documents are dealt to the devices heaviest first, in snake order
-   (0, 1, ..., P-1, P-1, ..., 0, 0, ...).
-3. Light documents stay whole and in token order: they fill, in turn, what the heavy pieces leave of
-   each device, so that a device holds a run of neighbouring documents.
-4. Every device holds exactly T/P tokens: the devices' tokens are laid end to end and cut into P equal
-   parts, so an overfull device hands its last tokens to the next.
-5. Each device holds its tokens in token order, so a tile covers few documents and near positions.
-
 The kernels skip a tile pair when the position and segment ranges of its two tiles cannot meet
-(`tuner.semantics.masks`), so what a layout costs is a count of tile pairs, not of tokens: `busiest`
-counts the tiles the busiest device computes, exactly as the ring skips them. `tuner.semantics.layouts.
-document_order` takes, per row, the plan (over the thresholds `HEAVY` and piece lengths `PIECE`) or
-fixed layout with the fewest: never more work on the busiest device than the best fixed layout. Worst
-case: documents of a few tiles each, all of them costly, where no cut keeps a tile within one piece;
-then a fixed layout is chosen.
+(`tuner.semantics.masks`), so what a layout costs is a count of tile pairs, not of tokens. The plan,
+per batch row, deals whole chunks of the row to the devices:
 
-Everything is array operations of fixed shapes (sorts, cumulative sums, segment sums), so the layout
-is computed inside `jax.jit` from traced segment ids, and on the host from NumPy arrays alike."""
+1. Chunks. The row, in token order, is cut into chunks of the kernel's tile (the larger of the query
+   and key tiles; coarser on long rows, so that a row has at most `COUNTED_TILES` chunks). A chunk is
+   a run of neighbouring tokens, so its position and segment ranges are as tight as a contiguous
+   layout's tiles: whichever device holds it, the ring skips as much as it can at this tile size.
+2. Cost. A chunk's cost is the number of chunks its queries may read, by the kernels' own skip rule
+   (`masks.ranges_may_attend` on the chunks' ranges).
+3. Dealing. The chunks are dealt to the devices costliest first, in snake order (0, 1, ..., P-1,
+   P-1, ..., 0, 0, ...), so every device gets T/P tokens. Dealt so, the busiest device carries at most
+   one chunk's cost more than the least busy one. A long document's chunks spread over every device,
+   its early (cheap) chunks paired with its late (costly) ones, as zigzag pairs them.
+4. Each device holds its chunks in token order.
+
+`busiest` counts the tiles the busiest device computes, exactly as the ring skips them, and
+`tuner.semantics.layouts.document_order` takes, per row, the plan or the fixed layout with the fewest:
+never more work on the busiest device than the best fixed layout. Worst case: a shard that is not a
+whole number of tiles, where the chunks are cut shorter than a tile and a tile spans chunks from far
+apart; a fixed layout is then often chosen.
+
+Everything is array operations of fixed shapes (sorts, sums, comparisons of `[n, n]` chunk pairs), so
+the layout is computed inside `jax.jit` from traced segment ids, and on the host from NumPy arrays alike."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import functools
+import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tuner.semantics import masks
+from tuner.semantics.packing import Packing
 from tuner.semantics.spec import AttentionSpec
 
 DOCUMENTS = "documents"
 DEFAULT_TILE = 128  # the tile the layout is planned for when the caller does not say
-HEAVY = (0.125, 0.5, 2.0)  # tried: a document costing more than this share of a device is cut
-PIECE = (1, 4)  # tried: the shortest piece of a cut document, in tiles
-COUNTED_TILES = 1024  # at most this many tiles a row when the candidates' work is counted
+COUNTED_TILES = 1024  # at most this many chunks (and counted tiles) a row
+PACKED_TILE = 64  # the longest default tile of a packed call: a tile covering a whole shard skips nothing
+SHORTEST_PACKED_TILE = 16  # the shortest default tile a declared packing may ask for
+EFFICIENT = 0.75  # a packed call's default tile: the longest whose `efficiency` reaches this
+DECLARED_ROWS = 4  # the rows of a drawn packing its default tile is chosen on
 
 
-class Documents(NamedTuple):
-    """Per token of one row: its document (numbered in order of appearance), the document's length, the
-    token's offset in it, the keys of its own document it may read, and its document's cost (the sum of
-    those reads)."""
-
-    doc: Any
-    size: Any
-    offset: Any
-    reads: Any
-    cost: Any
-
-    @classmethod
-    def of(cls, segments, spec: AttentionSpec) -> Documents:
-        """The documents of `segments [T]`: runs of equal segment ids."""
-        total = segments.shape[0]
-        token = jnp.arange(total, dtype=jnp.int32)
-        starts = jnp.concatenate([jnp.ones((1,), bool), segments[1:] != segments[:-1]])
-        doc = jnp.cumsum(starts, dtype=jnp.int32) - 1
-        size = jax.ops.segment_sum(jnp.ones_like(token), doc, total)[doc]
-        offset = token - jax.ops.segment_min(token, doc, total)[doc]
-        left, right = (total, total) if spec.window is None else spec.window
-        reads = jnp.minimum(offset, left) + 1
-        if not spec.causal:
-            reads += jnp.minimum(size - 1 - offset, right)
-        reads = reads.astype(jnp.float32)
-        return cls(doc, size, offset, reads, jax.ops.segment_sum(reads, doc, total)[doc])
-
-
-def plans(segments, ring: int, spec: AttentionSpec, tile: int):
-    """The candidate layouts of one row of `segments [T]`: `[n, T]`, one per threshold and piece length."""
-    docs = Documents.of(segments, spec)
-    return jnp.stack([plan(docs, ring, heavy, piece * tile) for heavy in HEAVY for piece in PIECE])
-
-
-def plan(docs: Documents, ring: int, heavy: float, piece: int):
-    """One row's layout (`[T]` token indices, device-major) that cuts every document costing more than
-    `heavy` of a device's share into pieces of at least `piece` tokens, paired over up to P devices."""
-    doc, size, offset, reads, cost = docs
-    total = doc.shape[0]
+def chunk_size(total: int, ring: int, tiles: tuple[int, int]) -> int:
+    """The chunk the plan deals for a row of `total` tokens: the larger tile (cut to the shard), doubled
+    while the row has more than `COUNTED_TILES` chunks and the shard stays a whole number of them; a
+    divisor of the shard always (the largest one dividing the tile, where the tile does not)."""
     local = total // ring
-    token = jnp.arange(total, dtype=jnp.int32)
-    devices = jnp.clip(size // (2 * piece), 1, ring)  # the devices a heavy document is spread over
-    is_heavy = (cost > heavy * reads.sum() / ring) & (devices > 1)
+    chunk = math.gcd(local, min(max(tiles), local))
+    while total // chunk > COUNTED_TILES and local % (2 * chunk) == 0:
+        chunk *= 2
+    return chunk
 
-    # Heavy documents: 2k pieces over k devices, pieces j and 2k-1-j paired as zigzag pairs them.
-    index = offset * (2 * devices) // size
-    pair = jnp.minimum(index, 2 * devices - 1 - index)
-    first_unit = jax.ops.segment_max(jnp.where(is_heavy, devices, 0), doc, total)
-    unit = jnp.where(is_heavy, (jnp.cumsum(first_unit) - first_unit)[doc] + pair, total)
-    unit_cost = jax.ops.segment_sum(reads, unit, total + 1)[:total]
-    rank = jnp.argsort(jnp.argsort(jnp.where(unit_cost > 0, -unit_cost, jnp.inf), stable=True))
+
+def useful_logits(lengths: Sequence[int], spec: AttentionSpec) -> int:
+    """The logits a row of documents of these `lengths` needs: the (query, key) pairs of each document
+    that the masks allow (its causal triangle, cut by the window)."""
+    left, right = (None, None) if spec.window is None else spec.window
+    total = 0
+    for n in lengths:
+        offset = np.arange(n)
+        reads = (offset if left is None else np.minimum(offset, left)) + 1
+        if not spec.causal:
+            reads = reads + (n - 1 - offset if right is None else np.minimum(n - 1 - offset, right))
+        total += int(reads.sum())
+    return total
+
+
+def chunk_costs(lengths: Sequence[int], spec: AttentionSpec, chunk: int) -> np.ndarray:
+    """`plan`'s chunk costs on a row of documents of these `lengths`, on the host: per chunk of `chunk`
+    neighbouring tokens, the number of chunks its queries may read."""
+    segments = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+    count = -(-len(segments) // chunk)
+    segments = np.pad(segments, (0, count * chunk - len(segments)), mode="edge").reshape(count, chunk)
+    first = np.arange(count) * chunk
+    last, low, high = first + chunk - 1, segments.min(axis=1), segments.max(axis=1)
+    costs = []
+    with jax.ensure_compile_time_eval():  # computed now, also when a trace asks (the loader decides in one)
+        for rows in range(0, count, 512):  # in blocks of query chunks, to bound the memory on long rows
+            part = slice(rows, rows + 512)
+            may = masks.ranges_may_attend(first[part, None], last[part, None], first[None], last[None],
+                                          (low[part, None], high[part, None], low[None], high[None]), spec)
+            costs.append(np.asarray(may).sum(axis=1))
+    return np.concatenate(costs)
+
+
+def efficiency(lengths: Sequence[int], spec: AttentionSpec, ring: int, tile: int) -> float:
+    """The share of the busiest device's logits that the documents need, times `ring`, when `plan`
+    deals a row of documents of these `lengths` in tiles of `tile` over `ring` devices: 1 when the
+    devices are balanced and no tile pair is computed in vain."""
+    total = sum(lengths)
+    chunk = math.gcd(total // ring, tile)
+    cost = chunk_costs(lengths, spec, chunk)
+    rank = np.argsort(np.argsort(-cost, kind="stable"), kind="stable")
     lap, seat = rank // ring, rank % ring
-    dealt = jnp.where(lap % 2 == 0, seat, ring - 1 - seat)  # heaviest first, snake order 0..P-1, P-1..0
-    heavy_device = dealt[jnp.minimum(unit, total - 1)]
+    loads = np.bincount(np.where(lap % 2 == 0, seat, ring - 1 - seat), cost, minlength=ring)
+    return useful_logits(lengths, spec) / (ring * loads.max() * chunk * chunk)
 
-    # Light documents: whole, in token order, filling what the heavy pieces leave of each device.
-    heavy_tokens = jax.ops.segment_sum(is_heavy.astype(jnp.int32), heavy_device, ring)
-    room = jnp.cumsum(jnp.maximum(local - heavy_tokens, 0))
-    light_index = jnp.cumsum(~is_heavy) - 1
-    light_device = jnp.minimum(jnp.searchsorted(room, light_index, side="right"), ring - 1)
-    preferred = jnp.where(is_heavy, heavy_device, light_device)
 
-    # Exactly T/P tokens a device: the preferred tokens end to end, cut into P equal parts.
-    stream = jnp.argsort(preferred * (2 * total) + jnp.where(is_heavy, 0, total) + token, stable=True)
-    device = jnp.zeros_like(token).at[stream].set(token // local)
+def packed_tile(rows: Sequence[Sequence[int]], spec: AttentionSpec, ring: int, longest: int | None = None) -> int:
+    """The default tile of a packed call whose rows hold documents of these lengths (`rows`: a list of
+    rows' document lengths) over `ring` devices: `longest` (`PACKED_TILE` unless given), halved while the
+    worst row's `efficiency` is under `EFFICIENT` and a shorter tile (down to `SHORTEST_PACKED_TILE`)
+    raises it. A longer tile runs each of its logits faster on every backend; a shorter one skips more of
+    a short document's causal diagonal and of its neighbours, and deals a long document more evenly."""
+    tile = PACKED_TILE if longest is None else longest
+    reached = min(efficiency(row, spec, ring, tile) for row in rows)
+    while reached < EFFICIENT and tile // 2 >= SHORTEST_PACKED_TILE:
+        shorter = min(efficiency(row, spec, ring, tile // 2) for row in rows)
+        if shorter <= reached:
+            break
+        tile, reached = tile // 2, shorter
+    return tile
 
-    # Each device's tokens in token order.
-    return jnp.argsort(device * total + token, stable=True).astype(jnp.int32)
+
+@functools.lru_cache(maxsize=256)
+def declared_tile(packing: str | None, seq_len: int, ring: int, spec: AttentionSpec) -> int | None:
+    """The default tile of a packed call that declares `packing` (`Packing` text) on rows of `seq_len`
+    tokens over `ring` devices: `packed_tile` of its first `DECLARED_ROWS` rows (a fixed packing shorter
+    than the row, as a padded call's, gets one more document: the padding); None without a packing."""
+    if packing is None:
+        return None
+    declared = Packing.parse(packing)
+    if declared.kind == "fixed":
+        short = seq_len - sum(declared.lengths)
+        rows = [list(declared.lengths) + ([short] if short > 0 else [])]
+    else:
+        rows = [declared.row_lengths(seq_len, row) for row in range(DECLARED_ROWS)]
+    return packed_tile(rows, spec, ring)
+
+
+def plan(segments, ring: int, spec: AttentionSpec, chunk: int):
+    """One row's layout (`[T]` token indices, device-major): the chunks of `chunk` tokens of
+    `segments [T]` dealt to the `ring` devices, costliest first in snake order, each device's in token order."""
+    total = segments.shape[0]
+    count = total // chunk
+    index = jnp.arange(count, dtype=jnp.int32)
+    first, last = index * chunk, index * chunk + chunk - 1
+    ids = segments.reshape(count, chunk)
+    low, high = ids.min(axis=1), ids.max(axis=1)
+    may = masks.ranges_may_attend(first[:, None], last[:, None], first[None], last[None],
+                                  (low[:, None], high[:, None], low[None], high[None]), spec)
+    cost = may.sum(axis=1)
+    rank = jnp.argsort(jnp.argsort(-cost, stable=True))
+    lap, seat = rank // ring, rank % ring
+    device = jnp.where(lap % 2 == 0, seat, ring - 1 - seat)
+    chunks = jnp.argsort(device * count + index, stable=True)  # device-major, token order within a device
+    return (chunks[:, None] * chunk + jnp.arange(chunk, dtype=jnp.int32)[None]).reshape(total)
 
 
 def busiest(order, segments, ring: int, spec: AttentionSpec, tiles: tuple[int, int]):

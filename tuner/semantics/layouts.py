@@ -121,7 +121,7 @@ def document_order(segment_ids, ring_size: int, *, causal: bool = True, window: 
     """The documents layout of packed rows `segment_ids [B, T]`: int32 `[B, T]`, the token index held at
     each slot of a laid-out row, device-major (device r holds slots `[r*T/P, (r+1)*T/P)`).
 
-    Each row gets the layout, among the documents plans and the fixed layouts, whose busiest device
+    Each row gets the layout, among the documents plan and the fixed layouts, whose busiest device
     computes the fewest logit tiles of size `tile` (the kernel's `(query, key)` tile; on rows of more than
     `documents.COUNTED_TILES` tiles, counted in that many coarser tiles to bound the cost) under the masks
     `causal` and `window` `(left, right)`. Lay the arrays out with `lay_out_rows(x, order)`, pass the order
@@ -147,16 +147,17 @@ def document_order(segment_ids, ring_size: int, *, causal: bool = True, window: 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _document_order(segment_ids: jax.Array, ring_size: int, spec: AttentionSpec, tiles: tuple[int, int]
                     ) -> jax.Array:
-    """`document_order`'s choice, one compiled program per shape and masks (called eagerly, the plans'
+    """`document_order`'s choice, one compiled program per shape and masks (called eagerly, the plan's
     many small operations would each be dispatched, and compiled, apart)."""
     length = segment_ids.shape[1]
     local = length // ring_size
     counted = tuple(max(t, -(-length // documents.COUNTED_TILES)) for t in tiles)  # coarser on long rows
     fixed = [global_order(name, length, ring_size) for name in LAYOUTS if name != "zigzag" or local % 2 == 0]
     fixed = jnp.asarray(np.stack(fixed), jnp.int32)
+    chunk = documents.chunk_size(length, ring_size, tiles)
 
     def row_order(segments):
-        candidates = jnp.concatenate([fixed, documents.plans(segments, ring_size, spec, min(tiles))])
+        candidates = jnp.concatenate([fixed, documents.plan(segments, ring_size, spec, chunk)[None]])
         work = jax.vmap(lambda order: documents.busiest(order, segments, ring_size, spec, counted))(candidates)
         return candidates[jnp.argmin(work)]  # ties: the first, a fixed layout
 

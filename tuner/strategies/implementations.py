@@ -29,9 +29,8 @@ from tuner.kernels.base import Backend, SearchSpace, source_hash
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.registry import ChoiceSpace, Target
 from tuner.strategies.ring import run_ring
+from tuner.semantics import documents
 from tuner.semantics.spec import AttentionSpec, LocalShapes
-
-PACKED_TILE = 64  # the longest default tile with segment ids: see docs/documents.md
 
 
 def _part(data: Any, part: str, kind: type) -> Any:
@@ -51,6 +50,7 @@ def _part(data: Any, part: str, kind: type) -> Any:
 
 
 @dataclass(frozen=True)
+
 class TileConfig:
     """A ring's config: the forward and the backward tiles of its block kernel."""
 
@@ -63,6 +63,17 @@ class TileConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TileConfig:
         return cls(_part(data, "fwd", FwdParams), _part(data, "bwd", BwdParams))
+
+
+def capped(config: TileConfig, tile: int) -> TileConfig:
+    """`config` with every query and key tile no longer than `tile`."""
+    fwd, bwd = config.fwd, config.bwd
+    dq = {} if bwd.block_q_dq is None else dict(block_q_dq=min(bwd.block_q_dq, tile),
+                                                 block_kv_dq=min(bwd.block_kv_dq, tile))
+    return TileConfig(dataclasses.replace(fwd, block_q=min(fwd.block_q, tile), block_kv=min(fwd.block_kv, tile)),
+                      dataclasses.replace(bwd, block_q_dkv=min(bwd.block_q_dkv, tile),
+                                          block_kv_dkv=min(bwd.block_kv_dkv, tile), **dq))
+
 
 
 @dataclass(frozen=True)
@@ -154,17 +165,15 @@ class Ring:
             return self.kernel.supports(spec, dtype, head_dim)
         return self.kernel.supports(spec, dtype, head_dim, value_head_dim)
 
-    def default_config(self, shapes: LocalShapes, spec: AttentionSpec) -> TileConfig:
-        """The kernel's default tiles; with segment ids (packed documents) no longer than `PACKED_TILE`,
-        where the kernel accepts them, so that the masks can skip the tiles of other documents."""
+    def default_config(self, shapes: LocalShapes, spec: AttentionSpec, *, packed_tile: int | None = None
+                       ) -> TileConfig:
+        """The kernel's default tiles; with segment ids (packed documents) no longer than `packed_tile`
+        (`documents.PACKED_TILE` unless a declared packing chose it), where the kernel accepts them, so that the
+        masks can skip the tiles of other documents."""
         default = TileConfig(*self.kernel.default_params(shapes.q_len, shapes.kv_len, *shapes.head_dims))
         if not spec.has_segments:
             return default
-        fwd, bwd = default.fwd, default.bwd
-        packed = TileConfig(
-            dataclasses.replace(fwd, block_q=min(fwd.block_q, PACKED_TILE), block_kv=min(fwd.block_kv, PACKED_TILE)),
-            dataclasses.replace(bwd, block_q_dkv=min(bwd.block_q_dkv, PACKED_TILE),
-                                block_kv_dkv=min(bwd.block_kv_dkv, PACKED_TILE)))
+        packed = capped(default, documents.PACKED_TILE if packed_tile is None else packed_tile)
         return default if self.violation(shapes, spec, packed, ("fwd", "bwd")) else packed
 
     def space(self, shapes: LocalShapes, spec: AttentionSpec) -> registry.Space:
@@ -208,7 +217,8 @@ class Gathered:
                  value_head_dim: int | None = None) -> str | None:
         return mechanisms.gathered_unsupported(self.name, spec, return_lse=return_lse, value_head_dim=value_head_dim)
 
-    def default_config(self, shapes: LocalShapes, spec: AttentionSpec) -> NoConfig:
+    def default_config(self, shapes: LocalShapes, spec: AttentionSpec, *, packed_tile: int | None = None
+                       ) -> NoConfig:
         return NoConfig()
 
     def space(self, shapes: LocalShapes, spec: AttentionSpec) -> registry.Space:
@@ -281,9 +291,15 @@ class ExchangedScan:
                  value_head_dim: int | None = None) -> str | None:
         return self.bias_reason if spec.has_bias else self.inner.supports(spec, dtype, head_dim, value_head_dim)
 
-    def default_config(self, shapes: LocalShapes, spec: AttentionSpec) -> TileConfig:
+    def default_config(self, shapes: LocalShapes, spec: AttentionSpec, *, packed_tile: int | None = None
+                       ) -> TileConfig:
+        """The inner kernel's default tiles for the whole sequence; with segment ids and a `packed_tile`
+        (from a declared packing), no longer than it."""
         full = self._full(shapes)
-        return TileConfig(*self.inner.default_params(full.q_len, full.kv_len, full.head_dim, full.value_head_dim))
+        default = TileConfig(*self.inner.default_params(full.q_len, full.kv_len, full.head_dim, full.value_head_dim))
+        if packed_tile is None or not spec.has_segments:
+            return default
+        return capped(default, packed_tile)
 
     def check(self, config: TileConfig) -> None:
         if not isinstance(config, TileConfig):

@@ -15,6 +15,7 @@ import optuna
 
 from tuner import registry
 from tuner.registry import Config
+from tuner.semantics import documents
 from tuner.semantics.problem import Problem
 from tuner.support.tables import describe_config, error_line
 from tuner.tuning.options import SearchOptions
@@ -61,7 +62,8 @@ class Trials:
         self.parts = registry.OBJECTIVE_PARTS[options.objective]
         self.workload = Workload(problem)
         self.space = implementation.space(problem.shapes, problem.spec)
-        self.default = implementation.default_config(problem.shapes, problem.spec)
+        tile = documents.declared_tile(problem.packing, problem.seq_len, problem.ring_size, problem.spec)
+        self.default = registry.default_config(implementation, problem.shapes, problem.spec, tile)
         self.pool = self.space.grid(self.default, self.parts)  # where a duplicate's replacement comes from
         random.Random(options.seed).shuffle(self.pool)
         self.duplicates, self.exhausted = 0, False
