@@ -8,11 +8,12 @@
 Every layout runs through `get_tuned_ring_attention(mesh=..., layout=..., packing=...)` on an empty
 cache, so with the default tiles a user gets before tuning; the loader is told each row's packing (its
 document lengths), from which it picks the tile (`tuner.semantics.documents.declared_tile`), unless
-`--undeclared`. Work is counted with `tuner.support.work.count_work` on
-the forward pass: imbalance = busiest device / mean device, efficiency = useful work (the sum of the
-documents' causal triangles) / (ring size x the busiest device's work). Wall time is forward+backward
-under `jax.jit` on the simulated devices, the layouts interleaved, medians. Writes
-`benchmarks/results/documents-<ring>x<T>-<date>.json`.
+`--undeclared`. Work is counted with `tuner.support.work.count_work` on the forward pass: imbalance =
+busiest device / mean device, efficiency = useful work (the sum of the documents' causal triangles) /
+(ring size x the busiest device's work). Wall time is forward+backward under `jax.jit` on the simulated
+devices, the layouts interleaved, medians: on a CPU of fewer cores than devices it is the total work.
+"Parallel" is what a ring of devices that run side by side would take, from measured blocks
+(`critical_path`). Writes `benchmarks/results/documents-<ring>x<T>-<date>.json`.
 """
 
 from __future__ import annotations
@@ -34,11 +35,14 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from tuner import get_tuned_ring_attention  # noqa: E402
-from tuner.semantics import documents  # noqa: E402
+from tuner.kernels import BACKENDS  # noqa: E402
+from tuner.kernels.params import BwdParams, FwdParams  # noqa: E402
+from tuner.semantics import documents, layouts, masks  # noqa: E402
+from tuner.semantics.spec import AttentionSpec  # noqa: E402
 from tuner.semantics.packing import Packing  # noqa: E402
 from tuner.support.tables import table  # noqa: E402
 from tuner.support.work import count_work  # noqa: E402
-from tuner.tuning.timing import time_interleaved  # noqa: E402
+from tuner.tuning.timing import compile_timed, run_interleaved, time_interleaved  # noqa: E402
 
 LAYOUTS = ("contiguous", "zigzag", "striped", "documents")
 
@@ -62,6 +66,49 @@ def packings(total: int) -> dict[str, list[int]]:
         "one sequence": [total],
         "64 tiny": [total // 64] * 64,
     }
+
+
+def critical_path(orders: dict[str, np.ndarray], seg, config: dict, ring: int, inputs: tuple, repeats: int
+                  ) -> dict[str, dict[str, float]]:
+    """Per layout (`orders`: each the token index at every slot, device-major), the forward+backward
+    seconds of a ring whose devices run in parallel, from measured blocks: every (device, step) block of
+    the scan kernel is timed alone on this CPU (medians, all blocks interleaved; none for the blocks the
+    ring skips whole), a step waits for its slowest device, and the steps add up. Transfers are left
+    out. Also the serial sum of the blocks."""
+    backend = BACKENDS["scan"]
+    q, k, v, w = inputs
+    spec = AttentionSpec(scale=q.shape[-1] ** -0.5, causal=True, has_segments=True)
+    fwd, bwd = FwdParams(**config["fwd"]), BwdParams(**config["bwd"])
+    local = q.shape[1] // ring
+
+    def block(q, k, v, do, q_pos, kv_pos, q_seg, kv_seg):
+        out, lse = backend.block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, None, spec=spec, params=fwd)
+        delta = jnp.zeros(lse.shape, jnp.float32)
+        return out, backend.block_bwd(q, k, v, out, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, None, spec=spec,
+                                      params=bwd)
+
+    thunks = {}
+    for layout, order in orders.items():
+        rows = jnp.asarray(order)[None]
+        laid = [documents.lay_out_rows(x, rows) for x in (q, k, v, w, seg)]
+        shards = [[x[:, r * local:(r + 1) * local] for x in (*laid, rows)] for r in range(ring)]
+        for r in range(ring):
+            for step in range(ring):
+                mine, theirs = shards[r], shards[(r - step) % ring]
+                args = (mine[0], theirs[1], theirs[2], mine[3], mine[5], theirs[5], mine[4], theirs[4])
+                bounds = [(x.min(), x.max()) for x in (args[4], args[6], args[5], args[7])]
+                (q_lo, q_hi), q_seg, (k_lo, k_hi), k_seg = bounds
+                if masks.ranges_may_attend(q_lo, q_hi, k_lo, k_hi, (*q_seg, *k_seg), spec):  # else the ring skips it
+                    thunks[(layout, r, step)] = args
+    compiled, _ = compile_timed(block, next(iter(thunks.values())))
+    times = run_interleaved({key: (lambda i, a=args: compiled(*a)) for key, args in thunks.items()},
+                            runs=repeats, warmup=1)
+    result = {}
+    for layout in orders:
+        steps = [[times[(layout, r, step)].median if (layout, r, step) in times else 0.0 for r in range(ring)]
+                 for step in range(ring)]
+        result[layout] = dict(critical_path=sum(max(t) for t in steps), serial=sum(sum(t) for t in steps))
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,8 +149,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                            kv_segment_ids=s))(q, k, v, seg))
             work = counts["tile_area"]
             busiest = max(work.values()) * args.heads
-            tiles = attn.explain(q, k, v, q_segment_ids=seg, kv_segment_ids=seg).config.to_dict()["fwd"]
-            result = dict(packing=name, lengths=lengths, layout=layout, tiles=[tiles["block_q"], tiles["block_kv"]],
+            config = attn.explain(q, k, v, q_segment_ids=seg, kv_segment_ids=seg).config.to_dict()
+            result = dict(packing=name, lengths=lengths, layout=layout, config=config,
+                          tiles=[config["fwd"]["block_q"], config["fwd"]["block_kv"]],
                           imbalance=max(work.values()) / (sum(work.values()) / args.ring),
                           efficiency=useful / (args.ring * busiest))
 
@@ -113,17 +161,28 @@ def main(argv: list[str] | None = None) -> int:
             steps[layout] = (jax.jit(step), result)
             results.append(result)
         if not args.no_time:
+            planned = steps["documents"][1]
+            orders = {n: layouts.global_order(n, args.length, args.ring) for n in LAYOUTS if n != "documents"}
+            orders["documents"] = layouts.document_order(np.asarray(seg), args.ring, tile=tuple(planned["tiles"]))[0]
+            paths = critical_path(orders, seg, planned["config"], args.ring, (q, k, v, w), args.repeats)
+            best_path = min(paths[n]["critical_path"] for n in LAYOUTS if n != "documents")
             times = time_interleaved({n: f for n, (f, _) in steps.items()}, [(q, k, v, w, seg)], runs=args.repeats,
                                      warmup=1)
             best_fixed = min(times[n].median for n in LAYOUTS if n != "documents")
             for layout, (_, result) in steps.items():
                 result["seconds"] = times[layout].median
                 result["speedup_vs_best_fixed"] = best_fixed / times[layout].median
+                result["critical_path_seconds"] = paths[layout]["critical_path"]
+                result["serial_block_seconds"] = paths[layout]["serial"]
+                result["critical_path_speedup_vs_best_fixed"] = best_path / paths[layout]["critical_path"]
         for layout, (_, r) in steps.items():
             rows.append([name, layout, f"{r['imbalance']:.2f}", f"{r['efficiency']:.2f}",
                          "" if args.no_time else f"{r['seconds'] * 1e3:.0f} ms",
-                         "" if args.no_time else f"{r['speedup_vs_best_fixed']:.2f}x"])
-        print(table(["packing", "layout", "imbalance", "efficiency", "fwd+bwd", "vs best fixed"], rows[-4:]),
+                         "" if args.no_time else f"{r['speedup_vs_best_fixed']:.2f}x",
+                         "" if args.no_time else f"{r['critical_path_seconds'] * 1e3:.0f} ms",
+                         "" if args.no_time else f"{r['critical_path_speedup_vs_best_fixed']:.2f}x"])
+        print(table(["packing", "layout", "imbalance", "efficiency", "fwd+bwd", "vs best fixed", "parallel",
+                     "vs best fixed"], rows[-4:]),
               flush=True)
     out = os.path.join(os.path.dirname(__file__), "results",
                        f"documents-{args.ring}x{args.length}{suffix}-{datetime.date.today().isoformat()}.json")

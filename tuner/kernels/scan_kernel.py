@@ -2,7 +2,8 @@
 
 Queries are cut into `block_q` tiles and keys into `block_kv` tiles; for each query tile an online
 softmax runs over the key tiles. A tile pair whose position / segment ranges exclude every pair
-(`masks.may_attend`) is skipped under `lax.cond`, not computed and thrown away.
+(`masks.may_attend`) is skipped: each loop runs over the list of the tiles it visits
+(`Operands.visits`), so a skipped tile costs no iteration at all.
 
 Heads stay grouped: queries are viewed as `[B, Hkv, G, T, D]` (G = H // Hkv query heads per kv head),
 so grouped-query attention never repeats keys or values. Lengths that are not a multiple of the tile
@@ -74,19 +75,26 @@ def _logits(ops: Operands, spec: AttentionSpec, q_tile, i, j, masked: bool, tran
     return s, tanh
 
 
-def _visit_tile(ops: Operands, spec: AttentionSpec, i, j, compute, carry):
-    """Run `compute(carry, masked)` for tile (i, j): skipped when the masks exclude the whole tile,
-    with `masked=False` (no mask built) when they exclude no pair of it, else with `masked=True`."""
-    def counted(masked: bool):
+def _visit_tiles(ops: Operands, spec: AttentionSpec, codes, compute, carry):
+    """Run `compute(carry, n, masked)` for every tile `n` of a row of tile pairs, in order, where
+    `codes [n]` (a row or column of `Operands.visits`) says how: not at all for 0 (the loop never
+    reaches a skipped tile, so it costs nothing), with `masked=False` (no mask built) for 1, with
+    `masked=True` for 2. Without a mask every tile runs unmasked."""
+    def counted(n, masked: bool):
         def run(c):
             work.record("tile_area", ops.tiling.block_q * ops.tiling.block_kv)
-            return compute(c, masked)
+            return compute(c, n, masked)
         return run
 
     if not spec.has_mask:
-        return counted(False)(carry)
-    branch = jnp.where(ops.may_attend(spec, i, j), jnp.where(ops.fully_allowed(spec, i, j), 1, 2), 0)
-    return lax.switch(branch, [lambda c: c, counted(False), counted(True)], carry)
+        return lax.scan(lambda c, n: (counted(n, False)(c), None), carry, jnp.arange(codes.shape[0]))[0]
+    order = jnp.argsort(codes == 0, stable=True)  # the visited tiles first, in index order
+
+    def visit(m, c):
+        n = order[m]
+        return lax.cond(codes[n] == 2, counted(n, True), counted(n, False), c)
+
+    return lax.fori_loop(0, jnp.sum(codes != 0), visit, carry)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -96,29 +104,27 @@ def _visit_tile(ops: Operands, spec: AttentionSpec, i, j, compute, carry):
 
 def _forward(ops: Operands, spec: AttentionSpec):
     tiles = ops.tiling
+    visits = ops.visits(spec)
 
     def query_tile(i):
         q_tile = ops.q[i]
         stat_shape = q_tile.shape[:-1]
 
-        def key_tile(carry, j):
-            def compute(carry, masked):
-                row_max, row_sum, acc = carry
-                s, _ = _logits(ops, spec, q_tile, i, j, masked)
-                new_max = jnp.maximum(row_max, s.max(axis=-1))
-                safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
-                p = jnp.exp(s - safe_max[..., None])
-                rescale = jnp.exp(row_max - safe_max)
-                row_sum = rescale * row_sum + p.sum(axis=-1)
-                pv = _einsum("bhgqk,bhkd->bhgqd", _operand(p, ops.v.dtype), ops.v[j])
-                return new_max, row_sum, rescale[..., None] * acc + pv
-
-            return _visit_tile(ops, spec, i, j, compute, carry), None
+        def key_tile(carry, j, masked):
+            row_max, row_sum, acc = carry
+            s, _ = _logits(ops, spec, q_tile, i, j, masked)
+            new_max = jnp.maximum(row_max, s.max(axis=-1))
+            safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+            p = jnp.exp(s - safe_max[..., None])
+            rescale = jnp.exp(row_max - safe_max)
+            row_sum = rescale * row_sum + p.sum(axis=-1)
+            pv = _einsum("bhgqk,bhkd->bhgqd", _operand(p, ops.v.dtype), ops.v[j])
+            return new_max, row_sum, rescale[..., None] * acc + pv
 
         init = (jnp.full(stat_shape, -jnp.inf, F32), jnp.zeros(stat_shape, F32),
                 jnp.zeros((*stat_shape, ops.v.shape[-1]), F32))
         init = jax.tree.map(lambda x: vma.like(x, q_tile), init)
-        (row_max, row_sum, acc), _ = lax.scan(key_tile, init, jnp.arange(tiles.num_kv))
+        row_max, row_sum, acc = _visit_tiles(ops, spec, visits[i], key_tile, init)
         has_mass = row_sum > 0
         safe_sum = jnp.where(has_mass, row_sum, 1.0)
         out = acc / safe_sum[..., None]
@@ -182,23 +188,22 @@ def _backward(ops: Operands, spec: AttentionSpec, do, lse, delta, dq_ops: Operan
     tiles = ops.tiling
     fused = dq_ops is None
 
-    def key_tile(outer, j):
-        def query_tile(inner, i):
-            def compute(inner, masked):
-                dk, dv, dq, dbias = inner
-                grads = _Grads(ops, spec, do, lse, delta, i, j, masked, transposed=True)
-                dk, dv = dk + grads.dk(ops), dv + grads.dv(ops)
-                if fused:
-                    dq = dq.at[i].add(grads.dq(ops, j))
-                if dbias is not None:
-                    dbias = dbias.at[ops.bias_index(i, j)].add(grads.dbias(ops, i, j))
-                return dk, dv, dq, dbias
+    visits = ops.visits(spec)
 
-            return _visit_tile(ops, spec, i, j, compute, inner), None
+    def key_tile(outer, j):
+        def query_tile(inner, i, masked):
+            dk, dv, dq, dbias = inner
+            grads = _Grads(ops, spec, do, lse, delta, i, j, masked, transposed=True)
+            dk, dv = dk + grads.dk(ops), dv + grads.dv(ops)
+            if fused:
+                dq = dq.at[i].add(grads.dq(ops, j))
+            if dbias is not None:
+                dbias = dbias.at[ops.bias_index(i, j)].add(grads.dbias(ops, i, j))
+            return dk, dv, dq, dbias
 
         dq, dbias = outer
         dk0, dv0 = (vma.like(jnp.zeros(x.shape[1:], F32), ops.q) for x in (ops.k, ops.v))
-        (dk, dv, dq, dbias), _ = lax.scan(query_tile, (dk0, dv0, dq, dbias), jnp.arange(tiles.num_q))
+        dk, dv, dq, dbias = _visit_tiles(ops, spec, visits[:, j], query_tile, (dk0, dv0, dq, dbias))
         return (dq, dbias), (dk, dv)
 
     nq, b, hkv, g, bq, d = ops.q.shape
@@ -213,16 +218,15 @@ def _backward(ops: Operands, spec: AttentionSpec, do, lse, delta, dq_ops: Operan
 
 
 def _dq_pass(ops: Operands, spec: AttentionSpec, do, lse, delta):
+    visits = ops.visits(spec)
+
     def query_tile(i):
-        def key_tile(dq, j):
-            def compute(dq, masked):
-                grads = _Grads(ops, spec, do, lse, delta, i, j, masked, transposed=False)
-                return dq + grads.dq(ops, j)
-            return _visit_tile(ops, spec, i, j, compute, dq), None
+        def key_tile(dq, j, masked):
+            grads = _Grads(ops, spec, do, lse, delta, i, j, masked, transposed=False)
+            return dq + grads.dq(ops, j)
 
         dq0 = vma.like(jnp.zeros(ops.q.shape[1:], F32), ops.q)
-        dq, _ = lax.scan(key_tile, dq0, jnp.arange(ops.tiling.num_kv))
-        return dq
+        return _visit_tiles(ops, spec, visits[i], key_tile, dq0)
 
     return lax.map(query_tile, jnp.arange(ops.tiling.num_q))
 

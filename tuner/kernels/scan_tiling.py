@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 
 from tuner.semantics import masks
@@ -147,6 +148,15 @@ class Operands:
 
     def fully_allowed(self, spec: AttentionSpec, i, j):
         return masks.fully_allowed(self.q_pos[i], self.kv_pos[j], *self.segments(i, j), spec)
+
+    def visits(self, spec: AttentionSpec):
+        """int32 `[nq, nk]`, per tile pair: 0 when the masks exclude every pair of it (skipped), 1 when
+        they exclude none, 2 when some (the mask is built)."""
+        def code(i, j):
+            return jnp.where(self.may_attend(spec, i, j), jnp.where(self.fully_allowed(spec, i, j), 1, 2), 0)
+
+        rows, cols = jnp.arange(self.tiling.num_q), jnp.arange(self.tiling.num_kv)
+        return jax.vmap(jax.vmap(code, (None, 0)), (0, None))(rows, cols).astype(jnp.int32)
 
     def mask(self, spec: AttentionSpec, i, j, masked: bool):
         """Bool `[B, 1, 1, bq, bk]` of readable pairs of tile (i, j), or None if all are readable.
