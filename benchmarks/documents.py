@@ -3,6 +3,7 @@
     python benchmarks/documents.py                # ring 8, T=4096, causal, 6 packings, 4 layouts
     python benchmarks/documents.py --no-time      # the work counts only (a minute)
     python benchmarks/documents.py --undeclared   # the loader not told the packing: tiles of PACKED_TILE
+    python benchmarks/documents.py --tile-cost --repeats 7   # a packing's tile against PACKED_TILE, timed
     python benchmarks/documents.py --packed-tile 0 --undeclared --only long   # before the packed cap
 
 Every layout runs through `get_tuned_ring_attention(mesh=..., layout=..., packing=...)` on an empty
@@ -111,6 +112,26 @@ def critical_path(orders: dict[str, np.ndarray], seg, config: dict, ring: int, i
     return result
 
 
+def tile_cost(mesh: Mesh, db: str, inputs: tuple, lengths: list[int], repeats: int) -> dict[str, float]:
+    """Forward+backward seconds of the contiguous layout on the tile the packing chooses and on
+    `PACKED_TILE` (the loader told the packing or not), interleaved: what the shorter tile costs here."""
+    q, k, v, w = inputs
+    declared = Packing("fixed", tuple(lengths)).describe()
+    seg = jnp.asarray(Packing.parse(declared).segment_ids(sum(lengths), 1))
+    steps = {}
+    for packing in (declared, None):
+        attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, layout="contiguous", db=db,
+                                        packing=packing)
+        tile = attn.explain(q, k, v, q_segment_ids=seg, kv_segment_ids=seg).config.to_dict()["fwd"]["block_q"]
+
+        def step(q, k, v, w, s, a=attn):
+            return jax.grad(lambda q, k, v: jnp.vdot(a(q, k, v, q_segment_ids=s, kv_segment_ids=s), w),
+                            argnums=(0, 1, 2))(q, k, v)
+        steps[f"tile {tile}"] = step
+    times = time_interleaved(steps, [(q, k, v, w, seg)], runs=repeats, warmup=1)
+    return {name: t.median for name, t in times.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ring", type=int, default=8)
@@ -122,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--packed-tile", type=int, default=documents.PACKED_TILE,
                         help="the longest default tile of a packed call (0: no limit, as before 2026-11-25)")
     parser.add_argument("--undeclared", action="store_true", help="do not tell the loader the packing")
+    parser.add_argument("--tile-cost", action="store_true",
+                        help="only time the contiguous layout on the packing's tile against PACKED_TILE")
     parser.add_argument("--only", default=None, help="run only the packings whose name contains this")
     args = parser.parse_args(argv)
     suffix = ("" if args.packed_tile == documents.PACKED_TILE else f"-tile{args.packed_tile}") + (
@@ -136,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     results, rows = [], []
     for name, lengths in packings(args.length).items():
         if args.only and args.only not in name:
+            continue
+        if args.tile_cost:
+            cost = tile_cost(mesh, db, (q, k, v, w), lengths, args.repeats)
+            print(name, ", ".join(f"{tile}: {seconds * 1e3:.0f} ms" for tile, seconds in cost.items()), flush=True)
             continue
         declared = Packing("fixed", tuple(lengths)).describe()
         seg = jnp.asarray(Packing.parse(declared).segment_ids(sum(lengths), 1))
@@ -184,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         print(table(["packing", "layout", "imbalance", "efficiency", "fwd+bwd", "vs best fixed", "parallel",
                      "vs best fixed"], rows[-4:]),
               flush=True)
+    if args.tile_cost:
+        return 0
     out = os.path.join(os.path.dirname(__file__), "results",
                        f"documents-{args.ring}x{args.length}{suffix}-{datetime.date.today().isoformat()}.json")
     with open(out, "w") as f:

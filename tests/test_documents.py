@@ -136,17 +136,21 @@ def test_a_declared_packing_chooses_the_longest_tile_that_wastes_little():
     assert documents.declared_tile("1000,24", 1032, 8, spec) == documents.declared_tile("1000,24,8", 1032, 8, spec)
 
 
-def _check_against_dense(rows: np.ndarray, ring: int, heads: tuple[int, int], causal: bool, window) -> None:
+def _check_against_dense(rows: np.ndarray, ring: int, heads: tuple[int, int], causal: bool, window,
+                         group: int = 0) -> None:
     """The loader in the documents layout on packed `rows` of segment ids: output, lse and gradients
-    against float64 dense."""
-    mesh = Mesh(np.array(jax.devices()[:ring]), ("sp",))
+    against float64 dense. With a `group`, over two mesh axes: `ring` positions of `group` devices."""
+    if group:
+        mesh, axis = Mesh(np.array(jax.devices()[:ring * group]).reshape(ring, group), ("ring", "a2a")), ("ring", "a2a")
+    else:
+        mesh, axis = Mesh(np.array(jax.devices()[:ring]), ("sp",)), "sp"
     seg = jnp.asarray(rows)
     batch, length = rows.shape
     rng = np.random.default_rng(1)
     q = jnp.asarray(rng.standard_normal((batch, length, heads[0], 16)), jnp.float32)
     k, v = (jnp.asarray(rng.standard_normal((batch, length, heads[1], 16)), jnp.float32) for _ in range(2))
     w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
-    attn = get_tuned_ring_attention(axis_name="sp", causal=causal, sliding_window=window, mesh=mesh,
+    attn = get_tuned_ring_attention(axis_name=axis, causal=causal, sliding_window=window, mesh=mesh,
                                     layout="documents")
 
     def loss(q, k, v):
@@ -176,6 +180,12 @@ def test_the_loader_in_the_documents_layout_matches_dense():
     order = layouts.document_order(rows, 4, tile=64)[0]  # the loader's default tile for packed rows
     assert not any(np.array_equal(order, layouts.global_order(name, 512, 4)) for name in layouts.LAYOUTS)
     _check_against_dense(rows, 4, (4, 2), True, None)
+
+
+def test_over_two_mesh_axes_the_ring_positions_are_laid_out_from_the_documents():
+    """A 2 x 2 mesh (ring positions x all-to-all group), two rows packed differently: each ring position's
+    slots are cut over its group, and the result is exact."""
+    _check_against_dense(segment_ids([300, 40, 60, 112], [128, 384]), 2, (4, 2), True, None, group=2)
 
 
 @pytest.mark.slow

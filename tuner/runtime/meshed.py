@@ -117,8 +117,6 @@ def call_documents(local: Callable[..., Any], mesh: Mesh, axis_name: Hashable, r
     if query.shape[1] != key.shape[1]:
         raise ValueError(f"layout='documents' lays out queries and keys alike, so they need one length: query "
                          f"length {query.shape[1]}, key length {key.shape[1]}")
-    if isinstance(axis_name, tuple):
-        raise ValueError("layout='documents' is over one mesh axis; over two axes pass a fixed layout")
     order = layouts.document_order(segments, ring, causal=causal, window=window, tile=tiles)
     options = dict(options)
     for name in ("q_positions", "kv_positions"):  # laid out below with the tokens
