@@ -20,7 +20,7 @@ _DROPPED_CACHE = os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)  # tuner subp
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
-    "ci", max_examples=10, deadline=None, derandomize=True, print_blob=True,
+    "ci", max_examples=6, deadline=None, derandomize=True, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.register_profile(

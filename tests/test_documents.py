@@ -44,8 +44,9 @@ def test_never_more_work_than_the_best_fixed_layout(lengths, ring, causal):
     seg = jnp.asarray(segment_ids(lengths)[0])
     spec = AttentionSpec(scale=1.0, causal=causal, has_segments=True)
     order = jnp.asarray(layouts.document_order(np.asarray(seg)[None], ring, causal=causal, tile=16)[0])
-    chosen = documents.busiest(order, seg, ring, spec, (16, 16))
-    fixed = [documents.busiest(jnp.asarray(layouts.global_order(name, total, ring)), seg, ring, spec, (16, 16))
+    busiest = jax.jit(documents.busiest, static_argnums=(2, 3, 4))
+    chosen = busiest(order, seg, ring, spec, (16, 16))
+    fixed = [busiest(jnp.asarray(layouts.global_order(name, total, ring)), seg, ring, spec, (16, 16))
              for name in layouts.LAYOUTS]
     assert chosen <= min(fixed)
 
@@ -115,12 +116,13 @@ def test_the_plan_deals_within_one_chunk_and_its_host_estimate_is_its_count(leng
     lengths = lengths + [total - sum(lengths)] if total > sum(lengths) else lengths
     spec = AttentionSpec(scale=1.0, causal=causal, has_segments=True)
     seg = jnp.asarray(segment_ids(lengths)[0])
-    order = np.asarray(documents.plan(seg, ring, spec, tile))
+    order = np.asarray(jax.jit(documents.plan, static_argnums=(1, 2, 3))(seg, ring, spec, tile))
     cost = documents.chunk_costs(lengths, spec, tile)
     loads = cost[order.reshape(ring, -1, tile)[:, :, 0] // tile].sum(axis=1)
     assert loads.max() - loads.min() <= cost.max()
     useful = documents.useful_logits(lengths, spec)
-    counted = int(documents.busiest(jnp.asarray(order), seg, ring, spec, (tile, tile)))
+    busiest = jax.jit(documents.busiest, static_argnums=(2, 3, 4))
+    counted = int(busiest(jnp.asarray(order), seg, ring, spec, (tile, tile)))
     assert documents.efficiency(lengths, spec, ring, tile) == pytest.approx(useful / (ring * counted))
 
 

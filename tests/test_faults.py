@@ -335,7 +335,7 @@ def check_decision(path: Path, decision, messages: list[str], expected: Expected
 
 
 @pytest.mark.slow
-@settings(max_examples=15)
+@settings(max_examples=8)
 @given(faults=st.lists(st.sampled_from(ROW_FAULTS), min_size=1, max_size=2, unique_by=lambda f: f.field),
        family=st.lists(st.tuples(st.sampled_from(DISTANCE_FIELDS), st.sampled_from([None, "wide", 2.5, -4])),
                        max_size=2),
@@ -445,7 +445,7 @@ def check_mechanism_decision(path: Path, decision, messages: list[str], fault: M
 
 
 @pytest.mark.slow
-@settings(max_examples=12)
+@settings(max_examples=6)
 @given(fault=st.sampled_from(MECHANISM_FAULTS), schema=st.sampled_from(["typed", "untyped"]), grad=st.booleans())
 def test_corrupt_mechanism_rows_cost_speed_only(tmp_path_factory, fault, schema, grad):
     path = fresh_dir(tmp_path_factory) / "tuning.sqlite"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 
 RING_OPS = ("collective-permute-start", "collective-permute-done", "conditional")
 KERNEL_TARGETS = ("tpu_custom_call",)  # Mosaic kernels
@@ -156,17 +157,39 @@ def _trip_count(computations: dict, caller: dict, operands: list[str], line: str
     return max(0, math.ceil((bound - start) / step))
 
 
+_ALL_COLLECTIVES = (*COLLECTIVE_KINDS, "all-reduce")
+
+
+def _runs_collectives(computations: dict) -> Callable[[str], bool]:
+    """Whether a computation of `computations` runs a collective, itself or through what it calls."""
+    known: dict[str, bool] = {}
+
+    def runs(name: str) -> bool:
+        if name not in known:
+            known[name] = False  # a computation does not call itself
+            known[name] = any(op.removesuffix("-start").removesuffix("-done") in _ALL_COLLECTIVES
+                              or any(runs(callee) for callee, _ in _callees(line, op))
+                              for op, _, line in computations.get(name, {}).values())
+        return known[name]
+
+    return runs
+
+
 def with_trip_counts(text: str) -> str:
-    """`text` with the trip count of every while loop that lacks one written into its backend config, where
-    `collective_bytes` reads it: the TPU compiler keeps its own config there, without
-    `known_trip_count`, so every loop would count once. A loop `for i = c; i < n; i += s` has
+    """`text` with the trip count of every while loop that lacks one and runs a collective written into
+    its backend config, where `collective_bytes` reads it: the TPU compiler keeps its own config there,
+    without `known_trip_count`, so every loop would count once. A loop `for i = c; i < n; i += s` has
     ceil((n - c) / s) trips, read from its condition, the init tuple and its body; `ValueError` for a loop
-    of another shape, rather than a wrong count."""
+    of another shape that runs a collective, rather than a wrong count (a loop without one, such as the
+    scan kernel's over the tiles it visits, counts nothing whatever its trips)."""
     computations = _computations(text)
+    runs_collectives = _runs_collectives(computations)
     lines = text.split("\n")
     for caller in computations.values():
         for op, operands, line in [entry for key, entry in caller.items() if key != "ROOT"]:
             if op != "while" or "known_trip_count" in line:
+                continue
+            if not runs_collectives(re.search(r"body=%?([\w.\-]+)", line).group(1)):
                 continue
             trips = _trip_count(computations, caller, operands, line)
             if trips is None:

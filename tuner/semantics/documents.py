@@ -97,10 +97,11 @@ def chunk_costs(lengths: Sequence[int], spec: AttentionSpec, chunk: int) -> np.n
 
 def efficiency(lengths: Sequence[int], spec: AttentionSpec, ring: int, tile: int) -> float:
     """The share of the busiest device's logits that the documents need, times `ring`, when `plan`
-    deals a row of documents of these `lengths` in tiles of `tile` over `ring` devices: 1 when the
-    devices are balanced and no tile pair is computed in vain."""
+    deals a row of documents of these `lengths` in tiles of `tile` over `ring` devices (counted in the
+    plan's chunks, so a lower bound on a row of more than `COUNTED_TILES` tiles): 1 when the devices are
+    balanced and no tile pair is computed in vain."""
     total = sum(lengths)
-    chunk = math.gcd(total // ring, tile)
+    chunk = chunk_size(total, ring, (tile, tile))
     cost = chunk_costs(lengths, spec, chunk)
     rank = np.argsort(np.argsort(-cost, kind="stable"), kind="stable")
     lap, seat = rank // ring, rank % ring
@@ -108,13 +109,13 @@ def efficiency(lengths: Sequence[int], spec: AttentionSpec, ring: int, tile: int
     return useful_logits(lengths, spec) / (ring * loads.max() * chunk * chunk)
 
 
-def packed_tile(rows: Sequence[Sequence[int]], spec: AttentionSpec, ring: int, longest: int | None = None) -> int:
+def packed_tile(rows: Sequence[Sequence[int]], spec: AttentionSpec, ring: int) -> int:
     """The default tile of a packed call whose rows hold documents of these lengths (`rows`: a list of
-    rows' document lengths) over `ring` devices: `longest` (`PACKED_TILE` unless given), halved while the
-    worst row's `efficiency` is under `EFFICIENT` and a shorter tile (down to `SHORTEST_PACKED_TILE`)
-    raises it. A longer tile runs each of its logits faster on every backend; a shorter one skips more of
-    a short document's causal diagonal and of its neighbours, and deals a long document more evenly."""
-    tile = PACKED_TILE if longest is None else longest
+    rows' document lengths) over `ring` devices: `PACKED_TILE`, halved while the worst row's `efficiency`
+    is under `EFFICIENT` and a shorter tile (down to `SHORTEST_PACKED_TILE`) raises it. A longer tile
+    runs each of its logits faster on every backend; a shorter one skips more of a short document's
+    causal diagonal and of its neighbours, and deals a long document more evenly."""
+    tile = PACKED_TILE
     reached = min(efficiency(row, spec, ring, tile) for row in rows)
     while reached < EFFICIENT and tile // 2 >= SHORTEST_PACKED_TILE:
         shorter = min(efficiency(row, spec, ring, tile // 2) for row in rows)
