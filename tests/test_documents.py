@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from tuner import FwdParams, BwdParams, get_tuned_ring_attention, layouts, ring_attention
+from tuner import FwdParams, BwdParams, get_tuned_ring_attention, layouts, registry, ring_attention
 from tuner.semantics import documents
 from tuner.semantics.packing import Packing
 from tuner.semantics.reference import dense_attention
-from tuner.semantics.spec import AttentionSpec
+from tuner.semantics.spec import AttentionSpec, LocalShapes
 from tuner.support.work import count_work
 
 
@@ -230,3 +230,18 @@ def test_bad_input_names_the_argument():
         layouts.document_order(np.ones((1, 8), np.int32), 2, tile=0)
     with pytest.raises(ValueError, match=r"segment_ids must be \[batch, length\]"):
         layouts.document_order(np.ones(8, np.int32), 2)
+
+
+def test_a_declared_tile_shortens_every_tiled_default_and_only_with_segment_ids():
+    shapes = LocalShapes(batch=1, q_len=512, kv_len=512, heads=4, kv_heads=4, head_dim=64, dtype="float32")
+    packed = AttentionSpec(scale=1.0, causal=True, has_segments=True)
+    for name in ("scan", "all_to_all", "all_gather"):
+        implementation = registry.get(name)
+        tiles = [t for part in registry.default_config(implementation, shapes, packed, 16).to_dict().values()
+                 for field, t in part.items() if field.startswith("block") and t is not None]
+        assert tiles and max(tiles) == 16, (name, tiles)
+        plain = AttentionSpec(scale=1.0, causal=True)
+        assert registry.default_config(implementation, shapes, plain, 16) == implementation.default_config(shapes,
+                                                                                                            plain)
+    untiled = registry.get("dense")  # a mechanism with nothing to tune
+    assert registry.default_config(untiled, shapes, packed, 16) == untiled.default_config(shapes, packed)

@@ -50,7 +50,6 @@ def _part(data: Any, part: str, kind: type) -> Any:
 
 
 @dataclass(frozen=True)
-
 class TileConfig:
     """A ring's config: the forward and the backward tiles of its block kernel."""
 
@@ -73,7 +72,6 @@ def capped(config: TileConfig, tile: int) -> TileConfig:
     return TileConfig(dataclasses.replace(fwd, block_q=min(fwd.block_q, tile), block_kv=min(fwd.block_kv, tile)),
                       dataclasses.replace(bwd, block_q_dkv=min(bwd.block_q_dkv, tile),
                                           block_kv_dkv=min(bwd.block_kv_dkv, tile), **dq))
-
 
 
 @dataclass(frozen=True)
