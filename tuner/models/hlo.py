@@ -157,22 +157,24 @@ def _trip_count(computations: dict, caller: dict, operands: list[str], line: str
     return max(0, math.ceil((bound - start) / step))
 
 
-_ALL_COLLECTIVES = (*COLLECTIVE_KINDS, "all-reduce")
+_ALL_COLLECTIVES = tuple(op for kind in (*COLLECTIVE_KINDS, "all-reduce") for op in (kind, kind + "-start"))
 
 
-def _runs_collectives(computations: dict) -> Callable[[str], bool]:
-    """Whether a computation of `computations` runs a collective, itself or through what it calls."""
-    known: dict[str, bool] = {}
+def _carrier(computations: dict, ops: tuple[str, ...]) -> Callable[[str, str], bool]:
+    """`carries(op, line)`: whether an instruction of `computations` is one of `ops`, or runs one through
+    the computations it calls (a loop, a call, a conditional)."""
+    holding: dict[str, bool] = {}
 
-    def runs(name: str) -> bool:
-        if name not in known:
-            known[name] = False  # a computation does not call itself
-            known[name] = any(op.removesuffix("-start").removesuffix("-done") in _ALL_COLLECTIVES
-                              or any(runs(callee) for callee, _ in _callees(line, op))
-                              for op, _, line in computations.get(name, {}).values())
-        return known[name]
+    def holds(name: str) -> bool:
+        if name not in holding:
+            holding[name] = False  # a computation does not call itself
+            holding[name] = any(carries(op, line) for op, _, line in computations.get(name, {}).values())
+        return holding[name]
 
-    return runs
+    def carries(op: str, line: str) -> bool:
+        return op in ops or any(holds(callee) for callee, _ in _callees(line, op))
+
+    return carries
 
 
 def with_trip_counts(text: str) -> str:
@@ -183,13 +185,11 @@ def with_trip_counts(text: str) -> str:
     of another shape that runs a collective, rather than a wrong count (a loop without one, such as the
     scan kernel's over the tiles it visits, counts nothing whatever its trips)."""
     computations = _computations(text)
-    runs_collectives = _runs_collectives(computations)
+    runs_collective = _carrier(computations, _ALL_COLLECTIVES)
     lines = text.split("\n")
     for caller in computations.values():
         for op, operands, line in [entry for key, entry in caller.items() if key != "ROOT"]:
-            if op != "while" or "known_trip_count" in line:
-                continue
-            if not runs_collectives(re.search(r"body=%?([\w.\-]+)", line).group(1)):
+            if op != "while" or "known_trip_count" in line or not runs_collective(op, line):
                 continue
             trips = _trip_count(computations, caller, operands, line)
             if trips is None:
@@ -248,17 +248,7 @@ def unordered_collectives(hlo: str, kind: str = "collective-permute") -> list[tu
     corrupts its heap (benchmarks/NOTES.md). An empty list means the module cannot do that. `hlo` is a
     compiled module's text (`compiled.as_text()`: scheduled, each operand defined before its use)."""
     computations = _computations(hlo)
-    holding: dict[str, bool] = {}
-
-    def holds(name: str) -> bool:
-        if name not in holding:
-            holding[name] = False  # a computation does not call itself
-            holding[name] = any(carries(op, line) for op, _, line in computations.get(name, {}).values())
-        return holding[name]
-
-    def carries(op: str, line: str) -> bool:
-        return op in (kind, kind + "-start") or any(holds(callee) for callee, _ in _callees(line, op))
-
+    carries = _carrier(computations, (kind, kind + "-start"))
     pairs = []
     for body in computations.values():
         names = [name for name in body if name != "ROOT"]
