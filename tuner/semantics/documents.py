@@ -77,36 +77,41 @@ def useful_logits(lengths: Sequence[int], spec: AttentionSpec) -> int:
     return total
 
 
-def chunk_costs(lengths: Sequence[int], spec: AttentionSpec, chunk: int) -> np.ndarray:
-    """`plan`'s chunk costs on a row of documents of these `lengths`, on the host: per chunk of `chunk`
-    neighbouring tokens, the number of chunks its queries may read."""
-    segments = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
-    count = -(-len(segments) // chunk)
-    segments = np.pad(segments, (0, count * chunk - len(segments)), mode="edge").reshape(count, chunk)
-    first = np.arange(count) * chunk
-    last, low, high = first + chunk - 1, segments.min(axis=1), segments.max(axis=1)
-    costs = []
-    with jax.ensure_compile_time_eval():  # computed now, also when a trace asks (the loader decides in one)
-        for rows in range(0, count, 512):  # in blocks of query chunks, to bound the memory on long rows
-            part = slice(rows, rows + 512)
-            may = masks.ranges_may_attend(first[part, None], last[part, None], first[None], last[None],
-                                          (low[part, None], high[part, None], low[None], high[None]), spec)
-            costs.append(np.asarray(may).sum(axis=1))
-    return np.concatenate(costs)
+def chunk_costs(segments, spec: AttentionSpec, chunk: int):
+    """Per chunk of `chunk` neighbouring tokens of `segments [T]` (T a multiple of `chunk`), the number of
+    chunks its queries may read, by the kernels' own rule: what `plan` deals by."""
+    count = segments.shape[0] // chunk
+    first = jnp.arange(count, dtype=jnp.int32) * chunk
+    last = first + chunk - 1
+    ids = segments.reshape(count, chunk)
+    low, high = ids.min(axis=1), ids.max(axis=1)
+    may = masks.ranges_may_attend(first[:, None], last[:, None], first[None], last[None],
+                                  (low[:, None], high[:, None], low[None], high[None]), spec)
+    return may.sum(axis=1)
+
+
+def deal(cost, ring: int):
+    """The device of each chunk of costs `cost [n]`, dealt costliest first in snake order (0, 1, ...,
+    P-1, P-1, ..., 0, 0, ...): the busiest device within the costliest chunk of the least busy one."""
+    rank = jnp.argsort(jnp.argsort(-cost, stable=True))
+    lap, seat = rank // ring, rank % ring
+    return jnp.where(lap % 2 == 0, seat, ring - 1 - seat)
 
 
 def efficiency(lengths: Sequence[int], spec: AttentionSpec, ring: int, tile: int) -> float:
     """The share of the busiest device's logits that the documents need, times `ring`, when `plan`
     deals a row of documents of these `lengths` in tiles of `tile` over `ring` devices (counted in the
     plan's chunks, so a lower bound on a row of more than `COUNTED_TILES` tiles): 1 when the devices are
-    balanced and no tile pair is computed in vain."""
+    balanced and no tile pair is computed in vain. Computed now, also when a trace asks (the loader
+    decides in one)."""
     total = sum(lengths)
     chunk = chunk_size(total, ring, (tile, tile))
-    cost = chunk_costs(lengths, spec, chunk)
-    rank = np.argsort(np.argsort(-cost, kind="stable"), kind="stable")
-    lap, seat = rank // ring, rank % ring
-    loads = np.bincount(np.where(lap % 2 == 0, seat, ring - 1 - seat), cost, minlength=ring)
-    return useful_logits(lengths, spec) / (ring * loads.max() * chunk * chunk)
+    segments = np.repeat(np.arange(len(lengths)), lengths)
+    segments = np.pad(segments, (0, -total % chunk), mode="edge")  # a row the ring does not divide
+    with jax.ensure_compile_time_eval():
+        cost = chunk_costs(segments, spec, chunk)
+        loads = np.asarray(jax.ops.segment_sum(cost, deal(cost, ring), ring))
+    return useful_logits(lengths, spec) / (ring * int(loads.max()) * chunk * chunk)
 
 
 def packed_tile(rows: Sequence[Sequence[int]], spec: AttentionSpec, ring: int) -> int:
@@ -143,21 +148,12 @@ def declared_tile(packing: str | None, seq_len: int, ring: int, spec: AttentionS
 
 def plan(segments, ring: int, spec: AttentionSpec, chunk: int):
     """One row's layout (`[T]` token indices, device-major): the chunks of `chunk` tokens of
-    `segments [T]` dealt to the `ring` devices, costliest first in snake order, each device's in token order."""
+    `segments [T]` dealt to the `ring` devices (`deal`), each device's in token order."""
     total = segments.shape[0]
     count = total // chunk
-    index = jnp.arange(count, dtype=jnp.int32)
-    first, last = index * chunk, index * chunk + chunk - 1
-    ids = segments.reshape(count, chunk)
-    low, high = ids.min(axis=1), ids.max(axis=1)
-    may = masks.ranges_may_attend(first[:, None], last[:, None], first[None], last[None],
-                                  (low[:, None], high[:, None], low[None], high[None]), spec)
-    cost = may.sum(axis=1)
-    rank = jnp.argsort(jnp.argsort(-cost, stable=True))
-    lap, seat = rank // ring, rank % ring
-    device = jnp.where(lap % 2 == 0, seat, ring - 1 - seat)
-    chunks = jnp.argsort(device * count + index, stable=True)  # device-major, token order within a device
-    return (chunks[:, None] * chunk + jnp.arange(chunk, dtype=jnp.int32)[None]).reshape(total)
+    device = deal(chunk_costs(segments, spec, chunk), ring)
+    chunks = jnp.argsort(device * count + jnp.arange(count), stable=True)  # device-major, token order within one
+    return (chunks[:, None] * chunk + jnp.arange(chunk)[None]).reshape(total).astype(jnp.int32)
 
 
 def busiest(order, segments, ring: int, spec: AttentionSpec, tiles: tuple[int, int]):
