@@ -112,6 +112,14 @@ def critical_path(orders: dict[str, np.ndarray], seg, config: dict, ring: int, i
     return result
 
 
+def training_step(attn):
+    """Forward+backward of the loader `attn` on packed rows: the gradients of `<attn(q, k, v), w>`."""
+    def step(q, k, v, w, s):
+        return jax.grad(lambda q, k, v: jnp.vdot(attn(q, k, v, q_segment_ids=s, kv_segment_ids=s), w),
+                        argnums=(0, 1, 2))(q, k, v)
+    return step
+
+
 def tile_cost(mesh: Mesh, db: str, inputs: tuple, lengths: list[int], repeats: int) -> dict[str, float]:
     """Forward+backward seconds of the contiguous layout on the tile the packing chooses and on
     `PACKED_TILE` (the loader told the packing or not), interleaved: what the shorter tile costs here."""
@@ -124,10 +132,7 @@ def tile_cost(mesh: Mesh, db: str, inputs: tuple, lengths: list[int], repeats: i
                                         packing=packing)
         tile = attn.explain(q, k, v, q_segment_ids=seg, kv_segment_ids=seg).config.to_dict()["fwd"]["block_q"]
 
-        def step(q, k, v, w, s, a=attn):
-            return jax.grad(lambda q, k, v: jnp.vdot(a(q, k, v, q_segment_ids=s, kv_segment_ids=s), w),
-                            argnums=(0, 1, 2))(q, k, v)
-        steps[f"tile {tile}"] = step
+        steps[f"tile {tile}"] = training_step(attn)
     times = time_interleaved(steps, [(q, k, v, w, seg)], runs=repeats, warmup=1)
     return {name: t.median for name, t in times.items()}
 
@@ -181,11 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                           tiles=[config["fwd"]["block_q"], config["fwd"]["block_kv"]],
                           imbalance=max(work.values()) / (sum(work.values()) / args.ring),
                           efficiency=useful / (args.ring * busiest))
-
-            def step(q, k, v, w, s, a=attn):
-                return jax.grad(lambda q, k, v: jnp.vdot(a(q, k, v, q_segment_ids=s, kv_segment_ids=s), w),
-                                argnums=(0, 1, 2))(q, k, v)
-            steps[layout] = (jax.jit(step), result)
+            steps[layout] = (jax.jit(training_step(attn)), result)
             results.append(result)
         if not args.no_time:
             planned = steps["documents"][1]
