@@ -4,6 +4,8 @@ gradients of every weight; bad arguments name themselves; the example language m
 long-range task in a short CI run."""
 
 import importlib.util
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -111,14 +113,14 @@ def test_bad_arguments_name_themselves():
 
 @pytest.mark.slow
 def test_example_language_model_learns_the_long_range_task():
-    """A short run of examples/long_context_lm.py on 8 simulated devices (the full one is in the README):
-    256 tokens, 32 per device; the needle sits 185 to 255 positions before the questions, mostly on
-    another device, and chance is ln(8) = 2.08. (512 tokens took 200 s in CI; 256 take 60 s here, and
-    the loss is down by step 150.)"""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    import long_context_lm
-
-    config = long_context_lm.Config(seq_len=256, steps=300)
-    losses = long_context_lm.train(config, progress=False)
-    assert losses[0] > 1.5
-    assert np.mean(losses[-10:]) < 0.1, losses[-20:]
+    """A short run of `examples/long_context_lm.py` as a user runs it (its own process, so XLA's CPU
+    backend optimizes as outside the tests: see `tests/conftest.py`): 4 simulated devices, 256 tokens, 64
+    per device in chunks of 32; the needle sits 185 to 255 positions before the questions, on another
+    device half the time, and chance is ln(8) = 2.08. The loss is down by step 150 of 200 (0.03 over the
+    last 10 steps here; 8 devices and 300 steps took 69 s in CI, this 25 s)."""
+    script = Path(__file__).resolve().parents[1] / "examples" / "long_context_lm.py"
+    run = subprocess.run([sys.executable, str(script), "--seq-len", "256", "--devices", "4", "--steps", "200"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    first, last = map(float, re.search(r"loss (\S+) -> (\S+) \(mean of the last 10 steps\)", run.stdout).groups())
+    assert first > 1.5 and last < 0.1, run.stdout
