@@ -5,13 +5,6 @@ hypothesis profiles.
     python -m pytest -q -m "not slow"       # the fast tier, while editing
     HYPOTHESIS_PROFILE=thorough pytest      # many more hypothesis examples, on demand
 
-XLA's CPU backend compiles without LLVM's optimizations (`--xla_backend_optimization_level=0`, unless
-XLA_FLAGS sets a level): most tests compile many small programs and run each a few times, and this cut the
-time of five such files by 15% (`tests/test_cli.py`, `test_search.py`, `test_pallas_tpu.py`,
-`test_docs.py`, `test_faults.py`: 286 s to 242 s on 2 cores). XLA:CPU uses no fast math at either level,
-so the numbers barely change (the example LM's loss after 200 steps: 0.0343254 and 0.0343261); compiled
-code runs slower, so the one long training run starts its own process (`tests/test_flax.py`).
-
 JAX's persistent compilation cache is off, even where `JAX_COMPILATION_CACHE_DIR` is set: on jax 0.10.2
 a multi-device CPU program loaded back from it is more likely to have two collectives of one kind in
 flight at once, which XLA:CPU cannot run (`benchmarks/NOTES.md`). The run's header says when the
@@ -20,10 +13,7 @@ variable was dropped.
 
 import os
 
-_FLAGS = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-if "--xla_backend_optimization_level" not in _FLAGS:
-    _FLAGS += " --xla_backend_optimization_level=0"
-os.environ["XLA_FLAGS"] = _FLAGS.strip()
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _DROPPED_CACHE = os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)  # tuner subprocesses inherit the removal
 

@@ -113,11 +113,10 @@ def test_bad_arguments_name_themselves():
 
 @pytest.mark.slow
 def test_example_language_model_learns_the_long_range_task():
-    """A short run of `examples/long_context_lm.py` as a user runs it (its own process, so XLA's CPU
-    backend optimizes as outside the tests: see `tests/conftest.py`): 4 simulated devices, 256 tokens, 64
-    per device in chunks of 32; the needle sits 185 to 255 positions before the questions, on another
-    device half the time, and chance is ln(8) = 2.08. The loss is down by step 150 of 200 (0.03 over the
-    last 10 steps here; 8 devices and 300 steps took 69 s in CI, this 25 s)."""
+    """A short run of `examples/long_context_lm.py` as a user runs it, in its own process: 4 simulated
+    devices, 256 tokens, 64 per device in chunks of 32; the needle sits 185 to 255 positions before the
+    questions, on another device half the time, and chance is ln(8) = 2.08. The loss is down by step 150
+    of 200 (0.03 over the last 10 steps here). 8 devices and 300 steps took 42 s alone, this 19 s."""
     script = Path(__file__).resolve().parents[1] / "examples" / "long_context_lm.py"
     run = subprocess.run([sys.executable, str(script), "--seq-len", "256", "--devices", "4", "--steps", "200"],
                          capture_output=True, text=True, timeout=600)
