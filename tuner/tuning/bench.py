@@ -24,8 +24,8 @@ from tuner.cache import Cache, make_row
 from tuner.runtime.dispatch import get_tuned_ring_attention
 from tuner.semantics.problem import Problem
 from tuner.tuning.search import resolve_backend
-from tuner.tuning.verify import ReferenceCheck
-from tuner.support.tables import describe_config, error_line, table
+from tuner.tuning.verify import ReferenceCheck, TrialFailed
+from tuner.support.tables import describe_config, table
 from tuner.tuning.timing import attention_flops, run_interleaved
 from tuner.tuning.workload import AXIS, PAIR_AXES, Compiled, Workload
 
@@ -130,14 +130,9 @@ def bench_mechanisms(problem: Problem, *, device: str, objective: str = "fwd+bwd
     failed: dict[str, str] = {}
     for name, fn in candidates.items():
         try:
-            checked = reference.compile(fn)
-            mismatch = reference.mismatch(checked)
-            if mismatch is not None:
-                failed[name] = f"wrong: {mismatch}"
-                continue
-            compiled[name] = workload.compile(fn, *sets[0], backward=backward) if reference.separate else checked
-        except Exception as error:  # noqa: BLE001 - a mechanism that cannot run is reported, not fatal
-            failed[name] = error_line(error, limit=200)
+            compiled[name], _ = reference.compile_checked(fn, *sets[0], deadline=None, trial_timeout=0.0)
+        except TrialFailed as failure:  # a mechanism that cannot run is reported, not fatal
+            failed[name] = str(failure)
     if not compiled:
         raise RuntimeError(f"no mechanism ran correctly: {failed}")
     thunks = {}
