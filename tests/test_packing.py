@@ -1,4 +1,4 @@
-"""Packed problems tuned for their packing: `Packing` (parse, describe, rows, statistics), the problem and the
+"""Packed problems tuned for their packing: `Packing` (parse, describe, rows, statistics, fit), the problem and the
 key that carry it, the search workload that draws it, the loader's `packing=`, the recorded call."""
 
 import json
@@ -45,6 +45,23 @@ def test_a_long_tail_shows_in_the_statistics():
     equal = Packing.parse("256x16").statistics(4096)
     assert equal == {"documents": 16.0, "mean_length": 256.0, "longest": 256.0, "longest_work_share": 1 / 16}
     assert tail["documents"] == 14.0 and tail["longest_work_share"] > 4 * equal["longest_work_share"]
+
+
+def test_a_fitted_packing_is_the_rows_own_or_the_log_normal_they_were_drawn_from():
+    """`Packing.fit`: rows that all hold the same lengths are that fixed packing; drawn rows give back the
+    drawn count and, over 32 rows, their sigma within 0.15."""
+    assert Packing.fit(Packing.parse("2048,128x16").segment_ids(4096, batch=3)) == Packing.parse("2048,128x16")
+    assert Packing.fit(np.repeat([1, 2, 3], [5, 1, 2])) == Packing("fixed", (5, 1, 2))
+    for drawn in (Packing.parse("lognormal:14,sigma=1.5,seed=2"), Packing.parse("lognormal:40,sigma=0.5")):
+        fitted = Packing.fit(drawn.segment_ids(4096, batch=32))
+        assert (fitted.kind, fitted.count) == ("lognormal", drawn.count), fitted
+        assert abs(fitted.sigma - drawn.sigma) <= 0.15, (fitted, drawn)
+        assert Packing.parse(fitted.describe()) == fitted
+    near_equal = np.stack([np.repeat(np.arange(8), 8), np.repeat(np.arange(16), 4)])  # equal lengths, counts differ
+    assert Packing.fit(near_equal) == Packing("lognormal", count=12, sigma=0.05)
+    for bad in (np.zeros((2, 2, 4), np.int32), np.zeros((2, 0), np.int32), np.zeros(4, np.float32)):
+        with pytest.raises(ValueError, match="segment_ids must be integer ids of shape"):
+            Packing.fit(bad)
 
 
 @pytest.mark.parametrize("text, message", [

@@ -11,8 +11,9 @@ segment ranges cannot meet, so many short documents leave most tiles skipped, on
 - `uniform:8` (or `uniform:8,seed=3`): 8 documents cut at uniformly random points, what `--segments 8` does.
 
 `segment_ids` gives the rows' segment ids in token order (ids 1, 2, ... in each row). `of_segment_ids`
-reads the packing of rows a program actually passed (their documents' lengths, the first row's as a fixed
-packing), for `tuner.autotune`, and `statistics` says what a packing is like.
+reads the first row's documents as a fixed packing, `fit` the packing to declare for rows a data pipeline
+draws (their fixed packing, or a log-normal one fitted to their lengths), and `statistics` says what a
+packing is like.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 KINDS = ("fixed", "lognormal", "uniform")
+FIT_SIGMA_FLOOR = 0.05  # `Packing.fit`'s least spread: rows of near-equal documents whose counts differ
 _FIXED = re.compile(r"\d+(x\d+)?(,\d+(x\d+)?)*")
 _DRAWN = re.compile(r"(?P<kind>lognormal|uniform):(?P<count>\d+)(?P<options>(,(sigma|seed)=[^,]+)*)")
 
@@ -124,10 +126,24 @@ class Packing:
 
     @classmethod
     def of_segment_ids(cls, segment_ids: np.ndarray) -> Packing:
-        """The first row's documents (runs of equal ids) as a fixed packing: what a recorded call passed."""
-        row = np.asarray(segment_ids).reshape(-1, np.shape(segment_ids)[-1])[0]
-        starts = np.flatnonzero(np.concatenate([[True], row[1:] != row[:-1]]))
-        return cls("fixed", tuple(int(n) for n in np.diff(np.concatenate([starts, [len(row)]]))))
+        """The first row's documents (runs of equal ids) as a fixed packing."""
+        return cls("fixed", tuple(_rows(segment_ids)[0]))
+
+    @classmethod
+    def fit(cls, segment_ids: np.ndarray) -> Packing:
+        """The packing to declare for rows like these (`[B, T]` or `[T]` segment ids in token order, the
+        rows of a few batches): their fixed packing where every row holds the same lengths; else
+        `lognormal:N,sigma=S`, N the mean number of documents a row and S the spread of the logs of their
+        lengths within a row (at least `FIT_SIGMA_FLOOR`, two decimals). A data pipeline that knows its rows
+        only as data fits them once and passes the text to the loader (`packing=`) and to `tuner search
+        --documents`."""
+        rows = _rows(segment_ids)
+        if all(row == rows[0] for row in rows):
+            return cls("fixed", tuple(rows[0]))
+        count = max(1, round(float(np.mean([len(row) for row in rows]))))
+        spread = [np.log(row) - np.log(row).mean() for row in map(np.asarray, rows) if len(row) > 1]
+        sigma = float(np.sqrt(sum((d**2).sum() for d in spread) / max(1, sum(len(d) - 1 for d in spread))))
+        return cls("lognormal", count=count, sigma=max(FIT_SIGMA_FLOOR, round(sigma, 2)))
 
     def statistics(self, seq_len: int, batch: int = 1) -> dict[str, float]:
         """What the rows are like: documents per row, the mean and longest document, and the share of a row's
@@ -140,4 +156,16 @@ class Packing:
                 "longest_work_share": float(np.mean([w.max() / w.sum() for w in work]))}
 
 
-__all__ = ["KINDS", "Packing"]
+def _rows(segment_ids: np.ndarray) -> list[list[int]]:
+    """The lengths of each row's documents (runs of equal ids) of `[B, T]` or `[T]` segment ids."""
+    ids = np.asarray(segment_ids)
+    if ids.ndim not in (1, 2) or ids.shape[-1] == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"segment_ids must be integer ids of shape [B, T] or [T], got {ids.dtype} {list(ids.shape)}")
+    rows = []
+    for row in ids.reshape(-1, ids.shape[-1]):
+        starts = np.flatnonzero(np.concatenate([[True], row[1:] != row[:-1]]))
+        rows.append([int(n) for n in np.diff(np.concatenate([starts, [len(row)]]))])
+    return rows
+
+
+__all__ = ["FIT_SIGMA_FLOOR", "KINDS", "Packing"]
