@@ -103,7 +103,7 @@ def test_the_workload_draws_the_packing_in_the_problems_layout():
 
 def test_the_loader_runs_the_config_tuned_for_its_declared_packing(tmp_path):
     """A row tuned for a packing is the exact entry of calls that declare it, and of no other call; a declared
-    packing without segment ids is refused by name."""
+    packing without segment ids is refused by name; an undeclared one says how to declare it."""
     db = tmp_path / "tuned.db"
     problem = Problem(seq_len=256, heads=2, kv_heads=1, head_dim=8, ring_size=4, packing="128,16x8")
     key = registry.problem_key(problem, "scan", "cpu")
@@ -119,7 +119,9 @@ def test_the_loader_runs_the_config_tuned_for_its_declared_packing(tmp_path):
     decision = declared.explain(q, k, k, q_segment_ids=seg, kv_segment_ids=seg)
     assert (decision.source, decision.key) == ("exact", key)
     assert decision.config.fwd == FwdParams(16, 32)
-    assert plain.explain(q, k, k, q_segment_ids=seg, kv_segment_ids=seg).source == "default"
+    undeclared = plain.explain(q, k, k, q_segment_ids=seg, kv_segment_ids=seg)
+    assert undeclared.source == "default" and "packed rows without packing=" in undeclared.reason
+    assert "without packing=" not in decision.reason
     with pytest.raises(ValueError, match="packing='128,16x8' describes the documents of packed rows"):
         declared.explain(q, k, k)
     with pytest.raises(ValueError, match="packing: a packing is fixed lengths"):

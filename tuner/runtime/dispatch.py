@@ -338,10 +338,15 @@ class TunedRingAttention:
             return Plan(name, default, "fallback" if fallback else "default",
                         f"{fallback + '; ' if fallback else ''}cache unusable: {error}", problem, spec, layout)
         config = row_config(found.row) if found.row is not None else default
+        reason = found.reason
+        if found.row is None and spec.has_segments and problem.packing is None:
+            reason += (f"; packed rows without packing=: default tiles of at most {documents.PACKED_TILE}; declare "
+                       f"the rows' packing (Packing.fit of a few batches' segment ids) for tiles chosen from their "
+                       f"documents")
         if fallback:
-            return Plan(name, config, "fallback", f"{fallback}; {name} params: {found.source} ({found.reason})",
+            return Plan(name, config, "fallback", f"{fallback}; {name} params: {found.source} ({reason})",
                         problem, spec, layout)
-        return Plan(name, config, found.source, found.reason, problem, spec, layout)
+        return Plan(name, config, found.source, reason, problem, spec, layout)
 
 
 def _check_call_options(options: dict[str, Any]) -> dict[str, Any]:
