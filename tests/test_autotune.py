@@ -100,6 +100,47 @@ def test_calls_are_read_from_the_program_even_when_it_was_traced_before(tmp_path
     assert [c.id for c in scaled] == [calls["loader"].id]
 
 
+def packed_step(tmp_path, layout: str):
+    """A jitted gradient step through a loader whose packed calls declare no packing (ring 4, 128 tokens
+    of one long document and three short ones), and its arguments."""
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=quiet_mesh(4), layout=layout,
+                                    db=tmp_path / "db.sqlite")
+    segments = jnp.asarray(np.repeat(np.arange(1, 5), [80, 16, 16, 16])[None], jnp.int32)
+    q, k = (jnp.asarray(np.random.default_rng(i).standard_normal((1, 128, h, 8)), jnp.float32)
+            for i, h in ((0, 2), (1, 1)))
+
+    @jax.jit
+    def step(q, k, segments):
+        return jax.grad(lambda q: attn(q, k, k, q_segment_ids=segments, kv_segment_ids=segments).sum())(q)
+
+    return step, (q, k, segments)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "documents"])
+def test_a_run_observed_gives_back_the_rows_each_packed_call_gets(tmp_path, layout):
+    """`record.observe`: each device's shard of the segment ids, put back in token order by the layout's
+    positions (zigzag) or by those the call passes (the documents layout), is the rows the step got; the
+    step traced again carries no callback."""
+    step, args = packed_step(tmp_path, layout)
+    [call] = record.calls_in(step, *args)
+    seen = record.observe(step, *args, calls=[call])
+    assert list(seen) == [call.id] and np.array_equal(seen[call.id], args[2])
+    assert "debug_callback" not in str(jax.make_jaxpr(step)(*args))
+
+
+def test_autotune_tunes_an_undeclared_packing_on_the_rows_the_step_gets(tmp_path):
+    """Packed calls that declare no packing: autotune runs the step once, fits the packing of the rows it
+    saw, and tunes the calls' own key on rows drawn from it; the step then runs the tuned row. With only
+    the arguments' shapes nothing runs."""
+    step, args = packed_step(tmp_path, "zigzag")
+    report = autotuning.autotune(step, *args, trials=1, options=QUICK, progress=False)
+    [outcome] = report.outcomes
+    assert outcome.problem.drawn == "80,16x3" and "drawn=80,16x3" in outcome.problem.describe()
+    assert (outcome.before, outcome.after) == ("default", "exact"), report.render()
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
+    assert autotuning._observed_packings(step, shapes, (), record.calls_in(step, *shapes)) == {}
+
+
 def recorded_call(tmp_path) -> record.Call:
     attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=quiet_mesh(2), db=tmp_path / "db.sqlite")
     q = jax.ShapeDtypeStruct((1, 32, 2, 16), jnp.float32)

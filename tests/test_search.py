@@ -141,10 +141,11 @@ def test_grid_covers_forward_and_backward_spaces_side_by_side():
     assert len(points) == len(list(space.bwd_points())) == 4 * (1 + 4)
 
 
-def test_study_names_change_with_versions():
+def test_study_names_change_with_versions_objective_and_drawn_rows():
     key = registry.problem_key(TINY, "scan", "cpu")
     assert study_name(key, "fwd", {"jax_version": "1"}) != study_name(key, "fwd", {"jax_version": "2"})
     assert study_name(key, "fwd", {"jax_version": "1"}) != study_name(key, "bwd", {"jax_version": "1"})
+    assert study_name(key, "fwd", {"jax_version": "1"}, "lognormal:14") != study_name(key, "fwd", {"jax_version": "1"})
 
 
 def test_bad_options_name_the_field():

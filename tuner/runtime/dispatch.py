@@ -190,6 +190,9 @@ class TunedRingAttention:
         size, group = ring_geometry(self.axis_name)[0], group_size(self.axis_name)
         decision = self._decide(query, key, value, size, options, group, agree=True)
         noted = self._note(query, key, value, size, group or 1, options, decision)
+        if options.get("q_segment_ids") is not None and self.packing is None and not isinstance(self.axis_name, tuple):
+            rank = 0 if self.axis_name is None else jax.lax.axis_index(self.axis_name)
+            record.note_segments(noted, rank, options["q_segment_ids"], options.get("q_positions"))
         with record.scope(noted):
             return record.watch(noted, self._attend(query, key, value, options, decision))
 
@@ -341,8 +344,8 @@ class TunedRingAttention:
         reason = found.reason
         if found.row is None and spec.has_segments and problem.packing is None:
             reason += (f"; packed rows without packing=: default tiles of at most {documents.PACKED_TILE}; declare "
-                       f"the rows' packing (Packing.fit of a few batches' segment ids) for tiles chosen from their "
-                       f"documents")
+                       f"the rows' packing (Packing.fit of a few batches' segment ids), or tune them with "
+                       f"tuner.autotune, for tiles chosen from their documents")
         if fallback:
             return Plan(name, config, "fallback", f"{fallback}; {name} params: {found.source} ({reason})",
                         problem, spec, layout)

@@ -13,11 +13,15 @@ With `TUNER_RECORD=<file>` set (what `tuner record` does), each new call is appe
 JSON line, and once more with `"gradients": true` when its backward is traced. The file is versioned
 (`RECORD_VERSION` on every line) and read back line by line (`read`): a bad line is reported and
 skipped, lines of one call are merged.
+
+`observe` runs a program once to see the segment ids its packed calls get (each device sends its shard
+to the host, `note_segments`), for `tuner.autotune` to tune an undeclared packing on the rows it runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import numbers
@@ -35,6 +39,7 @@ from tuner.support.version import __version__
 from tuner.semantics.problem import Problem
 from tuner import registry
 from tuner.registry import STRATEGIES, TWO_AXES
+from tuner.semantics import layouts
 from tuner.semantics.spec import LAYOUTS
 
 RECORD_VERSION = 1
@@ -46,6 +51,7 @@ Struct = tuple[tuple[int, ...], str]  # an array's shape and dtype name
 
 _SEEN: dict[str, Call] = {}  # every call traced in this process, by id
 _WRITTEN: set[tuple[str, str, bool]] = set()  # (file, id, gradients) lines this process appended
+_OBSERVED: dict[str, dict[int, tuple[np.ndarray, np.ndarray | None]]] | None = None  # while `observe` runs
 _SCOPE_RE = re.compile(re.escape(SCOPE) + r"\[([0-9a-f]{16})\]")
 
 
@@ -241,6 +247,59 @@ def watch(call: Call, out):
     return identity(out)
 
 
+def note_segments(call: Call, rank: Any, segment_ids: Any, positions: Any = None) -> None:
+    """While `observe` runs a program, have each device of `call` send the host its shard of the query
+    segment ids (`rank`: its ring position; `positions`: the tokens' global positions, where the call
+    passes them); at any other time add nothing to the program."""
+    if _OBSERVED is None:
+        return
+    arrays = (segment_ids,) if positions is None else (segment_ids, positions)
+    jax.debug.callback(functools.partial(_receive, call.id), rank, *arrays)
+
+
+def _receive(call_id: str, rank: Any, segment_ids: Any, positions: Any = None) -> None:
+    """One device's shard, kept once per call and ring position (every layer of a model sends the same)."""
+    if _OBSERVED is not None:
+        shard = (np.asarray(segment_ids), None if positions is None else np.asarray(positions))
+        _OBSERVED.setdefault(call_id, {}).setdefault(int(rank), shard)
+
+
+def observe(fn: Callable, *args: Any, calls: Sequence[Call], static_argnums: int | Sequence[int] = ()
+            ) -> dict[str, np.ndarray]:
+    """Run `fn(*args)` once and return, per call of `calls` whose every ring position reported
+    (`note_segments`), the `[B, T]` query segment ids its rows held, in token order: what a program's
+    packed calls really get. jax's caches are cleared before the run, so that the program traces again
+    with the callbacks in, and after it, so that later runs trace without them."""
+    global _OBSERVED
+    wanted = {call.id: call for call in calls}
+    jax.clear_caches()
+    _OBSERVED = {}
+    try:
+        jax.block_until_ready(jax.jit(fn, static_argnums=static_argnums)(*args))
+        jax.effects_barrier()
+        seen = _OBSERVED
+    finally:
+        _OBSERVED = None
+        jax.clear_caches()
+    rows = {i: _token_order(wanted[i], shards) for i, shards in seen.items() if i in wanted}
+    return {i: r for i, r in rows.items() if r is not None}
+
+
+def _token_order(call: Call, shards: dict[int, tuple[np.ndarray, np.ndarray | None]]) -> np.ndarray | None:
+    """The `[B, T]` segment ids of the devices' `shards` put back in token order, by the positions each
+    sent or, where it sent none, those of the call's layout; None unless every ring position sent one."""
+    (batch, local, _, _), _ = call.query
+    if sorted(shards) != list(range(call.ring_size)):
+        return None
+    rows = np.zeros((batch, call.ring_size * local), np.int64)
+    for rank, (ids, positions) in shards.items():
+        if positions is None:
+            positions = layouts.local_positions_np(call.layout, local, call.ring_size, rank)
+        np.put_along_axis(rows, np.broadcast_to(positions, (batch, local)).astype(np.int64),
+                          np.broadcast_to(ids, (batch, local)), axis=1)
+    return rows
+
+
 def append(path: str | os.PathLike, call: Call) -> None:
     """Append `call` to the record file at `path`, once per process (one write of one line, so processes
     recording into one file do not interleave)."""
@@ -314,5 +373,5 @@ def _walk(jaxpr, outer: str, found: dict[str, bool]) -> None:
                     _walk(sub, stack, found)
 
 
-__all__ = ["CALLERS", "ENV", "RECORD_VERSION", "Call", "Recording", "append", "calls_in", "read", "scope",
-           "struct_of", "watch", "write"]
+__all__ = ["CALLERS", "ENV", "RECORD_VERSION", "Call", "Recording", "append", "calls_in", "note_segments", "observe",
+           "read", "scope", "struct_of", "watch", "write"]

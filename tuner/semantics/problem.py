@@ -37,7 +37,10 @@ class Problem:
     `value_head_dim` is the head dim of the values where it differs from `head_dim`, the query/key one
     (multi-head latent attention), else None. `packing` is how the documents of a row are drawn
     (`tuner.semantics.packing.Packing`'s text; `segments` is then its document count), else None: with
-    `segments` > 0, that many documents cut at random points, a packing the key does not name.
+    `segments` > 0, that many documents cut at random points, a packing the key does not name. `drawn` is
+    a packing the search draws the rows from where the key names none (`segments` > 0, `packing` None):
+    the documents `tuner.autotune` saw a program's undeclared packed calls get, so that their key is tuned
+    on them.
     `segments` is the number of packed documents per batch row (0: no segment ids); `sinks` the number
     of sink logits per head (0: none); `window` is `(left, right)` or None, kept as `clip_window` leaves
     it for a `seq_len`-token sequence (a window at least that long is None, and so is a chunk), as
@@ -62,6 +65,7 @@ class Problem:
     a2a_size: int = 1
     value_head_dim: int | None = None
     packing: str | None = None
+    drawn: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch", "seq_len", "heads", "kv_heads", "head_dim", "ring_size", "a2a_size"):
@@ -104,6 +108,16 @@ class Problem:
         if self.segments > self.seq_len:
             raise ValueError(f"segments={self.segments} cannot exceed seq_len={self.seq_len} "
                              f"(every packed document needs a token)")
+        if self.drawn is not None:
+            if self.packing is not None or not self.segments:
+                raise ValueError(f"drawn={self.drawn!r} draws the rows of a packed problem whose key names no "
+                                 f"packing: it needs segments > 0 and packing None")
+            try:
+                drawn = Packing.parse(self.drawn)
+                drawn.check(self.seq_len)
+            except ValueError as error:
+                raise ValueError(f"drawn={self.drawn!r}: {error}") from None
+            object.__setattr__(self, "drawn", drawn.describe())
 
     @property
     def local_len(self) -> int:
@@ -127,10 +141,10 @@ class Problem:
 
     @property
     def documents(self) -> Packing | None:
-        """How a row's documents are drawn: the packing, else `segments` documents cut uniformly at random
-        (seed 0), else None (no segment ids)."""
-        if self.packing is not None:
-            return Packing.parse(self.packing)
+        """How a row's documents are drawn: the packing (or `drawn`), else `segments` documents cut uniformly
+        at random (seed 0), else None (no segment ids)."""
+        if self.packing is not None or self.drawn is not None:
+            return Packing.parse(self.packing or self.drawn)
         return Packing("uniform", count=self.segments) if self.segments else None
 
     @property
@@ -151,6 +165,7 @@ class Problem:
                                         (f"chunk={self.chunk_size}", self.chunk_size),
                                         (f"segments={self.segments}", self.segments),
                                         (f"packing={self.packing}", self.packing),
+                                        (f"drawn={self.drawn}", self.drawn),
                                         (f"softcap={self.softcap}", self.softcap),
                                         (f"sinks={self.sinks}", self.sinks)) if on]
         dims = f"D={self.head_dim}" + (f" Dv={self.value_head_dim}" if self.value_head_dim is not None else "")
@@ -182,8 +197,8 @@ class Problem:
                 fields[{"chunk": "chunk_size"}.get(name, name)] = int(value)
             elif name == "softcap" and value:
                 fields["softcap"] = float(value)
-            elif name == "packing" and value:
-                fields["packing"] = value
+            elif name in ("packing", "drawn") and value:
+                fields[name] = value
             else:
                 raise ValueError(f"unknown feature {word!r} in problem description {text[:80]!r}")
         problem = cls(**fields)

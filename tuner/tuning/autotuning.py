@@ -3,13 +3,15 @@
     report = tuner.autotune(train_step, params, opt_state, batch, device="cpu", trials=8)
     print(report.render())        # per problem: config source before and after, speed-up over the default
 
-`autotune` traces (never runs) the program, reads its attention calls (`tuner.runtime.record.calls_in`: the
+`autotune` traces the program, reads its attention calls (`tuner.runtime.record.calls_in`: the
 loader's and `ring_attention`'s, with whether gradients flow through them), merges the calls that are
 one problem, and runs `tuner.tuning.search` for each problem its loader does not already have tuned for this
 device and these versions (objective `fwd+bwd` where the program takes gradients, else `fwd`), into
 the cache file that loader reads. When it stored anything it clears jax's caches, so the next call of
 the program traces again and runs the tuned kernels, and it traces once more to report what the loader
-decides now. `tune` does the same for calls read from a record file (`tuner search --from`), and
+decides now. It runs the program once only where a loader's packed calls declare no packing and the
+example arguments are arrays: to see the rows those calls get (`record.observe`), whose packing their
+search then draws. `tune` does the same for calls read from a record file (`tuner search --from`), and
 `doctor` says, per recorded call, what the loader will use and why, without tuning.
 """
 
@@ -26,6 +28,7 @@ import jax
 
 from tuner import registry
 from tuner.runtime import record
+from tuner.semantics.packing import Packing
 from tuner.semantics.problem import Problem
 from tuner.runtime.record import Call
 from tuner.support.tables import error_line, table
@@ -76,12 +79,16 @@ class Report:
         return table(["problem", "grads", "implementation", "before", "after", "speed-up", "note"], rows)
 
 
-def problems(calls: Sequence[Call]) -> list[tuple[Call, Problem | None, str | None]]:
-    """The calls merged into problems, in first-seen order: (call, problem or None, why not tunable)."""
+def problems(calls: Sequence[Call], drawn: dict[str, str] | None = None
+             ) -> list[tuple[Call, Problem | None, str | None]]:
+    """The calls merged into problems, in first-seen order: (call, problem or None, why not tunable).
+    `drawn` gives, by call id, the packing a call's rows were seen to hold (`Problem.drawn`)."""
     merged: dict[tuple, tuple[Call, Problem | None, str | None]] = {}
     for call in calls:
         try:
             problem, why = call.problem(), None
+            if drawn and call.id in drawn:
+                problem = dataclasses.replace(problem, drawn=drawn[call.id])
             group = (problem.describe(), call.decision["implementation"], call.db, call.device_kind)
         except ValueError as error:
             problem, why, group = None, str(error), (call.id,)
@@ -93,12 +100,14 @@ def problems(calls: Sequence[Call]) -> list[tuple[Call, Problem | None, str | No
 
 
 def tune(calls: Sequence[Call], *, device: str | None = None, trials: int = 12,
-         options: SearchOptions | None = None, progress: bool = True) -> list[Outcome]:
+         options: SearchOptions | None = None, progress: bool = True,
+         drawn: dict[str, str] | None = None) -> list[Outcome]:
     """Search every problem of `calls` that its loader does not already have tuned (`COVERED`), on
     `device` (default: the platform the calls were traced for), into the cache file each call's loader
     reads; `options` (`tuner.tuning.search.SearchOptions`) sets the rest of the search, its objective and
     trials are chosen here. A problem that cannot be tuned, or whose search fails, is reported in its
-    note; the others are not held back by it. `after` is left for the caller to fill.
+    note; the others are not held back by it. `after` is left for the caller to fill. `drawn` gives, by
+    call id, the packing an undeclared packed call's rows were seen to hold: its search draws them.
 
     Several workers given the same calls divide them through the study storage: each first tunes the
     problems no other worker took, then joins the others' studies, so that every worker's cache ends
@@ -107,7 +116,7 @@ def tune(calls: Sequence[Call], *, device: str | None = None, trials: int = 12,
 
     options = options or SearchOptions()
     outcomes: dict[int, Outcome] = {}
-    todo = problems(calls)
+    todo = problems(calls, drawn)
     searches = []
     for number, (call, problem, why) in enumerate(todo, 1):
         before = call.source
@@ -181,7 +190,12 @@ def autotune(step_fn: Callable, *example_args: Any, device: str | None = None, t
     docstring). `device` defaults to the platform the program is traced for; `db`, when given, must be
     the cache file the program's loaders read (`ValueError` otherwise: rows elsewhere would not be
     used); `options` is a `tuner.tuning.search.SearchOptions` for the rest of the search; `static_argnums`
-    names the arguments that are not arrays, as for `jax.jit`."""
+    names the arguments that are not arrays, as for `jax.jit`.
+
+    Where a loader's calls pass segment ids without declaring their packing and the example arguments are
+    arrays, the step runs once (`record.observe`) to see the rows those calls get, and their search draws
+    rows of the packing fitted to them (`Packing.fit`; the problem's `drawn=`), under the key the calls
+    look up: the tiles are tuned for the documents the program really packs."""
     calls = record.calls_in(step_fn, *example_args, static_argnums=static_argnums)
     if db is not None:
         from tuner.cache import Cache
@@ -191,13 +205,26 @@ def autotune(step_fn: Callable, *example_args: Any, device: str | None = None, t
         if elsewhere:
             raise ValueError(f"db={db!r}, but the program's loaders read {', '.join(elsewhere)}: pass the same db "
                              f"to get_tuned_ring_attention, or leave db unset")
-    outcomes = tune(calls, device=device, trials=trials, options=options, progress=progress)
+    outcomes = tune(calls, device=device, trials=trials, options=options, progress=progress,
+                    drawn=_observed_packings(step_fn, example_args, static_argnums, calls))
     if any(o.speedup is not None for o in outcomes):
         jax.clear_caches()  # the program traces again, and its loaders read what the searches stored
         after = {c.id: c.source for c in record.calls_in(step_fn, *example_args, static_argnums=static_argnums)}
     else:
         after = {c.id: c.source for c in calls}
     return Report([dataclasses.replace(o, after=after.get(o.call.id, o.before)) for o in outcomes])
+
+
+def _observed_packings(step_fn: Callable, example_args: Sequence[Any], static_argnums: int | Sequence[int],
+                       calls: Sequence[Call]) -> dict[str, str]:
+    """By call id, the packing fitted to the rows each undeclared packed loader call of the program gets
+    (`record.observe`, one run of the step); none where the example arguments are only shapes."""
+    packed = [c for c in calls if c.caller == "loader" and c.packing is None and "q_segment_ids" in c.arrays
+              and c.a2a_size == 1]
+    if not packed or any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(example_args)):
+        return {}
+    rows = record.observe(step_fn, *example_args, calls=packed, static_argnums=static_argnums)
+    return {call_id: Packing.fit(ids).describe() for call_id, ids in rows.items()}
 
 
 def replay(call: Call, db: str | None = None) -> Call:

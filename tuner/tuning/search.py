@@ -240,7 +240,7 @@ def study_of(problem: Problem, device: str, backend: str, options: SearchOptions
     chosen = resolve_backend(backend, problem, device, options.interpret)
     versions = registry.versions(chosen)
     key = registry.problem_key(problem, chosen.name, device_kind)
-    return chosen, device_kind, key, versions, study_name(key, options.objective, versions)
+    return chosen, device_kind, key, versions, study_name(key, options.objective, versions, problem.drawn)
 
 
 __all__ = ["Measured", "SearchOptions", "SearchResult", "check_device", "resolve_backend", "search", "study_of"]

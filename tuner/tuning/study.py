@@ -170,10 +170,12 @@ def enqueue(study: optuna.Study, configs: list[Config], space: registry.Space, p
             held.append(params)
 
 
-def study_name(key: ProblemKey, objective: str, versions: dict[str, str]) -> str:
-    """One study per problem key, objective and versions (a code change starts a fresh study)."""
+def study_name(key: ProblemKey, objective: str, versions: dict[str, str], drawn: str | None = None) -> str:
+    """One study per problem key, objective and versions (a code change starts a fresh study), and per
+    packing the rows are `drawn` from where the key names none (trials timed on other rows do not mix)."""
     digest = hashlib.sha256(json.dumps(versions, sort_keys=True).encode()).hexdigest()[:8]
-    return f"ring-{key.digest}-{objective}-{digest}"
+    rows = "" if drawn is None else "-drawn-" + hashlib.sha256(drawn.encode()).hexdigest()[:8]
+    return f"ring-{key.digest}-{objective}-{digest}{rows}"
 
 
 __all__ = ["DRIVER_HINT", "DUPLICATE", "HEARTBEAT_S", "INTERRUPTED", "SURPLUS", "check_driver", "counted",
