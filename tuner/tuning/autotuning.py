@@ -218,9 +218,10 @@ def autotune(step_fn: Callable, *example_args: Any, device: str | None = None, t
 def _observed_packings(step_fn: Callable, example_args: Sequence[Any], static_argnums: int | Sequence[int],
                        calls: Sequence[Call]) -> dict[str, str]:
     """By call id, the packing fitted to the rows each undeclared packed loader call of the program gets
-    (`record.observe`, one run of the step); none where the example arguments are only shapes."""
+    (`record.observe`, one run of the step), for the calls still to tune; none where the example arguments
+    are only shapes."""
     packed = [c for c in calls if c.caller == "loader" and c.packing is None and "q_segment_ids" in c.arrays
-              and c.a2a_size == 1]
+              and c.a2a_size == 1 and c.source not in COVERED]
     if not packed or any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(example_args)):
         return {}
     rows = record.observe(step_fn, *example_args, calls=packed, static_argnums=static_argnums)
