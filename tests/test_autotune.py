@@ -130,15 +130,17 @@ def test_a_run_observed_gives_back_the_rows_each_packed_call_gets(tmp_path, layo
 
 def test_autotune_tunes_an_undeclared_packing_on_the_rows_the_step_gets(tmp_path):
     """Packed calls that declare no packing: autotune runs the step once, fits the packing of the rows it
-    saw, and tunes the calls' own key on rows drawn from it; the step then runs the tuned row. With only
-    the arguments' shapes nothing runs."""
+    saw, and tunes the calls' own key on rows drawn from it; the step then runs the tuned row, and a
+    second autotune has nothing to observe. With only the arguments' shapes nothing runs."""
     step, args = packed_step(tmp_path, "zigzag")
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
+    assert autotuning._observed_packings(step, shapes, (), record.calls_in(step, *shapes)) == {}
     report = autotuning.autotune(step, *args, trials=1, options=QUICK, progress=False)
     [outcome] = report.outcomes
     assert outcome.problem.drawn == "80,16x3" and "drawn=80,16x3" in outcome.problem.describe()
     assert (outcome.before, outcome.after) == ("default", "exact"), report.render()
-    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
-    assert autotuning._observed_packings(step, shapes, (), record.calls_in(step, *shapes)) == {}
+    again = autotuning.autotune(step, *args, trials=1, options=QUICK, progress=False)
+    assert [(o.before, o.note) for o in again.outcomes] == [("exact", "already tuned")]
 
 
 def recorded_call(tmp_path) -> record.Call:
