@@ -5,6 +5,7 @@
     python benchmarks/documents.py --undeclared   # the loader not told the packing: tiles of PACKED_TILE
     python benchmarks/documents.py --tile-cost --repeats 7   # a packing's tile against PACKED_TILE, timed
     python benchmarks/documents.py --packed-tile 0 --undeclared --only long   # before the packed cap
+    python benchmarks/documents.py --autotune 6   # undeclared, documents layout: before and after tuner.autotune
 
 Every layout runs through `get_tuned_ring_attention(mesh=..., layout=..., packing=...)` on an empty
 cache, so with the default tiles a user gets before tuning; the loader is told each row's packing (its
@@ -137,6 +138,46 @@ def tile_cost(mesh: Mesh, db: str, inputs: tuple, lengths: list[int], repeats: i
     return {name: t.median for name, t in times.items()}
 
 
+def measure(attn, inputs: tuple, seg, useful: int, ring: int) -> dict:
+    """The loader `attn`'s tiles, and the imbalance and efficiency of its forward on the packed row `seg`,
+    counted by the ring (`count_work`)."""
+    q, k, v, _ = inputs
+    with count_work() as counts:  # a fresh trace inside the context counts
+        jax.block_until_ready(jax.jit(lambda q, k, v, s: attn(q, k, v, q_segment_ids=s, kv_segment_ids=s))(q, k, v,
+                                                                                                       seg))
+    work = counts["tile_area"]
+    config = attn.explain(q, k, v, q_segment_ids=seg, kv_segment_ids=seg).config.to_dict()
+    return dict(config=config, tiles=[config["fwd"]["block_q"], config["fwd"]["block_kv"]],
+                imbalance=max(work.values()) / (sum(work.values()) / ring),
+                efficiency=useful / (ring * max(work.values()) * q.shape[2]))
+
+
+def autotuned(mesh: Mesh, inputs: tuple, lengths: list[int], trials: int, repeats: int) -> dict:
+    """The documents layout, the loader not told the packing: its tiles, balance and forward+backward
+    seconds on an empty cache and after `tuner.autotune` of its training step (which runs the step once to
+    see the rows, fits their packing and tunes on rows drawn from it), timed interleaved."""
+    import tuner
+
+    ring = len(mesh.devices)
+    seg = jnp.asarray(Packing("fixed", tuple(lengths)).segment_ids(sum(lengths), 1))
+    useful = sum(n * (n + 1) // 2 for n in lengths) * inputs[0].shape[2]
+    folder = tempfile.mkdtemp()
+    loaders = {name: get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, layout="documents",
+                                              db=os.path.join(folder, f"{name}.sqlite"))
+               for name in ("before", "after")}
+    step = jax.jit(training_step(loaders["after"]))
+    report = tuner.autotune(step, *inputs, seg, trials=trials, progress=False)
+    [outcome] = report.outcomes
+    result = dict(lengths=lengths, drawn=outcome.problem.drawn, note=outcome.note, search_speedup=outcome.speedup)
+    for name, attn in loaders.items():
+        result[name] = measure(attn, inputs, seg, useful, ring)
+    times = time_interleaved({name: jax.jit(training_step(attn)) for name, attn in loaders.items()},
+                             [(*inputs, seg)], runs=repeats, warmup=1)
+    for name in loaders:
+        result[name]["seconds"] = times[name].median
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ring", type=int, default=8)
@@ -151,9 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tile-cost", action="store_true",
                         help="only time the contiguous layout on the packing's tile against PACKED_TILE")
     parser.add_argument("--only", default=None, help="run only the packings whose name contains this")
+    parser.add_argument("--autotune", type=int, default=0, metavar="TRIALS",
+                        help="only the documents layout, undeclared: before and after tuner.autotune, TRIALS trials")
     args = parser.parse_args(argv)
     suffix = ("" if args.packed_tile == documents.PACKED_TILE else f"-tile{args.packed_tile}") + (
-        "-undeclared" if args.undeclared else "")
+        "-undeclared" if args.undeclared else "") + (f"-autotune{args.autotune}" if args.autotune else "")
     documents.PACKED_TILE = args.packed_tile or 2**31
 
     mesh = Mesh(np.array(jax.devices()[:args.ring]), ("sp",))
@@ -169,6 +212,18 @@ def main(argv: list[str] | None = None) -> int:
             cost = tile_cost(mesh, db, (q, k, v, w), lengths, args.repeats)
             print(name, ", ".join(f"{tile}: {seconds * 1e3:.0f} ms" for tile, seconds in cost.items()), flush=True)
             continue
+        if args.autotune:
+            tuned = autotuned(mesh, (q, k, v, w), lengths, args.autotune, args.repeats)
+            results.append(dict(packing=name, **tuned))
+            before, after = tuned["before"], tuned["after"]
+            rows.append([name, tuned["drawn"] or "-", "x".join(map(str, before["tiles"])),
+                         "x".join(map(str, after["tiles"])), f"{before['efficiency']:.2f} -> {after['efficiency']:.2f}",
+                         f"{before['imbalance']:.2f} -> {after['imbalance']:.2f}",
+                         f"{before['seconds'] * 1e3:.0f} -> {after['seconds'] * 1e3:.0f} ms",
+                         f"{before['seconds'] / after['seconds']:.2f}x"])
+            print(table(["packing", "fitted", "tiles before", "after", "efficiency", "imbalance", "fwd+bwd",
+                         "speed-up"], rows[-1:]), flush=True)
+            continue
         declared = Packing("fixed", tuple(lengths)).describe()
         seg = jnp.asarray(Packing.parse(declared).segment_ids(sum(lengths), 1))
         useful = sum(n * (n + 1) // 2 for n in lengths) * args.heads
@@ -176,16 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         for layout in LAYOUTS:
             attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, layout=layout, db=db,
                                             packing=None if args.undeclared else declared)
-            with count_work() as counts:  # a fresh trace inside the context counts
-                jax.block_until_ready(jax.jit(lambda q, k, v, s, a=attn: a(q, k, v, q_segment_ids=s,
-                                                                           kv_segment_ids=s))(q, k, v, seg))
-            work = counts["tile_area"]
-            busiest = max(work.values()) * args.heads
-            config = attn.explain(q, k, v, q_segment_ids=seg, kv_segment_ids=seg).config.to_dict()
-            result = dict(packing=name, lengths=lengths, layout=layout, config=config,
-                          tiles=[config["fwd"]["block_q"], config["fwd"]["block_kv"]],
-                          imbalance=max(work.values()) / (sum(work.values()) / args.ring),
-                          efficiency=useful / (args.ring * busiest))
+            result = dict(packing=name, lengths=lengths, layout=layout,
+                          **measure(attn, (q, k, v, w), seg, useful, args.ring))
             steps[layout] = (jax.jit(training_step(attn)), result)
             results.append(result)
         if not args.no_time:
@@ -214,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
     if args.tile_cost:
         return 0
+    if args.autotune:
+        print(table(["packing", "fitted", "tiles before", "after", "efficiency", "imbalance", "fwd+bwd", "speed-up"],
+                    rows))
     out = os.path.join(os.path.dirname(__file__), "results",
                        f"documents-{args.ring}x{args.length}{suffix}-{datetime.date.today().isoformat()}.json")
     with open(out, "w") as f:
