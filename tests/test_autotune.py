@@ -100,11 +100,14 @@ def test_calls_are_read_from_the_program_even_when_it_was_traced_before(tmp_path
     assert [c.id for c in scaled] == [calls["loader"].id]
 
 
-def packed_step(tmp_path, layout: str):
-    """A jitted gradient step through a loader whose packed calls declare no packing (ring 4, 128 tokens
-    of one long document and three short ones), and its arguments."""
-    attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=quiet_mesh(4), layout=layout,
-                                    db=tmp_path / "db.sqlite")
+def packed_step(tmp_path, layout: str, two_axes: bool = False):
+    """A jitted gradient step through a loader whose packed calls declare no packing (4 devices: a ring, or
+    a 2 x 2 mesh; 128 tokens of one long document and three short ones), and its arguments."""
+    if two_axes:
+        mesh, axes = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("ring", "group")), ("ring", "group")
+    else:
+        mesh, axes = quiet_mesh(4), "sp"
+    attn = get_tuned_ring_attention(axis_name=axes, causal=True, mesh=mesh, layout=layout, db=tmp_path / "db.sqlite")
     segments = jnp.asarray(np.repeat(np.arange(1, 5), [80, 16, 16, 16])[None], jnp.int32)
     q, k = (jnp.asarray(np.random.default_rng(i).standard_normal((1, 128, h, 8)), jnp.float32)
             for i, h in ((0, 2), (1, 1)))
@@ -116,12 +119,12 @@ def packed_step(tmp_path, layout: str):
     return step, (q, k, segments)
 
 
-@pytest.mark.parametrize("layout", ["zigzag", "documents"])
-def test_a_run_observed_gives_back_the_rows_each_packed_call_gets(tmp_path, layout):
+@pytest.mark.parametrize("layout, two_axes", [("zigzag", False), ("documents", False), ("zigzag", True)])
+def test_a_run_observed_gives_back_the_rows_each_packed_call_gets(tmp_path, layout, two_axes):
     """`record.observe`: each device's shard of the segment ids, put back in token order by the layout's
-    positions (zigzag) or by those the call passes (the documents layout), is the rows the step got; the
-    step traced again carries no callback."""
-    step, args = packed_step(tmp_path, layout)
+    positions (zigzag, over one axis or two) or by those the call passes (the documents layout), is the rows
+    the step got; the step traced again carries no callback."""
+    step, args = packed_step(tmp_path, layout, two_axes)
     [call] = record.calls_in(step, *args)
     seen = record.observe(step, *args, calls=[call])
     assert list(seen) == [call.id] and np.array_equal(seen[call.id], args[2])

@@ -190,11 +190,22 @@ class TunedRingAttention:
         size, group = ring_geometry(self.axis_name)[0], group_size(self.axis_name)
         decision = self._decide(query, key, value, size, options, group, agree=True)
         noted = self._note(query, key, value, size, group or 1, options, decision)
-        if options.get("q_segment_ids") is not None and self.packing is None and not isinstance(self.axis_name, tuple):
-            rank = 0 if self.axis_name is None else jax.lax.axis_index(self.axis_name)
-            record.note_segments(noted, rank, options["q_segment_ids"], options.get("q_positions"))
+        if record.observing() and options.get("q_segment_ids") is not None and self.packing is None:
+            rank, positions = self._shard_place(query.shape[1], options.get("q_positions"), decision)
+            record.note_segments(noted, rank, options["q_segment_ids"], positions)
         with record.scope(noted):
             return record.watch(noted, self._attend(query, key, value, options, decision))
+
+    def _shard_place(self, length: int, positions, decision: Decision) -> tuple:
+        """(this device's index among every device of the call, its query tokens' global positions or None
+        where the layout gives them), for `record.note_segments`."""
+        if not isinstance(self.axis_name, tuple):
+            return (0 if self.axis_name is None else jax.lax.axis_index(self.axis_name)), positions
+        ring_axis, group_axis = self.axis_name
+        rank = jax.lax.axis_index(ring_axis) * jax.lax.axis_size(group_axis) + jax.lax.axis_index(group_axis)
+        if positions is None:
+            positions = layouts.grouped_positions(decision.layout, length, self.axis_name)
+        return rank, positions
 
     def _attend(self, query, key, value, options: dict[str, Any], decision: Decision):
         interpret = bool(options.get("interpret"))

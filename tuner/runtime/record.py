@@ -247,6 +247,11 @@ def watch(call: Call, out):
     return identity(out)
 
 
+def observing() -> bool:
+    """Whether `observe` is running a program (its calls then send their segment ids, `note_segments`)."""
+    return _OBSERVED is not None
+
+
 def note_segments(call: Call, rank: Any, segment_ids: Any, positions: Any = None) -> None:
     """While `observe` runs a program, have each device of `call` send the host its shard of the query
     segment ids (`rank`: its ring position; `positions`: the tokens' global positions, where the call
@@ -374,4 +379,4 @@ def _walk(jaxpr, outer: str, found: dict[str, bool]) -> None:
 
 
 __all__ = ["CALLERS", "ENV", "RECORD_VERSION", "Call", "Recording", "append", "calls_in", "note_segments", "observe",
-           "read", "scope", "struct_of", "watch", "write"]
+           "observing", "read", "scope", "struct_of", "watch", "write"]

@@ -221,7 +221,7 @@ def _observed_packings(step_fn: Callable, example_args: Sequence[Any], static_ar
     (`record.observe`, one run of the step), for the calls still to tune; none where the example arguments
     are only shapes."""
     packed = [c for c in calls if c.caller == "loader" and c.packing is None and "q_segment_ids" in c.arrays
-              and c.a2a_size == 1 and c.source not in COVERED]
+              and c.source not in COVERED]
     if not packed or any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(example_args)):
         return {}
     rows = record.observe(step_fn, *example_args, calls=packed, static_argnums=static_argnums)
