@@ -22,6 +22,7 @@ from tests.cases import rel_err
 from tuner.tuning import autotuning
 from tuner import get_tuned_ring_attention, ring_attention
 from tuner.runtime import record
+from tuner.semantics.problem import Problem
 from tuner.cli import main
 from tuner.tuning.search import SearchOptions
 
@@ -141,6 +142,7 @@ def test_autotune_tunes_an_undeclared_packing_on_the_rows_the_step_gets(tmp_path
     report = autotuning.autotune(step, *args, trials=1, options=QUICK, progress=False)
     [outcome] = report.outcomes
     assert outcome.problem.drawn == "80,16x3" and "drawn=80,16x3" in outcome.problem.describe()
+    assert Problem.parse(outcome.problem.describe()) == outcome.problem
     assert (outcome.before, outcome.after) == ("default", "exact"), report.render()
     again = autotuning.autotune(step, *args, trials=1, options=QUICK, progress=False)
     assert [(o.before, o.note) for o in again.outcomes] == [("exact", "already tuned")]

@@ -64,6 +64,21 @@ def test_a_fitted_packing_is_the_rows_own_or_the_log_normal_they_were_drawn_from
             Packing.fit(bad)
 
 
+def test_drawn_rows_are_a_search_s_own_and_keep_the_undeclared_key():
+    """`Problem.drawn`: the search draws its rows, the key stays the one undeclared calls look up, and it
+    is refused where the key names a packing or the problem has no segment ids."""
+    undeclared = Problem(seq_len=256, heads=2, kv_heads=1, head_dim=8, ring_size=4, segments=4)
+    drawn = Problem(seq_len=256, heads=2, kv_heads=1, head_dim=8, ring_size=4, segments=4, drawn="128,16x8")
+    assert drawn.documents == Packing.parse("128,16x8") and Problem.parse(drawn.describe()) == drawn
+    assert registry.problem_key(drawn, "scan", "cpu") == registry.problem_key(undeclared, "scan", "cpu")
+    with pytest.raises(ValueError, match="it needs segments > 0 and packing None"):
+        Problem(seq_len=256, ring_size=4, packing="128,16x8", drawn="128,16x8")
+    with pytest.raises(ValueError, match="it needs segments > 0 and packing None"):
+        Problem(seq_len=256, ring_size=4, drawn="128,16x8")
+    with pytest.raises(ValueError, match="drawn='100': the documents' lengths sum to 100"):
+        Problem(seq_len=256, ring_size=4, segments=4, drawn="100")
+
+
 @pytest.mark.parametrize("text, message", [
     ("", "a packing is fixed lengths like"),
     ("lognormal:0", "positive document count"),
