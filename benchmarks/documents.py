@@ -47,6 +47,7 @@ from tuner.support.work import count_work  # noqa: E402
 from tuner.tuning.timing import compile_timed, run_interleaved, time_interleaved  # noqa: E402
 
 LAYOUTS = ("contiguous", "zigzag", "striped", "documents")
+AUTOTUNE_COLUMNS = ["packing", "fitted", "tiles before", "after", "efficiency", "imbalance", "fwd+bwd", "speed-up"]
 
 
 def long_tailed(total: int, count: int, seed: int = 0) -> list[int]:
@@ -221,8 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"{before['imbalance']:.2f} -> {after['imbalance']:.2f}",
                          f"{before['seconds'] * 1e3:.0f} -> {after['seconds'] * 1e3:.0f} ms",
                          f"{before['seconds'] / after['seconds']:.2f}x"])
-            print(table(["packing", "fitted", "tiles before", "after", "efficiency", "imbalance", "fwd+bwd",
-                         "speed-up"], rows[-1:]), flush=True)
+            print(table(AUTOTUNE_COLUMNS, rows[-1:]), flush=True)
             continue
         declared = Packing("fixed", tuple(lengths)).describe()
         seg = jnp.asarray(Packing.parse(declared).segment_ids(sum(lengths), 1))
@@ -262,8 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tile_cost:
         return 0
     if args.autotune:
-        print(table(["packing", "fitted", "tiles before", "after", "efficiency", "imbalance", "fwd+bwd", "speed-up"],
-                    rows))
+        print(table(AUTOTUNE_COLUMNS, rows))
     out = os.path.join(os.path.dirname(__file__), "results",
                        f"documents-{args.ring}x{args.length}{suffix}-{datetime.date.today().isoformat()}.json")
     with open(out, "w") as f:

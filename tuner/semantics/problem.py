@@ -95,11 +95,7 @@ class Problem:
         for name in ("segments", "sinks"):
             check_int(name, getattr(self, name), non_negative=True)
         if self.packing is not None:
-            try:
-                packing = Packing.parse(self.packing)
-                packing.check(self.seq_len)
-            except ValueError as error:
-                raise ValueError(f"packing={self.packing!r}: {error}") from None
+            packing = self._checked_packing("packing")
             if self.segments not in (0, packing.documents):
                 raise ValueError(f"segments={self.segments} does not match the packing's {packing.documents} "
                                  f"documents; leave segments 0 with a packing")
@@ -112,12 +108,18 @@ class Problem:
             if self.packing is not None or not self.segments:
                 raise ValueError(f"drawn={self.drawn!r} draws the rows of a packed problem whose key names no "
                                  f"packing: it needs segments > 0 and packing None")
-            try:
-                drawn = Packing.parse(self.drawn)
-                drawn.check(self.seq_len)
-            except ValueError as error:
-                raise ValueError(f"drawn={self.drawn!r}: {error}") from None
-            object.__setattr__(self, "drawn", drawn.describe())
+            object.__setattr__(self, "drawn", self._checked_packing("drawn").describe())
+
+    def _checked_packing(self, name: str) -> Packing:
+        """The packing the field `name` writes, checked to fill a row of `seq_len` tokens; `ValueError`
+        naming the field."""
+        text = getattr(self, name)
+        try:
+            packing = Packing.parse(text)
+            packing.check(self.seq_len)
+        except ValueError as error:
+            raise ValueError(f"{name}={text!r}: {error}") from None
+        return packing
 
     @property
     def local_len(self) -> int:
