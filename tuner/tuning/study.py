@@ -145,7 +145,7 @@ def fail_stale(study: optuna.Study, storage: optuna.storages.RDBStorage, orphan_
         with storage.engine.connect() as db:
             orphans = db.execute(_ORPHANS, {"study": storage.get_study_id_from_name(study.study_name),
                                             "before": started_before}).scalars().all()
-        retry = storage.get_failed_trial_callback()
+        retry = storage.get_heartbeat_stale_trial_callback()
         for trial_id in orphans:
             try:
                 if not storage.set_trial_state_values(trial_id, state=optuna.trial.TrialState.FAIL):
