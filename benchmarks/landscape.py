@@ -3,13 +3,15 @@ times a trial.
 
     python benchmarks/landscape.py --list
     python benchmarks/landscape.py PROBLEM [--part fwd|bwd|both] [--runs 3] [--noise 5] [--max-points 120]
+                                           [--compile-ahead 0]
 
 For each point of the part's grid (`Space.grid` with that part alone: every forward point, or every
 backward point), the script does what a trial of `tuner search --objective <part>` does, with the same
 `tuner.tuning.trials.Trials` machinery: the constraints first (a pruned point keeps its reason), then
 compile, check against the scan reference at float32 (a failed point keeps its reason), then time it
 interleaved with the default on fresh inputs (`--runs` medians). A point's value is the trial's value:
-its median over the default's median from the same run.
+its median over the default's median from the same run. As in `tuner search`, `--compile-ahead` points
+compile while another is checked or timed (on the CPU, compiles side by side, each timed run alone).
 
 Forward and backward act on separate passes, so each is its own landscape; `tuner search`'s fwd+bwd
 objective is (fwd seconds + bwd seconds) / (default fwd + default bwd), and the best of each part
@@ -37,6 +39,7 @@ import os
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,7 +101,7 @@ def backward_points(trials, max_points: int) -> tuple[list, list | None, object]
     return list(dict.fromkeys(timed)), composed, config(ref_kv, ref_dq)
 
 
-def landscape(name: str, part: str, runs: int, noise: int, max_points: int) -> dict:
+def landscape(name: str, part: str, runs: int, noise: int, max_points: int, ahead: int) -> dict:
     import jax
 
     from tuner import registry
@@ -119,12 +122,14 @@ def landscape(name: str, part: str, runs: int, noise: int, max_points: int) -> d
     else:
         configs, composed, ref = backward_points(trials, max_points)
     points = []
-    for number, config in enumerate(configs, 1):
-        points.append(point(trials, config, part, runs))
-        print(f"{name} {part} {number}/{len(configs)}: {points[-1]['status']} "
-              f"{points[-1].get('rel', points[-1].get('reason', ''))}", file=sys.stderr, flush=True)
-    result = {"part": part, "objective": part, "runs": runs, "grid": len(trials.space.grid(trials.default, (part,))),
-              "default": trials.default.to_dict()[part], "points": points}
+    with ThreadPoolExecutor(1 + ahead) as pool:  # compiles run ahead; the trials' gate times each point alone
+        for number, entry in enumerate(pool.map(lambda config: point(trials, config, part, runs), configs), 1):
+            points.append(entry)
+            print(f"{name} {part} {number}/{len(configs)}: {entry['status']} "
+                  f"{entry.get('rel', entry.get('reason', ''))}", file=sys.stderr, flush=True)
+    result = {"part": part, "objective": part, "runs": runs, "compile_ahead": ahead,
+              "grid": len(trials.space.grid(trials.default, (part,))), "default": trials.default.to_dict()[part],
+              "points": points}
     if composed is not None:
         by_config = {json.dumps(p["config"], sort_keys=True): p for p in points}
 
@@ -172,6 +177,9 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3, help="timed runs per point, as tuner search's --runs")
     parser.add_argument("--noise", type=int, default=5, help="re-timings of the default and the best")
     parser.add_argument("--max-points", type=int, default=120, help="a larger backward grid is composed")
+    parser.add_argument("--compile-ahead", type=int, default=0,
+                        help="points that compile while another is checked or timed (tuner search's option; "
+                             "0, its CPU default)")
     options = parser.parse_args()
     if options.list or options.problem is None:
         for name, fields in PROBLEMS.items():
@@ -189,7 +197,8 @@ def main() -> int:
         "backend": "scan", "device": "cpu", "problem": dataclasses.asdict(Problem(**PROBLEMS[options.problem])),
         "parts": {}}
     for part in ("fwd", "bwd") if options.part == "both" else (options.part,):
-        recorded["parts"][part] = landscape(options.problem, part, options.runs, options.noise, options.max_points)
+        recorded["parts"][part] = landscape(options.problem, part, options.runs, options.noise, options.max_points,
+                                             options.compile_ahead)
         recorded["parts"][part]["command"] = " ".join(["python", *sys.argv])
         recorded["parts"][part]["date"] = datetime.date.today().isoformat()
         recorded["parts"][part]["cores"] = os.cpu_count()

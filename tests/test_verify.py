@@ -33,13 +33,13 @@ def test_a_bfloat16_candidate_is_checked_in_bfloat16_on_its_timed_program(monkey
     compile_ = workload.compile
     monkeypatch.setattr(workload, "compile", lambda *a, **k: compiles.append(a[1]["q"].dtype) or compile_(*a, **k))
     fn = workload.attend("scan", TileConfig(FwdParams(block_q=32, block_kv=32), BwdParams(32, 32)))
-    timed, _ = check.compile_checked(fn, *workload.draw(seed=1), deadline=None, trial_timeout=60)
+    timed, _ = check.compile_checked(fn, *workload.draw(seed=1))
     assert compiles == [jnp.bfloat16]
     assert check.mismatch(timed) is None
     assert check.mismatch(check.compile(_scaled(fn, 1.001))) is None
     with pytest.raises(TrialFailed, match=r"wrong: out differs from the scan reference by 4\.\d+e-02 .* bar "
                                           r"\(twice the scan ring's own bfloat16 error"):
-        check.compile_checked(_scaled(fn, 1.05), *workload.draw(seed=1), deadline=None, trial_timeout=60)
+        check.compile_checked(_scaled(fn, 1.05), *workload.draw(seed=1))
 
 
 def test_float32_is_checked_at_its_tolerances_and_apart_where_products_are_not_exact(monkeypatch):

@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     tuning.add_argument("--no-warm-start", dest="warm_start", action="store_false",
                         help="start from the default and the sampler only, not from the winners of the nearest "
                              "tuned problems in the cache")
+    tuning.add_argument("--compile-ahead", type=int, default=None,
+                        help="trials that compile while another is checked or timed (default: 0 on the CPU, "
+                             "whose cores compile and run alike; 1 on a GPU or TPU)")
     tuning.add_argument("--interpret", action="store_true", help="run kernel backends in their "
                                                                  "interpreter (CPU checks)")
     tuning.add_argument("--dry-run", action="store_true",
@@ -253,11 +256,16 @@ def build_parser() -> argparse.ArgumentParser:
 POSITIVE = ("devices", "batch", "seq_len", "heads", "kv_heads", "head_dim", "value_head_dim", "runs", "calls", "trials",
             "ring_size", "a2a_size", "chunk", "timeout", "trial_timeout", "limit", "page", "heartbeat",
             "reconnect")
+NON_NEGATIVE = ("compile_ahead",)
 
 
 def check_positive(args: argparse.Namespace) -> None:
-    """The counts and sizes argparse takes as plain numbers are positive."""
+    """The counts and sizes argparse takes as plain numbers are positive (`NON_NEGATIVE` ones at least 0)."""
     for name in POSITIVE:
         value = getattr(args, name, None)
         if value is not None and value <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    for name in NON_NEGATIVE:
+        value = getattr(args, name, None)
+        if value is not None and value < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be 0 or more, got {value}")

@@ -97,7 +97,8 @@ def search_from(args: argparse.Namespace) -> int:
         options = SearchOptions(trials=args.trials, timeout=args.timeout, trial_timeout=args.trial_timeout,
                                 sampler=args.sampler, seed=args.seed, storage=args.storage,
                                 heartbeat=args.heartbeat, reconnect=args.reconnect, warm_start=args.warm_start,
-                                runs=args.runs, calls=calls_of(args), interpret=args.interpret)
+                                runs=args.runs, calls=calls_of(args), interpret=args.interpret,
+                                compile_ahead=args.compile_ahead)
     except ValueError as error:
         raise UsageError(str(error)) from None
     calls = [dataclasses.replace(c, db=args.db or c.db) if c.caller == "loader" else c for c in recording.calls]

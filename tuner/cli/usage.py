@@ -87,8 +87,9 @@ def search_summary(result: SearchResult) -> list[str]:
     if result.spent:
         spent = {part: result.spent.get(part, 0.0) for part in ("compile", "check", "timing")}
         spent["start-up, sampler and storage"] = max(0.0, result.seconds - sum(spent.values()))
+        ahead = f"; {result.ahead:.0f} s more compiling ran ahead, beside it" if result.ahead >= 0.5 else ""
         lines.append(f"time     {result.seconds:.0f} s: " + ", ".join(
-            f"{part} {seconds:.0f} s ({seconds / result.seconds:.0%})" for part, seconds in spent.items()))
+            f"{part} {seconds:.0f} s ({seconds / result.seconds:.0%})" for part, seconds in spent.items()) + ahead)
     else:
         lines.append(f"time     {result.seconds:.0f} s")
     lines += [f"use      {line}" for line in loader_call(result.problem, result.backend)]

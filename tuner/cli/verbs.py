@@ -45,7 +45,7 @@ def run_search(args: argparse.Namespace) -> int:
                                 trial_timeout=args.trial_timeout, sampler=args.sampler, seed=args.seed,
                                 storage=args.storage, heartbeat=args.heartbeat, reconnect=args.reconnect,
                                 warm_start=args.warm_start, runs=args.runs, calls=calls_of(args),
-                                interpret=args.interpret)
+                                interpret=args.interpret, compile_ahead=args.compile_ahead)
         check_device(args.device)
         resolve_backend(args.backend, problem, args.device, args.interpret)
     except ValueError as error:

@@ -17,7 +17,9 @@ class SearchOptions:
     compile that runs longer is not interrupted); `heartbeat` is the seconds between a running trial's
     heartbeats in the storage (a trial silent for twice that belonged to a dead worker); `reconnect` is
     how long a storage that stopped answering is retried before the search stops; `warm_start` queues
-    the winners of the nearest tuned problems right after the default (`tuner.tuning.warm`)."""
+    the winners of the nearest tuned problems right after the default (`tuner.tuning.warm`);
+    `compile_ahead` trials compile while another is checked or timed (`tuner.tuning.inflight`; None: 0 on the
+    CPU, whose cores compile and run alike, else 1)."""
 
     objective: str = "fwd+bwd"
     trials: int = 12
@@ -34,6 +36,7 @@ class SearchOptions:
     calls: int = 1
     top: int = 3
     interpret: bool = False
+    compile_ahead: int | None = None
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -42,6 +45,7 @@ class SearchOptions:
             raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
         for name in ("trials", "runs", "final_runs", "top", "calls", "heartbeat"):
             check_int(name, getattr(self, name))
+        check_int("compile_ahead", self.compile_ahead, non_negative=True, optional=True)
         for name in ("timeout", "trial_timeout", "reconnect"):
             value = getattr(self, name)
             if value is not None and not value > 0:

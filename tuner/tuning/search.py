@@ -84,6 +84,7 @@ class SearchResult:
     timed_out: bool = False  # `timeout` ended this run before the study counted its `trials`
     best_from: str = ""  # where the winner came from: "default", "trial N (its source)" or a combination
     trials_asked: int = 0  # the study's total, `SearchOptions.trials`
+    ahead: float = 0.0  # seconds of compiling that ran beside other work (`SearchOptions.compile_ahead`)
 
     @property
     def speedup(self) -> float:
@@ -187,8 +188,8 @@ def search(
     deadline = None if options.timeout is None else time.perf_counter() + options.timeout
     with quiet_heartbeats():
         decision = reconnecting(storage_url, lambda: run_until_decided(
-            study, state.objective, after_trial, state.shared, options.trials, deadline, lambda: state.exhausted),
-            options.reconnect)
+            study, state.objective, after_trial, state.shared, options.trials, deadline, lambda: state.exhausted,
+            state.in_flight), options.reconnect)
     if decision is None:  # this worker decides: re-time the best candidates of the whole study
         trials = finished(study.get_trials(deepcopy=False))
         counts = Counter(t.user_attrs["failure"] for t in trials if t.state == optuna.trial.TrialState.FAIL)
@@ -227,6 +228,7 @@ def _result(problem: Problem, chosen: registry.Implementation, device_kind: str,
                         stored_speedup=held["speedup"], failures=decision["failures"],
                         decided_by="" if decision["worker"] == worker_name() else decision["worker"],
                         spent={} if state is None else dict(state.spent),
+                        ahead=0.0 if state is None else max(0.0, state.gate.compiling - state.spent["compile"]),
                         timed_out=options.timeout is not None and len(trials) < options.trials
                         and not decision["covered"], trials_asked=options.trials,
                         best_from=decision.get("best_from", ""))

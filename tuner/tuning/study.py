@@ -70,9 +70,12 @@ def open_storage(url: str, heartbeat: int = HEARTBEAT_S) -> optuna.storages.RDBS
         try:
             with warnings.catch_warnings():  # heartbeats and retries are experimental in optuna
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                return optuna.storages.RDBStorage(
+                storage = optuna.storages.RDBStorage(
                     url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat, grace_period=2 * heartbeat,
                     heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1))
+            if url.startswith("sqlite"):
+                _write_locked_transactions(storage.engine)
+            return storage
         except sqlalchemy.exc.SQLAlchemyError:
             # Workers that start together race to create a new storage's tables; the loser retries and
             # finds them made.
@@ -81,12 +84,31 @@ def open_storage(url: str, heartbeat: int = HEARTBEAT_S) -> optuna.storages.RDBS
             time.sleep(0.5 * (attempt + 1))
 
 
+def _write_locked_transactions(engine: sqlalchemy.engine.Engine) -> None:
+    """Make every transaction on the SQLite `engine` take the database's write lock when it begins (`BEGIN
+    IMMEDIATE`). SQLite's default transaction reads without the lock, so two workers, or two trials in
+    flight, could both read a queued trial as waiting and both run it (optuna's row lock, `SELECT ... FOR
+    UPDATE`, is a no-op on SQLite); the one that reported second then failed the search."""
+
+    @sqlalchemy.event.listens_for(engine, "connect")
+    def connect(connection, record) -> None:
+        connection.isolation_level = None  # the driver leaves BEGIN to SQLAlchemy (below)
+
+    @sqlalchemy.event.listens_for(engine, "begin")
+    def begin(connection) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    engine.dispose()  # connections opened before the listeners are dropped
+
+
 def make_sampler(sampler: str, seed: int, trials: int) -> optuna.samplers.BaseSampler:
-    """optuna's sampler called `sampler` ("grid" samples at random from the points queued for it)."""
+    """optuna's sampler called `sampler` ("grid" samples at random from the points queued for it). TPE
+    counts the running trials (of this worker's other threads, or of other workers) as bad, so trials
+    asked at once spread out."""
     if sampler == "tpe":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True,
+            return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True,
                                               n_startup_trials=max(3, min(10, trials // 3)))
     if sampler == "gp":
         if importlib.util.find_spec("torch") is None or importlib.util.find_spec("scipy") is None:

@@ -18,11 +18,12 @@ from tuner.registry import Config
 from tuner.semantics import documents
 from tuner.semantics.problem import Problem
 from tuner.support.tables import describe_config, error_line
+from tuner.tuning.inflight import DeviceGate
 from tuner.tuning.options import SearchOptions
 from tuner.tuning.shared import Shared, config_digest, worker_name
 from tuner.tuning.study import DUPLICATE, INTERRUPTED, SURPLUS, surplus
 from tuner.tuning.timing import Timing, run_interleaved
-from tuner.tuning.verify import ReferenceCheck, TrialFailed, failure_reason
+from tuner.tuning.verify import ReferenceCheck, TrialFailed, compile_seconds, failure_reason
 from tuner.tuning.workload import Compiled, Workload
 
 DUPLICATES_IN_A_ROW = 10  # sampled configs already held, in a row, after which the space counts as covered
@@ -70,7 +71,9 @@ class Trials:
         self.reference = ReferenceCheck(self.workload, seed=10_000 + options.seed, backward=options.tunes_bwd)
         self.time_sets = [self.workload.draw(seed=options.seed + i) for i in range(3)]
         self.built: dict[Config, tuple[Compiled, float]] = {}
-        self.spent: Counter[str] = Counter()  # seconds compiling, checking and timing
+        self.gate = DeviceGate(host_is_device=self.workload.platform == "cpu")
+        self.in_flight = 1 + (options.compile_ahead if options.compile_ahead is not None
+                              else 0 if self.gate.host_is_device else 1)
         try:
             self.baseline = self.compile(self.default, deadline=None)
         except TrialFailed as failure:
@@ -79,34 +82,37 @@ class Trials:
         # Every measurement runs the default beside its candidates: its backward residuals are kept.
         self.default_thunks = self.baseline[0].thunks("default", self.time_sets, forward=options.tunes_fwd)
 
+    @property
+    def spent(self) -> Counter[str]:
+        """Wall seconds spent compiling, checking and timing (`DeviceGate.spent`)."""
+        return self.gate.spent
+
     def compile(self, config: Config, deadline: float | None) -> tuple[Compiled, float]:
         """Compile `config` for timing, checked first (at float32) against the reference; a config
-        this process already built is reused."""
+        this process already built is reused. Compiling takes a slot of the gate, the check its device;
+        past `deadline` (plus this thread's waits for the gate) the trial fails as timed out."""
         if config not in self.built:
-            started = time.perf_counter()
             fn = self.workload.attend(self.implementation.name, config, interpret=self.options.interpret)
-            try:
-                self.built[config] = self.reference.compile_checked(fn, *self.time_sets[0], deadline=deadline,
-                                                                    trial_timeout=self.options.trial_timeout)
-            except TrialFailed as failure:  # a failed check compiled first; a failed build did not check
-                self.spent["check" if failure.reason == "wrong" else "compile"] += time.perf_counter() - started
-                raise
-            compile_seconds = self.built[config][1]
-            self.spent["compile"] += compile_seconds
-            self.spent["check"] += time.perf_counter() - started - compile_seconds
+            with self.gate.compile():
+                timed, checked = self.reference.build(fn, *self.time_sets[0])
+            seconds = compile_seconds(timed, checked)
+            if deadline is not None and time.perf_counter() > deadline + self.gate.waited():
+                raise TrialFailed("timeout", f"compiling took {seconds:.1f} s, over the "
+                                             f"{self.options.trial_timeout:.0f} s trial timeout")
+            with self.gate.device("check"):
+                self.reference.verify(checked)
+            self.built[config] = timed, seconds
         return self.built[config]
 
     def measure(self, candidates: dict[str, Compiled], runs: int, deadline: float | None
                 ) -> dict[str, tuple[Timing | None, Timing | None]]:
         """(fwd, bwd) timings of the candidates and of the default ("default"), run interleaved."""
-        thunks = dict(self.default_thunks)
-        for name, compiled in candidates.items():
-            thunks.update(compiled.thunks(name, self.time_sets, forward=self.options.tunes_fwd))
-        started = time.perf_counter()
-        try:
-            timings = run_interleaved(thunks, runs=runs, warmup=1, calls=self.options.calls, deadline=deadline)
-        finally:
-            self.spent["timing"] += time.perf_counter() - started
+        with self.gate.device("timing"):
+            thunks = dict(self.default_thunks)
+            for name, compiled in candidates.items():
+                thunks.update(compiled.thunks(name, self.time_sets, forward=self.options.tunes_fwd))
+            timings = run_interleaved(thunks, runs=runs, warmup=1, calls=self.options.calls,
+                                      deadline=None if deadline is None else deadline + self.gate.waited())
         return {name: (timings.get(f"{name}:fwd"), timings.get(f"{name}:bwd"))
                 for name in ("default", *candidates)}
 
@@ -115,8 +121,8 @@ class Trials:
             trial.set_user_attr("failure", SURPLUS)
             trial.study.stop()
             raise TrialFailed(SURPLUS, f"the study had its {self.options.trials} trials when this one began")
-        start = time.perf_counter()
-        deadline = start + self.options.trial_timeout
+        self.gate.begin()
+        deadline = time.perf_counter() + self.options.trial_timeout
         trial.set_user_attr("worker", worker_name())
         if "source" not in trial.user_attrs:
             trial.set_user_attr("source", "sampler")

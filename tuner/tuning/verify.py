@@ -26,7 +26,6 @@ every exact candidate failed the 1e-5 check against it. Only where float32 produ
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -100,29 +99,36 @@ class ReferenceCheck:
                         f"{self.bars[name]:.1e} {self.rule}")
         return None
 
-    def compile_checked(self, fn: Callable[[Inputs], Any], inputs: Inputs, dout: Any, *,
-                        deadline: float | None, trial_timeout: float) -> tuple[Compiled, float]:
-        """`fn` compiled for timing on `inputs`, and its compile seconds, once its result on the reference
-        inputs matches the reference (one program for both, but for float32 where the platform's default
-        precision is not exact: `compile`). `TrialFailed` with the reason when it does not build, runs out of
-        memory, errs, is still compiling past `deadline` or gives a wrong result."""
-        workload = self.workload
+    def build(self, fn: Callable[[Inputs], Any], inputs: Inputs, dout: Any) -> tuple[Compiled, Compiled]:
+        """`fn` compiled for timing on `inputs`, and the program the check runs: the same one, but for float32
+        where the platform's default precision is not exact (`compile`). Nothing runs on the device.
+        `TrialFailed` with the reason when it does not build."""
         try:
-            timed = workload.compile(fn, inputs, dout, backward=self.backward)
-            checked = self.compile(fn) if self.separate else timed
+            timed = self.workload.compile(fn, inputs, dout, backward=self.backward)
+            return timed, self.compile(fn) if self.separate else timed
         except Exception as error:  # noqa: BLE001 - any build failure is a failed trial, with its reason
             raise TrialFailed(failure_reason(error, "compile"), error_line(error)) from error
-        compile_seconds = timed.compile_seconds + (0.0 if checked is timed else checked.compile_seconds)
-        if deadline is not None and time.perf_counter() > deadline:
-            raise TrialFailed("timeout", f"compiling took {compile_seconds:.1f} s, over the "
-                                         f"{trial_timeout:.0f} s trial timeout")
+
+    def verify(self, checked: Compiled) -> None:
+        """`TrialFailed` with the reason when `checked` errs, runs out of memory or gives a wrong result."""
         try:
             mismatch = self.mismatch(checked)
         except Exception as error:  # noqa: BLE001
             raise TrialFailed(failure_reason(error, "runtime"), error_line(error)) from error
         if mismatch is not None:
             raise TrialFailed("wrong", mismatch)
-        return timed, compile_seconds
+
+    def compile_checked(self, fn: Callable[[Inputs], Any], inputs: Inputs, dout: Any) -> tuple[Compiled, float]:
+        """`fn` compiled for timing on `inputs`, and its compile seconds, once its result on the reference
+        inputs matches the reference (`build`, then `verify`)."""
+        timed, checked = self.build(fn, inputs, dout)
+        self.verify(checked)
+        return timed, compile_seconds(timed, checked)
+
+
+def compile_seconds(timed: Compiled, checked: Compiled) -> float:
+    """The seconds `build` spent compiling its one or two programs."""
+    return timed.compile_seconds + (0.0 if checked is timed else checked.compile_seconds)
 
 
 def _float32(inputs: Inputs) -> Inputs:

@@ -32,10 +32,10 @@ T = TypeVar("T")
 
 
 def run_until_decided(study: optuna.Study, objective: Callable[[optuna.Trial], float], after_trial: Callable,
-                      shared: Shared, total: int, deadline: float | None, covered: Callable[[], bool]
-                      ) -> dict[str, Any] | None:
-    """Run trials of `study` until it may be decided (module docstring); `covered()` says whether this
-    worker found the space covered. Returns the winner another worker decided on `total` trials or
+                      shared: Shared, total: int, deadline: float | None, covered: Callable[[], bool],
+                      in_flight: int = 1) -> dict[str, Any] | None:
+    """Run trials of `study`, `in_flight` at once, until it may be decided (module docstring); `covered()`
+    says whether this worker found the space covered. Returns the winner another worker decided on `total` trials or
     more, or on the whole space; else None: this worker decides."""
     while True:
         fail_stale(study, shared.storage)
@@ -53,7 +53,8 @@ def run_until_decided(study: optuna.Study, objective: Callable[[optuna.Trial], f
         if waiting or (not covered() and taken(trials) < total):
             try:  # past the deadline with nothing counted, one trial (the default, queued first) still runs
                 study.optimize(objective, n_trials=1 if over else None, timeout=None if over else left,
-                               catch=(TrialFailed,), callbacks=[after_trial], gc_after_trial=False)
+                               n_jobs=1 if over else in_flight, catch=(TrialFailed,), callbacks=[after_trial],
+                               gc_after_trial=False)
             except Exception as error:
                 if not _failed_elsewhere(error):
                     raise
