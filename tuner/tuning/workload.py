@@ -7,13 +7,18 @@ over the ring positions, so every device's shard carries the positions of its la
 laid out to match).
 
 The backward is compiled on its own, so that it can be timed on its own: the forward returns the
-residuals of `jax.vjp` as plain arrays, and the backward rebuilds the vjp from them.
+residuals of `jax.vjp` as plain arrays, and the backward rebuilds the vjp from them. A program whose
+lowered text a recent compile had already built is not compiled again: candidates that differ in their
+backward tiles only share their forward, and the other way round.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +37,7 @@ from tuner.registry import Config
 
 AXIS = "sp"
 PAIR_AXES = ("ring", "a2a")
+PROGRAMS_KEPT = 16  # compiled programs a workload keeps for reuse, the most recently used
 Inputs = dict[str, Any]
 
 
@@ -104,6 +110,8 @@ class Workload:
             self.specs["segment_ids"] = seq
         if problem.sinks:
             self.specs["sinks"] = P()
+        self._programs: OrderedDict[str, Any] = OrderedDict()  # by the digest of their lowered text
+        self._programs_lock = threading.Lock()  # trials in flight compile at once
 
     def draw(self, seed: int, dtype: str | None = None) -> tuple[Inputs, Any]:
         """Random, non-zero inputs and an output cotangent, placed on the mesh."""
@@ -173,7 +181,7 @@ class Workload:
         on the device, so a compile can run beside another trial's timed runs."""
         start = time.perf_counter()
         if not backward:
-            return Compiled(jax.jit(fn).lower(inputs).compile(), time.perf_counter() - start)
+            return Compiled(self._compiled(jax.jit(fn).lower(inputs)), time.perf_counter() - start)
         tree: dict[str, Any] = {}
 
         def forward_with_residuals(x: Inputs):
@@ -185,11 +193,25 @@ class Workload:
             (grads,) = jax.tree.unflatten(tree["vjp"], leaves)(dout)
             return grads
 
-        with_residuals = jax.jit(forward_with_residuals).lower(inputs).compile()
+        with_residuals = self._compiled(jax.jit(forward_with_residuals).lower(inputs))
         _, leaves = with_residuals.out_info  # the residuals' shapes and shardings: nothing runs on the device
-        backward_fn = jax.jit(backward_from_residuals).lower(leaves, dout).compile()
+        backward_fn = self._compiled(jax.jit(backward_from_residuals).lower(leaves, dout))
         return Compiled(lambda x: with_residuals(x)[0], time.perf_counter() - start, with_residuals,
                         backward_fn)
+
+    def _compiled(self, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+        """`lowered` compiled, or the program a recent compile built from the same text (module docstring)."""
+        key = hashlib.sha256(lowered.as_text().encode()).hexdigest()
+        with self._programs_lock:
+            if key in self._programs:
+                self._programs.move_to_end(key)
+                return self._programs[key]
+        program = lowered.compile()
+        with self._programs_lock:
+            self._programs[key] = program
+            while len(self._programs) > PROGRAMS_KEPT:
+                self._programs.popitem(last=False)
+        return program
 
     def reference(self, inputs: Inputs, dout, backward: bool) -> dict[str, Any]:
         """The scan ring's results on `inputs` at its default tiles (with `backward`, its gradients too): what
