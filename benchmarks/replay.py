@@ -150,8 +150,11 @@ def load(file: Path) -> tuple[dict, Problem, object, object, object]:
     recorded = json.loads(file.read_text())
     problem = Problem(**{k: tuple(v) if isinstance(v, list) else v for k, v in recorded["problem"].items()})
     implementation = registry.get(recorded["backend"])
-    return (recorded, problem, implementation, implementation.space(problem.shapes, problem.spec),
-            implementation.default_config(problem.shapes, problem.spec))
+    space = implementation.space(problem.shapes, problem.spec)
+    default = implementation.default_config(problem.shapes, problem.spec)
+    for part, landscape in recorded["parts"].items():  # the default of the recording's device (a TPU chip's)
+        default = space.config({f"{part}.{k}": v for k, v in landscape["default"].items() if v is not None}, default)
+    return recorded, problem, implementation, space, default
 
 
 def warm_configs(file: Path, files: list[Path], part: str) -> list:
@@ -168,13 +171,14 @@ def warm_configs(file: Path, files: list[Path], part: str) -> list:
     key = registry.problem_key(problem, implementation.name, kind)
     rows = []
     for other in files:
-        theirs, their_problem, _, their_space, their_default = load(other)
+        theirs, their_problem, their_implementation, their_space, their_default = load(other)
         if other == file or part not in theirs["parts"]:
             continue
         best = min((p for p in theirs["parts"][part]["points"] if p["status"] == "ok"), key=lambda p: p["rel"])
         config = their_space.config({f"{part}.{k}": v for k, v in best["config"].items() if v is not None},
                                     their_default)
-        row = make_row(registry.problem_key(their_problem, implementation.name, kind), config, versions=versions,
+        their_key = registry.problem_key(their_problem, their_implementation.name, theirs["parts"][part]["device_kind"])
+        row = make_row(their_key, config, versions=versions,
                        tool_version="replay", objective=part, best_s=1.0, default_s=1.0, speedup=1.0, trials_run=1,
                        trials_pruned=0, study=other.stem)
         rows.append(row)
@@ -222,7 +226,8 @@ def main() -> int:
                 reached = [trials_to_within(t) for t in traces]
                 numbers = sorted(r if r is not None else options.budget + 1 for r in reached)
                 rows.append({
-                    "problem": file.stem.removeprefix("landscape-scan-cpu-"), "objective": "+".join(parts),
+                    "problem": file.stem.removeprefix("landscape-").removeprefix("scan-cpu-"),
+                    "objective": "+".join(parts),
                     "sampler": sampler if warm is None else f"{sampler}, warm ({len(warm)} queued)",
                     "valid_points": size,
                     "median_trials": statistics.median(numbers), "p90_trials": numbers[int(0.9 * (len(numbers) - 1))],

@@ -22,18 +22,24 @@ _SPEC.loader.exec_module(replay)
 PROBLEM = Problem(batch=1, seq_len=256, heads=2, kv_heads=1, head_dim=16, causal=True, ring_size=2)
 
 
-def write_landscape(path: Path, problem: Problem, best: tuple[int, int]) -> None:
-    """A forward landscape where every point takes 1 s plus 0.1 s per doubling away from `best`, no noise."""
+def write_landscape(path: Path, problem: Problem, best: tuple[int, int], device_kind: str = "cpu",
+                    default: tuple[int, int] | None = None) -> None:
+    """A forward landscape where every point takes 1 s plus 0.1 s per doubling away from `best`, no noise,
+    recorded on `device_kind` with `default` tiles (the scan backend's where None)."""
     scan = registry.get("scan")
-    space, default = scan.space(problem.shapes, problem.spec), scan.default_config(problem.shapes, problem.spec)
+    space, default_config = scan.space(problem.shapes, problem.spec), scan.default_config(problem.shapes, problem.spec)
+    recorded_default = default_config.to_dict()["fwd"]
+    if default is not None:
+        recorded_default.update(block_q=default[0], block_kv=default[1])
     points = []
-    for config in space.grid(default, ("fwd",)):
+    for config in space.grid(default_config, ("fwd",)):
         fwd = config.to_dict()["fwd"]
         steps = sum(abs(math.log2(fwd[n] / b)) for n, b in zip(("block_q", "block_kv"), best))
         points.append({"config": fwd, "status": "ok", "seconds": 1.0 + 0.1 * steps, "default_seconds": 2.0,
                        "rel": (1.0 + 0.1 * steps) / 2.0})
     path.write_text(json.dumps({"backend": "scan", "device": "cpu", "problem": dataclasses.asdict(problem),
-                                "parts": {"fwd": {"points": points, "device_kind": "cpu",
+                                "parts": {"fwd": {"points": points, "device_kind": device_kind,
+                                                  "default": recorded_default,
                                                   "noise": {"default_rel": [1.0] * 5, "best_rel": [0.5] * 5}}}}))
 
 
@@ -64,3 +70,17 @@ def test_a_warm_replay_starts_from_the_neighbours_best(landscapes):
     trace = replay.replay(land, space, default, "tpe", seed=0, budget=3, grid_order=space.grid(default, ("fwd",)),
                           warm=[warm])
     assert trace[1] == 1.0  # the second trial, the neighbour's best, is this problem's best
+
+
+def test_a_replay_starts_from_the_recorded_default_and_warms_from_the_same_device_kind(tmp_path):
+    """A landscape recorded with other default tiles (a TPU chip's) is replayed from them; a neighbour
+    recorded on another device kind is no neighbour."""
+    here, elsewhere = tmp_path / "landscape-here.json", tmp_path / "landscape-elsewhere.json"
+    write_landscape(here, PROBLEM, best=(64, 32), default=(32, 32))
+    write_landscape(elsewhere, dataclasses.replace(PROBLEM, seq_len=512), best=(64, 32), device_kind="TPU v5 lite")
+    recorded, _, _, space, default = replay.load(here)
+    assert (default.fwd.block_q, default.fwd.block_kv) == (32, 32)
+    assert replay.warm_configs(here, [here, elsewhere], "fwd") == []
+    land = {"fwd": replay.Landscape("fwd", recorded["parts"]["fwd"])}
+    trace = replay.replay(land, space, default, "grid", seed=0, budget=1, grid_order=space.grid(default, ("fwd",)))
+    assert trace == [1.1]  # the default, one doubling from the best
