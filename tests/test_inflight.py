@@ -14,7 +14,7 @@ from tuner.tuning.inflight import DeviceGate
 from tuner.tuning.search import SearchOptions, search
 from tuner.tuning.study import default_storage, open_storage
 
-STEP_S = 0.05
+STEP_S = 0.2  # long beside a thread's start-up, on a loaded machine too
 
 
 def run_side_by_side(gate: DeviceGate, jobs: list[str]) -> dict[str, tuple[float, float]]:
@@ -46,21 +46,24 @@ def overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
 @pytest.mark.parametrize("host_is_device", [True, False])
 def test_device_work_runs_alone_and_compiles_side_by_side(host_is_device):
     gate = DeviceGate(host_is_device=host_is_device)
+    compiles = run_side_by_side(gate, ["compile 1", "compile 2"])
+    assert overlap(compiles["compile 1"], compiles["compile 2"])
+    assert gate.compiling == pytest.approx(2 * STEP_S, rel=0.5)  # every compile's own seconds
+    assert gate.spent["compile"] < gate.compiling  # a second of two compiles at once is counted once
+
+    gate = DeviceGate(host_is_device=host_is_device)
     started = time.perf_counter()
     spans = run_side_by_side(gate, ["compile 1", "compile 2", "compile 3", "timing 1", "timing 2"])
     wall = time.perf_counter() - started
-
     assert not overlap(spans["timing 1"], spans["timing 2"])
     compiles = [spans[f"compile {i}"] for i in (1, 2, 3)]
-    assert any(overlap(a, b) for a in compiles for b in compiles if a is not b)
     beside = any(overlap(c, spans[t]) for c in compiles for t in ("timing 1", "timing 2"))
     assert beside is not host_is_device  # on the CPU no compile runs beside device work; elsewhere they do
 
     assert set(gate.spent) <= {"compile", "timing"}
     assert gate.spent["timing"] == pytest.approx(2 * STEP_S, rel=0.5)
     assert sum(gate.spent.values()) <= wall
-    assert gate.compiling == pytest.approx(3 * STEP_S, rel=0.5)  # every compile's own seconds
-    assert gate.compiling > gate.spent["compile"]  # some compiling ran beside other work
+    assert gate.compiling == pytest.approx(3 * STEP_S, rel=0.5)
 
 
 def test_a_threads_waits_for_the_gate_are_counted_apart():
