@@ -24,6 +24,15 @@ def test_full_attention_visits_every_tile_and_causal_about_half():
     assert bigger.flops > causal.flops  # larger tiles compute more of the masked diagonal
 
 
+def test_packed_documents_are_counted_as_the_positions_alone():
+    """The tiles a ring visits are counted by positions only, an upper bound where documents let tiles be
+    skipped: a problem with segment ids gets the work of the same problem without them (it used to raise)."""
+    plain = Problem(seq_len=2048, heads=4, kv_heads=2, head_dim=64, ring_size=4)
+    packed = Problem(**{**plain.__dict__, "segments": 4})
+    for params in ({"fwd": FwdParams(128, 128)}, {"bwd": BwdParams(128, 128, 128, 128)}):
+        assert tpu_model.predict(packed, CHIP, **params).flops == tpu_model.predict(plain, CHIP, **params).flops
+
+
 def test_a_transfer_bound_ring_takes_its_transfers_time_and_float32_is_slower():
     small = Problem(batch=1, seq_len=512, heads=1, kv_heads=1, head_dim=128, dtype="bfloat16", causal=False,
                     ring_size=4)

@@ -21,7 +21,8 @@ from tuner.semantics.spec import AttentionSpec
 def visited(problem: Problem, block_q: int, block_kv: int) -> np.ndarray:
     """Visited tile pairs per (step, device) of the ring, `[ring_size, ring_size]`, for tiles of `block_q`
     queries and `block_kv` keys (the same total whichever side a kernel walks)."""
-    mask = dataclasses.replace(problem.spec, scale=1.0)  # the scale does not move a tile
+    # The scale does not move a tile, and segment ids are not counted (module docstring).
+    mask = dataclasses.replace(problem.spec, scale=1.0, has_segments=False)
     return _visited(problem.layout, problem.local_len, problem.ring_size, mask, block_q, block_kv)
 
 
