@@ -96,7 +96,10 @@ def main() -> int:
 
     if options.problem not in PROBLEMS:
         parser.error(f"problem must be one of {', '.join(PROBLEMS)}, got {options.problem!r}")
-    recorded = modelled(options.problem, options.target, options.workers)
+    try:
+        recorded = modelled(options.problem, options.target, options.workers)
+    except ValueError as error:  # a topology libtpu does not give, or one of another ring size
+        parser.error(str(error))
     chip = options.target.split(":")[0]
     out = ROOT / "benchmarks" / "results" / f"landscape-pallas_tpu-{chip}-{options.problem}.json"
     out.write_text(json.dumps(recorded, indent=1) + "\n")

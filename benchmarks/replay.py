@@ -173,7 +173,7 @@ def warm_configs(file: Path, files: list[Path], part: str) -> list:
     for other in files:
         theirs, their_problem, their_implementation, their_space, their_default = load(other)
         if other == file or part not in theirs["parts"] or "composed" in theirs["parts"][part]:
-            continue  # a composed part is left out here too (main)
+            continue  # a composed part is no landscape of the search's (main leaves it out too)
         best = min((p for p in theirs["parts"][part]["points"] if p["status"] == "ok"), key=lambda p: p["rel"])
         config = their_space.config({f"{part}.{k}": v for k, v in best["config"].items() if v is not None},
                                     their_default)
