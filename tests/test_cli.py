@@ -216,6 +216,7 @@ def test_corrupt_cache_file_is_one_line_with_what_to_do(tmp_path):
     (("search", "--device", "cpu", "--heads", "6", "--kv-heads", "4"), "--heads 6 must be a multiple of --kv-heads 4"),
     (("search", "--device", "cpu", "--seq-len", "1001"), "--seq-len 1001 must be divisible by --ring-size 4"),
     (("search", "--device", "cpu", "--trials", "0"), "--trials must be positive"),
+    (("search", "--device", "cpu", "--compile-ahead", "-1"), "--compile-ahead must be 0 or more"),
     (("search", "--device", "cpu", "--value-head-dim", "0"), "--value-head-dim must be positive"),
     (("search", "--device", "cpu", "--documents", "1000"), "--documents '1000': the documents' lengths sum to 1000"),
     (("bench", "--device", "cpu", "--calls", "0"), "--calls must be positive"),
