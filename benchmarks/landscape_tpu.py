@@ -25,8 +25,6 @@ import dataclasses
 import datetime
 import json
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,49 +35,39 @@ def modelled(name: str, target: str, workers: int) -> dict:
     """The landscape file of problem `name` on the topology `target`."""
     from landscape import PROBLEMS
 
-    from tuner.kernels import tpu_memory
     from tuner.models import tpu_model
     from tuner.semantics.problem import Problem
     from tuner.strategies.implementations import TileConfig
     from tuner.tuning import compiled
-    from tuner.tuning.workload import Workload
 
     mesh = compiled.topology_mesh(target)
-    device_kind = mesh.devices.flat[0].device_kind
-    chip = tpu_model.CHIPS[tpu_memory.CHIPS[device_kind]]
     problem = Problem(**PROBLEMS[name])
     if problem.ring_size != mesh.size:
         raise ValueError(f"{name} runs on a ring of {problem.ring_size}; {target} has {mesh.size} chips: pick a "
                          f"problem of that ring, or a topology of {problem.ring_size} chips")
-    started = time.perf_counter()
-    variants, default_fwd, default_bwd = compiled.variants_of(problem, mesh)
-    forward = [v for v in variants if v.part == "fwd"]
-    workload = Workload(problem, devices=list(mesh.devices.flat))
-    todo = [v for v in forward if v.ruled_out is None]
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        built = dict(zip(map(id, todo), pool.map(lambda v: compiled.compile_variant(workload, v), todo)))
-    forward = [built.get(id(v), v) for v in forward]
-    default_s = tpu_model.predict(problem, chip, fwd=default_fwd).seconds
+    _, default_fwd, default_bwd = compiled.variants_of(problem, mesh)
+    report = compiled.compile_target(problem, target, workers=workers, parts=("fwd",))
+    default_s = tpu_model.predict(problem, report.chip, fwd=default_fwd).seconds
     points = []
-    for v in forward:
+    for v in report.variants:
         entry = {"config": v.config.to_dict()["fwd"]}
         if v.ruled_out is not None:
             points.append({**entry, "status": "pruned", "reason": v.ruled_out})
         elif v.error is not None:
             points.append({**entry, "status": "failed", "reason": v.error})
         else:
-            seconds = tpu_model.predict(problem, chip, fwd=v.config.fwd).seconds
+            seconds = v.predicted.seconds
             points.append({**entry, "status": "ok", "seconds": seconds, "default_seconds": default_s,
                            "rel": seconds / default_s})
         print(f"{name} {target} fwd {entry['config']}: {points[-1]['status']} "
               f"{points[-1].get('rel', points[-1].get('reason', ''))}", file=sys.stderr, flush=True)
     ok = [p for p in points if p["status"] == "ok"]
     best = min(ok, key=lambda p: p["rel"])
-    part = {"part": "fwd", "objective": "fwd", "grid": len(forward),
+    part = {"part": "fwd", "objective": "fwd", "grid": len(report.variants),
             "default": TileConfig(default_fwd, default_bwd).to_dict()["fwd"], "points": points,
             "noise": {"default_rel": [1.0] * NOISE_REPEATS, "best_rel": [best["rel"]] * NOISE_REPEATS,
                       "best_config": best["config"]},
-            "seconds_total": time.perf_counter() - started, "device_kind": device_kind, "target": target,
+            "seconds_total": report.seconds, "device_kind": report.device_kind, "target": target,
             "command": " ".join(["python", *sys.argv]), "date": datetime.date.today().isoformat(),
             "value": "the TPU model's seconds of the variants the TPU compiler accepted; nothing ran"}
     return {"backend": "pallas_tpu", "device": target, "problem": dataclasses.asdict(problem), "parts": {"fwd": part}}

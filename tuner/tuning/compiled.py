@@ -254,14 +254,15 @@ def estimate(problem: Problem, variant: Variant) -> int:
 
 
 def compile_target(problem: Problem, target: str, *, sample: int | None = None, largest: bool = False,
-                   over_vmem: bool = False, workers: int | None = None,
+                   over_vmem: bool = False, workers: int | None = None, parts: tuple[str, ...] = PARTS,
                    progress: Callable[[int, int], None] | None = None) -> TargetReport:
     """Constrain, compile and rank the pallas_tpu variants of `problem` for the topology `target`
     (module docstring); the problem's ring size is set to the topology's chips. With `sample`, only the
     default tiles and `sample` other admitted variants of each kernel are compiled; with `largest`,
     only the admitted variant of each kernel with the largest VMEM estimate (the ones the VMEM
     constraint is there for); with `over_vmem`, also every variant the VMEM constraint alone rules out
-    (marked `forced`), to hold the constraint to the compiler over the whole space."""
+    (marked `forced`), to hold the constraint to the compiler over the whole space. `parts` limits the
+    kernels whose variants are compiled (the report's `config` then needs all three to be set)."""
     if largest and over_vmem:
         raise ValueError("compile_target: largest and over_vmem choose different variants; pass one")
     started = time.perf_counter()
@@ -274,6 +275,7 @@ def compile_target(problem: Problem, target: str, *, sample: int | None = None, 
     chip = tpu_model.CHIPS[name]
     problem = replace(problem, ring_size=mesh.size)
     variants, default_fwd, default_bwd = variants_of(problem, mesh)
+    variants = [v for v in variants if v.part in parts]
     admitted = sum(v.ruled_out is None for v in variants)
     if over_vmem:
         variants = [replace(v, ruled_out=None, forced=v.ruled_out) if _over_vmem(v) else v for v in variants]
