@@ -61,13 +61,7 @@ class DeviceGate:
     @contextlib.contextmanager
     def device(self, activity: str) -> Iterator[None]:
         """Hold the device alone for `activity` ("check" or "timing")."""
-        with self._condition:
-            self._device_waiting += 1
-        try:
-            self._enter(lambda: self._device is None and not (self.host_is_device and self._compiles), activity)
-        finally:
-            with self._condition:
-                self._device_waiting -= 1
+        self._enter(lambda: self._device is None and not (self.host_is_device and self._compiles), activity)
         try:
             yield
         finally:
@@ -79,8 +73,11 @@ class DeviceGate:
     def _enter(self, free, activity: str | None) -> None:
         """Wait until `free()`, then take the device for `activity` (or a compile slot for None)."""
         started = time.perf_counter()
+        waiting = int(activity is not None)  # a device request waits in the count: no CPU compile starts ahead
         with self._condition:
+            self._device_waiting += waiting
             self._condition.wait_for(free)
+            self._device_waiting -= waiting
             self._account()
             if activity is None:
                 self._compiles += 1
