@@ -37,17 +37,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def compiler_alone(count: int) -> dict:
-    """Seconds to compile `count` candidates one after the other, and `count` others two at a time."""
+def candidates(parts: tuple[str, ...]) -> tuple:
+    """The default problem, its scan default config and the other configs of the grid of `parts`."""
     from tuner import registry
     from tuner.semantics.problem import Problem
-    from tuner.tuning.workload import Workload
 
     problem = Problem()
     scan = registry.get("scan")
-    workload = Workload(problem)
     default = scan.default_config(problem.shapes, problem.spec)
-    grid = [c for c in scan.space(problem.shapes, problem.spec).grid(default, ("fwd", "bwd")) if c != default]
+    return problem, default, [c for c in scan.space(problem.shapes, problem.spec).grid(default, parts) if c != default]
+
+
+def compiler_alone(count: int) -> dict:
+    """Seconds to compile `count` candidates one after the other, and `count` others two at a time."""
+    from tuner.tuning.workload import Workload
+
+    problem, _, grid = candidates(("fwd", "bwd"))
+    workload = Workload(problem)
     inputs, dout = workload.draw(seed=0)
 
     def build(config) -> None:
@@ -70,14 +76,10 @@ def compiler_alone(count: int) -> dict:
 
 def reuse(count: int) -> dict:
     """Seconds to compile `count` backward-only variants after the default, with and without reusing programs."""
-    from tuner import registry
-    from tuner.semantics.problem import Problem
     from tuner.tuning.workload import Workload
 
-    problem = Problem()
-    scan = registry.get("scan")
-    default = scan.default_config(problem.shapes, problem.spec)
-    variants = [c for c in scan.space(problem.shapes, problem.spec).grid(default, ("bwd",)) if c != default][:count]
+    problem, default, variants = candidates(("bwd",))
+    variants = variants[:count]
     seconds = {}
     for label in ("without", "with"):
         workload = Workload(problem)
