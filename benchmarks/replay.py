@@ -1,13 +1,16 @@
 """optuna's samplers replayed on recorded landscapes: how many trials until within 5% of the grid's best.
 
-    python benchmarks/replay.py [--seeds 20] [--samplers tpe,gp,random,qmc,grid] [--budget 40]
+    python benchmarks/replay.py [--seeds 20] [--samplers tpe,gp,random,qmc,grid] [--budget 40] [--warm]
+                                [--default current|recorded] [--out FILE]
 
 Each landscape (`benchmarks/landscape.py`, `benchmarks/results/landscape-*.json`) gives every point's
 value. A replay runs a real optuna study with the sampler as `tuner search` builds it
 (`tuner.tuning.study.make_sampler`; `qmc` is optuna's QMCSampler), and asks for configs through the
 backend's own `Space.suggest`, as a search does:
 
-- the first trial is the default; `grid` walks the grid in a seeded random order;
+- the first trial is the default: today's on the CPU (a TPU chip's as its recording computed it), or with
+  `--default recorded` the one each landscape was recorded with; `grid` walks the grid in a seeded
+  random order;
 - a config tried before is given back (no trial counted) and an untried grid point is queued, as the
   search's claims do;
 - a pruned or failed point counts as a trial, as it does in a search;
@@ -145,33 +148,37 @@ def replay(landscapes: dict[str, Landscape], space, default, sampler_name: str, 
     return trace
 
 
-def load(file: Path) -> tuple[dict, Problem, object, object, object]:
-    """A landscape file: (recorded, problem, implementation, space, default)."""
+def load(file: Path, recorded_default: bool = False) -> tuple[dict, Problem, object, object, object]:
+    """A landscape file: (recorded, problem, implementation, space, default). The default is the one a search
+    starts from now: on the CPU today's (the recording may predate a change of it), on a TPU chip the one
+    the recording computed for that chip; with `recorded_default`, the recording's everywhere."""
     recorded = json.loads(file.read_text())
     problem = Problem(**{k: tuple(v) if isinstance(v, list) else v for k, v in recorded["problem"].items()})
     implementation = registry.get(recorded["backend"])
     space = implementation.space(problem.shapes, problem.spec)
     default = implementation.default_config(problem.shapes, problem.spec)
-    for part, landscape in recorded["parts"].items():  # the default of the recording's device (a TPU chip's)
-        default = space.config({f"{part}.{k}": v for k, v in landscape["default"].items() if v is not None}, default)
+    for part, landscape in recorded["parts"].items():
+        if recorded_default or landscape["device_kind"] != "cpu":
+            default = space.config({f"{part}.{k}": v for k, v in landscape["default"].items() if v is not None},
+                                   default)
     return recorded, problem, implementation, space, default
 
 
-def warm_configs(file: Path, files: list[Path], part: str) -> list:
+def warm_configs(file: Path, files: list[Path], part: str, recorded_default: bool = False) -> list:
     """Leave-one-out: what a warm study of `file`'s problem queues when every other recorded problem is
-    tuned, each to its grid's best of `part` -- the nearest 3 by `tuner.cache.lookup.neighbours`, those in
-    this problem's space."""
+    tuned, each to its grid's best of `part`: the winners `tuner.tuning.warm` queues (up to 3 distinct ones,
+    not the default, in this problem's space, nearest first by `tuner.cache.lookup.neighbours`)."""
     from tuner.cache import make_row
     from tuner.cache.lookup import neighbours
-    from tuner.tuning.warm import NEIGHBOURS, in_space
+    from tuner.tuning.warm import CONSIDERED, winners
 
-    recorded, problem, implementation, space, default = load(file)
+    recorded, problem, implementation, space, default = load(file, recorded_default)
     versions = registry.versions(implementation)
     kind = recorded["parts"][part]["device_kind"]
     key = registry.problem_key(problem, implementation.name, kind)
     rows = []
     for other in files:
-        theirs, their_problem, their_implementation, their_space, their_default = load(other)
+        theirs, their_problem, their_implementation, their_space, their_default = load(other, recorded_default)
         if other == file or part not in theirs["parts"] or "composed" in theirs["parts"][part]:
             continue  # a composed part is no landscape of the search's (main leaves it out too)
         best = min((p for p in theirs["parts"][part]["points"] if p["status"] == "ok"), key=lambda p: p["rel"])
@@ -183,10 +190,9 @@ def warm_configs(file: Path, files: list[Path], part: str) -> list:
                        trials_pruned=0, study=other.stem)
         rows.append(row)
     family = [r for r in rows if all(r[f] == getattr(key, f) for f in ("op", "backend", "device_kind", "dtype"))]
-    near = neighbours(lambda sql, params: family, key, versions, NEIGHBOURS)
-    configs = [dataclasses.replace(default, **{part: getattr(registry.get(r["backend"]).config_type.from_dict(
-        {"fwd": json.loads(r["fwd_params"]), "bwd": json.loads(r["bwd_params"])}), part)}) for _, r in near]
-    return [c for c in configs if in_space(c, space, default, (part,))]
+    near = neighbours(lambda sql, params: family, key, versions, CONSIDERED)
+    return [dataclasses.replace(default, **{part: getattr(config, part)})
+            for config, _ in winners(near, implementation, space, default, (part,))]
 
 
 def trials_to_within(trace: list[float]) -> int | None:
@@ -201,13 +207,18 @@ def main() -> int:
     parser.add_argument("--files", nargs="*", default=None, help="landscape files (default: all recorded)")
     parser.add_argument("--warm", action="store_true", help="also replay TPE warm, leave-one-out: every other "
                                                             "recorded problem tuned to its grid's best")
+    parser.add_argument("--default", choices=("current", "recorded"), default="current",
+                        help="the first trial: today's default (a TPU chip's as recorded), or the one each "
+                             "landscape recorded (the defaults the samplers were compared from)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the JSON written (default benchmarks/results/replay-<date>.json)")
     options = parser.parse_args()
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     files = [Path(f) for f in options.files] if options.files else sorted(
         (ROOT / "benchmarks" / "results").glob("landscape-*.json"))
     rows = []
     for file in files:
-        recorded, problem, implementation, space, default = load(file)
+        recorded, problem, implementation, space, default = load(file, options.default == "recorded")
         # A part recorded in pieces and composed (`landscape.py --max-points`) is left out: the composition
         # was measured to be off by 22% to 69% (benchmarks/NOTES.md), so its landscape is not the search's.
         objectives = [(p,) for p in ("fwd", "bwd") if p in recorded["parts"] and "composed" not in recorded["parts"][p]]
@@ -219,7 +230,7 @@ def main() -> int:
             size = math.prod(sum(v is not None for v in landscapes[p].values.values()) for p in parts)
             runs = [(sampler, None) for sampler in options.samplers.split(",")]
             if len(parts) == 1 and options.warm:
-                runs.append(("tpe", warm_configs(file, files, parts[0])))
+                runs.append(("tpe", warm_configs(file, files, parts[0], options.default == "recorded")))
             for sampler, warm in runs:
                 traces = [replay(landscapes, space, default, sampler, seed, options.budget, grid, warm)
                           for seed in range(options.seeds)]
@@ -248,10 +259,10 @@ def main() -> int:
                      f"{r['sampler']} | "
                      f"{trials_text(r['median_trials'])} / {trials_text(r['p90_trials'])} | {after} |")
     print("\n".join(lines))
-    out = ROOT / "benchmarks" / "results" / f"replay-{datetime.date.today().isoformat()}.json"
+    out = options.out or ROOT / "benchmarks" / "results" / f"replay-{datetime.date.today().isoformat()}.json"
     out.write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "seeds": options.seeds,
                                "budget": options.budget, "rows": rows}, indent=1) + "\n")
-    print(f"wrote {out.relative_to(ROOT)}", file=sys.stderr)
+    print(f"wrote {out}", file=sys.stderr)
     return 0
 
 

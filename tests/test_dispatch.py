@@ -254,3 +254,32 @@ def test_bad_options_are_named():
         get_tuned_ring_attention(chunk_size=0)
     with pytest.raises(ValueError, match="ring_size"):
         get_tuned_ring_attention(axis_name="sp").explain(*arrays(PROBLEM))
+
+
+def test_a_position_mask_caps_the_scan_default_at_its_masked_tile(monkeypatch):
+    """Causal, window and chunk masks default the scan kernel to tiles of at most 128 (its `masked_tile`),
+    in the loader's default and in ring_attention's; a full mask and the per-architecture kernels keep
+    their defaults."""
+    from tuner import ring_attention
+    from tuner.semantics.spec import AttentionSpec, LocalShapes
+
+    shapes = LocalShapes(batch=1, q_len=1024, kv_len=1024, heads=4, kv_heads=4, head_dim=64, dtype="float32")
+    scan = registry.get("scan")
+    plain = implementations.TileConfig(*BACKENDS["scan"].default_params(1024, 1024, 64))
+    assert max(plain.fwd.block_q, plain.fwd.block_kv) > BACKENDS["scan"].masked_tile == 128
+    assert scan.default_config(shapes, AttentionSpec(scale=1.0)) == plain
+    for mask in (dict(causal=True), dict(window=(100, 0)), dict(chunk_size=256)):
+        config = scan.default_config(shapes, AttentionSpec(scale=1.0, **mask))
+        assert config == implementations.capped(plain, 128), mask
+    for name in ("triton", "pallas_tpu"):
+        kernel = registry.get(name)
+        assert kernel.default_config(shapes, AttentionSpec(scale=1.0, causal=True)) == implementations.TileConfig(
+            *BACKENDS[name].default_params(1024, 1024, 64)), name
+
+    used = []
+    monkeypatch.setattr("tuner.runtime.attention.run_ring", lambda *a, fwd_params, bwd_params, **k: used.append(
+        (fwd_params, bwd_params)) or a[0])
+    x = jnp.zeros((1, 1024, 4, 64), jnp.float32)
+    ring_attention(x, x, x, causal=True, backend="scan")
+    ring_attention(x, x, x, backend="scan")
+    assert used == [(config.fwd, config.bwd) for config in (implementations.capped(plain, 128), plain)]

@@ -72,15 +72,18 @@ def test_a_warm_replay_starts_from_the_neighbours_best(landscapes):
     assert trace[1] == 1.0  # the second trial, the neighbour's best, is this problem's best
 
 
-def test_a_replay_starts_from_the_recorded_default_and_warms_from_the_same_device_kind(tmp_path):
-    """A landscape recorded with other default tiles (a TPU chip's) is replayed from them; a neighbour
-    recorded on another device kind is no neighbour."""
-    here, elsewhere = tmp_path / "landscape-here.json", tmp_path / "landscape-elsewhere.json"
-    write_landscape(here, PROBLEM, best=(64, 32), default=(32, 32))
-    write_landscape(elsewhere, dataclasses.replace(PROBLEM, seq_len=512), best=(64, 32), device_kind="TPU v5 lite")
+def test_a_replay_starts_from_the_default_of_its_device_kind_and_warms_from_the_same_kind(tmp_path):
+    """A landscape recorded on a TPU chip with its own default tiles is replayed from them, a CPU one from
+    today's default whatever it recorded; a neighbour recorded on another device kind is no neighbour."""
+    here, elsewhere, older = (tmp_path / f"landscape-{name}.json" for name in ("here", "elsewhere", "older"))
+    write_landscape(here, PROBLEM, best=(64, 32), default=(32, 32), device_kind="TPU v5 lite")
+    write_landscape(elsewhere, dataclasses.replace(PROBLEM, seq_len=512), best=(64, 32))
+    write_landscape(older, PROBLEM, best=(64, 32), default=(32, 32))
     recorded, _, _, space, default = replay.load(here)
     assert (default.fwd.block_q, default.fwd.block_kv) == (32, 32)
     assert replay.warm_configs(here, [here, elsewhere], "fwd") == []
     land = {"fwd": replay.Landscape("fwd", recorded["parts"]["fwd"])}
     trace = replay.replay(land, space, default, "grid", seed=0, budget=1, grid_order=space.grid(default, ("fwd",)))
     assert trace == [1.1]  # the default, one doubling from the best
+    scan = registry.get("scan")
+    assert replay.load(older)[4] == scan.default_config(PROBLEM.shapes, PROBLEM.spec) != default

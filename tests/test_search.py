@@ -336,3 +336,24 @@ def test_a_warm_study_starts_from_the_nearest_tuned_problems_winner(tmp_path):
         assert trials[1].user_attrs["source"] == expected
         if warm:
             assert (trials[1].params["fwd.block_q"], trials[1].params["fwd.block_kv"]) == (32, 64)
+
+
+def test_a_warm_start_queues_distinct_winners_other_than_the_default():
+    """The nearest problem's winner is the default and the next two share theirs: the one queued after it
+    comes from the fourth nearest, so the study's first trials are three different configs."""
+    from tuner.tuning.warm import winners
+
+    problem = Problem(batch=1, seq_len=256, heads=4, kv_heads=2, head_dim=16, causal=True, ring_size=2)
+    scan = registry.get("scan")
+    space, default = scan.space(problem.shapes, problem.spec), scan.default_config(problem.shapes, problem.spec)
+    kind = jax.devices()[0].device_kind
+    near = []
+    for distance, heads, fwd in ((1.0, 2, default.fwd), (1.5, 8, FwdParams(32, 64)), (2.0, 16, FwdParams(32, 64)),
+                                 (3.0, 32, FwdParams(64, 32))):
+        key = registry.problem_key(dataclasses.replace(problem, heads=heads), "scan", kind)
+        near.append((distance, make_row(key, TileConfig(fwd, default.bwd), versions=registry.versions(scan),
+                                        tool_version="test", objective="fwd", best_s=1.0, default_s=2.0, speedup=2.0,
+                                        trials_run=1, trials_pruned=0, study=str(heads))))
+    chosen = winners(near, scan, space, default, ("fwd",))
+    assert [(config.fwd.block_q, config.fwd.block_kv) for config, _ in chosen] == [(32, 64), (64, 32)]
+    assert [source.split()[-1] for _, source in chosen] == ["1.5)", "3.0)"]

@@ -68,9 +68,13 @@ def source_hash(*paths: Path) -> str:
 
 
 class Backend(Protocol):
-    """What `tuner.strategies.ring` and the tuner need from a backend."""
+    """What `tuner.strategies.ring` and the tuner need from a backend.
+
+    `masked_tile` is the longest default tile where positions mask tiles out (causal, window, chunk),
+    or None where `default_params` holds for every mask."""
 
     name: str
+    masked_tile: int | None
 
     def unavailable_reason(self, interpret: bool = False, platform: str | None = None) -> str | None:
         """None when this backend's kernels can be built for `platform` (default: the program being

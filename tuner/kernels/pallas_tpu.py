@@ -189,6 +189,7 @@ class PallasTpuBackend:
     """Generated Pallas kernels for TPUs (or Pallas's TPU interpret mode on the CPU for checks)."""
 
     name = "pallas_tpu"
+    masked_tile = None  # its defaults are tuned per architecture for every mask
 
     def unavailable_reason(self, interpret: bool = False, platform: str | None = None) -> str | None:
         if interpret:

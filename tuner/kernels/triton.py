@@ -486,6 +486,7 @@ class TritonBackend:
     """Generated Triton kernels; NVIDIA GPUs (or Triton's interpreter on the CPU for checks)."""
 
     name = "triton"
+    masked_tile = None  # its defaults are tuned per architecture for every mask
 
     def unavailable_reason(self, interpret: bool = False, platform: str | None = None) -> str | None:
         if importlib.util.find_spec("triton") is None:

@@ -96,10 +96,10 @@ def ring_attention(
                              return_lse=return_lse)
     chosen = block_kernel(resolved.implementation.name)
     shapes = resolved.shapes
-    default_fwd, default_bwd = chosen.default_params(shapes.q_len, shapes.kv_len, *shapes.head_dims)
+    default = resolved.implementation.default_config(shapes, resolved.spec)
     given = [name for name, params in (("fwd_params", fwd_params), ("bwd_params", bwd_params)) if params is not None]
-    fwd_params = fwd_params or default_fwd
-    bwd_params = bwd_params or default_bwd
+    fwd_params = fwd_params or default.fwd
+    bwd_params = bwd_params or default.bwd
     chosen.check_params(fwd_params, bwd_params)
     noted = _note(query, key, value, arrays, mask, resolved, sizes, layout, backend, bool(interpret), return_lse,
                   reason=f"{' and '.join(given) or 'no params'} given by the caller, the rest "

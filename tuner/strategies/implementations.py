@@ -165,10 +165,13 @@ class Ring:
 
     def default_config(self, shapes: LocalShapes, spec: AttentionSpec, *, packed_tile: int | None = None
                        ) -> TileConfig:
-        """The kernel's default tiles; with segment ids (packed documents) no longer than `packed_tile`
-        (`documents.PACKED_TILE` unless a declared packing chose it), where the kernel accepts them, so that the
-        masks can skip the tiles of other documents."""
+        """The kernel's default tiles: no longer than its `masked_tile` where positions mask tiles out, and
+        with segment ids (packed documents) no longer than `packed_tile` (`documents.PACKED_TILE` unless a
+        declared packing chose it), where the kernel accepts them, so that the masks can skip the tiles of
+        other documents."""
         default = TileConfig(*self.kernel.default_params(shapes.q_len, shapes.kv_len, *shapes.head_dims))
+        if spec.has_position_mask and self.kernel.masked_tile is not None:
+            default = capped(default, self.kernel.masked_tile)
         if not spec.has_segments:
             return default
         packed = capped(default, documents.PACKED_TILE if packed_tile is None else packed_tile)
