@@ -110,7 +110,9 @@ def test_the_config_is_the_scan_rings_with_the_full_keys_and_the_local_queries()
     shapes = LocalShapes(batch=1, q_len=64, kv_len=64, heads=4, kv_heads=2, head_dim=8, dtype="float32")
     spec = AttentionSpec(scale=0.3, causal=True)
     default = IMPL.default_config(shapes, spec)
-    assert (default.fwd.block_q, default.fwd.block_kv) == (64, 256)  # local queries, keys bounded by 4 * 64
+    assert (default.fwd.block_q, default.fwd.block_kv) == (64, 128)  # local queries; causal: the masked tile
+    full = IMPL.default_config(shapes, AttentionSpec(scale=0.3)).fwd
+    assert (full.block_q, full.block_kv) == (64, 256)  # no mask: keys bounded by 4 * 64
     grid = IMPL.space(shapes, spec).grid(default, ("fwd", "bwd"))
     assert max(c.fwd.block_kv for c in grid) == 256 and max(c.fwd.block_q for c in grid) == 64
     assert max(c.bwd.block_q_dkv for c in grid) == 64

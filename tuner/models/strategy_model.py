@@ -35,9 +35,10 @@ its queries and its keys belong to cannot meet (packed rows: the first row of th
 all_to_all's whole sequence in the layout's order, all_gather's shard against it, the hybrid's chunks over its
 ring positions), and the slowest device's share counts. So a packing that leaves one device of the ring a long
 document's tail costs the ring, while all_to_all, whose every device holds the whole sequence, stays balanced.
-Tiles: the ring kernel's default forward tiles on the platform (`Platform.ring_tiles`; with documents at most
-`PACKED_TILE`, or the declared packing's tile, as the ring's default), the scan kernel's inside the other
-strategies, cut to the lengths; the backward is taken to skip the same share. Windows, chunks, HBM traffic and
+Tiles: the ring kernel's default forward tiles on the platform (`Platform.ring_tiles`; with a causal, window or
+chunk mask at most `Platform.ring_masked_tile`; with documents at most `PACKED_TILE`, or the declared packing's
+tile, as the ring's default), the scan kernel's inside the other strategies (at most its masked tile with such
+a mask), cut to the lengths; the backward is taken to skip the same share. Windows, chunks, HBM traffic and
 kernel overheads are not modelled. Transfers: latency + bytes on the links / rate. `Prediction.bytes` counts
 what `tuner.models.hlo.collective_bytes` reads from a compiled program -- each collective's result size on one
 device -- from which a device puts on its links (P-1)/P of an all-gather's or all-to-all's result, all of a
@@ -85,6 +86,7 @@ ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 EFFICIENCY = 0.5  # assumed fraction of peak the attention kernels reach
 _SCAN = BACKENDS["scan"].default_params(INT32_MAX, INT32_MAX, 128)[0]
 SCAN_TILES = (_SCAN.block_q, _SCAN.block_kv)  # the scan kernel's (inside all_to_all, all_gather, the hybrid)
+SCAN_MASKED_TILE = BACKENDS["scan"].masked_tile  # ... at most this long with a causal, window or chunk mask
 
 
 @dataclass(frozen=True)
@@ -92,8 +94,9 @@ class Platform:
     """Per-device rates of one platform: bf16/fp16 and float32 peak FLOP/s, the fraction of it attention
     reaches, bytes/s to one neighbour and per device in an all-gather (or reduce-scatter) and an
     all-to-all, seconds of latency per collective, device memory in bytes (None: unbounded), and the ring
-    kernel's default forward tiles (query, key) there: the granularity at which it skips masked work; and
-    whether its compiler builds a reduce-scatter as an all-reduce of the whole buffer (XLA:TPU)."""
+    kernel's default forward tiles (query, key) there: the granularity at which it skips masked work, and
+    the longest of them with a causal, window or chunk mask (the kernel's `masked_tile`; None: the same);
+    and whether its compiler builds a reduce-scatter as an all-reduce of the whole buffer (XLA:TPU)."""
 
     name: str
     flops: float
@@ -106,6 +109,7 @@ class Platform:
     memory: float | None = None
     source: str = ""
     ring_tiles: tuple[int, int] = SCAN_TILES
+    ring_masked_tile: int | None = SCAN_MASKED_TILE
     scatter_as_all_reduce: bool = False
 
     def __post_init__(self) -> None:
@@ -122,14 +126,15 @@ def _tpu(name: str) -> Platform:
     return Platform(name, chip.flops, chip.flops / FLOAT32_PASSES, EFFICIENCY, chip.ici_link, ports * chip.ici_link,
                     ports * chip.ici_link / 2, 5e-6, TPU_MEMORY[name],
                     f"{chip.source}; collectives over {ports} ports, all-to-all at half (module docstring)",
-                    (fwd.block_q, fwd.block_kv), scatter_as_all_reduce=True)
+                    (fwd.block_q, fwd.block_kv), BACKENDS["pallas_tpu"].masked_tile, scatter_as_all_reduce=True)
 
 
 _H100 = TRITON_DEFAULTS[(90, 128)][0]  # the Triton kernel's sm_90 forward tiles at head dim 128
 PLATFORMS = {"h100": Platform("h100", 989e12, 67e12, EFFICIENCY, 450e9, 450e9, 450e9, 10e-6, 80e9,
                               "NVIDIA H100 SXM datasheet: 989 TFLOP/s dense bf16, 67 float32, NVLink 4 900 GB/s "
                               f"bidirectional per GPU via NVSwitch, 80 GB; the Triton kernel's sm_90 "
-                              f"{_H100.block_q}x{_H100.block_kv} tiles", (_H100.block_q, _H100.block_kv)),
+                              f"{_H100.block_q}x{_H100.block_kv} tiles", (_H100.block_q, _H100.block_kv),
+                              BACKENDS["triton"].masked_tile),
              **{name: _tpu(name) for name in CHIPS}}
 
 
@@ -268,14 +273,25 @@ def _work_share(problem: Problem, queries: list[np.ndarray], keys: list[np.ndarr
                for q in queries)
 
 
+def _capped(tiles: tuple[int, int], cap: int | None) -> tuple[int, int]:
+    return tiles if cap is None else (min(tiles[0], cap), min(tiles[1], cap))
+
+
 def _ring_tiles(problem: Problem, platform: Platform) -> tuple[int, int]:
-    """The forward tiles the ring runs by default: the platform's, with documents at most the declared
-    packing's tile, else `PACKED_TILE` (`tuner.strategies.implementations.Ring.default_config`)."""
+    """The forward tiles the ring runs by default (`tuner.strategies.implementations.Ring.default_config`):
+    the platform's, at most its masked tile with a causal, window or chunk mask, and with documents at most
+    the declared packing's tile, else `PACKED_TILE`."""
+    tiles = _capped(platform.ring_tiles, platform.ring_masked_tile if problem.spec.has_position_mask else None)
     if not problem.segments:
-        return platform.ring_tiles
+        return tiles
     declared = documents.declared_tile(problem.packing, problem.seq_len, problem.ring_size, problem.spec)
-    cap = declared or documents.PACKED_TILE
-    return min(platform.ring_tiles[0], cap), min(platform.ring_tiles[1], cap)
+    return _capped(tiles, declared or documents.PACKED_TILE)
+
+
+def _scan_tiles(problem: Problem) -> tuple[int, int]:
+    """The forward tiles of the scan kernel inside all_to_all, all_gather and the hybrid, by default
+    (`tuner.strategies.implementations.ExchangedScan.default_config`)."""
+    return _capped(SCAN_TILES, SCAN_MASKED_TILE if problem.spec.has_position_mask else None)
 
 
 def _ring(acc: _Pass, problem: Problem, size: int, heads: int, kv_heads: int, tokens: int, backward: bool,
@@ -350,7 +366,7 @@ def _predict(problem: Problem, strategy: str, platform: Platform, backward: bool
         if problem.segments:
             acc.wait(False, acc.collective("all-gather", b * s * 4, p))
         shards = _shards(problem, p)
-        share = _work_share(problem, shards, [layouts.global_order(problem.layout, s, p)], SCAN_TILES)
+        share = _work_share(problem, shards, [layouts.global_order(problem.layout, s, p)], _scan_tiles(problem))
         block = _block_seconds(problem, platform, h, s // p, s, share)
         acc.compute_for(False, block)
         if backward:
@@ -363,7 +379,7 @@ def _predict(problem: Problem, strategy: str, platform: Platform, backward: bool
         # laid out over its ring positions
         chunks = [layouts.global_order(problem.layout, s, p)] if rows == 1 else _shards(problem, rows)
         _ring(acc, problem, rows, h // group, kv_heads // group, s // rows, backward,
-              _work_share(problem, chunks, chunks, SCAN_TILES))
+              _work_share(problem, chunks, chunks, _scan_tiles(problem)))
         gathered = 2 * b * (s // rows) * (h + kv_heads) // group * d * item  # q, k, v and out of the head group
     return Prediction(strategy, platform.name, acc.seconds[0], acc.seconds[1], acc.compute, acc.bytes, acc.link,
                       gathered, axes)

@@ -294,10 +294,13 @@ class ExchangedScan:
 
     def default_config(self, shapes: LocalShapes, spec: AttentionSpec, *, packed_tile: int | None = None
                        ) -> TileConfig:
-        """The inner kernel's default tiles for the whole sequence; with segment ids and a `packed_tile`
-        (from a declared packing), no longer than it."""
+        """The inner kernel's default tiles for the whole sequence: no longer than its `masked_tile` where
+        positions mask tiles out, and with segment ids and a `packed_tile` (from a declared packing), no
+        longer than it."""
         full = self._full(shapes)
         default = TileConfig(*self.inner.default_params(full.q_len, full.kv_len, full.head_dim, full.value_head_dim))
+        if spec.has_position_mask and self.inner.masked_tile is not None:
+            default = capped(default, self.inner.masked_tile)
         if packed_tile is None or not spec.has_segments:
             return default
         return capped(default, packed_tile)
