@@ -23,8 +23,8 @@ class ScanBackend:
 
     name = "scan"
     # Where positions mask tiles out, the kernel loops over the tiles it visits only, and tiles of 128
-    # skip most of the masked ones: the best or within 3% of it on 5 of the 6 forward landscapes with a
-    # position mask, and on the backward one (benchmarks/NOTES.md, "A default tile for masked problems").
+    # skip most of the masked ones: within 3.5% of the best on 7 of the 8 recorded landscapes with a
+    # position mask (benchmarks/NOTES.md, "A default tile for masked problems").
     masked_tile = 128
 
     def unavailable_reason(self, interpret: bool = False, platform: str | None = None) -> str | None:
