@@ -74,6 +74,16 @@ def capped(config: TileConfig, tile: int) -> TileConfig:
                                           block_kv_dkv=min(bwd.block_kv_dkv, tile), **dq))
 
 
+def kernel_default(kernel: Backend, q_len: int, kv_len: int, head_dims: tuple[int, ...], spec: AttentionSpec
+                   ) -> TileConfig:
+    """`kernel`'s default tiles for these lengths and head dims, no longer than its `masked_tile` where
+    positions mask tiles out (causal, window, chunk)."""
+    default = TileConfig(*kernel.default_params(q_len, kv_len, *head_dims))
+    if spec.has_position_mask and kernel.masked_tile is not None:
+        return capped(default, kernel.masked_tile)
+    return default
+
+
 @dataclass(frozen=True)
 class NoConfig:
     """The config of an implementation with nothing to tune."""
@@ -169,9 +179,7 @@ class Ring:
         with segment ids (packed documents) no longer than `packed_tile` (`documents.PACKED_TILE` unless a
         declared packing chose it), where the kernel accepts them, so that the masks can skip the tiles of
         other documents."""
-        default = TileConfig(*self.kernel.default_params(shapes.q_len, shapes.kv_len, *shapes.head_dims))
-        if spec.has_position_mask and self.kernel.masked_tile is not None:
-            default = capped(default, self.kernel.masked_tile)
+        default = kernel_default(self.kernel, shapes.q_len, shapes.kv_len, shapes.head_dims, spec)
         if not spec.has_segments:
             return default
         packed = capped(default, documents.PACKED_TILE if packed_tile is None else packed_tile)
@@ -298,9 +306,7 @@ class ExchangedScan:
         positions mask tiles out, and with segment ids and a `packed_tile` (from a declared packing), no
         longer than it."""
         full = self._full(shapes)
-        default = TileConfig(*self.inner.default_params(full.q_len, full.kv_len, full.head_dim, full.value_head_dim))
-        if spec.has_position_mask and self.inner.masked_tile is not None:
-            default = capped(default, self.inner.masked_tile)
+        default = kernel_default(self.inner, full.q_len, full.kv_len, (full.head_dim, full.value_head_dim), spec)
         if packed_tile is None or not spec.has_segments:
             return default
         return capped(default, packed_tile)
