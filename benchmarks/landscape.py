@@ -58,7 +58,7 @@ PROBLEMS = {  # name: Problem fields; local lengths 512 to 4096, rings of 2 to 8
                                            dtype="bfloat16"),
     "full-d64-gqa4-r4-l512-bf16": dict(seq_len=2048, heads=8, kv_heads=2, head_dim=64, ring_size=4, causal=False,
                                        dtype="bfloat16"),
-    "docs8-d64-gqa2-r2-l1024": dict(seq_len=2048, heads=4, kv_heads=2, head_dim=64, ring_size=2, segments=8),
+    "docs8-d64-gqa2-r2-l2048": dict(seq_len=4096, heads=4, kv_heads=2, head_dim=64, ring_size=2, segments=8),
 }
 
 
