@@ -9,6 +9,7 @@ import json
 import math
 from pathlib import Path
 
+import optuna
 import pytest
 
 from tuner import registry
@@ -87,3 +88,22 @@ def test_a_replay_starts_from_the_default_of_its_device_kind_and_warms_from_the_
     assert trace == [1.1]  # the default, one doubling from the best
     scan = registry.get("scan")
     assert replay.load(older)[4] == scan.default_config(PROBLEM.shapes, PROBLEM.spec) != default
+
+
+def test_ranked_tiles_walk_the_same_points(landscapes):
+    """`benchmarks/ordered_tiles.py`: a tile offered as its rank names the same config, and a grid walk
+    through ranks ends at the best as one through categories does."""
+    spec = importlib.util.spec_from_file_location("ordered_tiles", ROOT / "benchmarks" / "ordered_tiles.py")
+    ordered_tiles = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ordered_tiles)
+    recorded, _, _, space, default = replay.load(landscapes[0])
+    ranked = ordered_tiles.RankedTileSpace(space.candidates)
+    grid = space.grid(default, ("fwd",))
+    for config in grid:
+        params = ranked.params(config, ("fwd",))
+        assert all(isinstance(v, int) and v < len(grid) for k, v in params.items() if k.startswith("fwd.block"))
+        trial = optuna.trial.FixedTrial(params)
+        assert ranked.suggest(trial, default, ("fwd",)) == config
+    land = {"fwd": replay.Landscape("fwd", recorded["parts"]["fwd"])}
+    trace = replay.replay(land, ranked, default, "grid", seed=0, budget=len(grid), grid_order=grid)
+    assert trace[-1] == 1.0
