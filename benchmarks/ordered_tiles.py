@@ -1,14 +1,14 @@
-"""An experiment for the search's sampler: tiles offered to TPE as ordered ranks instead of categories.
+"""TPE with tiles offered as ordered ranks (as `tuner search` does) against tiles offered as categories.
 
     python benchmarks/ordered_tiles.py [--seeds 20] [--budget 40] [--files ...]
 
-`tuner search` offers each tile field to optuna as a category (`suggest_categorical`), so TPE learns
-nothing about 128 from 64 and 256. This replays TPE (as `benchmarks/replay.py` does, from the defaults
-the landscapes were recorded with) twice on every recorded forward and backward landscape: with the
-tiles as categories, and with each tile field suggested as its rank among the sorted candidates
-(`suggest_int(name, 0, n - 1)`), which TPE models as a number. Prints, per landscape and way, the
-median and 90th percentile number of trials until within 5% of the grid's best, and the incumbent's
-value after 6, 12 and 24 trials; writes `benchmarks/results/ordered_tiles-<date>.json`.
+Offered as a category (`suggest_categorical`), a tile tells TPE nothing about its neighbours: 128 says
+nothing about 64 and 256. `tuner.strategies.implementations.TileSpace` offers each field of two or more
+sizes as its rank among the sorted sizes (`suggest_int(name, 0, n - 1)`), which TPE models as a number.
+This replays TPE (as `benchmarks/replay.py` does, from the defaults the landscapes were recorded with)
+both ways on every recorded forward and backward landscape. Prints, per landscape and way, the median
+and 90th percentile number of trials until within 5% of the grid's best, and the incumbent's value
+after 6, 12 and 24 trials; writes `benchmarks/results/ordered_tiles-<date>.json`.
 """
 
 from __future__ import annotations
@@ -26,50 +26,14 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 import optuna  # noqa: E402
 import replay  # noqa: E402
 
-from tuner.kernels.params import BwdParams, FwdParams  # noqa: E402
-from tuner.strategies.implementations import TileConfig, TileSpace  # noqa: E402
+from tuner.strategies.implementations import TileSpace  # noqa: E402
 
 
-class RankedTileSpace(TileSpace):
-    """`TileSpace` with every tile field of two or more sizes suggested as its rank among the sorted sizes."""
+class CategoryTileSpace(TileSpace):
+    """`TileSpace` as it was before it offered ranks: every field a category."""
 
-    def _choices(self, part: str, name: str) -> tuple[int, ...] | None:
-        space = self.candidates
-        choices = space.fwd.get(name) if part == "fwd" else space.bwd.get(name)
-        if part == "bwd" and name in ("block_q_dq", "block_kv_dq"):
-            choices = space.dq_tiles
-        if choices and len(choices) > 1 and all(isinstance(c, int) for c in choices):
-            return tuple(sorted(choices))
+    def _sizes(self, key: str) -> None:
         return None
-
-    def _pick(self, trial, part: str, name: str, choices) -> int:
-        ranked = self._choices(part, name)
-        if ranked is None:
-            return trial.suggest_categorical(f"{part}.{name}", choices)
-        return ranked[trial.suggest_int(f"{part}.{name}", 0, len(ranked) - 1)]
-
-    def suggest(self, trial, default: TileConfig, parts: tuple[str, ...]) -> TileConfig:
-        fwd, bwd = default.fwd, default.bwd
-        space = self.candidates
-        if "fwd" in parts:
-            fwd = FwdParams(**{n: self._pick(trial, "fwd", n, c) for n, c in space.fwd.items()})
-        if "bwd" in parts:
-            fields = {n: self._pick(trial, "bwd", n, c) for n, c in space.bwd.items()}
-            passes = tuple(p for p in space.dq_passes if p == "fused" or space.dq_tiles)
-            if trial.suggest_categorical("bwd.dq_pass", passes) == "separate":
-                for name in ("block_q_dq", "block_kv_dq"):
-                    fields[name] = self._pick(trial, "bwd", name, space.dq_tiles)
-            bwd = BwdParams(**fields)
-        return TileConfig(fwd, bwd)
-
-    def params(self, config: TileConfig, parts: tuple[str, ...]) -> dict:
-        params = super().params(config, parts)
-        for key, value in params.items():
-            part, name = key.split(".", 1)
-            ranked = self._choices(part, name)
-            if ranked is not None:
-                params[key] = ranked.index(value)
-        return params
 
 
 def main() -> int:
@@ -93,7 +57,7 @@ def main() -> int:
                 continue  # not the search's landscape (replay.py leaves it out too)
             landscapes = {part: replay.Landscape(part, data)}
             grid = space.grid(default, (part,))
-            for way, walked in (("categories", space), ("ranks", RankedTileSpace(space.candidates))):
+            for way, walked in (("categories", CategoryTileSpace(space.candidates)), ("ranks", space)):
                 traces = [replay.replay(landscapes, walked, default, "tpe", seed, options.budget, grid)
                           for seed in range(options.seeds)]
                 reached = sorted(r or options.budget + 1 for r in map(replay.trials_to_within, traces))

@@ -90,20 +90,23 @@ def test_a_replay_starts_from_the_default_of_its_device_kind_and_warms_from_the_
     assert replay.load(older)[4] == scan.default_config(PROBLEM.shapes, PROBLEM.spec) != default
 
 
-def test_ranked_tiles_walk_the_same_points(landscapes):
-    """`benchmarks/ordered_tiles.py`: a tile offered as its rank names the same config, and a grid walk
-    through ranks ends at the best as one through categories does."""
+def test_tiles_as_ranks_and_as_categories_walk_the_same_points(landscapes):
+    """The search's space offers tiles as ranks; `benchmarks/ordered_tiles.py` compares it with categories.
+    Both name every grid point by their own parameters, and a grid walk either way ends at the best."""
     spec = importlib.util.spec_from_file_location("ordered_tiles", ROOT / "benchmarks" / "ordered_tiles.py")
     ordered_tiles = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ordered_tiles)
     recorded, _, _, space, default = replay.load(landscapes[0])
-    ranked = ordered_tiles.RankedTileSpace(space.candidates)
+    categories = ordered_tiles.CategoryTileSpace(space.candidates)
     grid = space.grid(default, ("fwd",))
     for config in grid:
-        params = ranked.params(config, ("fwd",))
-        assert all(isinstance(v, int) and v < len(grid) for k, v in params.items() if k.startswith("fwd.block"))
-        trial = optuna.trial.FixedTrial(params)
-        assert ranked.suggest(trial, default, ("fwd",)) == config
+        ranks = space.params(config, ("fwd",))
+        assert set(ranks) >= {"fwd.block_q_rank", "fwd.block_kv_rank"}
+        assert categories.params(config, ("fwd",))["fwd.block_q"] == config.fwd.block_q
+        for walked, params in ((space, ranks), (categories, categories.params(config, ("fwd",)))):
+            assert walked.suggest(optuna.trial.FixedTrial(params), default, ("fwd",)) == config
+            assert walked.config(params, default) == config
     land = {"fwd": replay.Landscape("fwd", recorded["parts"]["fwd"])}
-    trace = replay.replay(land, ranked, default, "grid", seed=0, budget=len(grid), grid_order=grid)
-    assert trace[-1] == 1.0
+    for walked in (space, categories):
+        trace = replay.replay(land, walked, default, "grid", seed=0, budget=len(grid), grid_order=grid)
+        assert trace[-1] == 1.0

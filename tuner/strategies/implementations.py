@@ -100,44 +100,89 @@ class NoConfig:
         return cls()
 
 
+RANK = "_rank"  # suffix of a tile field's optuna parameter when it is offered as a rank
+
+
 @dataclass(frozen=True)
 class TileSpace:
     """A ring's `Space` over its kernel's candidates (`tuner.kernels.base.SearchSpace`): forward fields,
     backward fields, and whether dq runs fused into the dk/dv pass or as a separate pass with its own
-    tiles (optuna parameter `bwd.dq_pass`, then `bwd.block_q_dq` and `bwd.block_kv_dq`)."""
+    tiles (optuna parameter `bwd.dq_pass`, then `bwd.block_q_dq` and `bwd.block_kv_dq`).
+
+    A field with two or more sizes (tiles, warps, stages) is offered to the sampler as its rank among
+    the sorted sizes (parameter `fwd.block_q_rank`, an int), so that TPE models 128 as lying between 64
+    and 256; as categories the backward's 4 or 5 tile fields took it several times the trials
+    (`benchmarks/NOTES.md`, "Tiles as ranks for TPE"). Other fields stay categories."""
 
     candidates: SearchSpace
+
+    def _sizes(self, key: str) -> tuple[int, ...] | None:
+        """The sorted sizes of parameter `key` ("fwd.block_q"), or None where it is no field of two or
+        more sizes (so it is offered as a category)."""
+        part, name = key.split(".", 1)
+        space = self.candidates
+        if part == "fwd":
+            choices = space.fwd.get(name, ())
+        else:
+            choices = space.dq_tiles if name in ("block_q_dq", "block_kv_dq") else space.bwd.get(name, ())
+        if len(choices) > 1 and all(type(c) is int for c in choices):
+            return tuple(sorted(choices))
+        return None
+
+    def _pick(self, trial: Any, key: str, choices: tuple[Any, ...]) -> Any:
+        sizes = self._sizes(key)
+        if sizes is None:
+            return trial.suggest_categorical(key, choices)
+        return sizes[trial.suggest_int(key + RANK, 0, len(sizes) - 1)]
 
     def suggest(self, trial: Any, default: TileConfig, parts: tuple[str, ...]) -> TileConfig:
         fwd, bwd = default.fwd, default.bwd
         space = self.candidates
         if "fwd" in parts:
-            fwd = FwdParams(**{n: trial.suggest_categorical(f"fwd.{n}", c) for n, c in space.fwd.items()})
+            fwd = FwdParams(**{n: self._pick(trial, f"fwd.{n}", c) for n, c in space.fwd.items()})
         if "bwd" in parts:
-            fields = {n: trial.suggest_categorical(f"bwd.{n}", c) for n, c in space.bwd.items()}
+            fields = {n: self._pick(trial, f"bwd.{n}", c) for n, c in space.bwd.items()}
             passes = tuple(p for p in space.dq_passes if p == "fused" or space.dq_tiles)
             if trial.suggest_categorical("bwd.dq_pass", passes) == "separate":
-                fields["block_q_dq"] = trial.suggest_categorical("bwd.block_q_dq", space.dq_tiles)
-                fields["block_kv_dq"] = trial.suggest_categorical("bwd.block_kv_dq", space.dq_tiles)
+                for name in ("block_q_dq", "block_kv_dq"):
+                    fields[name] = self._pick(trial, f"bwd.{name}", space.dq_tiles)
             bwd = BwdParams(**fields)
         return TileConfig(fwd, bwd)
 
     def params(self, config: TileConfig, parts: tuple[str, ...]) -> dict[str, Any]:
-        params: dict[str, Any] = {}
+        """The optuna parameters that make `suggest` return `config` (a size it does not hold is an error)."""
+        values: dict[str, Any] = {}
         if "fwd" in parts:
-            params.update({f"fwd.{k}": v for k, v in config.fwd.to_dict().items() if v is not None})
+            values.update({f"fwd.{k}": v for k, v in config.fwd.to_dict().items() if v is not None})
         if "bwd" in parts:
             bwd = config.bwd.to_dict()
             dq = {"bwd.block_q_dq": bwd.pop("block_q_dq"), "bwd.block_kv_dq": bwd.pop("block_kv_dq")}
-            params.update({f"bwd.{k}": v for k, v in bwd.items() if v is not None})
-            params["bwd.dq_pass"] = "fused" if config.bwd.fused_dq else "separate"
+            values.update({f"bwd.{k}": v for k, v in bwd.items() if v is not None})
+            values["bwd.dq_pass"] = "fused" if config.bwd.fused_dq else "separate"
             if not config.bwd.fused_dq:
-                params.update(dq)
+                values.update(dq)
+        params = {}
+        for key, value in values.items():
+            sizes = self._sizes(key)
+            if sizes is None:
+                params[key] = value
+            elif value in sizes:
+                params[key + RANK] = sizes.index(value)
+            else:
+                raise ValueError(f"{key}={value} is not among this problem's candidates {list(sizes)}")
         return params
 
     def config(self, params: dict[str, Any], default: TileConfig) -> TileConfig:
-        fwd = {k[4:]: v for k, v in params.items() if k.startswith("fwd.")}
-        bwd = {k[4:]: v for k, v in params.items() if k.startswith("bwd.") and k != "bwd.dq_pass"}
+        """The config of a trial's `params`: ranks (as `suggest` asks them) or sizes (as older trials and
+        recorded landscapes hold them)."""
+        values = {}
+        for key, value in params.items():
+            if key.endswith(RANK):
+                key = key.removesuffix(RANK)
+                value = self._sizes(key)[value]
+            values[key] = value
+        fwd = {k[4:]: v for k, v in values.items() if k.startswith("fwd.")}
+        bwd = {k[4:]: v for k, v in values.items() if k.startswith("bwd.") and k != "bwd.dq_pass"}
         return TileConfig(FwdParams(**fwd) if fwd else default.fwd, BwdParams(**bwd) if bwd else default.bwd)
 
     def grid(self, default: TileConfig, parts: tuple[str, ...]) -> list[TileConfig]:
