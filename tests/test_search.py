@@ -73,6 +73,7 @@ def test_every_outcome_is_recorded_and_the_search_goes_on(faulty, tmp_path):
     fwd = {t.number: space.config(t.params, result.default.config).fwd for t in trials}
     assert fwd[trials[0].number] == FwdParams(16, 8)  # default first
     by_point = {(fwd[t.number].block_q, fwd[t.number].block_kv): t for t in trials}
+    assert all(t.user_attrs["config"].startswith(f"fwd(block_q={q} block_kv={kv}") for (q, kv), t in by_point.items())
     assert "differs from the scan reference" in by_point[(8, 8)].user_attrs["detail"]
     assert "does not build" in by_point[(8, 16)].user_attrs["detail"]
     assert by_point[(16, 16)].state == optuna.trial.TrialState.PRUNED

@@ -127,6 +127,7 @@ class Trials:
         if "source" not in trial.user_attrs:
             trial.set_user_attr("source", "sampler")
         config = self.space.suggest(trial, self.default, self.parts)
+        trial.set_user_attr("config", describe_config(config))  # the sizes, where the parameters are ranks
         holder = self.shared.claim_config(self.name, trial.params, trial.number, trial.study)
         if holder is not None:
             self._duplicate(trial, holder)
