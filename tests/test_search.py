@@ -344,8 +344,9 @@ def test_a_warm_study_starts_from_the_nearest_tuned_problems_winner(tmp_path):
 
 
 def test_a_warm_start_queues_distinct_winners_other_than_the_default():
-    """The nearest problem's winner is the default and the next two share theirs: the one queued after it
-    comes from the fourth nearest, so the study's first trials are three different configs."""
+    """The nearest problem's winner is the default, the next one's tiles are longer than this problem's
+    shards, and the next two share theirs: the one queued after it comes from the fifth nearest, so the
+    study's first trials are three different configs."""
     from tuner.tuning.warm import winners
 
     problem = Problem(batch=1, seq_len=256, heads=4, kv_heads=2, head_dim=16, causal=True, ring_size=2)
@@ -353,7 +354,8 @@ def test_a_warm_start_queues_distinct_winners_other_than_the_default():
     space, default = scan.space(problem.shapes, problem.spec), scan.default_config(problem.shapes, problem.spec)
     kind = jax.devices()[0].device_kind
     near = []
-    for distance, heads, fwd in ((1.0, 2, default.fwd), (1.5, 8, FwdParams(32, 64)), (2.0, 16, FwdParams(32, 64)),
+    for distance, heads, fwd in ((1.0, 2, default.fwd), (1.2, 6, FwdParams(1024, 1024)),  # not in this space
+                                 (1.5, 8, FwdParams(32, 64)), (2.0, 16, FwdParams(32, 64)),
                                  (3.0, 32, FwdParams(64, 32))):
         key = registry.problem_key(dataclasses.replace(problem, heads=heads), "scan", kind)
         near.append((distance, make_row(key, TileConfig(fwd, default.bwd), versions=registry.versions(scan),

@@ -45,8 +45,10 @@ def winners(near: Iterable[tuple[float, dict[str, Any]]], implementation: regist
             implementation.check(config)
         except ValueError:
             continue
+        if not in_space(config, space, default, parts):
+            continue
         name = json.dumps(space.params(config, parts), sort_keys=True)
-        if name in seen or not in_space(config, space, default, parts):
+        if name in seen:
             continue
         seen.add(name)
         chosen.append((config, f"nearest {row['key'][:8]} (distance {distance:.1f})"))
