@@ -36,9 +36,10 @@ ROOT = Path(__file__).resolve().parent.parent
 NOISE_REPEATS = 5
 
 
-def _noise(best: dict, repeats: int = NOISE_REPEATS) -> dict:
+def _noise(best: dict) -> dict:
     """The noise block of a modelled landscape: the values repeat exactly."""
-    return {"default_rel": [1.0] * repeats, "best_rel": [best["rel"]] * repeats, "best_config": best["config"]}
+    return {"default_rel": [1.0] * NOISE_REPEATS, "best_rel": [best["rel"]] * NOISE_REPEATS,
+            "best_config": best["config"]}
 
 
 def _verdict(variant) -> dict:
@@ -72,7 +73,7 @@ def modelled(name: str, target: str, workers: int, parts: tuple[str, ...]) -> di
     report = compiled.compile_target(problem, target, workers=workers, parts=kernels)
     chip = report.chip
 
-    def part_file(part: str, points: list[dict], default_s: float) -> dict:
+    def part_file(part: str, points: list[dict]) -> dict:
         best = min((p for p in points if p["status"] == "ok"), key=lambda p: p["rel"])
         return {"part": part, "objective": part, "grid": len(points),
                 "default": TileConfig(default_fwd, default_bwd).to_dict()[part], "points": points,
@@ -94,7 +95,7 @@ def modelled(name: str, target: str, workers: int, parts: tuple[str, ...]) -> di
         points = [scored({"config": v.config.to_dict()["fwd"], **_verdict(v)},
                          v.predicted.seconds if v.compiled else None, default_s)
                   for v in report.variants if v.part == "fwd"]
-        out["fwd"] = part_file("fwd", points, default_s)
+        out["fwd"] = part_file("fwd", points)
     if "bwd" in parts:
         tiles = {"dkv": ("block_q_dkv", "block_kv_dkv"), "dq": ("block_q_dq", "block_kv_dq")}
         kernel = {(v.part, tuple(getattr(v.config.bwd, f) for f in tiles[v.part])): v
@@ -116,7 +117,7 @@ def modelled(name: str, target: str, workers: int, parts: tuple[str, ...]) -> di
             bad = next((v for v in verdicts if v["status"] != "ok"), {"status": "ok"})
             seconds = tpu_model.predict(problem, chip, bwd=bwd).seconds if bad["status"] == "ok" else None
             points.append(scored({**entry, **bad}, seconds, default_s))
-        out["bwd"] = part_file("bwd", points, default_s)
+        out["bwd"] = part_file("bwd", points)
     return {"backend": "pallas_tpu", "device": target, "problem": dataclasses.asdict(problem), "parts": out}
 
 
