@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -60,22 +58,14 @@ def main() -> int:
             for way, walked in (("categories", CategoryTileSpace(space.candidates)), ("ranks", space)):
                 traces = [replay.replay(landscapes, walked, default, "tpe", seed, options.budget, grid)
                           for seed in range(options.seeds)]
-                reached = sorted(r or options.budget + 1 for r in map(replay.trials_to_within, traces))
-                p90 = reached[int(0.9 * (len(reached) - 1))]
                 row = {"landscape": file.stem.removeprefix("landscape-"), "part": part, "tiles_as": way,
                        "valid_points": sum(v is not None for v in landscapes[part].values.values()),
-                       "median_trials": statistics.median(reached), "p90_trials": p90,
-                       **{f"best_after_{n}": statistics.median(t[n - 1] for t in traces)
-                          for n in replay.CHECKPOINTS if n <= options.budget}}
+                       **replay.summary(traces, options.budget)}
                 rows.append(row)
-                after = " / ".join(f"{row[f'best_after_{n}']:.2f}" for n in replay.CHECKPOINTS if n <= options.budget)
-                text = [f">{options.budget}" if v > options.budget else f"{v:g}"
-                        for v in (row["median_trials"], row["p90_trials"])]
-                print(f"| {row['landscape']} | {part} | {row['valid_points']} | {way} | {text[0]} / {text[1]} | "
-                      f"{after} |", flush=True)
+                print(f"| {row['landscape']} | {part} | {row['valid_points']} | {way} | "
+                      f"{replay.cells(row, options.budget)} |", flush=True)
     out = ROOT / "benchmarks" / "results" / f"ordered_tiles-{datetime.date.today().isoformat()}.json"
-    out.write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "seeds": options.seeds,
-                               "budget": options.budget, "rows": rows}, indent=1) + "\n")
+    replay.save(out, rows, options.seeds, options.budget)
     print(f"wrote {out.relative_to(ROOT)}", file=sys.stderr)
     return 0
 

@@ -199,6 +199,29 @@ def trials_to_within(trace: list[float]) -> int | None:
     return next((i + 1 for i, v in enumerate(trace) if v <= WITHIN), None)
 
 
+def summary(traces: list[list[float]], budget: int) -> dict:
+    """Over the seeds' traces: the median and 90th percentile number of trials until within 5% (budget + 1
+    where never), how many never got there, and the incumbent's median value after each checkpoint."""
+    reached = [trials_to_within(t) for t in traces]
+    numbers = sorted(r if r is not None else budget + 1 for r in reached)
+    return {"median_trials": statistics.median(numbers), "p90_trials": numbers[int(0.9 * (len(numbers) - 1))],
+            "never": sum(r is None for r in reached),
+            **{f"best_after_{n}": statistics.median(t[n - 1] for t in traces) for n in CHECKPOINTS if n <= budget}}
+
+
+def cells(row: dict, budget: int) -> str:
+    """A summary's `median / p90 | best after 6 / 12 / 24` table cells (`>budget` where never reached)."""
+    median, p90 = (f">{budget}" if v > budget else f"{v:g}" for v in (row["median_trials"], row["p90_trials"]))
+    after = " / ".join(f"{row[f'best_after_{n}']:.2f}" for n in CHECKPOINTS if f"best_after_{n}" in row)
+    return f"{median} / {p90} | {after}"
+
+
+def save(out: Path, rows: list[dict], seeds: int, budget: int) -> None:
+    """Write the rows with the command that made them."""
+    out.write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "seeds": seeds, "budget": budget,
+                               "rows": rows}, indent=1) + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=20)
@@ -234,34 +257,20 @@ def main() -> int:
             for sampler, warm in runs:
                 traces = [replay(landscapes, space, default, sampler, seed, options.budget, grid, warm)
                           for seed in range(options.seeds)]
-                reached = [trials_to_within(t) for t in traces]
-                numbers = sorted(r if r is not None else options.budget + 1 for r in reached)
                 rows.append({
                     "problem": file.stem.removeprefix("landscape-").removeprefix("scan-cpu-"),
                     "objective": "+".join(parts),
                     "sampler": sampler if warm is None else f"{sampler}, warm ({len(warm)} queued)",
-                    "valid_points": size,
-                    "median_trials": statistics.median(numbers), "p90_trials": numbers[int(0.9 * (len(numbers) - 1))],
-                    "never": sum(r is None for r in reached),
-                    **{f"best_after_{n}": statistics.median(t[n - 1] for t in traces) for n in CHECKPOINTS
-                       if n <= options.budget}})
+                    "valid_points": size, **summary(traces, options.budget)})
                 print(rows[-1], file=sys.stderr, flush=True)
-    budget = options.budget
-
-    def trials_text(value: float) -> str:
-        return f">{budget}" if value > budget else f"{value:g}"
-
     lines = ["| problem | objective | valid points (30%) | sampler | trials to 5% (median / p90) | "
              "best after 6 / 12 / 24 |", "|---|---|---|---|---|---|"]
     for r in rows:
-        after = " / ".join(f"{r[f'best_after_{n}']:.2f}" for n in CHECKPOINTS if f"best_after_{n}" in r)
         lines.append(f"| {r['problem']} | {r['objective']} | {r['valid_points']} ({0.3 * r['valid_points']:.0f}) | "
-                     f"{r['sampler']} | "
-                     f"{trials_text(r['median_trials'])} / {trials_text(r['p90_trials'])} | {after} |")
+                     f"{r['sampler']} | {cells(r, options.budget)} |")
     print("\n".join(lines))
     out = options.out or ROOT / "benchmarks" / "results" / f"replay-{datetime.date.today().isoformat()}.json"
-    out.write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "seeds": options.seeds,
-                               "budget": options.budget, "rows": rows}, indent=1) + "\n")
+    save(out, rows, options.seeds, options.budget)
     print(f"wrote {out}", file=sys.stderr)
     return 0
 
