@@ -14,6 +14,9 @@ backend's own `Space.suggest`, as a search does:
 - a config tried before is given back (no trial counted) and an untried grid point is queued, as the
   search's claims do;
 - a pruned or failed point counts as a trial, as it does in a search;
+- a point's recorded value is what the recording measured for the trial: its median over the default's
+  median timed in the same run (`rel`), in seconds at the default's median time over the recording (the
+  raw seconds drift with the machine, the default's by up to 1.8x in an hour);
 - a timed point's value is its recorded value times a draw of the recording's noise: a log-normal with
   the spread of the re-timed default and best (`noise` in the landscape).
 
@@ -59,11 +62,16 @@ class Landscape:
 
     def __init__(self, part: str, recorded: dict):
         self.part = part
+        ok = [p for p in recorded["points"] if p["status"] == "ok"]
+        self.default_seconds = statistics.median(p["default_seconds"] for p in ok)
+        # A point's value is the trial's: its time over the default's, timed in the same run (`rel`). The raw
+        # seconds carry the machine's drift over a recording of an hour (the default's own time drifts by
+        # up to 1.8x), so they are not compared across points; `rel` is put back in seconds at the default's
+        # median, so that a fwd+bwd sum weighs each part by its time.
         self.values: dict[str, float | None] = {}  # config key -> seconds (None: pruned or failed)
         for p in recorded["points"]:
-            self.values.setdefault(key(p["config"]), p.get("seconds") if p["status"] == "ok" else None)
-        default = [p for p in recorded["points"] if p["status"] == "ok"]
-        self.default_seconds = statistics.median(p["default_seconds"] for p in default)
+            self.values.setdefault(key(p["config"]),
+                                   p["rel"] * self.default_seconds if p["status"] == "ok" else None)
         noise = recorded["noise"]
         logs = [math.log(r) for r in noise["default_rel"]] + [math.log(r / statistics.median(noise["best_rel"]))
                                                               for r in noise["best_rel"]]

@@ -73,6 +73,20 @@ def test_a_warm_replay_starts_from_the_neighbours_best(landscapes):
     assert trace[1] == 1.0  # the second trial, the neighbour's best, is this problem's best
 
 
+def test_a_point_is_valued_by_its_time_over_the_default_of_its_run_not_by_its_drifting_seconds(landscapes):
+    """The machine slowed 3-fold while the best point and its default were timed: its raw seconds are the
+    worst of the grid, its time over the default of the same run is still the best, and that is its value."""
+    recorded = json.loads(landscapes[0].read_text())
+    points = recorded["parts"]["fwd"]["points"]
+    best = next(p for p in points if (p["config"]["block_q"], p["config"]["block_kv"]) == (64, 32))
+    best["seconds"] *= 3
+    best["default_seconds"] *= 3
+    assert best["seconds"] > max(p["seconds"] for p in points if p is not best)
+    landscape = replay.Landscape("fwd", recorded["parts"]["fwd"])
+    assert landscape.best == landscape.seconds(best["config"]) == pytest.approx(best["rel"] * 2.0)
+    assert sorted(landscape.values.values()) == sorted(p["rel"] * 2.0 for p in points)
+
+
 def test_a_replay_starts_from_the_default_of_its_device_kind_and_warms_from_the_same_kind(tmp_path):
     """A landscape recorded on a TPU chip with its own default tiles is replayed from them, a CPU one from
     today's default whatever it recorded; a neighbour recorded on another device kind is no neighbour."""

@@ -364,3 +364,31 @@ def test_a_warm_start_queues_distinct_winners_other_than_the_default():
     chosen = winners(near, scan, space, default, ("fwd",))
     assert [(config.fwd.block_q, config.fwd.block_kv) for config, _ in chosen] == [(32, 64), (64, 32)]
     assert [source.split()[-1] for _, source in chosen] == ["1.5)", "3.0)"]
+
+
+def test_a_packed_problem_warms_from_packed_neighbours_before_unpacked_ones_of_its_size():
+    """Packed documents want short tiles: for a packed problem the packed neighbour four times as long is
+    nearer than the unpacked one of the same size, and for the unpacked problem it is the other way round."""
+    from tuner.cache.lookup import PACKING_APART, neighbours
+
+    scan = registry.get("scan")
+    kind = jax.devices()[0].device_kind
+    versions = registry.versions(scan)
+    packed = Problem(batch=1, seq_len=256, heads=4, kv_heads=2, head_dim=16, causal=True, segments=4, ring_size=2)
+    unpacked = dataclasses.replace(packed, segments=0)
+    longer = dataclasses.replace(packed, seq_len=1024)
+    rows = {}
+    for name, problem in (("unpacked", unpacked), ("longer packed", longer)):
+        key = registry.problem_key(problem, "scan", kind)
+        rows[name] = make_row(key, scan.default_config(problem.shapes, problem.spec), versions=versions,
+                              tool_version="test", objective="fwd", best_s=1.0, default_s=2.0, speedup=2.0,
+                              trials_run=1, trials_pruned=0, study=name)
+
+    def ranked(problem: Problem, candidates: list[str]) -> list[tuple[float, str]]:
+        key = registry.problem_key(problem, "scan", kind)
+        found = neighbours(lambda sql, params: [rows[c] for c in candidates], key, versions, 10)
+        return [(distance, row["study"]) for distance, row in found]
+
+    assert ranked(packed, ["unpacked", "longer packed"]) == [(4.0, "longer packed"), (1.0 + PACKING_APART, "unpacked")]
+    assert ranked(dataclasses.replace(unpacked, seq_len=1024), ["unpacked", "longer packed"]) == [
+        (4.0, "unpacked"), (1.0 + PACKING_APART, "longer packed")]

@@ -9,6 +9,7 @@ reading the whole row of a candidate only. Every row is validated before use; wh
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -183,24 +184,34 @@ class _Search:
         return Lookup(row, source, "; ".join(parts))
 
 
+# Packed documents decide which tiles a ring runs, and they want short tiles: a packed problem's nearest
+# neighbours are the packed ones, then the unpacked ones (8: as far as a sequence 16 times as long, 4 doublings
+# of the query and of the key length).
+PACKING_APART = 8.0
+
+
 def neighbours(select: Callable[..., list[dict[str, Any]]], key: ProblemKey, versions: dict[str, str],
                limit: int) -> list[tuple[float, dict[str, Any]]]:
     """Up to `limit` (distance, row) of the valid, current search rows tuned for other problems of the same
     op, implementation, device kind and dtype, nearest first: the loader's distance (sizes and layout),
-    plus the log2 ratio of the head dims, plus 1 when the features differ. A search starts from their
-    configs (warm start)."""
+    plus the log2 ratio of the head dims, plus 1 when the features differ, plus `PACKING_APART` when one
+    problem packs documents (segment ids) and the other does not. A search starts from their configs (warm
+    start)."""
     family = ("op", "backend", "device_kind", "dtype")
     current = " AND ".join(f"{f} = ?" for f in VERSION_FIELDS)
     rows = select(f"SELECT * FROM {TABLE} WHERE {' AND '.join(f'{f} = ?' for f in family)} AND {current} "
                   f"AND {{source}} = 'search' AND key != ?",
                   [*(getattr(key, f) for f in family), *(versions[f] for f in VERSION_FIELDS), key.digest])
+    features = key_columns(key)["features"]
+    packed = json.loads(features).get("segments")
     ranked = []
     for row in rows:
         distance = _distance(row, key)
         if distance is None or row_problem(row) is not None or not is_int(row["head_dim"]) or row["head_dim"] <= 0:
             continue
         distance += abs(math.log2(row["head_dim"] / key.head_dim))
-        distance += 0.0 if row["features"] == key_columns(key)["features"] else 1.0
+        distance += 0.0 if row["features"] == features else 1.0
+        distance += 0.0 if json.loads(row["features"]).get("segments") == packed else PACKING_APART
         ranked.append((distance, row))
     ranked.sort(key=lambda item: item[0])
     return ranked[:limit]
