@@ -2,7 +2,8 @@
 
 After the default, a study's first trials are the winners the cache holds for the problems nearest
 this one (`Cache.neighbours`: same implementation, device kind and dtype; the loader's distance over
-sizes and layout, plus head dim and features), each queued with `source` "nearest <key> (distance d)".
+sizes and layout, plus head dim and features; packed neighbours first for a packed problem), each
+queued with `source` "nearest <key> (distance d)".
 A winner is queued once, and not at all where it is the default (the study's first trial) or a config
 this problem's space does not hold (tiles larger than its shards): the next nearest problem's winner
 takes its place, up to `NEIGHBOURS` winners. Then the sampler takes over. `tuner search --no-warm-start`
