@@ -3,7 +3,7 @@ times a trial.
 
     python benchmarks/landscape.py --list
     python benchmarks/landscape.py PROBLEM [--part fwd|bwd|both] [--runs 3] [--noise 5] [--max-points 120]
-                                           [--compile-ahead 0]
+                                           [--compile-ahead 0] [--deadline SECONDS]
 
 For each point of the part's grid (`Space.grid` with that part alone: every forward point, or every
 backward point), the script does what a trial of `tuner search --objective <part>` does, with the same
@@ -11,7 +11,7 @@ backward point), the script does what a trial of `tuner search --objective <part
 compile, check against the scan reference at float32 (a failed point keeps its reason), then time it
 interleaved with the default on fresh inputs (`--runs` medians). A point's value is the trial's value:
 its median over the default's median from the same run. As in `tuner search`, `--compile-ahead` points
-compile while another is checked or timed (on the CPU, compiles side by side, each timed run alone).
+compile while another is checked or timed (compiles side by side, each timed run with no compile beside it).
 
 Forward and backward act on separate passes, so each is its own landscape; `tuner search`'s fwd+bwd
 objective is (fwd seconds + bwd seconds) / (default fwd + default bwd), and the best of each part
@@ -25,8 +25,13 @@ measure the composition's error.
 The noise: at the end the default and the best point are each re-timed against the default `--noise`
 times (each a `--runs` median), so a replay can draw a trial's value with the spread it really has.
 
-Writes `benchmarks/results/landscape-scan-cpu-<problem>.json` (one file per problem, a landscape per part;
-a later run of another part adds to it).
+A `gpu-` problem (the GPU plan's shapes, ring of one) walks the Triton backend on the machine's GPU, with
+5 calls per timed run as `tuner search --device gpu`. `--deadline` bounds the walk: the points are then
+walked in a shuffled order (seed 0), so a walk cut short is a uniform sample of the grid, and the file
+says how many points of the grid it holds. The file is written after every point.
+
+Writes `benchmarks/results/landscape-scan-cpu-<problem>.json`, or `landscape-triton-<gpu>-<problem>.json`
+for a `gpu-` problem (one file per problem, a landscape per part; a later run of another part adds to it).
 """
 
 from __future__ import annotations
@@ -59,7 +64,13 @@ PROBLEMS = {  # name: Problem fields; local lengths 512 to 4096, rings of 2 to 8
     "full-d64-gqa4-r4-l512-bf16": dict(seq_len=2048, heads=8, kv_heads=2, head_dim=64, ring_size=4, causal=False,
                                        dtype="bfloat16"),
     "docs8-d64-gqa2-r2-l2048": dict(seq_len=4096, heads=4, kv_heads=2, head_dim=64, ring_size=2, segments=8),
+    # The GPU plan's shapes (16k tokens, hidden 2048), one GPU: the Triton backend.
+    "gpu-causal-d128-mha-r1-l4096-bf16": dict(batch=4, seq_len=4096, heads=16, kv_heads=16, head_dim=128,
+                                              ring_size=1, dtype="bfloat16"),
+    "gpu-full-d128-mha-r1-l4096-bf16": dict(batch=4, seq_len=4096, heads=16, kv_heads=16, head_dim=128,
+                                            ring_size=1, dtype="bfloat16", causal=False),
 }
+GPU_CALLS = 5  # calls per timed run on a GPU, as tuner search's --calls there
 
 
 def point(trials, config, part: str, runs: int, keep: bool = False) -> dict:
@@ -106,7 +117,17 @@ def backward_points(trials, max_points: int) -> tuple[list, list | None, object]
     return list(dict.fromkeys(timed)), composed, config(ref_kv, ref_dq)
 
 
-def landscape(name: str, part: str, runs: int, noise: int, max_points: int, ahead: int) -> dict:
+def backend_of(name: str) -> str:
+    """The backend a problem's landscape walks: Triton for a `gpu-` problem, the scan ring elsewhere."""
+    return "triton" if name.startswith("gpu-") else "scan"
+
+
+def landscape(name: str, part: str, runs: int, noise: int, max_points: int, ahead: int,
+              deadline: float | None = None, save=None) -> dict:
+    """Walk `part`'s grid for problem `name`; `save(result)` is called after every point with what is
+    walked so far (its "complete" false until the end)."""
+    import random
+
     import jax
 
     from tuner import registry
@@ -117,8 +138,8 @@ def landscape(name: str, part: str, runs: int, noise: int, max_points: int, ahea
     from tuner.tuning.trials import Trials
 
     problem = Problem(**PROBLEMS[name])
-    implementation = registry.get("scan")
-    options = SearchOptions(objective=part, runs=runs)
+    implementation = registry.get(backend_of(name))
+    options = SearchOptions(objective=part, runs=runs, calls=GPU_CALLS if backend_of(name) == "triton" else 1)
     with tempfile.TemporaryDirectory() as tmp:  # the trials' claims table; nothing is claimed here
         trials = Trials(problem, implementation, options, Shared(open_storage(f"sqlite:///{tmp}/s.sqlite")), name)
     started = time.perf_counter()
@@ -126,15 +147,30 @@ def landscape(name: str, part: str, runs: int, noise: int, max_points: int, ahea
         configs, composed, ref = trials.space.grid(trials.default, ("fwd",)), None, None
     else:
         configs, composed, ref = backward_points(trials, max_points)
+    if deadline is not None:
+        configs = random.Random(0).sample(configs, len(configs))
     points = []
+    result = {"part": part, "objective": part, "runs": runs, "calls": options.calls, "compile_ahead": ahead,
+              "grid": len(trials.space.grid(trials.default, (part,))), "default": trials.default.to_dict()[part],
+              "device_kind": jax.devices()[0].device_kind, "complete": False, "points": points}
+
+    def walk(config) -> dict | None:
+        if deadline is not None and time.perf_counter() - started > deadline:
+            return None
+        return point(trials, config, part, runs)
+
     with ThreadPoolExecutor(1 + ahead) as pool:  # compiles run ahead; the trials' gate times each point alone
-        for number, entry in enumerate(pool.map(lambda config: point(trials, config, part, runs), configs), 1):
+        for number, entry in enumerate(pool.map(walk, configs), 1):
+            if entry is None:
+                continue
             points.append(entry)
             print(f"{name} {part} {number}/{len(configs)}: {entry['status']} "
                   f"{entry.get('rel', entry.get('reason', ''))}", file=sys.stderr, flush=True)
-    result = {"part": part, "objective": part, "runs": runs, "compile_ahead": ahead,
-              "grid": len(trials.space.grid(trials.default, (part,))), "default": trials.default.to_dict()[part],
-              "points": points}
+            if save is not None:
+                save(result)
+    if len(points) < len(configs):
+        print(f"{name} {part}: the deadline stopped the walk at {len(points)} of {len(configs)} points",
+              file=sys.stderr)
     if composed is not None:
         by_config = {json.dumps(p["config"], sort_keys=True): p for p in points}
 
@@ -170,7 +206,7 @@ def landscape(name: str, part: str, runs: int, noise: int, max_points: int, ahea
         best_rel.append(point(trials, best_config, part, runs, keep=True)["rel"])
     result["noise"] = {"default_rel": default_rel, "best_rel": best_rel, "best_config": best["config"]}
     result["seconds_total"] = time.perf_counter() - started
-    result["device_kind"] = jax.devices()[0].device_kind
+    result["complete"] = len(points) == len(configs)
     return result
 
 
@@ -185,6 +221,9 @@ def main() -> int:
     parser.add_argument("--compile-ahead", type=int, default=0,
                         help="points that compile while another is checked or timed (tuner search's option; "
                              "0, its CPU default)")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="seconds for a part's walk: the points go in a shuffled order and the walk stops "
+                             "there (the noise re-timings come after)")
     options = parser.parse_args()
     if options.list or options.problem is None:
         for name, fields in PROBLEMS.items():
@@ -192,24 +231,40 @@ def main() -> int:
         return 0
     if options.problem not in PROBLEMS:
         parser.error(f"problem must be one of {', '.join(PROBLEMS)}, got {options.problem!r}")
-    ring = PROBLEMS[options.problem]["ring_size"]
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ring}"
+    if options.deadline is not None and not options.deadline > 0:
+        parser.error(f"--deadline must be a positive number of seconds, got {options.deadline}")
+    backend = backend_of(options.problem)
+    if backend == "scan":
+        ring = PROBLEMS[options.problem]["ring_size"]
+        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ring}"
     sys.path.insert(0, str(ROOT))
+    import jax
+
     from tuner.semantics.problem import Problem
 
-    out = ROOT / "benchmarks" / "results" / f"landscape-scan-cpu-{options.problem}.json"
+    device = "cpu" if backend == "scan" else gpu_name(jax.devices()[0].device_kind)
+    out = ROOT / "benchmarks" / "results" / f"landscape-{backend}-{device}-{options.problem}.json"
     recorded = json.loads(out.read_text()) if out.exists() else {
-        "backend": "scan", "device": "cpu", "problem": dataclasses.asdict(Problem(**PROBLEMS[options.problem])),
+        "backend": backend, "device": device, "problem": dataclasses.asdict(Problem(**PROBLEMS[options.problem])),
         "parts": {}}
     for part in ("fwd", "bwd") if options.part == "both" else (options.part,):
-        recorded["parts"][part] = landscape(options.problem, part, options.runs, options.noise, options.max_points,
-                                             options.compile_ahead)
-        recorded["parts"][part]["command"] = " ".join(["python", *sys.argv])
-        recorded["parts"][part]["date"] = datetime.date.today().isoformat()
-        recorded["parts"][part]["cores"] = os.cpu_count()
-        out.write_text(json.dumps(recorded, indent=1) + "\n")
+        stamp = {"command": " ".join(["python", *sys.argv]), "date": datetime.date.today().isoformat(),
+                 "cores": os.cpu_count()}
+
+        def save(result: dict, part: str = part, stamp: dict = stamp) -> None:
+            recorded["parts"][part] = {**result, **stamp}
+            out.write_text(json.dumps(recorded, indent=1) + "\n")
+
+        save(landscape(options.problem, part, options.runs, options.noise, options.max_points,
+                       options.compile_ahead, options.deadline, save))
         print(f"wrote {out.relative_to(ROOT)} ({part})", file=sys.stderr)
     return 0
+
+
+def gpu_name(device_kind: str) -> str:
+    """A file-name word for a GPU: 'NVIDIA H100 80GB HBM3' -> 'h100'."""
+    words = device_kind.lower().replace("nvidia", "").split()
+    return words[0] if words else "gpu"
 
 
 if __name__ == "__main__":
