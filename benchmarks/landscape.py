@@ -48,7 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PROBLEMS = {  # name: Problem fields; local lengths 512 to 4096, rings of 2 to 8
+PROBLEMS = {  # name: Problem fields; on the CPU local lengths 512 to 4096, rings of 2 to 8
     "causal-d64-gqa4-r4-l512": dict(seq_len=2048, heads=8, kv_heads=2, head_dim=64, ring_size=4),
     "full-d64-gqa4-r4-l512": dict(seq_len=2048, heads=8, kv_heads=2, head_dim=64, ring_size=4, causal=False),
     "window256-d64-gqa4-r4-l512": dict(seq_len=2048, heads=8, kv_heads=2, head_dim=64, ring_size=4,
@@ -68,6 +68,9 @@ PROBLEMS = {  # name: Problem fields; local lengths 512 to 4096, rings of 2 to 8
     "full-d64-gqa2-r2-l4096": dict(seq_len=8192, heads=2, kv_heads=1, head_dim=64, ring_size=2, causal=False),
     "full-d128-gqa4-r4-l1024-bf16": dict(seq_len=4096, heads=8, kv_heads=2, head_dim=128, ring_size=4,
                                          dtype="bfloat16", causal=False),
+    "full-d64-gqa2-r2-l2048-bf16": dict(seq_len=4096, heads=4, kv_heads=2, head_dim=64, ring_size=2,
+                                        dtype="bfloat16", causal=False),
+    "full-d128-mha-r4-l2048": dict(seq_len=8192, heads=4, kv_heads=4, head_dim=128, ring_size=4, causal=False),
     # The GPU plan's shapes (16k tokens, hidden 2048), one GPU: the Triton backend.
     "gpu-causal-d128-mha-r1-l4096-bf16": dict(batch=4, seq_len=4096, heads=16, kv_heads=16, head_dim=128,
                                               ring_size=1, dtype="bfloat16"),

@@ -82,6 +82,14 @@ class Landscape:
         return self.values.get(key(config))
 
 
+def replayable(recorded: dict, part: str) -> bool:
+    """Whether a landscape file holds `part` as the search sees it. A part recorded in pieces and composed
+    (`landscape.py --max-points`) does not: the composition was measured to be off by 22% to 69%
+    (benchmarks/NOTES.md). Nor does a walk cut short by `landscape.py --deadline`: a sample of the grid."""
+    data = recorded["parts"].get(part)
+    return data is not None and "composed" not in data and data.get("complete", True)
+
+
 def key(part_config: dict) -> str:
     return json.dumps({k: v for k, v in part_config.items() if v is not None}, sort_keys=True)
 
@@ -187,8 +195,8 @@ def warm_configs(file: Path, files: list[Path], part: str, recorded_default: boo
     rows = []
     for other in files:
         theirs, their_problem, their_implementation, their_space, their_default = load(other, recorded_default)
-        if other == file or part not in theirs["parts"] or "composed" in theirs["parts"][part]:
-            continue  # a composed part is no landscape of the search's (main leaves it out too)
+        if other == file or not replayable(theirs, part):
+            continue
         best = min((p for p in theirs["parts"][part]["points"] if p["status"] == "ok"), key=lambda p: p["rel"])
         config = their_space.config({f"{part}.{k}": v for k, v in best["config"].items() if v is not None},
                                     their_default)
@@ -250,9 +258,7 @@ def main() -> int:
     rows = []
     for file in files:
         recorded, problem, implementation, space, default = load(file, options.default == "recorded")
-        # A part recorded in pieces and composed (`landscape.py --max-points`) is left out: the composition
-        # was measured to be off by 22% to 69% (benchmarks/NOTES.md), so its landscape is not the search's.
-        objectives = [(p,) for p in ("fwd", "bwd") if p in recorded["parts"] and "composed" not in recorded["parts"][p]]
+        objectives = [(p,) for p in ("fwd", "bwd") if replayable(recorded, p)]
         if len(objectives) == 2:
             objectives.append(("fwd", "bwd"))
         for parts in objectives:

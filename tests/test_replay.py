@@ -73,6 +73,16 @@ def test_a_warm_replay_starts_from_the_neighbours_best(landscapes):
     assert trace[1] == 1.0  # the second trial, the neighbour's best, is this problem's best
 
 
+def test_a_walk_cut_short_is_neither_replayed_nor_a_neighbour(landscapes):
+    assert replay.warm_configs(landscapes[0], landscapes, "fwd")  # whole, the other problem is a neighbour
+    cut = json.loads(landscapes[1].read_text())
+    cut["parts"]["fwd"]["complete"] = False  # as `landscape.py --deadline` leaves a walk it stopped
+    landscapes[1].write_text(json.dumps(cut))
+    assert not replay.replayable(cut, "fwd")
+    assert replay.replayable(json.loads(landscapes[0].read_text()), "fwd")
+    assert replay.warm_configs(landscapes[0], landscapes, "fwd") == []
+
+
 def test_a_point_is_valued_by_its_time_over_the_default_of_its_run_not_by_its_drifting_seconds(landscapes):
     """The machine slowed 3-fold while the best point and its default were timed: its raw seconds are the
     worst of the grid, its time over the default of the same run is still the best, and that is its value."""
