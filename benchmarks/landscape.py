@@ -129,14 +129,9 @@ def backend_of(name: str) -> str:
     return "triton" if name.startswith("gpu-") else "scan"
 
 
-def landscape(name: str, part: str, runs: int, noise: int, max_points: int, ahead: int,
-              deadline: float | None = None, save=None) -> dict:
-    """Walk `part`'s grid for problem `name`; `save(result)` is called after every point with what is
-    walked so far (its "complete" false until the end)."""
-    import random
-
-    import jax
-
+def trials_for(name: str, part: str, runs: int):
+    """The `tuner.tuning.trials.Trials` of problem `name` for `part`, as `tuner search --objective part`
+    builds them: the reference and the default compiled and checked."""
     from tuner import registry
     from tuner.semantics.problem import Problem
     from tuner.tuning.options import SearchOptions
@@ -148,7 +143,18 @@ def landscape(name: str, part: str, runs: int, noise: int, max_points: int, ahea
     implementation = registry.get(backend_of(name))
     options = SearchOptions(objective=part, runs=runs, calls=GPU_CALLS if backend_of(name) == "triton" else 1)
     with tempfile.TemporaryDirectory() as tmp:  # the trials' claims table; nothing is claimed here
-        trials = Trials(problem, implementation, options, Shared(open_storage(f"sqlite:///{tmp}/s.sqlite")), name)
+        return Trials(problem, implementation, options, Shared(open_storage(f"sqlite:///{tmp}/s.sqlite")), name)
+
+
+def landscape(name: str, part: str, runs: int, noise: int, max_points: int, ahead: int,
+              deadline: float | None = None, save=None) -> dict:
+    """Walk `part`'s grid for problem `name`; `save(result)` is called after every point with what is
+    walked so far (its "complete" false until the end)."""
+    import random
+
+    import jax
+
+    trials = trials_for(name, part, runs)
     started = time.perf_counter()
     if part == "fwd":
         configs, composed, ref = trials.space.grid(trials.default, ("fwd",)), None, None
@@ -157,7 +163,7 @@ def landscape(name: str, part: str, runs: int, noise: int, max_points: int, ahea
     if deadline is not None:
         configs = random.Random(0).sample(configs, len(configs))
     points = []
-    result = {"part": part, "objective": part, "runs": runs, "calls": options.calls, "compile_ahead": ahead,
+    result = {"part": part, "objective": part, "runs": runs, "calls": trials.options.calls, "compile_ahead": ahead,
               "grid": len(trials.space.grid(trials.default, (part,))), "default": trials.default.to_dict()[part],
               "device_kind": jax.devices()[0].device_kind, "complete": False, "points": points}
 

@@ -283,3 +283,15 @@ def test_a_position_mask_caps_the_scan_default_at_its_masked_tile(monkeypatch):
     ring_attention(x, x, x, causal=True, backend="scan")
     ring_attention(x, x, x, backend="scan")
     assert used == [(config.fwd, config.bwd) for config in (implementations.capped(plain, 128), plain)]
+
+
+def test_the_scan_default_forward_takes_short_query_tiles_on_short_shards():
+    """Up to `SHORT_SHARD` tokens a shard's default forward takes query tiles of 128 (5 to 19% faster there
+    on every unmasked landscape, benchmarks/NOTES.md), beyond it the tall tiles of 512; the backward keeps
+    its tall tiles, and every tile is cut to the shard."""
+    from tuner.kernels.scan import SHORT_SHARD
+
+    for local, block_q in ((100, 100), (512, 128), (SHORT_SHARD, 128), (2 * SHORT_SHARD, 512), (8192, 512)):
+        fwd, bwd = BACKENDS["scan"].default_params(local, local, 64)
+        assert (fwd.block_q, fwd.block_kv) == (block_q, min(256, local)), local
+        assert (bwd.block_q_dkv, bwd.block_kv_dkv) == (min(512, local), min(256, local)), local
