@@ -40,12 +40,12 @@ class ScanBackend:
 
     def default_params(self, q_len: int, kv_len: int, head_dim: int, value_head_dim: int | None = None
                        ) -> tuple[FwdParams, BwdParams]:
-        """Tall query tiles, short key tiles, dq fused: the best of a sweep on a 2-core x86 CPU
-        (local T=1024, H=8, D=64, float32); half a 1024-token shard keeps zigzag chunks tile-aligned.
-        The forward's query tiles are 128 on a shard of at most `SHORT_SHARD` tokens: timed against the
-        tall ones on the 7 unmasked forward landscapes, they took 0.81 to 0.95 of the time up to 1024
-        tokens and 1.03 to 1.08 from 2048 (`benchmarks/unmasked_tile.py`). Tiles are cut to the local
-        lengths (the same computation, named as the search space names it)."""
+        """Tall query tiles (512), short key tiles (256), dq fused: the backward's from an early sweep on
+        a 2-core x86 CPU (local T=1024, H=8, D=64, float32); half a 1024-token shard keeps zigzag chunks
+        tile-aligned. The forward's too beyond `SHORT_SHARD` tokens; up to it the forward's query tiles
+        are 128: timed against the tall ones on the 7 unmasked forward landscapes, they took 0.81 to 0.95
+        of the time up to 1024 tokens and 1.03 to 1.08 from 2048 (`benchmarks/unmasked_tile.py`). Tiles
+        are cut to the local lengths (the same computation, named as the search space names it)."""
         block_q, block_kv = min(512, q_len), min(256, kv_len)
         fwd_q = min(128, q_len) if q_len <= SHORT_SHARD else block_q
         return (FwdParams(block_q=fwd_q, block_kv=block_kv),
