@@ -70,33 +70,36 @@ def _counted(order: np.ndarray, seg: np.ndarray, ring: int, tile: int):
     return counts["tile_area"]
 
 
-def _loader_counted(packing: str, ring: int, layout: str = "documents") -> tuple[dict, int]:
-    """The tile area each device computes when the loader, told the rows' `packing`, runs them in
-    `layout` (counted by the ring itself), and the forward tile it chose."""
+def _loader_counted(packing: str, ring: int, declared: bool = True) -> tuple[dict, int | None]:
+    """The tile area each device computes when the loader, told the rows' `packing` or not, runs them in
+    the documents layout (counted by the ring itself), and the forward tile it planned (None where the
+    rows choose it in the step)."""
     mesh = Mesh(np.array(jax.devices()[:ring]), ("sp",))
     lengths = Packing.parse(packing).row_lengths(sum(Packing.parse(packing).lengths))
     seg = jnp.asarray(segment_ids(lengths))
     x = jnp.zeros((1, seg.shape[1], 1, 8), jnp.float32)
-    attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, layout=layout, packing=packing)
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, layout="documents",
+                                    packing=packing if declared else None)
     with count_work() as counts:
         jax.block_until_ready(jax.jit(lambda x, s: attn(x, x, x, q_segment_ids=s, kv_segment_ids=s))(x, seg))
-    tile = attn.explain(x, x, x, q_segment_ids=seg, kv_segment_ids=seg).config.to_dict()["fwd"]["block_q"]
-    return counts["tile_area"], tile
+    plan = attn.explain(x, x, x, q_segment_ids=seg, kv_segment_ids=seg)
+    return counts["tile_area"], None if plan.packed_default else plan.config.to_dict()["fwd"]["block_q"]
 
 
-@pytest.mark.parametrize("packing, tile", [("512,32x16", 32), ("64x16", 16)])
-def test_the_loader_told_the_packing_balances_the_ring_and_wastes_little(packing, tile):
-    """Ring 8, 1024 tokens, the loader on an empty cache told the packing: one long document among short
-    ones, or 16 tiny ones. The ring's own count: every device within 10% of the mean, and 75% of the
-    busiest device's work useful, on tiles the packing chose. For the long document, the best fixed
-    layout (on the same tiles) is far from it."""
+@pytest.mark.parametrize("packing, tile", [("512,32x16", 32), ("64x16", 16), ("64x16", None)])
+def test_the_loader_balances_the_ring_and_wastes_little(packing, tile):
+    """Ring 8, 1024 tokens, the loader on an empty cache, told the packing (the tile it planned) or not
+    (the rows choose it in the step): one long document among short ones, or 16 tiny ones. The ring's own
+    count: every device within 10% of the mean, and 75% of the busiest device's work useful (tiles of 64,
+    the longest default, reach 0.51 on the tiny ones). For the long document, the best fixed layout (on
+    the same tiles) is far from it."""
     lengths = Packing.parse(packing).lengths
     useful = sum(n * (n + 1) // 2 for n in Packing.parse(packing).row_lengths(sum(lengths)))
 
     def measure(work):
         return max(work.values()) / (sum(work.values()) / 8), useful / (8 * max(work.values()))
 
-    work, chosen = _loader_counted(packing, 8)
+    work, chosen = _loader_counted(packing, 8, declared=tile is not None)
     assert chosen == tile
     imbalance, efficiency = measure(work)
     assert imbalance <= 1.10 and efficiency >= 0.75, (imbalance, efficiency)
@@ -104,6 +107,19 @@ def test_the_loader_told_the_packing_balances_the_ring_and_wastes_little(packing
         seg = segment_ids(Packing.parse(packing).row_lengths(1024))
         fixed = [measure(_counted(layouts.global_order(name, 1024, 8)[None], seg, 8, tile)) for name in layouts.LAYOUTS]
         assert max(e for _, e in fixed) < 0.7 * efficiency, fixed
+
+
+@given(st.lists(st.lists(st.integers(1, 200), min_size=1, max_size=16), min_size=1, max_size=3),
+       st.sampled_from([2, 4, 8]), st.booleans())
+@settings(max_examples=6, deadline=None)
+def test_the_rows_choose_in_the_step_the_tile_their_packing_would(rows, ring, causal):
+    """`rows_tile_choice` on traced segment ids (what an undeclared packed call runs) picks the tile
+    `packed_tile` computes on the host from the documents' lengths (what a declared packing runs)."""
+    total = -(-max(sum(row) for row in rows) // ring) * ring
+    rows = [row + [total - sum(row)] if total > sum(row) else row for row in rows]
+    spec = AttentionSpec(scale=1.0, causal=causal, has_segments=True)
+    chosen = jax.jit(documents.rows_tile_choice, static_argnums=(1, 2))(jnp.asarray(segment_ids(*rows)), spec, ring)
+    assert documents.PACKED_TILES[int(chosen)] == documents.packed_tile(rows, spec, ring)
 
 
 @given(st.lists(st.integers(1, 400), min_size=1, max_size=12), st.sampled_from([2, 4, 8]), st.booleans(),

@@ -162,13 +162,14 @@ class TunedRingAttention:
             [padding.describe()] if padding.needed else [])
         return dataclasses.replace(decision, reason="; ".join([decision.reason, *notes])) if notes else decision
 
-    def _decide_global(self, query, key, value, options: dict[str, Any], a2a: int | None = None) -> Decision:
+    def _decide_global(self, query, key, value, options: dict[str, Any], a2a: int | None = None, *,
+                       packed_tile: int | None = None) -> Decision:
         """The decision for global arrays of lengths the mesh divides, from what each device's shard is."""
         size, ring = self._mesh_sizes()
         if a2a is None and isinstance(self.axis_name, tuple):
             a2a = size // ring
         query, key, value, options = meshed.shards(query, key, value, options, size)
-        return self._decide(query, key, value, size, options, a2a)
+        return self._decide(query, key, value, size, options, a2a, packed_tile=packed_tile)
 
     @property
     def traced(self) -> list[Decision]:
@@ -186,9 +187,9 @@ class TunedRingAttention:
             return ring * a2a, ring
         return self.mesh.shape[self.axis_name], self.mesh.shape[self.axis_name]
 
-    def _local(self, query, key, value, options: dict[str, Any]):
+    def _local(self, query, key, value, options: dict[str, Any], *, packed_tile: int | None = None):
         size, group = ring_geometry(self.axis_name)[0], group_size(self.axis_name)
-        decision = self._decide(query, key, value, size, options, group, agree=True)
+        decision = self._decide(query, key, value, size, options, group, agree=True, packed_tile=packed_tile)
         noted = self._note(query, key, value, size, group or 1, options, decision)
         if record.observing() and options.get("q_segment_ids") is not None and self.packing is None:
             rank, positions = self._shard_place(query.shape[1], options.get("q_positions"), decision)
@@ -238,10 +239,10 @@ class TunedRingAttention:
                           key=decision.key.as_dict()))
 
     def _decide(self, query, key, value, ring_size: int, options: dict[str, Any], group: int | None = None,
-                agree: bool = False) -> Decision:
+                agree: bool = False, packed_tile: int | None = None) -> Decision:
         """The plan of this call on `ring_size` devices (over two axes R x A, with `group` A), decided once
         per problem key; with `agree` (a traced call, which every process of the program traces), the
-        plan every process runs."""
+        plan every process runs. `packed_tile`: a packed call's default tile, as its rows chose it."""
         platform, device_kind = compile_target(self.mesh)
         target = registry.Target(platform, bool(options.get("interpret")))
         return_lse = bool(options.get("return_lse"))
@@ -261,7 +262,7 @@ class TunedRingAttention:
             self._decisions.clear()
             self._agreed.clear()
             self._writes = writes()
-        memo = (problem.digest, fallback, return_lse)
+        memo = (problem.digest, fallback, return_lse, packed_tile)
         if memo not in self._decisions:
             chosen, unusable, verdict, rows = None, None, None, []
             dtype, choosing = jnp.dtype(query.dtype), self.backend == "auto" and not target.interpret
@@ -278,13 +279,13 @@ class TunedRingAttention:
             if chosen is not None:
                 implementation, fallback = registry.get(chosen[0]), None
                 problem = dataclasses.replace(problem, backend=implementation.name)
-            decision = self._lookup(problem, shapes, spec, layout, implementation, fallback, unusable)
+            decision = self._lookup(problem, shapes, spec, layout, implementation, fallback, unusable, packed_tile)
             if chosen is not None:
                 nothing_tuned = decision.source == "default" and decision.config.to_dict() == {"fwd": {}, "bwd": {}}
                 decision = dataclasses.replace(decision, source="measured" if nothing_tuned else decision.source,
                                                reason=f"{chosen[1]}; config: {decision.source} ({decision.reason})")
             elif verdict is not None:
-                decision = self._by_model(verdict, decision, shapes, unusable)
+                decision = self._by_model(verdict, decision, shapes, unusable, packed_tile)
             if verdict is not None:
                 decision = dataclasses.replace(decision, predictions=verdict.predictions)
             self._decisions[memo] = decision
@@ -311,8 +312,19 @@ class TunedRingAttention:
                          f"'zigzag' or 'striped' after tuner.layouts.lay_out), or pass mesh= and global arrays "
                          f"in token order, which the loader lays out itself ({DEFAULT_LAYOUT} by default)")
 
+    def _packed_tiles(self, packed_tile: int | None) -> str:
+        """How a packed call with no declared packing and nothing tuned gets its tiles, and what to do better."""
+        if packed_tile is not None:
+            return f"tiles of at most {packed_tile}, as the rows' documents chose"
+        declare = "declare the rows' packing (Packing.fit of a few batches' segment ids)"
+        if self.layout == DOCUMENTS:
+            return (f"tiles of at most {', '.join(map(str, documents.PACKED_TILES))}, as each step's rows choose, one "
+                    f"ring compiled for each; {declare} to compile one")
+        return (f"default tiles of at most {documents.PACKED_TILE}; {declare}, or tune them with tuner.autotune, for "
+                f"tiles chosen from their documents, or lay them out with layout='documents', which chooses them")
+
     def _by_model(self, verdict: modelled.Verdict, ring: Decision, shapes: LocalShapes,
-                  unusable: CacheError | OSError | None) -> Decision:
+                  unusable: CacheError | OSError | None, packed_tile: int | None) -> Decision:
         """The decision once the model has spoken: the strategy it picked (its config from the cache),
         unless the ring is tuned for this problem; its reason in front either way."""
         if verdict.strategy == "ring":
@@ -323,15 +335,16 @@ class TunedRingAttention:
                                                     f"runs the other")
         implementation = registry.get(verdict.strategy)
         problem = dataclasses.replace(ring.key, backend=implementation.name)
-        decision = self._lookup(problem, shapes, ring.spec, ring.layout, implementation, None, unusable)
+        decision = self._lookup(problem, shapes, ring.spec, ring.layout, implementation, None, unusable, packed_tile)
         return dataclasses.replace(decision, reason=f"{verdict.reason}; config: {decision.source} ({decision.reason})")
 
     def _lookup(self, problem: ProblemKey, shapes: LocalShapes, spec, layout: str,
                 implementation: registry.Implementation, fallback: str | None,
-                unusable: CacheError | OSError | None = None) -> Decision:
+                unusable: CacheError | OSError | None = None, packed_tile: int | None = None) -> Decision:
         """The config for `problem` from the cache; the default, with one warning, when it cannot be
         read (`unusable`: the error reading its measurements already met, so a locked file is waited for
-        once per decision, and a broken one warned about once)."""
+        once per decision, and a broken one warned about once). `packed_tile`: the default's tile, as a
+        packed call's rows chose it; else a declared packing's."""
         def accept(row: dict[str, Any]) -> str | None:
             try:
                 implementation.check(row_config(row))
@@ -339,7 +352,8 @@ class TunedRingAttention:
                 return str(error)
             return None
 
-        tile = documents.declared_tile(problem.packing, shapes.q_len * problem.ring_size, problem.ring_size, spec)
+        tile = packed_tile or documents.declared_tile(problem.packing, shapes.q_len * problem.ring_size,
+                                                      problem.ring_size, spec)
         default = registry.default_config(implementation, shapes, spec, tile)
         cache = Cache(self.db, busy_timeout=LOADER_BUSY_TIMEOUT_S)
         name = implementation.name
@@ -354,9 +368,7 @@ class TunedRingAttention:
         config = row_config(found.row) if found.row is not None else default
         reason = found.reason
         if found.row is None and spec.has_segments and problem.packing is None:
-            reason += (f"; packed rows without packing=: default tiles of at most {documents.PACKED_TILE}; declare "
-                       f"the rows' packing (Packing.fit of a few batches' segment ids), or tune them with "
-                       f"tuner.autotune, for tiles chosen from their documents")
+            reason += f"; packed rows without packing=: {self._packed_tiles(packed_tile)}"
         if fallback:
             return Plan(name, config, "fallback", f"{fallback}; {name} params: {found.source} ({reason})",
                         problem, spec, layout)

@@ -12,6 +12,7 @@ length the layout does not split is padded first, and the padding stripped from 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -25,6 +26,7 @@ from tuner.runtime.plan import ARRAY_OPTIONS
 from tuner.semantics import documents, layouts
 from tuner.semantics.documents import DOCUMENTS
 from tuner.semantics.padding import Padding
+from tuner.semantics.spec import AttentionSpec
 
 SEQUENCE_OPTIONS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")
 DOCUMENTS_NOTE = ("documents layout: each row laid out from its segment ids, keyed as contiguous (every shard in "
@@ -77,17 +79,52 @@ def shards(query, key, value, options: dict[str, Any], size: int):
 
 def run(local: Callable[..., Any], decide: Callable[..., Any], mesh: Mesh, axis_name: Hashable, layout: str,
         ring: int, padding: Padding, query, key, value, options: dict[str, Any], *, causal: bool, window):
-    """The loader's call on global arrays: padded, laid out (the documents layout planned for the tiles of
-    `decide(query, key, value, options)`'s config), run by `local` on each device, back in token order
-    and stripped of the padding."""
+    """The loader's call on global arrays: padded, laid out, run by `local(q, k, v, options)` on each
+    device, back in token order and stripped of the padding. `decide(q, k, v, options)` is the plan of
+    the call, whose tiles the documents layout is planned for."""
     query, key, value, options = padding.pad(query, key, value, options)
     if layout == DOCUMENTS:
-        tiles = registry.forward_tiles(decide(query, key, value, with_positions(options, query, key)).config)
-        result = call_documents(local, mesh, axis_name, ring, query, key, value, options, causal=causal,
-                                window=window, tiles=tiles or (documents.DEFAULT_TILE,) * 2)
+        result = run_documents(local, decide, mesh, axis_name, ring, query, key, value, options, causal=causal,
+                               window=window)
     else:
         result = call(local, mesh, axis_name, layout, ring, query, key, value, options)
     return padding.strip(result, bool(options.get("return_lse")))
+
+
+def run_documents(local: Callable[..., Any], decide: Callable[..., Any], mesh: Mesh, axis_name: Hashable, ring: int,
+                  query, key, value, options: dict[str, Any], *, causal: bool, window):
+    """`call_documents` on the tiles of the call's plan. A packed call with nothing tuned and no packing
+    declared (`Plan.packed_default`) takes its tiles in the step: one ring per tile of
+    `documents.PACKED_TILES` (a tile that changes nothing shares the longer one's), and
+    `documents.rows_tile_choice` of the rows' segment ids picks the one that runs (`jax.lax.switch`).
+    `local` and `decide` take `packed_tile=`, the tile chosen."""
+    _check_documents(query, key, options)
+    shaped = with_positions(options, query, key)
+    plans = {None: decide(query, key, value, shaped)}
+    if plans[None].packed_default:
+        plans = {tile: decide(query, key, value, shaped, packed_tile=tile) for tile in documents.PACKED_TILES}
+    configs, branches, branch_of = [], [], []
+    for tile, plan in plans.items():
+        if plan.config not in configs:
+            configs.append(plan.config)
+            tiles = registry.forward_tiles(plan.config) or (documents.DEFAULT_TILE,) * 2
+            branches.append(functools.partial(_in_documents, functools.partial(local, packed_tile=tile), mesh,
+                                              axis_name, ring, causal=causal, window=window, tiles=tiles))
+        branch_of.append(configs.index(plan.config))
+    arrays = {n: x for n, x in options.items() if n in ARRAY_OPTIONS and x is not None}
+    flags = {n: x for n, x in options.items() if n not in arrays}
+    if len(branches) == 1:
+        return branches[0](flags, query, key, value, arrays)
+    spec = AttentionSpec(scale=1.0, causal=causal, window=window, has_segments=True)
+    chosen = jnp.asarray(branch_of)[documents.rows_tile_choice(options["q_segment_ids"], spec, ring)]
+    return jax.lax.switch(chosen, [functools.partial(branch, flags) for branch in branches], query, key, value,
+                          arrays)
+
+
+def _in_documents(local, mesh, axis_name, ring, flags, query, key, value, arrays, *, causal, window, tiles):
+    """`call_documents` of a branch of `run_documents`: its `flags` (options that are not arrays) apart."""
+    return call_documents(local, mesh, axis_name, ring, query, key, value, {**arrays, **flags}, causal=causal,
+                          window=window, tiles=tiles)
 
 
 def call(local: Callable[..., Any], mesh: Mesh, axis_name: Hashable, layout: str, ring: int, query, key, value,
@@ -110,14 +147,8 @@ def call_documents(local: Callable[..., Any], mesh: Mesh, axis_name: Hashable, r
     """`call` in the documents layout (`tuner.semantics.documents`): each batch row laid out from its
     query segment ids, planned for the forward `tiles` (query, key); the positions travel with the tokens
     (the row's token indices unless given), so the masks see the global positions and stay exact."""
-    segments = options.get("q_segment_ids")
-    if segments is None:
-        raise ValueError("layout='documents' lays out each row from its documents: pass q_segment_ids (and "
-                         "kv_segment_ids, or the same ids for both)")
-    if query.shape[1] != key.shape[1]:
-        raise ValueError(f"layout='documents' lays out queries and keys alike, so they need one length: query "
-                         f"length {query.shape[1]}, key length {key.shape[1]}")
-    order = layouts.document_order(segments, ring, causal=causal, window=window, tile=tiles)
+    _check_documents(query, key, options)
+    order = layouts.document_order(options["q_segment_ids"], ring, causal=causal, window=window, tile=tiles)
     options = dict(options)
     for name in ("q_positions", "kv_positions"):  # laid out below with the tokens
         if options.get(name) is None:
@@ -130,6 +161,15 @@ def call_documents(local: Callable[..., Any], mesh: Mesh, axis_name: Hashable, r
         return documents.restore_rows(x, order, axis=axis)
 
     return _sharded(local, mesh, axis_name, lay_out, restore, query, key, value, options)
+
+
+def _check_documents(query, key, options: dict[str, Any]) -> None:
+    if options.get("q_segment_ids") is None:
+        raise ValueError("layout='documents' lays out each row from its documents: pass q_segment_ids (and "
+                         "kv_segment_ids, or the same ids for both)")
+    if query.shape[1] != key.shape[1]:
+        raise ValueError(f"layout='documents' lays out queries and keys alike, so they need one length: query "
+                         f"length {query.shape[1]}, key length {key.shape[1]}")
 
 
 def _sharded(local, mesh: Mesh, axis_name: Hashable, lay_out, restore, query, key, value, options: dict[str, Any]):
@@ -157,4 +197,4 @@ def _sharded(local, mesh: Mesh, axis_name: Hashable, lay_out, restore, query, ke
 
 
 __all__ = ["DOCUMENTS_NOTE", "SEQUENCE_OPTIONS", "call", "call_documents", "local_shape", "padding", "planned",
-           "run", "shards", "with_positions"]
+           "run", "run_documents", "shards", "with_positions"]

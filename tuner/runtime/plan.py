@@ -133,6 +133,12 @@ class Plan:
     predictions: tuple[tuple[str, float, float | None], ...] | None = None
 
     @property
+    def packed_default(self) -> bool:
+        """Whether this is a packed call's default config with no packing declared: nothing in the cache,
+        so the tiles can be chosen from the rows' documents (`tuner.semantics.documents.PACKED_TILES`)."""
+        return self.source == "default" and self.spec.has_segments and self.key.packing is None
+
+    @property
     def fwd_params(self) -> FwdParams | None:
         """The forward tiles of a ring's config (None for other implementations)."""
         fwd = getattr(self.config, "fwd", None)

@@ -46,8 +46,8 @@ from tuner.semantics.spec import AttentionSpec
 DOCUMENTS = "documents"
 DEFAULT_TILE = 128  # the tile the layout is planned for when the caller does not say
 COUNTED_TILES = 1024  # at most this many chunks (and counted tiles) a row
-PACKED_TILE = 64  # the longest default tile of a packed call: a tile covering a whole shard skips nothing
-SHORTEST_PACKED_TILE = 16  # the shortest default tile a declared packing may ask for
+PACKED_TILES = (64, 32, 16)  # the default tiles of a packed call, chosen from its documents (`tile_choice`)
+PACKED_TILE = PACKED_TILES[0]  # the longest: a tile covering a whole shard skips nothing
 EFFICIENT = 0.75  # a packed call's default tile: the longest whose `efficiency` reaches this
 DECLARED_ROWS = 4  # the rows of a drawn packing its default tile is chosen on
 
@@ -63,18 +63,27 @@ def chunk_size(total: int, ring: int, tiles: tuple[int, int]) -> int:
     return chunk
 
 
-def useful_logits(lengths: Sequence[int], spec: AttentionSpec) -> int:
-    """The logits a row of documents of these `lengths` needs: the (query, key) pairs of each document
-    that the masks allow (its causal triangle, cut by the window)."""
+def row_useful(segments, spec: AttentionSpec):
+    """The logits a row of segment ids `segments [T]` needs, in token order: the (query, key) pairs of each
+    document (a run of equal ids) that the masks allow (its causal triangle, cut by the window). float32,
+    so that long rows do not overflow; traced or not."""
+    total = segments.shape[0]
+    token = jnp.arange(total)
+    change = segments[1:] != segments[:-1]
+    first = jax.lax.cummax(jnp.where(jnp.concatenate([jnp.ones(1, bool), change]), token, 0))
+    last = jax.lax.cummin(jnp.where(jnp.concatenate([change, jnp.ones(1, bool)]), token, total - 1), reverse=True)
     left, right = (None, None) if spec.window is None else spec.window
-    total = 0
-    for n in lengths:
-        offset = np.arange(n)
-        reads = (offset if left is None else np.minimum(offset, left)) + 1
-        if not spec.causal:
-            reads = reads + (n - 1 - offset if right is None else np.minimum(n - 1 - offset, right))
-        total += int(reads.sum())
-    return total
+    before, after = token - first, last - token
+    reads = (before if left is None else jnp.minimum(before, left)) + 1
+    if not spec.causal:
+        reads = reads + (after if right is None else jnp.minimum(after, right))
+    return reads.astype(jnp.float32).sum()
+
+
+def useful_logits(lengths: Sequence[int], spec: AttentionSpec) -> float:
+    """`row_useful` of a row of documents of these `lengths`, computed now."""
+    with jax.ensure_compile_time_eval():
+        return float(row_useful(_row(lengths, sum(lengths)), spec))
 
 
 def chunk_costs(segments, spec: AttentionSpec, chunk: int):
@@ -98,36 +107,58 @@ def deal(cost, ring: int):
     return jnp.where(lap % 2 == 0, seat, ring - 1 - seat)
 
 
+def row_efficiency(segments, spec: AttentionSpec, ring: int, tile: int):
+    """The share of the busiest device's logits that the documents of `segments [T]` need, times `ring`,
+    when `plan` deals the row in tiles of `tile` over `ring` devices (counted in the plan's chunks, so a
+    lower bound on a row of more than `COUNTED_TILES` tiles): 1 when the devices are balanced and no
+    tile pair is computed in vain. Traced or not."""
+    chunk = chunk_size(segments.shape[0], ring, (tile, tile))
+    cost = chunk_costs(segments, spec, chunk)
+    busiest = jax.ops.segment_sum(cost, deal(cost, ring), ring).max()
+    return row_useful(segments, spec) / (ring * busiest.astype(jnp.float32) * chunk * chunk)
+
+
 def efficiency(lengths: Sequence[int], spec: AttentionSpec, ring: int, tile: int) -> float:
-    """The share of the busiest device's logits that the documents need, times `ring`, when `plan`
-    deals a row of documents of these `lengths` in tiles of `tile` over `ring` devices (counted in the
-    plan's chunks, so a lower bound on a row of more than `COUNTED_TILES` tiles): 1 when the devices are
-    balanced and no tile pair is computed in vain. Computed now, also when a trace asks (the loader
-    decides in one)."""
+    """`row_efficiency` of a row of documents of these `lengths` (padded with one more document where the
+    ring does not divide it, as a call on global arrays is), computed now."""
     total = sum(lengths)
-    chunk = chunk_size(total, ring, (tile, tile))
-    segments = np.repeat(np.arange(len(lengths)), lengths)
-    segments = np.pad(segments, (0, -total % chunk), mode="edge")  # a row the ring does not divide
     with jax.ensure_compile_time_eval():
-        cost = chunk_costs(segments, spec, chunk)
-        loads = np.asarray(jax.ops.segment_sum(cost, deal(cost, ring), ring))
-    return useful_logits(lengths, spec) / (ring * int(loads.max()) * chunk * chunk)
+        return float(row_efficiency(_row(lengths, total + -total % ring), spec, ring, tile))
+
+
+def _row(lengths: Sequence[int], total: int) -> np.ndarray:
+    """The segment ids of a row of documents of these `lengths`, and one more up to `total` tokens."""
+    return np.repeat(np.arange(len(lengths) + 1, dtype=np.int32), [*lengths, total - sum(lengths)])
+
+
+def tile_choice(efficiencies):
+    """The index, in `PACKED_TILES`, of a packed call's default tile, from the worst row's efficiency on
+    each tile (`efficiencies`, longest tile first): the first tile, and the next while the one reached is
+    under `EFFICIENT` and the next raises it. A longer tile runs each of its logits faster on every
+    backend; a shorter one skips more of a short document's causal diagonal and of its neighbours, and
+    deals a long document more evenly. Traced or not."""
+    index, reached, walking = jnp.int32(0), efficiencies[0], jnp.bool_(True)
+    for i in range(1, len(efficiencies)):
+        walking = walking & (reached < EFFICIENT) & (efficiencies[i] > reached)
+        index = jnp.where(walking, i, index)
+        reached = jnp.where(walking, efficiencies[i], reached)
+    return index
 
 
 def packed_tile(rows: Sequence[Sequence[int]], spec: AttentionSpec, ring: int) -> int:
     """The default tile of a packed call whose rows hold documents of these lengths (`rows`: a list of
-    rows' document lengths) over `ring` devices: `PACKED_TILE`, halved while the worst row's `efficiency`
-    is under `EFFICIENT` and a shorter tile (down to `SHORTEST_PACKED_TILE`) raises it. A longer tile
-    runs each of its logits faster on every backend; a shorter one skips more of a short document's
-    causal diagonal and of its neighbours, and deals a long document more evenly."""
-    tile = PACKED_TILE
-    reached = min(efficiency(row, spec, ring, tile) for row in rows)
-    while reached < EFFICIENT and tile // 2 >= SHORTEST_PACKED_TILE:
-        shorter = min(efficiency(row, spec, ring, tile // 2) for row in rows)
-        if shorter <= reached:
-            break
-        tile, reached = tile // 2, shorter
-    return tile
+    rows' document lengths) over `ring` devices: `tile_choice` among `PACKED_TILES`, computed now."""
+    worst = [min(efficiency(row, spec, ring, tile) for row in rows) for tile in PACKED_TILES]
+    with jax.ensure_compile_time_eval():
+        return PACKED_TILES[int(tile_choice(jnp.asarray(worst)))]
+
+
+def rows_tile_choice(segments, spec: AttentionSpec, ring: int):
+    """`tile_choice` for the rows of segment ids `segments [B, T]` (traced: what a packed call with no
+    declared packing runs, chosen in the step from its own rows)."""
+    worst = [jax.vmap(lambda row, t=tile: row_efficiency(row, spec, ring, t))(segments).min()
+             for tile in PACKED_TILES]
+    return tile_choice(jnp.stack(worst))
 
 
 @functools.lru_cache(maxsize=256)
