@@ -2,7 +2,7 @@
 
     python benchmarks/documents.py                # ring 8, T=4096, causal, 6 packings, 4 layouts
     python benchmarks/documents.py --no-time      # the work counts only (a minute)
-    python benchmarks/documents.py --undeclared   # the loader not told the packing: tiles of PACKED_TILE
+    python benchmarks/documents.py --undeclared   # the loader not told the packing: the rows choose their tiles
     python benchmarks/documents.py --tile-cost --repeats 7   # a packing's tile against PACKED_TILE, timed
     python benchmarks/documents.py --packed-tile 0 --undeclared --only long   # before the packed cap
     python benchmarks/documents.py --autotune 6   # undeclared, documents layout: before and after tuner.autotune

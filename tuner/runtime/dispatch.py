@@ -32,6 +32,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from tuner.semantics import documents, layouts
@@ -131,7 +132,9 @@ class TunedRingAttention:
 
         Arrays (or `jax.ShapeDtypeStruct`s) are global with `mesh=`, else the local shards; `ring_size`
         defaults to the mesh axis, or 1 without `axis_name`; over two axes it is the pair of their sizes
-        `(R, A)`.
+        `(R, A)`. In the documents layout, a packed call with no packing declared and nothing tuned takes
+        its tile in each step from its rows: given their values, the plan is that tile's; given shapes,
+        the plan before the choice, whose reason says so.
         """
         options = _check_call_options(per_call_options)
         pair = isinstance(self.axis_name, tuple)
@@ -157,7 +160,12 @@ class TunedRingAttention:
         if self.mesh is None:
             return self._decide(query, key, value, size, options, a2a)
         padding = meshed.padding(query, key, options, devices=size, layout=self.layout, causal=self.options["causal"])
-        decision = self._decide_global(*meshed.planned(padding, query, key, value, options, layout=self.layout), a2a)
+        planned = meshed.planned(padding, query, key, value, options, layout=self.layout)
+        decision = self._decide_global(*planned, a2a)
+        if decision.packed_default and self.layout == DOCUMENTS and _concrete(query, key, value, options):
+            tile = meshed.rows_tile(padding, query, key, value, options, self._mesh_sizes()[1],
+                                    causal=self.options["causal"], window=self.options["sliding_window"])
+            decision = self._decide_global(*planned, a2a, packed_tile=tile)
         notes = ([meshed.DOCUMENTS_NOTE] if self.layout == DOCUMENTS else []) + (
             [padding.describe()] if padding.needed else [])
         return dataclasses.replace(decision, reason="; ".join([decision.reason, *notes])) if notes else decision
@@ -373,6 +381,13 @@ class TunedRingAttention:
             return Plan(name, config, "fallback", f"{fallback}; {name} params: {found.source} ({reason})",
                         problem, spec, layout)
         return Plan(name, config, found.source, reason, problem, spec, layout)
+
+
+def _concrete(*arrays) -> bool:
+    """Whether these arrays (and pytrees of them) hold values: no tracer, no `jax.ShapeDtypeStruct`."""
+    leaves = jax.tree.leaves(arrays)
+    return all(isinstance(x, (np.ndarray, jax.Array)) and not isinstance(x, jax.core.Tracer)
+               for x in leaves if hasattr(x, "shape"))
 
 
 def _check_call_options(options: dict[str, Any]) -> dict[str, Any]:

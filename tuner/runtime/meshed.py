@@ -121,6 +121,15 @@ def run_documents(local: Callable[..., Any], decide: Callable[..., Any], mesh: M
                           arrays)
 
 
+def rows_tile(padding: Padding, query, key, value, options: dict[str, Any], ring: int, *, causal: bool, window
+              ) -> int:
+    """The tile of `documents.PACKED_TILES` that the rows of these arrays (values, not shapes) choose in the
+    step, as `run_documents` runs them: what `explain()` reports."""
+    segments = padding.pad(query, key, value, options)[3]["q_segment_ids"]
+    spec = AttentionSpec(scale=1.0, causal=causal, window=window, has_segments=True)
+    return documents.PACKED_TILES[int(documents.rows_tile_choice(jnp.asarray(segments), spec, ring))]
+
+
 def _in_documents(local, mesh, axis_name, ring, flags, query, key, value, arrays, *, causal, window, tiles):
     """`call_documents` of a branch of `run_documents`: its `flags` (options that are not arrays) apart."""
     return call_documents(local, mesh, axis_name, ring, query, key, value, {**arrays, **flags}, causal=causal,
@@ -197,4 +206,4 @@ def _sharded(local, mesh: Mesh, axis_name: Hashable, lay_out, restore, query, ke
 
 
 __all__ = ["DOCUMENTS_NOTE", "SEQUENCE_OPTIONS", "call", "call_documents", "local_shape", "padding", "planned",
-           "run", "run_documents", "shards", "with_positions"]
+           "rows_tile", "run", "run_documents", "shards", "with_positions"]
