@@ -93,32 +93,46 @@ def run(local: Callable[..., Any], decide: Callable[..., Any], mesh: Mesh, axis_
 
 def run_documents(local: Callable[..., Any], decide: Callable[..., Any], mesh: Mesh, axis_name: Hashable, ring: int,
                   query, key, value, options: dict[str, Any], *, causal: bool, window):
-    """`call_documents` on the tiles of the call's plan. A packed call with nothing tuned and no packing
-    declared (`Plan.packed_default`) takes its tiles in the step: one ring per tile of
-    `documents.PACKED_TILES` (a tile that changes nothing shares the longer one's), and
-    `documents.rows_tile_choice` of the rows' segment ids picks the one that runs (`jax.lax.switch`).
+    """`call` in the documents layout (`tuner.semantics.documents`): each batch row laid out from its query
+    segment ids, planned for the forward tiles of the call's plan; the positions travel with the tokens
+    (the row's token indices unless given), so the masks see the global positions and stay exact.
+
+    A packed call with nothing tuned and no packing declared (`Plan.packed_default`) takes its tiles in
+    the step: one ring per tile of `documents.PACKED_TILES` (a tile that changes nothing shares the longer
+    one's), and `documents.rows_tile_choice` of the rows' segment ids picks the layout and the ring that
+    runs (`jax.lax.switch` over the sharded rings only, so that the layout's gathers stay outside it).
     `local` and `decide` take `packed_tile=`, the tile chosen."""
     _check_documents(query, key, options)
-    shaped = with_positions(options, query, key)
-    plans = {None: decide(query, key, value, shaped)}
+    segments = options["q_segment_ids"]
+    plans = {None: decide(query, key, value, with_positions(options, query, key))}
     if plans[None].packed_default:
-        plans = {tile: decide(query, key, value, shaped, packed_tile=tile) for tile in documents.PACKED_TILES}
-    configs, branches, branch_of = [], [], []
+        plans = {tile: decide(query, key, value, with_positions(options, query, key), packed_tile=tile)
+                 for tile in documents.PACKED_TILES}
+    configs, rings, orders, branch_of = [], [], [], []
     for tile, plan in plans.items():
         if plan.config not in configs:
             configs.append(plan.config)
+            rings.append(functools.partial(local, packed_tile=tile))
             tiles = registry.forward_tiles(plan.config) or (documents.DEFAULT_TILE,) * 2
-            branches.append(functools.partial(_in_documents, functools.partial(local, packed_tile=tile), mesh,
-                                              axis_name, ring, causal=causal, window=window, tiles=tiles))
+            orders.append(layouts.document_order(segments, ring, causal=causal, window=window, tile=tiles))
         branch_of.append(configs.index(plan.config))
-    arrays = {n: x for n, x in options.items() if n in ARRAY_OPTIONS and x is not None}
-    flags = {n: x for n, x in options.items() if n not in arrays}
-    if len(branches) == 1:
-        return branches[0](flags, query, key, value, arrays)
-    spec = AttentionSpec(scale=1.0, causal=causal, window=window, has_segments=True)
-    chosen = jnp.asarray(branch_of)[documents.rows_tile_choice(options["q_segment_ids"], spec, ring)]
-    return jax.lax.switch(chosen, [functools.partial(branch, flags) for branch in branches], query, key, value,
-                          arrays)
+    chosen = None
+    if len(rings) > 1:
+        spec = AttentionSpec(scale=1.0, causal=causal, window=window, has_segments=True)
+        chosen = jnp.asarray(branch_of)[documents.rows_tile_choice(segments, spec, ring)]
+    order = orders[0] if chosen is None else jnp.stack(orders)[chosen]
+    options = dict(options)
+    for name in ("q_positions", "kv_positions"):  # laid out below with the tokens
+        if options.get(name) is None:
+            options[name] = jnp.broadcast_to(jnp.arange(order.shape[1], dtype=jnp.int32), order.shape)
+
+    def lay_out(x, axis: int = 1):
+        return x if x.shape[axis] == 1 else documents.lay_out_rows(x, order, axis=axis)
+
+    def restore(x, axis: int = 1):
+        return documents.restore_rows(x, order, axis=axis)
+
+    return _sharded(rings, chosen, mesh, axis_name, lay_out, restore, query, key, value, options)
 
 
 def rows_tile(padding: Padding, query, key, value, options: dict[str, Any], ring: int, *, causal: bool, window
@@ -128,12 +142,6 @@ def rows_tile(padding: Padding, query, key, value, options: dict[str, Any], ring
     segments = padding.pad(query, key, value, options)[3]["q_segment_ids"]
     spec = AttentionSpec(scale=1.0, causal=causal, window=window, has_segments=True)
     return documents.PACKED_TILES[int(documents.rows_tile_choice(jnp.asarray(segments), spec, ring))]
-
-
-def _in_documents(local, mesh, axis_name, ring, flags, query, key, value, arrays, *, causal, window, tiles):
-    """`call_documents` of a branch of `run_documents`: its `flags` (options that are not arrays) apart."""
-    return call_documents(local, mesh, axis_name, ring, query, key, value, {**arrays, **flags}, causal=causal,
-                          window=window, tiles=tiles)
 
 
 def call(local: Callable[..., Any], mesh: Mesh, axis_name: Hashable, layout: str, ring: int, query, key, value,
@@ -148,28 +156,7 @@ def call(local: Callable[..., Any], mesh: Mesh, axis_name: Hashable, layout: str
     def restore(x, axis: int = 1):
         return layouts.restore(x, layout, ring, axis=axis)
 
-    return _sharded(local, mesh, axis_name, lay_out, restore, query, key, value, options)
-
-
-def call_documents(local: Callable[..., Any], mesh: Mesh, axis_name: Hashable, ring: int, query, key, value,
-                   options: dict[str, Any], *, causal: bool, window, tiles: tuple[int, int]):
-    """`call` in the documents layout (`tuner.semantics.documents`): each batch row laid out from its
-    query segment ids, planned for the forward `tiles` (query, key); the positions travel with the tokens
-    (the row's token indices unless given), so the masks see the global positions and stay exact."""
-    _check_documents(query, key, options)
-    order = layouts.document_order(options["q_segment_ids"], ring, causal=causal, window=window, tile=tiles)
-    options = dict(options)
-    for name in ("q_positions", "kv_positions"):  # laid out below with the tokens
-        if options.get(name) is None:
-            options[name] = jnp.broadcast_to(jnp.arange(order.shape[1], dtype=jnp.int32), order.shape)
-
-    def lay_out(x, axis: int = 1):
-        return x if x.shape[axis] == 1 else documents.lay_out_rows(x, order, axis=axis)
-
-    def restore(x, axis: int = 1):
-        return documents.restore_rows(x, order, axis=axis)
-
-    return _sharded(local, mesh, axis_name, lay_out, restore, query, key, value, options)
+    return _sharded([local], None, mesh, axis_name, lay_out, restore, query, key, value, options)
 
 
 def _check_documents(query, key, options: dict[str, Any]) -> None:
@@ -181,9 +168,11 @@ def _check_documents(query, key, options: dict[str, Any]) -> None:
                          f"length {query.shape[1]}, key length {key.shape[1]}")
 
 
-def _sharded(local, mesh: Mesh, axis_name: Hashable, lay_out, restore, query, key, value, options: dict[str, Any]):
+def _sharded(rings: list[Callable[..., Any]], chosen, mesh: Mesh, axis_name: Hashable, lay_out, restore, query, key,
+             value, options: dict[str, Any]):
     """The shared body of the calls: `lay_out(x, axis)` permutes a global array's sequence axis into
-    device-major order, `restore(x, axis)` undoes it."""
+    device-major order, `restore(x, axis)` undoes it; `rings[chosen]` runs on each device's shards (the
+    only one where `chosen` is None)."""
     seq = P(None, axis_name)
     specs = {name: seq for name in SEQUENCE_OPTIONS}
     specs["softmax_aux"] = P()
@@ -195,15 +184,16 @@ def _sharded(local, mesh: Mesh, axis_name: Hashable, lay_out, restore, query, ke
         specs["bias"] = P(None, None, axis_name if bias.shape[2] > 1 else None, None)
     flags = {n: x for n, x in options.items() if n not in specs}
     out_specs = (seq, P(None, None, axis_name)) if flags.get("return_lse") else seq
-    sharded = jax.shard_map(lambda q, k, v, x: local(q, k, v, {**x, **flags}), mesh=mesh,
-                            in_specs=(seq, seq, seq, {n: specs[n] for n in arrays}),
-                            out_specs=out_specs)
-    result = sharded(*(lay_out(x) for x in (query, key, value)), arrays)
+    sharded = [jax.shard_map(lambda q, k, v, x, local=local: local(q, k, v, {**x, **flags}), mesh=mesh,
+                             in_specs=(seq, seq, seq, {n: specs[n] for n in arrays}), out_specs=out_specs)
+               for local in rings]
+    laid_out = (*(lay_out(x) for x in (query, key, value)), arrays)
+    result = sharded[0](*laid_out) if chosen is None else jax.lax.switch(chosen, sharded, *laid_out)
     if flags.get("return_lse"):
         out, lse = result
         return restore(out), restore(lse, axis=2)
     return restore(result)
 
 
-__all__ = ["DOCUMENTS_NOTE", "SEQUENCE_OPTIONS", "call", "call_documents", "local_shape", "padding", "planned",
-           "rows_tile", "run", "run_documents", "shards", "with_positions"]
+__all__ = ["DOCUMENTS_NOTE", "SEQUENCE_OPTIONS", "call", "local_shape", "padding", "planned", "rows_tile", "run",
+           "run_documents", "shards", "with_positions"]
