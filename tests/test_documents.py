@@ -261,3 +261,29 @@ def test_a_declared_tile_shortens_every_tiled_default_and_only_with_segment_ids(
                                                                                                             plain)
     untiled = registry.get("dense")  # a mechanism with nothing to tune
     assert registry.default_config(untiled, shapes, packed, 16) == untiled.default_config(shapes, packed)
+
+
+def test_a_permutation_s_gradient_is_the_inverse_permutation():
+    """`documents.permute` (every layout's gather) differentiates as the plain gather does, per row and
+    for one order of all rows, a batch of 1 broadcast; its backward gathers instead of scattering."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((1, 32, 3)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((2, 32, 3)), jnp.float32)
+    rows = jnp.asarray(np.stack([rng.permutation(32), rng.permutation(32)]), jnp.int32)
+
+    def plain(x, order):
+        x = jnp.broadcast_to(x, (order.shape[0],) + x.shape[1:])
+        return jnp.take_along_axis(x, jnp.broadcast_to(order[:, :, None], x.shape), axis=1)
+
+    inverse = jnp.argsort(rows, axis=-1)
+    for laid_out, reference in ((lambda x: documents.lay_out_rows(x, rows), lambda x: plain(x, rows)),
+                                (lambda x: documents.restore_rows(x, rows), lambda x: plain(x, inverse))):
+        np.testing.assert_array_equal(laid_out(x), reference(x))
+        grad, want = (jax.grad(lambda x, f=f: jnp.vdot(jnp.sin(f(x)), w))(x) for f in (laid_out, reference))
+        np.testing.assert_allclose(grad, want, rtol=1e-6)
+    one = jnp.asarray(rng.permutation(32), jnp.int32)
+    grad = jax.grad(lambda x: jnp.vdot(jnp.sin(documents.permute(x, one, 1)), w[:1]))(x)
+    np.testing.assert_allclose(grad, jax.grad(lambda x: jnp.vdot(jnp.sin(jnp.take(x, one, axis=1)), w[:1]))(x),
+                               rtol=1e-6)
+    backward = jax.make_jaxpr(jax.grad(lambda x: documents.permute(x, one, 1).sum()))(x)
+    assert "scatter" not in str(backward)

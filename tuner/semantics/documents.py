@@ -216,10 +216,30 @@ def lay_out_rows(x, order, *, axis: int = 1):
     rows = max(x.shape[0], order.shape[0])
     x = jnp.broadcast_to(x, (rows,) + x.shape[1:])
     order = jnp.broadcast_to(order, (rows, order.shape[1]))
+    return permute(x, jnp.asarray(order), axis)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def permute(x, order, axis: int):
+    """`x` with its `axis` permuted: slot i holds `x[..., order[i], ...]`, with `order [T]` for every row
+    alike, or `order [B, T]` row by row. Its gradient is the inverse permutation, a gather, where a
+    gather's own would be a scatter-add."""
+    if order.ndim == 1:
+        return jnp.take(x, order, axis=axis)
     shape = [1] * x.ndim
     shape[0], shape[axis] = order.shape
-    index = jnp.broadcast_to(jnp.reshape(order, shape), x.shape)
-    return jnp.take_along_axis(x, index, axis=axis)
+    return jnp.take_along_axis(x, jnp.broadcast_to(jnp.reshape(order, shape), x.shape), axis=axis)
+
+
+def _permute_forward(x, order, axis: int):
+    return permute(x, order, axis), order
+
+
+def _permute_backward(axis: int, order, cotangent):
+    return permute(cotangent, jnp.argsort(order, axis=-1), axis), None
+
+
+permute.defvjp(_permute_forward, _permute_backward)
 
 
 def restore_rows(x, order, *, axis: int = 1):

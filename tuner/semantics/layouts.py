@@ -106,14 +106,13 @@ def grouped_positions(layout: str, length: int, axis_name: tuple) -> jnp.ndarray
 
 def lay_out(x, layout: str, ring_size: int, *, axis: int = 1):
     """Permute the sequence `axis` of a global array into the layout's device-major order."""
-    order = global_order(layout, x.shape[axis], ring_size)
-    return jnp.take(x, jnp.asarray(order), axis=axis)
+    return documents.permute(x, jnp.asarray(global_order(layout, x.shape[axis], ring_size)), axis)
 
 
 def restore(x, layout: str, ring_size: int, *, axis: int = 1):
     """Inverse of `lay_out`: put the sequence `axis` back into natural token order."""
     order = global_order(layout, x.shape[axis], ring_size)
-    return jnp.take(x, jnp.asarray(np.argsort(order)), axis=axis)
+    return documents.permute(x, jnp.asarray(np.argsort(order)), axis)
 
 
 def document_order(segment_ids, ring_size: int, *, causal: bool = True, window: tuple[int, int] | None = None,
