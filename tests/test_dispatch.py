@@ -256,10 +256,10 @@ def test_bad_options_are_named():
         get_tuned_ring_attention(axis_name="sp").explain(*arrays(PROBLEM))
 
 
-def test_a_position_mask_caps_the_scan_default_at_its_masked_tile(monkeypatch):
-    """Causal, window and chunk masks default the scan kernel to tiles of at most 128 (its `masked_tile`),
-    in the loader's default and in ring_attention's; a full mask and the per-architecture kernels keep
-    their defaults."""
+def test_a_position_mask_gives_the_scan_default_its_masked_tile(monkeypatch):
+    """Causal, window and chunk masks default the scan kernel to tiles of 128 (its `masked_tile`; the
+    unmasked backward's query tiles of 64 too), in the loader's default and in ring_attention's; a full
+    mask and the per-architecture kernels keep their defaults."""
     from tuner import ring_attention
     from tuner.semantics.spec import AttentionSpec, LocalShapes
 
@@ -270,7 +270,9 @@ def test_a_position_mask_caps_the_scan_default_at_its_masked_tile(monkeypatch):
     assert scan.default_config(shapes, AttentionSpec(scale=1.0)) == plain
     for mask in (dict(causal=True), dict(window=(100, 0)), dict(chunk_size=256)):
         config = scan.default_config(shapes, AttentionSpec(scale=1.0, **mask))
-        assert config == implementations.capped(plain, 128), mask
+        assert config == implementations.tiled(plain, 128, 128), mask
+        assert {t for part in config.to_dict().values() for f, t in part.items() if f.startswith("block")} == {
+            128, None}, mask
     for name in ("triton", "pallas_tpu"):
         kernel = registry.get(name)
         assert kernel.default_config(shapes, AttentionSpec(scale=1.0, causal=True)) == implementations.TileConfig(
@@ -282,16 +284,16 @@ def test_a_position_mask_caps_the_scan_default_at_its_masked_tile(monkeypatch):
     x = jnp.zeros((1, 1024, 4, 64), jnp.float32)
     ring_attention(x, x, x, causal=True, backend="scan")
     ring_attention(x, x, x, backend="scan")
-    assert used == [(config.fwd, config.bwd) for config in (implementations.capped(plain, 128), plain)]
+    assert used == [(config.fwd, config.bwd) for config in (implementations.tiled(plain, 128, 128), plain)]
 
 
 def test_the_scan_default_forward_takes_short_query_tiles_on_short_shards():
     """Up to `SHORT_SHARD` tokens a shard's default forward takes query tiles of 128 (5 to 19% faster there
-    on every unmasked landscape, benchmarks/NOTES.md), beyond it the tall tiles of 512; the backward keeps
-    its tall tiles, and every tile is cut to the shard."""
+    on every unmasked landscape, benchmarks/NOTES.md), beyond it the tall tiles of 512; the backward takes
+    query tiles of 64 and key tiles of 512 at every length; every tile is cut to the shard."""
     from tuner.kernels.scan import SHORT_SHARD
 
     for local, block_q in ((100, 100), (512, 128), (SHORT_SHARD, 128), (2 * SHORT_SHARD, 512), (8192, 512)):
         fwd, bwd = BACKENDS["scan"].default_params(local, local, 64)
         assert (fwd.block_q, fwd.block_kv) == (block_q, min(256, local)), local
-        assert (bwd.block_q_dkv, bwd.block_kv_dkv) == (min(512, local), min(256, local)), local
+        assert (bwd.block_q_dkv, bwd.block_kv_dkv) == (min(64, local), min(512, local)), local

@@ -23,8 +23,8 @@ class ScanBackend:
     """Pure-JAX blockwise attention; honours every feature on every platform."""
 
     name = "scan"
-    # Where positions mask tiles out, the kernel loops over the tiles it visits only, and tiles of 128
-    # skip most of the masked ones: within 3.5% of the best on 7 of the 8 recorded landscapes with a
+    # Where positions mask tiles out, the kernel loops over the tiles it visits only, and square tiles of
+    # 128 skip most of the masked ones: within 3.5% of the best on 7 of the 8 recorded landscapes with a
     # position mask (benchmarks/NOTES.md, "A default tile for masked problems").
     masked_tile = 128
 
@@ -40,16 +40,17 @@ class ScanBackend:
 
     def default_params(self, q_len: int, kv_len: int, head_dim: int, value_head_dim: int | None = None
                        ) -> tuple[FwdParams, BwdParams]:
-        """Tall query tiles (512), short key tiles (256), dq fused: the backward's from an early sweep on
-        a 2-core x86 CPU (local T=1024, H=8, D=64, float32); half a 1024-token shard keeps zigzag chunks
-        tile-aligned. The forward's too beyond `SHORT_SHARD` tokens; up to it the forward's query tiles
-        are 128: timed against the tall ones on the 7 unmasked forward landscapes, they took 0.81 to 0.95
-        of the time up to 1024 tokens and 1.03 to 1.08 from 2048 (`benchmarks/unmasked_tile.py`). Tiles
-        are cut to the local lengths (the same computation, named as the search space names it)."""
-        block_q, block_kv = min(512, q_len), min(256, kv_len)
-        fwd_q = min(128, q_len) if q_len <= SHORT_SHARD else block_q
-        return (FwdParams(block_q=fwd_q, block_kv=block_kv),
-                BwdParams(block_q_dkv=block_q, block_kv_dkv=block_kv))
+        """The forward: tall query tiles (512) and short key tiles (256), from an early sweep on a 2-core
+        x86 CPU (local T=1024, H=8, D=64, float32), beyond `SHORT_SHARD` tokens; up to it query tiles of
+        128, which took 0.81 to 0.95 of the tall ones' time up to 1024 tokens and 1.03 to 1.08 from 2048
+        on the 7 unmasked forward landscapes. The backward: short query tiles (64) and long key tiles
+        (512), dq fused, which took 0.80 to 1.04 of 512 x 256's time on the same 7 problems (0.92 in
+        geometric mean; `benchmarks/unmasked_tile.py`). These are the unmasked defaults: under a mask
+        every tile is `masked_tile`. Tiles are cut to the local lengths (the same computation, named as
+        the search space names it)."""
+        fwd_q = min(128, q_len) if q_len <= SHORT_SHARD else min(512, q_len)
+        return (FwdParams(block_q=fwd_q, block_kv=min(256, kv_len)),
+                BwdParams(block_q_dkv=min(64, q_len), block_kv_dkv=min(512, kv_len)))
 
     def search_space(self, shapes: LocalShapes, spec: AttentionSpec) -> SearchSpace:
         """Powers of two from 32 up to the local length (and the local length itself): a longer tile

@@ -76,12 +76,20 @@ def capped(config: TileConfig, tile: int) -> TileConfig:
 
 def kernel_default(kernel: Backend, q_len: int, kv_len: int, head_dims: tuple[int, ...], spec: AttentionSpec
                    ) -> TileConfig:
-    """`kernel`'s default tiles for these lengths and head dims, no longer than its `masked_tile` where
-    positions mask tiles out (causal, window, chunk)."""
+    """`kernel`'s default tiles for these lengths and head dims; where positions mask tiles out (causal,
+    window, chunk), every tile its `masked_tile`, cut to the lengths."""
     default = TileConfig(*kernel.default_params(q_len, kv_len, *head_dims))
     if spec.has_position_mask and kernel.masked_tile is not None:
-        return capped(default, kernel.masked_tile)
+        return tiled(default, min(kernel.masked_tile, q_len), min(kernel.masked_tile, kv_len))
     return default
+
+
+def tiled(config: TileConfig, q_tile: int, kv_tile: int) -> TileConfig:
+    """`config` with every query tile `q_tile` and every key tile `kv_tile` long."""
+    fwd, bwd = config.fwd, config.bwd
+    dq = {} if bwd.block_q_dq is None else dict(block_q_dq=q_tile, block_kv_dq=kv_tile)
+    return TileConfig(dataclasses.replace(fwd, block_q=q_tile, block_kv=kv_tile),
+                      dataclasses.replace(bwd, block_q_dkv=q_tile, block_kv_dkv=kv_tile, **dq))
 
 
 @dataclass(frozen=True)
