@@ -181,8 +181,9 @@ class TunedRingAttention:
 
     @property
     def traced(self) -> list[Decision]:
-        """The plans of the calls this callable has traced, one per problem: what they run. In a
-        multi-process program these are process 0's on every process (`tuner.runtime.agreement`)."""
+        """The plans of the calls this callable has traced, one per problem (and per tile, where a packed
+        call's rows choose it in the step): what they run. In a multi-process program these are process
+        0's on every process (`tuner.runtime.agreement`)."""
         return list(self._agreed.values())
 
     # ----------------------------------------------------------------------------------------------
@@ -326,8 +327,9 @@ class TunedRingAttention:
             return f"tiles of at most {packed_tile}, as the rows' documents chose"
         declare = "declare the rows' packing (Packing.fit of a few batches' segment ids)"
         if self.layout == DOCUMENTS:
-            return (f"tiles of at most {', '.join(map(str, documents.PACKED_TILES))}, as each step's rows choose, one "
-                    f"ring compiled for each; {declare} to compile one")
+            tiles = ", ".join(map(str, documents.PACKED_TILES[:-1])) + f" or {documents.PACKED_TILES[-1]}"
+            return (f"tiles of at most {tiles}, as each step's rows choose, one ring compiled for each; {declare} to "
+                    f"compile one")
         return (f"default tiles of at most {documents.PACKED_TILE}; {declare}, or tune them with tuner.autotune, for "
                 f"tiles chosen from their documents, or lay them out with layout='documents', which chooses them")
 

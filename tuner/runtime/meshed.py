@@ -104,10 +104,10 @@ def run_documents(local: Callable[..., Any], decide: Callable[..., Any], mesh: M
     `local` and `decide` take `packed_tile=`, the tile chosen."""
     _check_documents(query, key, options)
     segments = options["q_segment_ids"]
-    plans = {None: decide(query, key, value, with_positions(options, query, key))}
+    shaped = with_positions(options, query, key)
+    plans = {None: decide(query, key, value, shaped)}
     if plans[None].packed_default:
-        plans = {tile: decide(query, key, value, with_positions(options, query, key), packed_tile=tile)
-                 for tile in documents.PACKED_TILES}
+        plans = {tile: decide(query, key, value, shaped, packed_tile=tile) for tile in documents.PACKED_TILES}
     configs, rings, orders, branch_of = [], [], [], []
     for tile, plan in plans.items():
         if plan.config not in configs:
