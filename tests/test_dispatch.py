@@ -270,7 +270,7 @@ def test_a_position_mask_gives_the_scan_default_its_masked_tile(monkeypatch):
     assert scan.default_config(shapes, AttentionSpec(scale=1.0)) == plain
     for mask in (dict(causal=True), dict(window=(100, 0)), dict(chunk_size=256)):
         config = scan.default_config(shapes, AttentionSpec(scale=1.0, **mask))
-        assert config == implementations.tiled(plain, 128, 128), mask
+        assert config == implementations.squared(plain, 128, 1024, 1024), mask
         assert {t for part in config.to_dict().values() for f, t in part.items() if f.startswith("block")} == {
             128, None}, mask
     for name in ("triton", "pallas_tpu"):
@@ -284,7 +284,7 @@ def test_a_position_mask_gives_the_scan_default_its_masked_tile(monkeypatch):
     x = jnp.zeros((1, 1024, 4, 64), jnp.float32)
     ring_attention(x, x, x, causal=True, backend="scan")
     ring_attention(x, x, x, backend="scan")
-    assert used == [(config.fwd, config.bwd) for config in (implementations.tiled(plain, 128, 128), plain)]
+    assert used == [(config.fwd, config.bwd) for config in (implementations.squared(plain, 128, 1024, 1024), plain)]
 
 
 def test_the_scan_default_forward_takes_short_query_tiles_on_short_shards():

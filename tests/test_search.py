@@ -30,6 +30,7 @@ class Faulty(ScanBackend):
     """Scan, except: fwd (8, 8) is wrong, fwd (8, 16) fails to build, (16, 16) breaks a constraint."""
 
     name = "faulty"
+    masked_tile = None  # its defaults hold under the causal mask too
 
     def default_params(self, q_len, kv_len, head_dim, value_head_dim=None):
         return FwdParams(16, 8), BwdParams(16, 8)

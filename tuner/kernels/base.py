@@ -70,8 +70,9 @@ def source_hash(*paths: Path) -> str:
 class Backend(Protocol):
     """What `tuner.strategies.ring` and the tuner need from a backend.
 
-    `masked_tile` is the default tile where positions mask tiles out (causal, window, chunk): every
-    tile of the default that size, cut to the lengths; None where `default_params` holds for every mask."""
+    `masked_tile` is the longest default tile where positions mask tiles out (causal, window, chunk),
+    whose tiles are then square (each kernel's longer default tile, no longer than this); None where
+    `default_params` holds for every mask."""
 
     name: str
     masked_tile: int | None

@@ -77,19 +77,27 @@ def capped(config: TileConfig, tile: int) -> TileConfig:
 def kernel_default(kernel: Backend, q_len: int, kv_len: int, head_dims: tuple[int, ...], spec: AttentionSpec
                    ) -> TileConfig:
     """`kernel`'s default tiles for these lengths and head dims; where positions mask tiles out (causal,
-    window, chunk), every tile its `masked_tile`, cut to the lengths."""
+    window, chunk), square ones no longer than its `masked_tile` (`squared`)."""
     default = TileConfig(*kernel.default_params(q_len, kv_len, *head_dims))
     if spec.has_position_mask and kernel.masked_tile is not None:
-        return tiled(default, min(kernel.masked_tile, q_len), min(kernel.masked_tile, kv_len))
+        return squared(default, kernel.masked_tile, q_len, kv_len)
     return default
 
 
-def tiled(config: TileConfig, q_tile: int, kv_tile: int) -> TileConfig:
-    """`config` with every query tile `q_tile` and every key tile `kv_tile` long."""
+def squared(config: TileConfig, longest: int, q_len: int, kv_len: int) -> TileConfig:
+    """`config` with square tiles in each kernel (forward, dK/dV, dQ): its longer tile there, no longer than
+    `longest`, cut to the lengths."""
+    def side(*tiles: int) -> tuple[int, int]:
+        tile = min(longest, max(tiles))
+        return min(tile, q_len), min(tile, kv_len)
+
     fwd, bwd = config.fwd, config.bwd
-    dq = {} if bwd.block_q_dq is None else dict(block_q_dq=q_tile, block_kv_dq=kv_tile)
-    return TileConfig(dataclasses.replace(fwd, block_q=q_tile, block_kv=kv_tile),
-                      dataclasses.replace(bwd, block_q_dkv=q_tile, block_kv_dkv=kv_tile, **dq))
+    block_q, block_kv = side(fwd.block_q, fwd.block_kv)
+    block_q_dkv, block_kv_dkv = side(bwd.block_q_dkv, bwd.block_kv_dkv)
+    dq = {} if bwd.block_q_dq is None else dict(zip(("block_q_dq", "block_kv_dq"), side(bwd.block_q_dq,
+                                                                                       bwd.block_kv_dq)))
+    return TileConfig(dataclasses.replace(fwd, block_q=block_q, block_kv=block_kv),
+                      dataclasses.replace(bwd, block_q_dkv=block_q_dkv, block_kv_dkv=block_kv_dkv, **dq))
 
 
 @dataclass(frozen=True)
