@@ -46,8 +46,8 @@ class ScanBackend:
         on the 7 unmasked forward landscapes. The backward: short query tiles (64) and long key tiles
         (512), dq fused, which took 0.80 to 1.04 of 512 x 256's time on the same 7 problems (0.92 in
         geometric mean; `benchmarks/unmasked_tile.py`). These are the unmasked defaults: under a mask
-        every tile is `masked_tile` (128). Tiles are cut to the local lengths (the same computation, named as
-        the search space names it)."""
+        every tile is `masked_tile` (128). Tiles are cut to the local lengths (the same computation,
+        named as the search space names it)."""
         fwd_q = min(128, q_len) if q_len <= SHORT_SHARD else min(512, q_len)
         return (FwdParams(block_q=fwd_q, block_kv=min(256, kv_len)),
                 BwdParams(block_q_dkv=min(64, q_len), block_kv_dkv=min(512, kv_len)))
