@@ -71,6 +71,20 @@ def packings(total: int) -> dict[str, list[int]]:
     }
 
 
+def step_inputs(length: int, heads: int = 4, head_dim: int = 64) -> tuple:
+    """q, k, v and the output's cotangent w of a training step: `[1, length, heads, head_dim]` float32
+    normals, the same every run."""
+    rng = np.random.default_rng(0)
+    return tuple(jnp.asarray(rng.standard_normal((1, length, heads, head_dim)), jnp.float32) for _ in range(4))
+
+
+def declared_row(lengths: list[int]) -> tuple[str, jax.Array]:
+    """The packing text that declares a row of documents of these `lengths`, and the row's `[1, T]`
+    segment ids."""
+    declared = Packing("fixed", tuple(lengths)).describe()
+    return declared, jnp.asarray(Packing.parse(declared).segment_ids(sum(lengths), 1))
+
+
 def critical_path(orders: dict[str, np.ndarray], seg, config: dict, ring: int, inputs: tuple, repeats: int
                   ) -> dict[str, dict[str, float]]:
     """Per layout (`orders`: each the token index at every slot, device-major), the forward+backward
@@ -126,8 +140,7 @@ def tile_cost(mesh: Mesh, db: str, inputs: tuple, lengths: list[int], repeats: i
     """Forward+backward seconds of the contiguous layout on the tile the packing chooses and on
     `PACKED_TILE` (the loader told the packing or not), interleaved: what the shorter tile costs here."""
     q, k, v, w = inputs
-    declared = Packing("fixed", tuple(lengths)).describe()
-    seg = jnp.asarray(Packing.parse(declared).segment_ids(sum(lengths), 1))
+    declared, seg = declared_row(lengths)
     steps = {}
     for packing in (declared, None):
         attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, layout="contiguous", db=db,
@@ -160,7 +173,7 @@ def autotuned(mesh: Mesh, inputs: tuple, lengths: list[int], trials: int, repeat
     import tuner
 
     ring = len(mesh.devices)
-    seg = jnp.asarray(Packing("fixed", tuple(lengths)).segment_ids(sum(lengths), 1))
+    _, seg = declared_row(lengths)
     useful = sum(n * (n + 1) // 2 for n in lengths) * inputs[0].shape[2]
     folder = tempfile.mkdtemp()
     loaders = {name: get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, layout="documents",
@@ -201,9 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     documents.PACKED_TILE = args.packed_tile or 2**31
 
     mesh = Mesh(np.array(jax.devices()[:args.ring]), ("sp",))
-    rng = np.random.default_rng(0)
-    q, k, v, w = (jnp.asarray(rng.standard_normal((1, args.length, args.heads, args.head_dim)), jnp.float32)
-                  for _ in range(4))
+    q, k, v, w = step_inputs(args.length, args.heads, args.head_dim)
     db = os.path.join(tempfile.mkdtemp(), "empty.sqlite")
     results, rows = [], []
     for name, lengths in packings(args.length).items():
@@ -224,8 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"{before['seconds'] / after['seconds']:.2f}x"])
             print(table(AUTOTUNE_COLUMNS, rows[-1:]), flush=True)
             continue
-        declared = Packing("fixed", tuple(lengths)).describe()
-        seg = jnp.asarray(Packing.parse(declared).segment_ids(sum(lengths), 1))
+        declared, seg = declared_row(lengths)
         useful = sum(n * (n + 1) // 2 for n in lengths) * args.heads
         steps = {}
         for layout in LAYOUTS:

@@ -29,10 +29,9 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from documents import packings, training_step  # noqa: E402
+from documents import declared_row, packings, step_inputs, training_step  # noqa: E402
 
 from tuner import get_tuned_ring_attention  # noqa: E402
-from tuner.semantics.packing import Packing  # noqa: E402
 from tuner.tuning.timing import time_interleaved  # noqa: E402
 
 PACKINGS = ("one long + 16 short", "16 equal", "64 tiny")
@@ -49,8 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=11)
     args = parser.parse_args(argv)
     mesh = Mesh(np.array(jax.devices()[:DEVICES]), ("sp",))
-    rng = np.random.default_rng(0)
-    q, k, v, w = (jnp.asarray(rng.standard_normal((1, args.length, 4, 64)), jnp.float32) for _ in range(4))
+    q, k, v, w = step_inputs(args.length)
     db = os.path.join(tempfile.mkdtemp(), "empty.sqlite")
 
     def loader(layout: str, packing: str | None = None):
@@ -58,8 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cases = {}
     for name in PACKINGS:
-        declared = Packing("fixed", tuple(packings(args.length)[name])).describe()
-        seg = jnp.asarray(Packing.parse(declared).segment_ids(args.length, 1))
+        declared, seg = declared_row(packings(args.length)[name])
         cases[name] = ({layout: jax.jit(training_step(loader(layout, declared)))
                         for layout in ("contiguous", "documents")}, (q, k, v, w, seg))
     cases["one sequence, no segment ids"] = ({layout: jax.jit(unpacked_step(loader(layout)))

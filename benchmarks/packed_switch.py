@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from documents import packings, training_step  # noqa: E402
+from documents import declared_row, packings, step_inputs, training_step  # noqa: E402
 
 from tuner import get_tuned_ring_attention  # noqa: E402
 from tuner.semantics import documents  # noqa: E402
@@ -76,14 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args(argv)
     mesh = Mesh(np.array(jax.devices()[:DEVICES]), ("sp",))
-    rng = np.random.default_rng(0)
-    q, k, v, w = (jnp.asarray(rng.standard_normal((1, args.length, 4, 64)), jnp.float32) for _ in range(4))
+    q, k, v, w = step_inputs(args.length)
     db = os.path.join(tempfile.mkdtemp(), "empty.sqlite")
     results, rows = [], []
     for name in PACKINGS:
         lengths = packings(args.length)[name]
-        declared = Packing("fixed", tuple(lengths)).describe()
-        seg = jnp.asarray(Packing.parse(declared).segment_ids(args.length, 1))
+        declared, seg = declared_row(lengths)
         loaders = {label: get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, layout="documents",
                                                    packing=packing, db=db)
                    for label, packing in (("declared", declared), ("undeclared", None))}
