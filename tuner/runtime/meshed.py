@@ -99,8 +99,9 @@ def run_documents(local: Callable[..., Any], decide: Callable[..., Any], mesh: M
 
     A packed call with nothing tuned and no packing declared (`Plan.packed_default`) takes its tiles in
     the step: one ring per tile of `documents.PACKED_TILES` (a tile that changes nothing shares the longer
-    one's), and `documents.rows_tile_choice` of the rows' segment ids picks the layout and the ring that
-    runs (`jax.lax.switch` over the sharded rings only, so that the layout's gathers stay outside it).
+    one's), and `documents.rows_tile_choice` of the rows' segment ids picks the layout plan and the ring
+    that run (two `jax.lax.switch`es, so that only the chosen tile's plan is computed and the layout's
+    gathers stay outside the rings' switch).
     `local` and `decide` take `packed_tile=`, the tile chosen."""
     _check_documents(query, key, options)
     segments = options["q_segment_ids"]
@@ -114,13 +115,14 @@ def run_documents(local: Callable[..., Any], decide: Callable[..., Any], mesh: M
             configs.append(plan.config)
             rings.append(functools.partial(local, packed_tile=tile))
             tiles = registry.forward_tiles(plan.config) or (documents.DEFAULT_TILE,) * 2
-            orders.append(layouts.document_order(segments, ring, causal=causal, window=window, tile=tiles))
+            orders.append(functools.partial(layouts.document_order, ring_size=ring, causal=causal, window=window,
+                                            tile=tiles))
         branch_of.append(configs.index(plan.config))
     chosen = None
     if len(rings) > 1:
         spec = AttentionSpec(scale=1.0, causal=causal, window=window, has_segments=True)
         chosen = jnp.asarray(branch_of)[documents.rows_tile_choice(segments, spec, ring)]
-    order = orders[0] if chosen is None else jnp.stack(orders)[chosen]
+    order = orders[0](segments) if chosen is None else jax.lax.switch(chosen, orders, segments)
     options = dict(options)
     for name in ("q_positions", "kv_positions"):  # laid out below with the tokens
         if options.get(name) is None:
