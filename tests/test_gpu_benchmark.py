@@ -41,10 +41,35 @@ def test_back_to_back_calls_are_timed_per_call_on_distinct_inputs():
         time.sleep(0.02)
 
     timing = run_interleaved({"sleep": thunk}, runs=3, warmup=1, calls=4)["sleep"]
-    assert seen == list(range(-4, 12)), "each call of each run gets its own input index"
+    assert seen == [-1, -2, -3, -4, *range(12)], "each call of each run gets its own input index"
     assert 0.02 <= timing.median < 0.04, f"{timing.median:.3f} s is not the time of one call"
     with pytest.raises(ValueError, match="calls must be >= 1"):
         run_interleaved({"sleep": thunk}, calls=0)
+    with pytest.raises(ValueError, match="warmup_seconds must be >= 0"):
+        run_interleaved({"sleep": thunk}, warmup_seconds=-1.0)
+
+
+def test_rounds_alternate_their_order_and_share_each_rounds_inputs():
+    seen = []
+    thunks = {name: (lambda i, name=name: seen.append((name, i))) for name in "abc"}
+    run_interleaved(thunks, runs=3, warmup=1)
+    assert seen == [("a", -1), ("b", -1), ("c", -1), ("c", 0), ("b", 0), ("a", 0),
+                    ("a", 1), ("b", 1), ("c", 1), ("c", 2), ("b", 2), ("a", 2)]
+
+
+def test_warm_up_lasts_its_seconds_before_any_timed_run():
+    issued = []
+
+    def thunk(i):
+        issued.append((i, time.perf_counter()))
+        time.sleep(0.01)
+
+    start = time.perf_counter()
+    run_interleaved({"sleep": thunk}, runs=2, warmup=1, warmup_seconds=0.1)
+    warm = [t for i, t in issued if i < 0]
+    timed = [t for i, t in issued if i >= 0]
+    assert len(timed) == 2 and len(warm) >= 5, issued
+    assert timed[0] - start >= 0.1, "a timed run began before the warm-up's seconds were over"
 
 
 @pytest.mark.slow

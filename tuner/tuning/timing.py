@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import jax
 
+DEVICE_WARMUP_S = 0.25  # seconds of warm-up before a timed run off the CPU: an idle GPU's clocks take a while to rise
+
 
 @dataclass(frozen=True)
 class Timing:
@@ -53,6 +55,7 @@ def run_interleaved(
     *,
     runs: int = 7,
     warmup: int = 2,
+    warmup_seconds: float = 0.0,
     calls: int = 1,
     compile_seconds: dict[str, float] | None = None,
     deadline: float | None = None,
@@ -62,27 +65,46 @@ def run_interleaved(
 
     A run issues `calls` calls back to back and waits for them all, so its time per call leaves out
     the host's dispatch gap between calls (JAX dispatches asynchronously): what a sub-millisecond GPU
-    kernel needs. With `deadline` (a `time.perf_counter()` value), raises `TimeoutError` as soon as
-    the measured runs show that the remaining ones cannot finish before it.
+    kernel needs. The warm-up lasts `warmup` rounds and at least `warmup_seconds`: a GPU that idled
+    while a program compiled runs at lower clocks for a while. Rounds alternate their order (A B C,
+    then C B A), so that no thunk always meets the device first. Warm-up calls get the indices -1, -2,
+    ...; timed calls 0, 1, .... With `deadline` (a `time.perf_counter()` value), raises `TimeoutError`
+    as soon as the rounds run so far show that the remaining ones cannot finish before it.
     """
     if runs < 1:
         raise ValueError(f"runs must be >= 1, got {runs}")
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
+    if not warmup_seconds >= 0:
+        raise ValueError(f"warmup_seconds must be >= 0, got {warmup_seconds!r}")
     if calls < 1:
         raise ValueError(f"calls must be >= 1, got {calls}")
-    samples: dict[str, list[float]] = {name: [] for name in thunks}
-    for i in range(-warmup, runs):
+    names = list(thunks)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    warm_until = time.perf_counter() + warmup_seconds
+    warm_rounds = timed_rounds = 0
+    while timed_rounds < runs:
+        warming = warm_rounds < warmup or time.perf_counter() < warm_until
+        if warming:
+            indices = range(-warm_rounds * calls - 1, -(warm_rounds + 1) * calls - 1, -1)
+        else:
+            indices = range(timed_rounds * calls, (timed_rounds + 1) * calls)
+        order = names if (warm_rounds + timed_rounds) % 2 == 0 else names[::-1]
         round_start = time.perf_counter()
-        for name, thunk in thunks.items():
+        for name in order:
             start = time.perf_counter()
-            jax.block_until_ready([thunk(i * calls + j) for j in range(calls)])
-            if i >= 0:
+            jax.block_until_ready([thunks[name](i) for i in indices])
+            if not warming:
                 samples[name].append((time.perf_counter() - start) / calls)
+        if warming:
+            warm_rounds += 1
+        else:
+            timed_rounds += 1
         now = time.perf_counter()
-        if deadline is not None and now + (runs - 1 - i) * (now - round_start) > deadline:
+        still = max(0.0, warm_until - now) + (runs - timed_rounds) * (now - round_start)
+        if deadline is not None and now + still > deadline:
             raise TimeoutError(f"{runs} timed runs of {len(thunks)} function(s) would take "
-                               f"{(runs + warmup) * (now - round_start):.1f} s")
+                               f"{(runs + warm_rounds) * (now - round_start):.1f} s")
     compile_seconds = compile_seconds or {}
     return {name: Timing(statistics.median(s), min(s), max(s), len(s), compile_seconds.get(name, 0.0))
             for name, s in samples.items()}
