@@ -51,6 +51,7 @@ def test_search_prints_the_summary_table(searched):
         assert word in out, out
     assert "3 in the study (3 run now)" in out
     assert "search" in result.stderr  # the progress bar
+    assert re.search(r"best \d+\.\d\dx speedup", result.stderr), "the bar's best reads as the table's speedup"
 
 
 def test_the_call_search_prints_hits_the_searched_entry_and_matches_dense(searched, monkeypatch):
