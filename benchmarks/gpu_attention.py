@@ -53,7 +53,7 @@ from tuner.kernels import BACKENDS
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.semantics.problem import Problem, ProblemKey
 from tuner.support.tables import error_line
-from tuner.tuning.timing import DEVICE_WARMUP_S, Timing, attention_flops, compile_timed, run_interleaved
+from tuner.tuning.timing import Timing, attention_flops, compile_timed, run_interleaved, warmup_seconds_on
 
 OBJECTIVES = ("fwd", "bwd", "fwd+bwd")
 IMPLEMENTATIONS = ("tuned", "ring", "cudnn", "xla")
@@ -144,7 +144,7 @@ def time_point(fns: dict[str, Callable], sets: list[tuple], objective: str, *, r
             thunks[name] = lambda i, c=compiled, a=args: c(*a[i % len(a)])
         except Exception as error:  # noqa: BLE001 - recorded per implementation; the others go on
             errors[name] = error_line(error)
-    warm = 0.0 if jax.devices()[0].platform == "cpu" else DEVICE_WARMUP_S
+    warm = warmup_seconds_on(jax.devices()[0].platform)
     timings = run_interleaved(thunks, runs=runs, warmup=warmup, warmup_seconds=warm, calls=calls,
                               compile_seconds=compile_seconds) if thunks else {}
     return timings, errors

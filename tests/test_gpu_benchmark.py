@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tuner.tuning.timing import attention_flops, run_interleaved
+from tuner.tuning.timing import DEVICE_WARMUP_S, attention_flops, run_interleaved, warmup_seconds_on
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,6 +70,7 @@ def test_warm_up_lasts_its_seconds_before_any_timed_run():
     timed = [t for i, t in issued if i >= 0]
     assert len(timed) == 2 and len(warm) >= 5, issued
     assert timed[0] - start >= 0.1, "a timed run began before the warm-up's seconds were over"
+    assert warmup_seconds_on("cpu") == 0.0 and warmup_seconds_on("gpu") == warmup_seconds_on("tpu") == DEVICE_WARMUP_S
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ from tuner.semantics.problem import Problem
 from tuner.tuning.search import resolve_backend
 from tuner.tuning.verify import ReferenceCheck, TrialFailed
 from tuner.support.tables import describe_config, table
-from tuner.tuning.timing import DEVICE_WARMUP_S, attention_flops, run_interleaved
+from tuner.tuning.timing import attention_flops, run_interleaved, warmup_seconds_on
 from tuner.tuning.workload import AXIS, PAIR_AXES, Compiled, Workload
 
 
@@ -66,8 +66,8 @@ def bench(problem: Problem, *, device: str, backend: str = "auto", objective: st
     thunks = {}
     for name, fn in compiled.items():
         thunks.update(fn.thunks(name, dense_sets if name.startswith("dense") else sets))
-    warm = 0.0 if workload.platform == "cpu" else DEVICE_WARMUP_S
-    timings = run_interleaved(thunks, runs=runs, warmup=2, warmup_seconds=warm, calls=calls)
+    timings = run_interleaved(thunks, runs=runs, warmup=2, warmup_seconds=warmup_seconds_on(workload.platform),
+                              calls=calls)
 
     flops = attention_flops(problem.batch, problem.heads, problem.seq_len, problem.seq_len, problem.head_dim,
                             causal=problem.causal, objective=objective, value_head_dim=problem.value_head_dim)
@@ -139,8 +139,8 @@ def bench_mechanisms(problem: Problem, *, device: str, objective: str = "fwd+bwd
     thunks = {}
     for name, fn in compiled.items():
         thunks.update(fn.thunks(name, sets))
-    warm = 0.0 if workload.platform == "cpu" else DEVICE_WARMUP_S
-    timings = run_interleaved(thunks, runs=runs, warmup=2, warmup_seconds=warm, calls=calls)
+    timings = run_interleaved(thunks, runs=runs, warmup=2, warmup_seconds=warmup_seconds_on(workload.platform),
+                              calls=calls)
     totals = {name: sum(t.median for key, t in timings.items() if key.split(":")[0] == name) for name in compiled}
     winner = min(totals, key=totals.get)
 

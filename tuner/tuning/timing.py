@@ -18,6 +18,12 @@ import jax
 DEVICE_WARMUP_S = 0.25  # seconds of warm-up before a timed run off the CPU: an idle GPU's clocks take a while to rise
 
 
+def warmup_seconds_on(platform: str) -> float:
+    """The least warm-up before timing on `platform` (a JAX platform name): `DEVICE_WARMUP_S` off the CPU,
+    none on it (the CPU that times is the one that just compiled)."""
+    return 0.0 if platform == "cpu" else DEVICE_WARMUP_S
+
+
 @dataclass(frozen=True)
 class Timing:
     """Seconds per call: median and spread over `runs` interleaved runs, plus the compile time."""

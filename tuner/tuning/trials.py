@@ -22,7 +22,7 @@ from tuner.tuning.inflight import DeviceGate
 from tuner.tuning.options import SearchOptions
 from tuner.tuning.shared import Shared, config_digest, worker_name
 from tuner.tuning.study import DUPLICATE, INTERRUPTED, SURPLUS, surplus
-from tuner.tuning.timing import DEVICE_WARMUP_S, Timing, run_interleaved
+from tuner.tuning.timing import Timing, run_interleaved, warmup_seconds_on
 from tuner.tuning.verify import ReferenceCheck, TrialFailed, compile_seconds, failure_reason
 from tuner.tuning.workload import Compiled, Workload
 
@@ -111,8 +111,8 @@ class Trials:
             thunks = dict(self.default_thunks)
             for name, compiled in candidates.items():
                 thunks.update(compiled.thunks(name, self.time_sets, forward=self.options.tunes_fwd))
-            warm = 0.0 if self.gate.host_is_device else DEVICE_WARMUP_S
-            timings = run_interleaved(thunks, runs=runs, warmup=1, warmup_seconds=warm, calls=self.options.calls,
+            timings = run_interleaved(thunks, runs=runs, warmup=1, calls=self.options.calls,
+                                      warmup_seconds=warmup_seconds_on(self.workload.platform),
                                       deadline=None if deadline is None else deadline + self.gate.waited())
         return {name: (timings.get(f"{name}:fwd"), timings.get(f"{name}:bwd"))
                 for name in ("default", *candidates)}
