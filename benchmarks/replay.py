@@ -17,10 +17,8 @@ backend's own `Space.suggest`, as a search does:
 - a point's recorded value is what the recording measured for the trial: its median over the default's
   median timed in the same run (`rel`), in seconds at the default's median time over the recording (the
   raw seconds drift with the machine, the default's by up to 1.8x in an hour);
-- the point the recording re-timed as its best (`noise` in the landscape) gets the median of all its
-  measurements, the walked one and the re-timings: a walk's least value is biased low;
 - a timed point's value is its recorded value times a draw of the recording's noise: a log-normal with
-  the spread of the re-timed default and best.
+  the spread of the re-timed default and best (`noise` in the landscape).
 
 Per objective: `fwd` and `bwd` replay one part's landscape; `fwd+bwd` (where a problem has both) replays
 the product space, each trial's value (fwd s + bwd s) / (default fwd s + default bwd s). After each
@@ -59,20 +57,6 @@ WITHIN = 1.05
 CHECKPOINTS = (6, 12, 24)
 
 
-def relative_values(recorded: dict) -> dict[str, float | None]:
-    """Each point's value over the default's (`rel`; None: pruned or failed), by config key. The point the
-    recording re-timed as its best (`noise`) gets the median of all its measurements: the walk's least value
-    is the least of many noisy ones, so it reads low (a walked 0.82 re-timed 1.01 to 1.08)."""
-    values: dict[str, float | None] = {}
-    for p in recorded["points"]:
-        values.setdefault(key(p["config"]), p["rel"] if p["status"] == "ok" else None)
-    noise = recorded["noise"]
-    best = key(noise["best_config"])
-    if values.get(best) is not None:
-        values[best] = statistics.median([values[best], *noise["best_rel"]])
-    return values
-
-
 class Landscape:
     """One part's recorded points, by config, and its noise."""
 
@@ -84,8 +68,10 @@ class Landscape:
         # seconds carry the machine's drift over a recording of an hour (the default's own time drifts by
         # up to 1.8x), so they are not compared across points; `rel` is put back in seconds at the default's
         # median, so that a fwd+bwd sum weighs each part by its time.
-        self.values = {name: None if rel is None else rel * self.default_seconds
-                       for name, rel in relative_values(recorded).items()}
+        self.values: dict[str, float | None] = {}  # config key -> seconds (None: pruned or failed)
+        for p in recorded["points"]:
+            self.values.setdefault(key(p["config"]),
+                                   p["rel"] * self.default_seconds if p["status"] == "ok" else None)
         noise = recorded["noise"]
         logs = [math.log(r) for r in noise["default_rel"]] + [math.log(r / statistics.median(noise["best_rel"]))
                                                               for r in noise["best_rel"]]
@@ -211,9 +197,9 @@ def warm_configs(file: Path, files: list[Path], part: str, recorded_default: boo
         theirs, their_problem, their_implementation, their_space, their_default = load(other, recorded_default)
         if other == file or not replayable(theirs, part):
             continue
-        values = relative_values(theirs["parts"][part])
-        best = json.loads(min((name for name, rel in values.items() if rel is not None), key=values.get))
-        config = their_space.config({f"{part}.{k}": v for k, v in best.items()}, their_default)
+        best = min((p for p in theirs["parts"][part]["points"] if p["status"] == "ok"), key=lambda p: p["rel"])
+        config = their_space.config({f"{part}.{k}": v for k, v in best["config"].items() if v is not None},
+                                    their_default)
         their_key = registry.problem_key(their_problem, their_implementation.name, theirs["parts"][part]["device_kind"])
         row = make_row(their_key, config, versions=versions,
                        tool_version="replay", objective=part, best_s=1.0, default_s=1.0, speedup=1.0, trials_run=1,

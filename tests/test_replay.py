@@ -38,12 +38,10 @@ def write_landscape(path: Path, problem: Problem, best: tuple[int, int], device_
         steps = sum(abs(math.log2(fwd[n] / b)) for n, b in zip(("block_q", "block_kv"), best))
         points.append({"config": fwd, "status": "ok", "seconds": 1.0 + 0.1 * steps, "default_seconds": 2.0,
                        "rel": (1.0 + 0.1 * steps) / 2.0})
-    best_config = min(points, key=lambda p: p["rel"])["config"]
     path.write_text(json.dumps({"backend": "scan", "device": "cpu", "problem": dataclasses.asdict(problem),
                                 "parts": {"fwd": {"points": points, "device_kind": device_kind,
                                                   "default": recorded_default,
-                                                  "noise": {"default_rel": [1.0] * 5, "best_rel": [0.5] * 5,
-                                                            "best_config": best_config}}}}))
+                                                  "noise": {"default_rel": [1.0] * 5, "best_rel": [0.5] * 5}}}}))
 
 
 @pytest.fixture
@@ -97,22 +95,6 @@ def test_a_point_is_valued_by_its_time_over_the_default_of_its_run_not_by_its_dr
     landscape = replay.Landscape("fwd", recorded["parts"]["fwd"])
     assert landscape.best == landscape.seconds(best["config"]) == pytest.approx(best["rel"] * 2.0)
     assert sorted(landscape.values.values()) == sorted(p["rel"] * 2.0 for p in points)
-
-
-def test_the_walks_best_is_valued_by_all_its_measurements_and_a_luckier_one_is_not_the_best(landscapes):
-    """A point walked at 0.3 of the default but re-timed at 0.6 to 0.64 is worth the median of the six (0.6):
-    the grid's best is then the true best (0.5), and the warm start's neighbour is that point too."""
-    recorded = json.loads(landscapes[1].read_text())
-    part = recorded["parts"]["fwd"]
-    lucky = next(p for p in part["points"] if (p["config"]["block_q"], p["config"]["block_kv"]) == (32, 32))
-    lucky["rel"] = 0.3
-    part["noise"].update(best_config=lucky["config"], best_rel=[0.6, 0.62, 0.64, 0.6, 0.61])
-    landscapes[1].write_text(json.dumps(recorded))
-    landscape = replay.Landscape("fwd", part)
-    assert landscape.seconds(lucky["config"]) == pytest.approx(0.605 * 2.0)
-    assert landscape.best == pytest.approx(0.5 * 2.0)
-    (warm,) = replay.warm_configs(landscapes[0], landscapes, "fwd")
-    assert (warm.fwd.block_q, warm.fwd.block_kv) == (64, 32)
 
 
 def test_a_replay_starts_from_the_default_of_its_device_kind_and_warms_from_the_same_kind(tmp_path):
