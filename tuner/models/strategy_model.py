@@ -36,9 +36,9 @@ all_to_all's whole sequence in the layout's order, all_gather's shard against it
 ring positions), and the slowest device's share counts. So a packing that leaves one device of the ring a long
 document's tail costs the ring, while all_to_all, whose every device holds the whole sequence, stays balanced.
 Tiles: the ring kernel's default forward tiles on the platform (`Platform.ring_tiles`; with a causal, window or
-chunk mask at most `Platform.ring_masked_tile`; with documents at most `PACKED_TILE`, or the declared packing's
-tile, as the ring's default), the scan kernel's inside the other strategies (at most its masked tile with such
-a mask), cut to the lengths; the backward is taken to skip the same share. Windows, chunks, HBM traffic and
+chunk mask square, at most `Platform.ring_masked_tile`; with documents at most `PACKED_TILE`, or the declared packing's
+tile, as the ring's default), the scan kernel's inside the other strategies (square, at most its masked tile
+with such a mask), cut to the lengths; the backward is taken to skip the same share. Windows, chunks, HBM traffic and
 kernel overheads are not modelled. Transfers: latency + bytes on the links / rate. `Prediction.bytes` counts
 what `tuner.models.hlo.collective_bytes` reads from a compiled program -- each collective's result size on one
 device -- from which a device puts on its links (P-1)/P of an all-gather's or all-to-all's result, all of a
@@ -70,6 +70,7 @@ import numpy as np
 
 from tuner.semantics import documents, layouts
 from tuner.strategies.all_to_all import kv_repeats
+from tuner.strategies.implementations import masked_side
 from tuner.kernels import BACKENDS
 from tuner.kernels.tpu_memory import GENERATION_TILES
 from tuner.kernels.triton import DEFAULTS as TRITON_DEFAULTS
@@ -277,11 +278,19 @@ def _capped(tiles: tuple[int, int], cap: int | None) -> tuple[int, int]:
     return tiles if cap is None else (min(tiles[0], cap), min(tiles[1], cap))
 
 
+def _masked(tiles: tuple[int, int], masked_tile: int | None, problem: Problem) -> tuple[int, int]:
+    """`tiles`, or with a causal, window or chunk mask the square tile the kernel's default takes there
+    (`tuner.strategies.implementations.kernel_default`)."""
+    if masked_tile is None or not problem.spec.has_position_mask:
+        return tiles
+    return (masked_side(masked_tile, *tiles),) * 2
+
+
 def _ring_tiles(problem: Problem, platform: Platform) -> tuple[int, int]:
     """The forward tiles the ring runs by default (`tuner.strategies.implementations.Ring.default_config`):
-    the platform's, at most its masked tile with a causal, window or chunk mask, and with documents at most
-    the declared packing's tile, else `PACKED_TILE`."""
-    tiles = _capped(platform.ring_tiles, platform.ring_masked_tile if problem.spec.has_position_mask else None)
+    the platform's, square and at most its masked tile with a causal, window or chunk mask, and with
+    documents at most the declared packing's tile, else `PACKED_TILE`."""
+    tiles = _masked(platform.ring_tiles, platform.ring_masked_tile, problem)
     if not problem.segments:
         return tiles
     declared = documents.declared_tile(problem.packing, problem.seq_len, problem.ring_size, problem.spec)
@@ -291,7 +300,7 @@ def _ring_tiles(problem: Problem, platform: Platform) -> tuple[int, int]:
 def _scan_tiles(problem: Problem) -> tuple[int, int]:
     """The forward tiles of the scan kernel inside all_to_all, all_gather and the hybrid, by default
     (`tuner.strategies.implementations.ExchangedScan.default_config`)."""
-    return _capped(SCAN_TILES, SCAN_MASKED_TILE if problem.spec.has_position_mask else None)
+    return _masked(SCAN_TILES, SCAN_MASKED_TILE, problem)
 
 
 def _ring(acc: _Pass, problem: Problem, size: int, heads: int, kv_heads: int, tokens: int, backward: bool,

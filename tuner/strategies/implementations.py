@@ -84,11 +84,17 @@ def kernel_default(kernel: Backend, q_len: int, kv_len: int, head_dims: tuple[in
     return default
 
 
+def masked_side(longest: int, *tiles: int) -> int:
+    """The side of the square tile a kernel takes where positions mask tiles out, from its unmasked default
+    `tiles`: the longer one, no longer than `longest` (the backend's `masked_tile`)."""
+    return min(longest, max(tiles))
+
+
 def squared(config: TileConfig, longest: int, q_len: int, kv_len: int) -> TileConfig:
-    """`config` with square tiles in each kernel (forward, dK/dV, dQ): its longer tile there, no longer than
-    `longest`, cut to the lengths."""
+    """`config` with square tiles in each kernel (forward, dK/dV, dQ): `masked_side` of its tiles there,
+    cut to the lengths."""
     def side(*tiles: int) -> tuple[int, int]:
-        tile = min(longest, max(tiles))
+        tile = masked_side(longest, *tiles)
         return min(tile, q_len), min(tile, kv_len)
 
     fwd, bwd = config.fwd, config.bwd
