@@ -73,6 +73,8 @@ PROBLEMS = {  # name: Problem fields; on the CPU local lengths 512 to 4096, ring
     "full-d128-mha-r4-l2048": dict(seq_len=8192, heads=4, kv_heads=4, head_dim=128, ring_size=4, causal=False),
     "causal-d64-gqa2-r2-l512-bf16": dict(seq_len=1024, heads=4, kv_heads=2, head_dim=64, ring_size=2,
                                          dtype="bfloat16"),
+    "causal-d128-gqa4-r2-l512": dict(seq_len=1024, heads=8, kv_heads=2, head_dim=128, ring_size=2),
+    "full-d64-mha-r8-l512": dict(seq_len=4096, heads=2, kv_heads=2, head_dim=64, ring_size=8, causal=False),
     # The GPU plan's shapes (16k tokens, hidden 2048), one GPU: the Triton backend.
     "gpu-causal-d128-mha-r1-l4096-bf16": dict(batch=4, seq_len=4096, heads=16, kv_heads=16, head_dim=128,
                                               ring_size=1, dtype="bfloat16"),
