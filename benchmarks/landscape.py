@@ -4,6 +4,7 @@ times a trial.
     python benchmarks/landscape.py --list
     python benchmarks/landscape.py PROBLEM [--part fwd|bwd|both] [--runs 3] [--noise 5] [--max-points 120]
                                            [--compile-ahead 0] [--deadline SECONDS]
+    python benchmarks/landscape.py PROBLEM --retime [--part fwd|bwd|both] [--margin 0.10] [--noise 5]
 
 For each point of the part's grid (`Space.grid` with that part alone: every forward point, or every
 backward point), the script does what a trial of `tuner search --objective <part>` does, with the same
@@ -25,6 +26,12 @@ measure the composition's error.
 The noise: at the end the default and the best point are each re-timed against the default `--noise`
 times (each a `--runs` median), so a replay can draw a trial's value with the spread it really has.
 
+The winner's curse: a walk's best is the least of 25 to 650 noisy values, so it reads low. `--retime`
+re-times (`--noise` times each, against the default the part was recorded with) every point walked within
+`--margin` of the best value, a point's value being the median of its walk and its re-timings, until no
+un-re-timed point is left that close; the default and the walked best take the noise re-timings as theirs.
+Each such point keeps its re-timings (`retimed`), and the part says how far it went (`retime`).
+
 A `gpu-` problem (the GPU plan's shapes, ring of one) walks the Triton backend on the machine's GPU, with
 5 calls per timed run as `tuner search --device gpu`. `--deadline` bounds the walk: the points are then
 walked in a shuffled order (seed 0), so a walk cut short is a uniform sample of the grid, and the file
@@ -41,6 +48,7 @@ import dataclasses
 import datetime
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -133,9 +141,10 @@ def backend_of(name: str) -> str:
     return "triton" if name.startswith("gpu-") else "scan"
 
 
-def trials_for(name: str, part: str, runs: int):
+def trials_for(name: str, part: str, runs: int, default: dict | None = None):
     """The `tuner.tuning.trials.Trials` of problem `name` for `part`, as `tuner search --objective part`
-    builds them: the reference and the default compiled and checked."""
+    builds them: the reference and the default compiled and checked. `default` (a recorded part's config)
+    replaces the backend's default of `part` as the config every point is timed against."""
     from tuner import registry
     from tuner.semantics.problem import Problem
     from tuner.tuning.options import SearchOptions
@@ -146,8 +155,69 @@ def trials_for(name: str, part: str, runs: int):
     problem = Problem(**PROBLEMS[name])
     implementation = registry.get(backend_of(name))
     options = SearchOptions(objective=part, runs=runs, calls=GPU_CALLS if backend_of(name) == "triton" else 1)
+    against = None
+    if default is not None:
+        space = implementation.space(problem.shapes, problem.spec)
+        against = space.config(part_params(part, default), implementation.default_config(problem.shapes, problem.spec))
     with tempfile.TemporaryDirectory() as tmp:  # the trials' claims table; nothing is claimed here
-        return Trials(problem, implementation, options, Shared(open_storage(f"sqlite:///{tmp}/s.sqlite")), name)
+        return Trials(problem, implementation, options, Shared(open_storage(f"sqlite:///{tmp}/s.sqlite")), name,
+                      default=against)
+
+
+def part_params(part: str, config: dict) -> dict:
+    """A recorded part's config as the space's parameters."""
+    return {f"{part}.{k}": v for k, v in config.items() if v is not None}
+
+
+def config_key(config: dict) -> str:
+    return json.dumps({k: v for k, v in config.items() if v is not None}, sort_keys=True)
+
+
+def value(entry: dict) -> float:
+    """A walked point's value: the median of its walk's `rel` and its re-timings (`--retime`)."""
+    return statistics.median([entry["rel"], *entry.get("retimed", [])])
+
+
+def to_retime(points: list[dict], margin: float) -> list[dict]:
+    """The timed points not yet re-timed whose walk is within `margin` of the best value, best walk first.
+    Re-timing them until none is left gives every point that may be the best the same number of
+    measurements, so the best is no longer the luckiest single walk."""
+    ok = [p for p in points if p["status"] == "ok"]
+    best = min(value(p) for p in ok)
+    return sorted((p for p in ok if "retimed" not in p and p["rel"] <= best * (1 + margin)), key=lambda p: p["rel"])
+
+
+def retime(name: str, part: str, recorded: dict, runs: int, noise: int, margin: float, deadline: float | None,
+           save) -> dict:
+    """Re-time `noise` times every point of a whole recorded part that may be its best (`to_retime`),
+    against the default it was recorded with; the default and the walked best take the recording's noise
+    re-timings as theirs. `recorded["retime"]["complete"]` is false where `deadline` cut it short."""
+    if "composed" in recorded or not recorded.get("complete", True):
+        raise SystemExit(f"{name} {part}: only a whole walked part can be re-timed")
+    started = time.perf_counter()
+    points = recorded["points"]
+    by_key = {config_key(p["config"]): p for p in points if p["status"] == "ok"}
+    for config, rels in ((recorded["default"], recorded["noise"]["default_rel"]),
+                         (recorded["noise"]["best_config"], recorded["noise"]["best_rel"])):
+        if config_key(config) in by_key and len(rels) == noise:
+            by_key[config_key(config)].setdefault("retimed", list(rels))
+    trials = trials_for(name, part, runs, recorded["default"])
+    count = 0
+    while todo := to_retime(points, margin):
+        if deadline is not None and time.perf_counter() - started > deadline:
+            break
+        entry = todo[0]
+        config = trials.space.config(part_params(part, entry["config"]), trials.default)
+        entry["retimed"] = [point(trials, config, part, runs, keep=True)["rel"] for _ in range(noise)]
+        trials.built.pop(config, None)
+        count += 1
+        print(f"{name} {part} re-timed {count}: {entry['rel']:.3f} -> {value(entry):.3f}", file=sys.stderr, flush=True)
+        recorded["retime"] = {"margin": margin, "runs_each": noise, "points": sum("retimed" in p for p in points),
+                              "complete": False, "seconds_total": time.perf_counter() - started}
+        save(recorded)
+    recorded["retime"] = {"margin": margin, "runs_each": noise, "points": sum("retimed" in p for p in points),
+                          "complete": not todo, "seconds_total": time.perf_counter() - started}
+    return recorded
 
 
 def landscape(name: str, part: str, runs: int, noise: int, max_points: int, ahead: int,
@@ -241,6 +311,11 @@ def main() -> int:
     parser.add_argument("--deadline", type=float, default=None,
                         help="seconds for a part's walk: the points go in a shuffled order and the walk stops "
                              "there (the noise re-timings come after)")
+    parser.add_argument("--retime", action="store_true",
+                        help="do not walk: re-time the recorded part's points that may be its best, --noise times "
+                             "each (--deadline bounds it)")
+    parser.add_argument("--margin", type=float, default=0.10,
+                        help="with --retime, the points walked within this fraction of the best value")
     options = parser.parse_args()
     if options.list or options.problem is None:
         for name, fields in PROBLEMS.items():
@@ -250,6 +325,8 @@ def main() -> int:
         parser.error(f"problem must be one of {', '.join(PROBLEMS)}, got {options.problem!r}")
     if options.deadline is not None and not options.deadline > 0:
         parser.error(f"--deadline must be a positive number of seconds, got {options.deadline}")
+    if not options.margin > 0:
+        parser.error(f"--margin must be a positive fraction, got {options.margin}")
     backend = backend_of(options.problem)
     if backend == "scan":
         ring = PROBLEMS[options.problem]["ring_size"]
@@ -267,6 +344,18 @@ def main() -> int:
     for part in ("fwd", "bwd") if options.part == "both" else (options.part,):
         stamp = {"command": " ".join(["python", *sys.argv]), "date": datetime.date.today().isoformat(),
                  "cores": os.cpu_count()}
+        if options.retime:
+            if part not in recorded["parts"]:
+                parser.error(f"--retime: {out.relative_to(ROOT)} has no {part} part; walk it first")
+
+            def keep(part_recorded: dict, stamp: dict = stamp) -> None:
+                part_recorded["retime"].update(stamp)
+                out.write_text(json.dumps(recorded, indent=1) + "\n")
+
+            keep(retime(options.problem, part, recorded["parts"][part], options.runs, options.noise,
+                        options.margin, options.deadline, keep))
+            print(f"re-timed {out.relative_to(ROOT)} ({part})", file=sys.stderr)
+            continue
 
         def save(result: dict, part: str = part, stamp: dict = stamp) -> None:
             recorded["parts"][part] = {**result, **stamp}

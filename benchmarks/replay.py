@@ -16,7 +16,9 @@ backend's own `Space.suggest`, as a search does:
 - a pruned or failed point counts as a trial, as it does in a search;
 - a point's recorded value is what the recording measured for the trial: its median over the default's
   median timed in the same run (`rel`), in seconds at the default's median time over the recording (the
-  raw seconds drift with the machine, the default's by up to 1.8x in an hour);
+  raw seconds drift with the machine, the default's by up to 1.8x in an hour); where the part was
+  re-timed to the end (`landscape.py --retime`), a re-timed point's `rel` is the median of its walk and
+  its re-timings;
 - a timed point's value is its recorded value times a draw of the recording's noise: a log-normal with
   the spread of the re-timed default and best (`noise` in the landscape).
 
@@ -68,10 +70,15 @@ class Landscape:
         # seconds carry the machine's drift over a recording of an hour (the default's own time drifts by
         # up to 1.8x), so they are not compared across points; `rel` is put back in seconds at the default's
         # median, so that a fwd+bwd sum weighs each part by its time.
+        # Where `landscape.py --retime` went through every point that may be the best, those points are
+        # valued at the median of their walk and their re-timings (a cut-short re-timing would favour the
+        # points it reached, so it is not used).
+        retimed = recorded.get("retime", {}).get("complete", False)
         self.values: dict[str, float | None] = {}  # config key -> seconds (None: pruned or failed)
         for p in recorded["points"]:
-            self.values.setdefault(key(p["config"]),
-                                   p["rel"] * self.default_seconds if p["status"] == "ok" else None)
+            rel = statistics.median([p["rel"], *(p.get("retimed", []) if retimed else [])]) if p["status"] == "ok" \
+                else None
+            self.values.setdefault(key(p["config"]), None if rel is None else rel * self.default_seconds)
         noise = recorded["noise"]
         logs = [math.log(r) for r in noise["default_rel"]] + [math.log(r / statistics.median(noise["best_rel"]))
                                                               for r in noise["best_rel"]]
@@ -197,7 +204,9 @@ def warm_configs(file: Path, files: list[Path], part: str, recorded_default: boo
         theirs, their_problem, their_implementation, their_space, their_default = load(other, recorded_default)
         if other == file or not replayable(theirs, part):
             continue
-        best = min((p for p in theirs["parts"][part]["points"] if p["status"] == "ok"), key=lambda p: p["rel"])
+        valued = Landscape(part, theirs["parts"][part])
+        best = min((p for p in theirs["parts"][part]["points"] if p["status"] == "ok"),
+                   key=lambda p: valued.seconds(p["config"]))
         config = their_space.config({f"{part}.{k}": v for k, v in best["config"].items() if v is not None},
                                     their_default)
         their_key = registry.problem_key(their_problem, their_implementation.name, theirs["parts"][part]["device_kind"])

@@ -57,14 +57,18 @@ class Trials:
     and the objective optuna calls."""
 
     def __init__(self, problem: Problem, implementation: registry.Implementation, options: SearchOptions,
-                 shared: Shared, name: str):
+                 shared: Shared, name: str, default: Config | None = None):
+        """`default` is the config every candidate is timed against and the search starts from: the
+        backend's default where None (a landscape re-timed later passes the default it was recorded with)."""
         self.problem, self.implementation, self.options = problem, implementation, options
         self.shared, self.name = shared, name
         self.parts = registry.OBJECTIVE_PARTS[options.objective]
         self.workload = Workload(problem)
         self.space = implementation.space(problem.shapes, problem.spec)
-        tile = documents.declared_tile(problem.packing, problem.seq_len, problem.ring_size, problem.spec)
-        self.default = registry.default_config(implementation, problem.shapes, problem.spec, tile)
+        if default is None:
+            tile = documents.declared_tile(problem.packing, problem.seq_len, problem.ring_size, problem.spec)
+            default = registry.default_config(implementation, problem.shapes, problem.spec, tile)
+        self.default = default
         self.pool = self.space.grid(self.default, self.parts)  # where a duplicate's replacement comes from
         random.Random(options.seed).shuffle(self.pool)
         self.duplicates, self.exhausted = 0, False
