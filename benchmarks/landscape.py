@@ -202,6 +202,11 @@ def retime(name: str, part: str, recorded: dict, runs: int, noise: int, margin: 
         if config_key(config) in by_key and len(rels) == noise:
             by_key[config_key(config)].setdefault("retimed", list(rels))
     trials = trials_for(name, part, runs, recorded["default"])
+
+    def status(complete: bool) -> dict:
+        return {"margin": margin, "runs_each": noise, "points": sum("retimed" in p for p in points),
+                "complete": complete, "seconds_total": time.perf_counter() - started}
+
     count = 0
     while todo := to_retime(points, margin):
         if deadline is not None and time.perf_counter() - started > deadline:
@@ -212,11 +217,9 @@ def retime(name: str, part: str, recorded: dict, runs: int, noise: int, margin: 
         trials.built.pop(config, None)
         count += 1
         print(f"{name} {part} re-timed {count}: {entry['rel']:.3f} -> {value(entry):.3f}", file=sys.stderr, flush=True)
-        recorded["retime"] = {"margin": margin, "runs_each": noise, "points": sum("retimed" in p for p in points),
-                              "complete": False, "seconds_total": time.perf_counter() - started}
+        recorded["retime"] = status(complete=False)
         save(recorded)
-    recorded["retime"] = {"margin": margin, "runs_each": noise, "points": sum("retimed" in p for p in points),
-                          "complete": not todo, "seconds_total": time.perf_counter() - started}
+    recorded["retime"] = status(complete=not todo)
     return recorded
 
 

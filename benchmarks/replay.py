@@ -76,9 +76,11 @@ class Landscape:
         retimed = recorded.get("retime", {}).get("complete", False)
         self.values: dict[str, float | None] = {}  # config key -> seconds (None: pruned or failed)
         for p in recorded["points"]:
-            rel = statistics.median([p["rel"], *(p.get("retimed", []) if retimed else [])]) if p["status"] == "ok" \
-                else None
-            self.values.setdefault(key(p["config"]), None if rel is None else rel * self.default_seconds)
+            if p["status"] != "ok":
+                self.values.setdefault(key(p["config"]), None)
+                continue
+            rel = statistics.median([p["rel"], *(p.get("retimed", []) if retimed else [])])
+            self.values.setdefault(key(p["config"]), rel * self.default_seconds)
         noise = recorded["noise"]
         logs = [math.log(r) for r in noise["default_rel"]] + [math.log(r / statistics.median(noise["best_rel"]))
                                                               for r in noise["best_rel"]]
