@@ -288,8 +288,7 @@ def landscape(name: str, part: str, runs: int, noise: int, max_points: int, ahea
         result["composition_checks"] = checks
     ok = [p for p in points if p["status"] == "ok"]
     best = min(ok, key=lambda p: p["rel"])
-    best_config = trials.space.config({f"{part}.{k}": v for k, v in best["config"].items() if v is not None},
-                                      trials.default)
+    best_config = trials.space.config(part_params(part, best["config"]), trials.default)
     default_rel, best_rel = [], []
     for _ in range(noise):
         default_rel.append(point(trials, trials.default, part, runs)["rel"])
