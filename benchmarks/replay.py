@@ -106,7 +106,7 @@ def key(part_config: dict) -> str:
 def replay(landscapes: dict[str, Landscape], space, default, sampler_name: str, seed: int, budget: int,
            grid_order: list, warm: list | None = None) -> list[float]:
     """The incumbent's recorded value over the grid's best after each counted trial (len = budget); `warm`
-    configs are queued right after the default, as `tuner.tuning.warm` queues the neighbours' winners."""
+    configs are queued right after the default, as `tuner.tuning.warm` queues them."""
     parts = tuple(landscapes)
     rng = random.Random(seed)
     with warnings.catch_warnings():
@@ -191,9 +191,10 @@ def load(file: Path, recorded_default: bool = False) -> tuple[dict, Problem, obj
 
 def warm_configs(file: Path, files: list[Path], part: str, recorded_default: bool = False) -> list:
     """Leave-one-out: what a warm study of `file`'s problem queues when every other recorded problem is
-    tuned, each to its grid's best of `part`: the winners `tuner.tuning.warm` queues (up to 3 distinct ones,
-    not the default, in this problem's space, nearest first by `tuner.cache.lookup.neighbours`)."""
-    from tuner.cache import make_row
+    tuned by a grid search of `part`: each keeps its grid's best and its near-best points (within
+    `tuner.cache.NEAR` of the best, fastest first, at most `NEAR_BEST`), and `tuner.tuning.warm` queues up to
+    3 configs from the nearest ones (`tuner.cache.lookup.neighbours`), not the default, in this problem's space."""
+    from tuner.cache import NEAR, NEAR_BEST, make_row
     from tuner.cache.lookup import neighbours
     from tuner.tuning.warm import CONSIDERED, winners
 
@@ -207,15 +208,14 @@ def warm_configs(file: Path, files: list[Path], part: str, recorded_default: boo
         if other == file or not replayable(theirs, part):
             continue
         valued = Landscape(part, theirs["parts"][part])
-        best = min((p for p in theirs["parts"][part]["points"] if p["status"] == "ok"),
-                   key=lambda p: valued.seconds(p["config"]))
-        config = their_space.config({f"{part}.{k}": v for k, v in best["config"].items() if v is not None},
-                                    their_default)
+        ranked = sorted(((valued.seconds(p["config"]), p["config"]) for p in theirs["parts"][part]["points"]
+                         if p["status"] == "ok"), key=lambda point: point[0])
+        near = [their_space.config({f"{part}.{k}": v for k, v in config.items() if v is not None}, their_default)
+                for seconds, config in ranked[:NEAR_BEST] if seconds <= NEAR * valued.best]
         their_key = registry.problem_key(their_problem, their_implementation.name, theirs["parts"][part]["device_kind"])
-        row = make_row(their_key, config, versions=versions,
-                       tool_version="replay", objective=part, best_s=1.0, default_s=1.0, speedup=1.0, trials_run=1,
-                       trials_pruned=0, study=other.stem)
-        rows.append(row)
+        rows.append(make_row(their_key, near[0], versions=versions, tool_version="replay", objective=part, best_s=1.0,
+                             default_s=1.0, speedup=1.0, trials_run=1, trials_pruned=0, study=other.stem,
+                             near_best=near))
     family = [r for r in rows if all(r[f] == getattr(key, f) for f in ("op", "backend", "device_kind", "dtype"))]
     near = neighbours(lambda sql, params: family, key, versions, CONSIDERED)
     return [dataclasses.replace(default, **{part: getattr(config, part)})

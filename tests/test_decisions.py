@@ -58,12 +58,12 @@ def legacy_row(winner: str = "dense", seconds: dict | None = None, device_kind: 
 
 
 def old_file(path, legacy_rows: list[dict]) -> None:
-    """A file as the version before one table of decisions wrote it: no `source` column, a
-    `mechanisms` table."""
-    old_columns = {c: t for c, t in COLUMNS.items() if c != "source"}
+    """A file as the version before one table of decisions wrote it: no `source` column (nor the later
+    `near_best`), a `mechanisms` table."""
+    old_columns = {c: t for c, t in COLUMNS.items() if c not in ("source", "near_best")}
     with contextlib.closing(sqlite3.connect(path)) as conn:
         db = sqlite_utils.Database(conn)
-        db[TABLE].insert({c: v for c, v in search_row().items() if c != "source"}, pk="key", columns=old_columns)
+        db[TABLE].insert({c: v for c, v in search_row().items() if c in old_columns}, pk="key", columns=old_columns)
         db[legacy.TABLE].insert_all(legacy_rows, pk="key", columns=legacy.COLUMNS)
         conn.commit()
 
@@ -153,9 +153,11 @@ def test_an_old_file_decides_as_before_and_the_first_writer_migrates_it(tmp_path
     assert sorted((r["backend"], r["source"], r["best_s"]) for r in rows) == [
         ("dense", "bench", 0.001), ("scan", "bench", 0.004), ("scan", "search", 0.004)]
     assert {r["study"] for r in rows if r["source"] == "bench"} == {f"mechanisms row {legacy_row()['key']}"}
+    assert [r["near_best"] for r in rows if r["source"] == "search"] == ["[]"]
     with contextlib.closing(sqlite3.connect(path)) as conn:
         left = [r[0] for r in conn.execute(f"SELECT key FROM {legacy.TABLE}")]
-    assert left == ["0123456789abcdef"]
+        columns = {c[1] for c in conn.execute(f"PRAGMA table_info({TABLE})")}
+    assert left == ["0123456789abcdef"] and {"source", "near_best"} <= columns
     after = explain(path)
     assert (after.backend, after.source, after.reason) == (before.backend, before.source, before.reason)
 

@@ -55,6 +55,7 @@ PROBLEM = Problem(batch=1, seq_len=32, heads=2, kv_heads=1, head_dim=8, causal=T
                   layout="zigzag")
 DEVICE_KIND = jax.devices()[0].device_kind
 KEY = registry.problem_key(PROBLEM, "scan", DEVICE_KIND)
+CONFIG_OK = registry.get("scan").default_config(PROBLEM.shapes, PROBLEM.spec).to_dict()
 MECHANISM_KEY = ProblemKey.of(PROBLEM.shapes, PROBLEM.spec, backend="auto", device_kind=DEVICE_KIND,
                               ring_size=PROBLEM.ring_size, layout=PROBLEM.layout).digest
 SCAN = BACKENDS["scan"]
@@ -279,6 +280,10 @@ ROW_FAULTS = [
                                       json.dumps({**FEATURES_OK, "causal": "yes"}),
                                       json.dumps({**FEATURES_OK, "window": [-1, 4]}),
                                       json.dumps({**FEATURES_OK, "sinks": -2}))),
+    # near-best configs: a JSON list of at most 8 valid configs
+    *(_fault("near_best", v) for v in ("nope", "{}", "[1]", None, json.dumps([CONFIG_OK] * 9),
+                                       json.dumps([{**CONFIG_OK, "fwd": {"block_q": -1, "block_kv": 8}}]))),
+    _fault("near_best", json.dumps([CONFIG_OK]), invalid=False, label="near_best of one config"),
     # the key, and the text fields
     *(_fault("key", v) for v in ("0123456789abcdef", "not a key", "")),
     *(_fault(f, None) for f in VERSION_FIELDS),
@@ -1013,6 +1018,8 @@ def tuned_rows(draw) -> dict[str, Any]:
         # the text form varies (key order, spacing): the key hashes the parsed features
         "features": json.dumps(features, sort_keys=draw(st.booleans()), indent=draw(st.none() | st.just(1))),
         "fwd_params": json.dumps(draw(_fwd).to_dict()), "bwd_params": json.dumps(draw(_bwd).to_dict()),
+        "near_best": json.dumps([{"fwd": draw(_fwd).to_dict(), "bwd": draw(_bwd).to_dict()}
+                                 for _ in range(draw(st.integers(0, 2)))]),
         "objective": draw(st.sampled_from(OBJECTIVES)),
         "best_s": draw(_seconds), "default_s": draw(_seconds), "speedup": draw(_seconds),
         "trials_run": draw(st.integers(0, 2**62)), "trials_pruned": draw(st.integers(0, 2**62)),

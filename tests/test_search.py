@@ -15,7 +15,7 @@ import pytest
 from tuner import BwdParams, FwdParams, registry
 from tuner.kernels.base import SearchSpace
 from tuner.kernels.scan import ScanBackend
-from tuner.cache import Cache, make_row
+from tuner.cache import Cache, make_row, near_configs, row_config
 from tuner.cli.usage import search_summary
 from tuner.strategies.implementations import Ring, TileConfig, TileSpace
 from tuner.semantics.problem import Problem
@@ -325,6 +325,12 @@ def test_a_warm_study_starts_from_the_nearest_tuned_problems_winner(tmp_path):
     lonely = search(problem, device="cpu", backend="scan", db=db, options=options)
     first = optuna.load_study(study_name=lonely.study, storage=default_storage(db)).trials
     assert [t.user_attrs.get("source") for t in first[:2]] == ["default", "sampler"]
+    # The row keeps the winner and every trial's config within 5% of the best trial, for the next warm start.
+    (row,) = Cache(db).rows()
+    space, default = scan.space(problem.shapes, problem.spec), scan.default_config(problem.shapes, problem.spec)
+    timed = sorted((t for t in first if t.value is not None), key=lambda t: t.value)
+    within = [space.config(t.params, default) for t in timed if t.value <= 1.05 * timed[0].value]
+    assert near_configs(row) == [row_config(row), *(c for c in within if c != row_config(row))]
 
     winner = TileConfig(FwdParams(32, 64), scan.default_config(near.shapes, near.spec).bwd)
     near_key = registry.problem_key(near, "scan", jax.devices()[0].device_kind)
@@ -365,6 +371,30 @@ def test_a_warm_start_queues_distinct_winners_other_than_the_default():
     chosen = winners(near, scan, space, default, ("fwd",))
     assert [(config.fwd.block_q, config.fwd.block_kv) for config, _ in chosen] == [(32, 64), (64, 32)]
     assert [source.split()[-1] for _, source in chosen] == ["1.5)", "3.0)"]
+
+
+def test_a_config_near_best_on_several_neighbours_is_queued_before_any_ones_winner():
+    """The two nearest problems won with different tiles, but both timed 64 x 64 within 5% of their best:
+    it comes first, naming both; then their winners, nearest first. The third nearest's winner weighs
+    less and the fourth's comes after every vote: neither is queued."""
+    from tuner.tuning.warm import winners
+
+    problem = Problem(batch=1, seq_len=256, heads=4, kv_heads=2, head_dim=16, causal=True, ring_size=2)
+    scan = registry.get("scan")
+    space, default = scan.space(problem.shapes, problem.spec), scan.default_config(problem.shapes, problem.spec)
+    kind = jax.devices()[0].device_kind
+    near = []
+    for distance, heads, tiles in ((1.0, 2, [(32, 64), (64, 64)]), (1.5, 8, [(64, 32), (64, 64)]),
+                                   (2.0, 16, [(32, 32)]), (3.0, 32, [(128, 32)])):
+        configs = [TileConfig(FwdParams(*t), default.bwd) for t in tiles]
+        key = registry.problem_key(dataclasses.replace(problem, heads=heads), "scan", kind)
+        near.append((distance, make_row(key, configs[0], versions=registry.versions(scan), tool_version="test",
+                                        objective="fwd", best_s=1.0, default_s=2.0, speedup=2.0, trials_run=1,
+                                        trials_pruned=0, study=str(heads), near_best=configs)))
+    chosen = winners(near, scan, space, default, ("fwd",))
+    assert [(config.fwd.block_q, config.fwd.block_kv) for config, _ in chosen] == [(64, 64), (32, 64), (64, 32)]
+    assert chosen[0][1] == (f"nearest {near[0][1]['key'][:8]} (distance 1.0), "
+                            f"{near[1][1]['key'][:8]} (distance 1.5)")
 
 
 def test_a_packed_problem_warms_from_packed_neighbours_before_unpacked_ones_of_its_size():

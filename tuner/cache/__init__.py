@@ -38,12 +38,12 @@ statuses). This module exports the names the rest of ring-tuner uses.
 
 from tuner.cache.files import Rejected, parse_jsonl, read_jsonl, read_shipped, write_jsonl
 from tuner.cache.lookup import Lookup
-from tuner.cache.rows import (COLUMNS, FEATURES, SOURCES, TABLE, make_row, row_config, row_digest, row_key, row_params,
-                              row_problem, warn_once)
+from tuner.cache.rows import (COLUMNS, FEATURES, NEAR, NEAR_BEST, SOURCES, TABLE, make_row, near_configs, row_config,
+                              row_digest, row_key, row_params, row_problem, warn_once)
 from tuner.registry.versions import VERSION_FIELDS, current_versions, stale_reason
 from tuner.cache.store import LOADER_BUSY_TIMEOUT_S, Cache, CacheError, Listing, writes
 
-__all__ = ["COLUMNS", "FEATURES", "LOADER_BUSY_TIMEOUT_S", "SOURCES", "TABLE", "VERSION_FIELDS", "Cache",
-           "CacheError", "Listing", "Lookup", "Rejected", "current_versions", "make_row", "parse_jsonl", "read_jsonl",
-           "read_shipped", "row_config", "row_digest", "row_key", "row_params", "row_problem", "stale_reason",
-           "warn_once", "write_jsonl", "writes"]
+__all__ = ["COLUMNS", "FEATURES", "LOADER_BUSY_TIMEOUT_S", "NEAR", "NEAR_BEST", "SOURCES", "TABLE", "VERSION_FIELDS",
+           "Cache", "CacheError", "Listing", "Lookup", "Rejected", "current_versions", "make_row", "near_configs",
+           "parse_jsonl", "read_jsonl", "read_shipped", "row_config", "row_digest", "row_key", "row_params",
+           "row_problem", "stale_reason", "warn_once", "write_jsonl", "writes"]

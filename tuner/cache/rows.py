@@ -16,6 +16,11 @@ A search row's key is its `ProblemKey` digest (as it has always been, so shipped
 keep their keys); a row of another source has the digest of the key and the source (`row_digest`).
 Rows written before the `source` column existed are search rows (`upgrade`).
 
+A search row also keeps the search's near-best configs (`near_best`, a JSON list of configs in
+`Config.to_dict` form, the winner first): the configs its trials timed within `NEAR` of its best, at most
+`NEAR_BEST` of them. A new problem's warm start ranks configs by how many of its nearest neighbours found
+them near-best (`tuner.tuning.warm`). Rows written before the column existed hold none (`upgrade`).
+
 The cache trusts nothing it reads, so this module says what a row must be before anything uses it
 (`row_problem`, `check_row`), how a row is built from a measurement (`make_row`), what it holds
 (`row_key`, `row_config`, `row_params`), whether it is current (`stale_reason` against
@@ -31,6 +36,7 @@ import json
 import logging
 import math
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +62,10 @@ COLUMNS: dict[str, type] = {
     "best_s": float, "default_s": float, "speedup": float,
     "trials_run": int, "trials_pruned": int, "trials_failed": str,
     "measured_at": str, "tool_version": str, "study": str,
-    **{f: str for f in VERSION_FIELDS}, "source": str,
+    **{f: str for f in VERSION_FIELDS}, "source": str, "near_best": str,
 }
+NEAR = 1.05  # a trial within this factor of the study's best trial is near-best
+NEAR_BEST = 8  # at most this many near-best configs are kept per row
 SOURCES = ("search", "bench", "compiled")
 UNTIMED_DEFAULT = ("default_s", "speedup")  # null in the rows of a source other than search
 INDEXES = {"tuned_family": FAMILY_FIELDS, "tuned_measured_at": ("measured_at",)}
@@ -156,6 +164,22 @@ def _config(row: dict[str, Any]) -> Config | None:
     return None if implementation is None else registry.config_from_parts(implementation, fwd, bwd)
 
 
+def _check_near_best(text: str, implementation: registry.Implementation | None) -> None:
+    """`ValueError` unless `text` is a JSON list of at most `NEAR_BEST` configs, each valid for
+    `implementation` (where it is registered in this process)."""
+    try:
+        near = parse_json(text)
+    except ValueError as error:
+        raise ValueError(f"near_best is {error}") from None
+    if not (isinstance(near, list) and len(near) <= NEAR_BEST and all(isinstance(c, dict) for c in near)):
+        raise ValueError(f"near_best must be a JSON list of at most {NEAR_BEST} configs, got {text[:80]!r}")
+    for number, config in enumerate(near if implementation is not None else ()):
+        try:
+            implementation.config_type.from_dict(config)
+        except ValueError as error:
+            raise ValueError(f"near_best[{number}]: {error}") from None
+
+
 def check_date(value: Any, name: str) -> None:
     """`ValueError` naming `name` unless `value` is an ISO date and time."""
     try:
@@ -204,7 +228,8 @@ def _check_row(row: dict[str, Any]) -> None:
         raise ValueError(f"trials_failed must map reasons to counts, got {row['trials_failed'][:80]!r}")
     check_date(row["measured_at"], "measured_at")
     _check_features(json_object(row["features"], "features"), row["head_dim"])
-    _config(row)
+    registered = _config(row) is not None
+    _check_near_best(row["near_best"], registry.find(row["backend"]) if registered else None)
     digest = row_digest(row_key(row), row["source"])
     if digest != row["key"]:
         raise ValueError(f"field 'key' is {row['key']!r} but the key fields and source hash to {digest!r}")
@@ -251,8 +276,11 @@ def row_digest(key: ProblemKey, source: str) -> str:
 
 def upgrade(row: dict[str, Any]) -> dict[str, Any]:
     """`row` as the current schema has it: a whole row written before the `source` column is a search
-    row (anything else -- a part of a row, a count -- is returned as it is)."""
-    return {**row, "source": "search"} if "fwd_params" in row and "source" not in row else row
+    row, and one written before the `near_best` column has no near-best configs (anything else -- a part of
+    a row, a count -- is returned as it is)."""
+    if "fwd_params" not in row:
+        return row
+    return {"source": "search", "near_best": "[]", **row}
 
 
 def row_key(row: dict[str, Any]) -> ProblemKey:
@@ -280,6 +308,13 @@ def row_config(row: dict[str, Any]) -> Config:
     return config
 
 
+def near_configs(row: dict[str, Any]) -> list[Config]:
+    """The near-best configs of a valid cache row of a registered implementation, winner first (the winner
+    alone for a row that keeps none)."""
+    winner = row_config(row)
+    return [type(winner).from_dict(c) for c in json.loads(row["near_best"])] or [winner]
+
+
 def row_params(row: dict[str, Any]) -> tuple[FwdParams, BwdParams]:
     """The forward and backward tiles of a valid cache row of a ring."""
     config = row_config(row)
@@ -292,17 +327,20 @@ def features_text(features: dict[str, Any]) -> str:
 
 
 def make_row(key: ProblemKey, fwd: FwdParams | Config, bwd: BwdParams | None = None, *, versions: dict[str, str],
-             tool_version: str, source: str = "search", **measured: Any) -> dict[str, Any]:
+             tool_version: str, source: str = "search", near_best: Iterable[Config] = (),
+             **measured: Any) -> dict[str, Any]:
     """A complete cache row of `source`: key fields, the config (or a ring's `fwd` and `bwd` tiles) as
-    JSON, versions, timestamp and `measured` fields (objective, best_s, default_s, speedup, trials_run,
-    trials_pruned, trials_failed, study)."""
+    JSON, versions, timestamp, the near-best configs (winner first; the first `NEAR_BEST` kept) and
+    `measured` fields (objective, best_s, default_s, speedup, trials_run, trials_pruned, trials_failed,
+    study)."""
     parts = fwd.to_dict() if bwd is None else {"fwd": fwd.to_dict(), "bwd": bwd.to_dict()}
     fields_ = key_columns(key)
     failed = measured.pop("trials_failed", {})
     row = {"key": row_digest(key, source), **fields_, "source": source, "fwd_params": json.dumps(parts["fwd"]),
            "bwd_params": json.dumps(parts["bwd"]), "trials_failed": json.dumps(failed, sort_keys=True),
            "measured_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-           "tool_version": tool_version, **versions, **measured}
+           "tool_version": tool_version, **versions, **measured,
+           "near_best": json.dumps([c.to_dict() for c in list(near_best)[:NEAR_BEST]], sort_keys=True)}
     check_row(row)
     return row
 

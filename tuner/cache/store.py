@@ -127,6 +127,8 @@ class Cache:
                 db[TABLE].create(COLUMNS, pk="key", if_not_exists=True)
                 if "source" not in db[TABLE].columns_dict:  # written before decisions had one table
                     db[TABLE].add_column("source", str, not_null_default="search")
+                if "near_best" not in db[TABLE].columns_dict:  # written before searches kept them
+                    db[TABLE].add_column("near_best", str, not_null_default="[]")
                 missing = set(COLUMNS) - set(db[TABLE].columns_dict)
                 if missing:
                     raise CacheError(f"the cache at {self.path} has no column(s) {', '.join(sorted(missing))}: "

@@ -49,7 +49,7 @@ from tuner.tuning.shared import Shared, worker_name
 from tuner.tuning.options import SearchOptions
 from tuner.tuning.study import (counted, default_storage, enqueue, finished, make_sampler, open_storage,
                                 study_name, taken)
-from tuner.tuning.trials import Measured, Trials, retime
+from tuner.tuning.trials import Measured, Trials, near_best, retime
 from tuner.tuning.warm import warm_start
 from tuner.tuning.workers import quiet_heartbeats, reconnecting, run_until_decided
 
@@ -204,7 +204,8 @@ def search(
         row = make_row(key, winner.config, versions=versions, tool_version=__version__,
                        objective=options.objective, best_s=winner.seconds, default_s=default.seconds,
                        speedup=default.seconds / winner.seconds, trials_run=len(trials), trials_pruned=pruned,
-                       trials_failed=dict(counts), study=name)
+                       trials_failed=dict(counts), study=name,
+                       near_best=near_best(state, trials, winner.config))
         mine = {"row": row, "default": default.to_dict(), "best": winner.to_dict(), "failures": failures,
                 "covered": state.exhausted, "best_from": min(measured, key=lambda n: measured[n].seconds)}
         decision = reconnecting(storage_url, lambda: shared.decide(name, mine, len(trials)), options.reconnect)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import optuna
 
 from tuner import registry
+from tuner.cache import NEAR, NEAR_BEST
 from tuner.registry import Config
 from tuner.semantics import documents
 from tuner.semantics.problem import Problem
@@ -224,4 +225,16 @@ def retime(state: Trials, trials: list[optuna.trial.FrozenTrial]
     return {name: Measured(names[name], *timings[name]) for name in names}, failures
 
 
-__all__ = ["DUPLICATES_IN_A_ROW", "Measured", "Trials", "retime"]
+def near_best(state: Trials, trials: list[optuna.trial.FrozenTrial], winner: Config) -> list[Config]:
+    """What the search keeps for warm starts (`tuner.cache.rows`): `winner`, then the configs of the complete
+    trials within `NEAR` of the best trial's value, fastest first, at most `NEAR_BEST` in all."""
+    complete = sorted((t for t in trials if t.state == optuna.trial.TrialState.COMPLETE), key=lambda t: t.value)
+    configs = [winner]
+    for t in complete:
+        config = state.space.config(t.params, state.default)
+        if t.value <= NEAR * complete[0].value and config not in configs:
+            configs.append(config)
+    return configs[:NEAR_BEST]
+
+
+__all__ = ["DUPLICATES_IN_A_ROW", "Measured", "Trials", "near_best", "retime"]
