@@ -35,6 +35,25 @@ def test_each_row_is_a_permutation_that_fills_every_device_in_token_order():
     np.testing.assert_array_equal(np.asarray(traced), order)  # the same inside jit, on traced ids
 
 
+@pytest.mark.parametrize("total, ring, tile, chunk", [
+    (4096, 8, 64, 64), (131072, 8, 16, 128), (131072, 8, 64, 128),  # whole tiles; coarser on long rows
+    (6144, 4, 128, 128), (12288, 4, 64, 64),
+    (100000, 8, 128, 250), (100008, 8, 128, 463),  # shards of 12500 and 12501 = 3 x 4167 tokens
+    (8 * 1021, 8, 64, 1021),  # a prime shard: one chunk
+])
+def test_a_row_is_cut_into_whole_chunks_at_least_a_tile_long_and_at_most_1024_of_them(total, ring, tile, chunk):
+    """The plan counts chunk pairs, so a row of a length the tile does not divide must not be cut into chunks
+    of a few tokens: a row of 100008 tokens over 8 devices was cut into 100008 chunks of one token, and
+    planning it asked for 41 GB."""
+    local = total // ring
+    assert documents.chunk_size(total, ring, (tile, tile)) == chunk
+    assert local % chunk == 0 and chunk >= min(tile, local) and total // chunk <= documents.COUNTED_TILES
+    if local % tile == 0:
+        assert chunk % tile == 0
+    order = layouts.document_order(np.repeat(np.arange(total // 300 + 1), 300)[None, :total], ring, tile=tile)
+    assert sorted(order[0].tolist()) == list(range(total))
+
+
 @given(st.lists(st.integers(1, 300), min_size=1, max_size=12), st.sampled_from([2, 4, 8]), st.booleans())
 @settings(max_examples=5)
 def test_never_more_work_than_the_best_fixed_layout(lengths, ring, causal):

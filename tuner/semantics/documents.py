@@ -9,7 +9,8 @@ The kernels skip a tile pair when the position and segment ranges of its two til
 per batch row, deals whole chunks of the row to the devices:
 
 1. Chunks. The row, in token order, is cut into chunks of the kernel's tile (the larger of the query
-   and key tiles; coarser on long rows, so that a row has at most `COUNTED_TILES` chunks). A chunk is
+   and key tiles; coarser on long rows, so that a row has at most `COUNTED_TILES` chunks, and on a
+   shard the tile does not divide, the next divisor of the shard: `chunk_size`). A chunk is
    a run of neighbouring tokens, so its position and segment ranges are as tight as a contiguous
    layout's tiles: whichever device holds it, the ring skips as much as it can at this tile size.
 2. Cost. A chunk's cost is the number of chunks its queries may read, by the kernels' own skip rule
@@ -23,8 +24,9 @@ per batch row, deals whole chunks of the row to the devices:
 `busiest` counts the tiles the busiest device computes, exactly as the ring skips them, and
 `tuner.semantics.layouts.document_order` takes, per row, the plan or the fixed layout with the fewest:
 never more work on the busiest device than the best fixed layout. Worst case: a shard that is not a
-whole number of tiles, where the chunks are cut shorter than a tile and a tile spans chunks from far
-apart; a fixed layout is then often chosen.
+whole number of tiles, where the chunks are not whole tiles (longer than a tile: up to the whole shard,
+where its length is prime) and a tile spans chunks from far apart; a fixed layout is then often chosen.
+The plan's cost is at most `COUNTED_TILES` squared chunk pairs a row, whatever the length.
 
 Everything is array operations of fixed shapes (sorts, sums, comparisons of `[n, n]` chunk pairs), so
 the layout is computed inside `jax.jit` from traced segment ids, and on the host from NumPy arrays alike."""
@@ -32,7 +34,6 @@ the layout is computed inside `jax.jit` from traced segment ids, and on the host
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 
 import jax
@@ -53,14 +54,16 @@ DECLARED_ROWS = 4  # the rows of a drawn packing its default tile is chosen on
 
 
 def chunk_size(total: int, ring: int, tiles: tuple[int, int]) -> int:
-    """The chunk the plan deals for a row of `total` tokens: the larger tile (cut to the shard), doubled
-    while the row has more than `COUNTED_TILES` chunks and the shard stays a whole number of them; a
-    divisor of the shard always (the largest one dividing the tile, where the tile does not)."""
+    """The chunk the plan deals for a row of `total` tokens over `ring` devices: the smallest divisor of
+    the shard that is at least the larger tile (cut to the shard) and leaves the row at most
+    `COUNTED_TILES` chunks, and a multiple of that tile where the tile divides the shard. A divisor, so
+    every device holds whole chunks; at least the tile, so a row whose shard the tile does not divide is
+    not cut into chunks of a few tokens, whose pairs the plan would count by the billion."""
     local = total // ring
-    chunk = math.gcd(local, min(max(tiles), local))
-    while total // chunk > COUNTED_TILES and local % (2 * chunk) == 0:
-        chunk *= 2
-    return chunk
+    tile = min(max(tiles), local)
+    step = tile if local % tile == 0 else 1
+    least = max(tile, -(-total // COUNTED_TILES))
+    return next(d for d in range(-(-least // step) * step, local + 1, step) if local % d == 0)
 
 
 def row_useful(segments, spec: AttentionSpec):
