@@ -397,6 +397,34 @@ def test_a_config_near_best_on_several_neighbours_is_queued_before_any_ones_winn
                             f"{near[1][1]['key'][:8]} (distance 1.5)")
 
 
+def test_on_a_tpu_the_models_fastest_configs_follow_the_neighbours(tmp_path):
+    """A pallas_tpu study on a v5e with no tuned neighbour queues, after the default, the analytic model's two
+    fastest admitted forward tiles that it times apart; on the CPU, and for the scan backend, there is no
+    model and nothing is queued."""
+    from tuner.models import tpu_model
+    from tuner.tuning.warm import model_picks, warm_start
+
+    problem = Problem(batch=1, seq_len=4096, heads=8, kv_heads=8, head_dim=128, causal=True, ring_size=4,
+                      dtype="bfloat16")
+    pallas = registry.get("pallas_tpu")
+    space, default = pallas.space(problem.shapes, problem.spec), pallas.default_config(problem.shapes, problem.spec)
+    chip = tpu_model.CHIPS["v5e"]
+    timed = sorted(((tpu_model.predict(problem, chip, fwd=c.fwd).seconds, c) for c in space.grid(default, ("fwd",))
+                    if pallas.violation(problem.shapes, problem.spec, c, ("fwd",)) is None), key=lambda t: t[0])
+    fastest = [c for i, (s, c) in enumerate(timed) if c != default and all(s != t for t, _ in timed[:i])][:2]
+    study = optuna.create_study()
+    key = registry.problem_key(problem, "pallas_tpu", "TPU v5 lite")
+    sources = warm_start(study, Cache(tmp_path / "t.sqlite"), problem, key, registry.versions(pallas), pallas, space,
+                         default, ("fwd",))
+    queued = [space.config(t.system_attrs["fixed_params"], default) for t in study.get_trials(deepcopy=False)]
+    assert queued == fastest and all(s.startswith("model (") for s in sources), sources
+    assert model_picks(problem, "cpu", pallas, space, default, ("fwd",), [default]) == []
+    scan = registry.get("scan")
+    scan_default = scan.default_config(problem.shapes, problem.spec)
+    assert model_picks(problem, "TPU v5 lite", scan, scan.space(problem.shapes, problem.spec), scan_default, ("fwd",),
+                       [scan_default]) == []
+
+
 def test_a_packed_problem_warms_from_packed_neighbours_before_unpacked_ones_of_its_size():
     """Packed documents want short tiles: for a packed problem the packed neighbour four times as long is
     nearer than the unpacked one of the same size, and for the unpacked problem it is the other way round."""

@@ -11,7 +11,8 @@ alone: an upper bound when documents would let tiles be skipped).
 
 Rates are the published per-chip figures (`CHIPS`, each with its source); what is assumed rather than
 published says so. The model ranks tiles against each other on one chip; its absolute times are
-estimates, never measurements, and are stored as such (source `compiled`).
+estimates, never measurements, and are stored as such (source `compiled`). A search on a TPU starts
+from the model's fastest configs after the neighbours' (`ranked`, `tuner.tuning.warm`).
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 import numpy as np
 
+from tuner import registry
+from tuner.kernels import tpu_memory
 from tuner.models import tiles
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.semantics.problem import Problem
 
 GRID_STEP_S = 0.35e-6  # assumed cost of one Pallas grid iteration on a TPU (pipeline bookkeeping, DMA issue)
+MODELLED = "pallas_tpu"  # the implementation whose kernels the model times
 FLOAT32_PASSES = 6  # float32 matmuls at HIGHEST precision run as 6 bf16 passes (jax.lax.Precision docs)
 
 
@@ -122,4 +126,24 @@ def predict(problem: Problem, chip: Chip, fwd: FwdParams | None = None, bwd: Bwd
                       sum(k.grid * int((k.flops > 0).sum()) for k in kernels))
 
 
-__all__ = ["CHIPS", "Chip", "GRID_STEP_S", "Prediction", "predict"]
+def ranked(problem: Problem, device_kind: str, implementation: registry.Implementation, space: registry.Space,
+           default: registry.Config, parts: tuple[str, ...]) -> list[tuple[float, registry.Config]]:
+    """(predicted seconds, config) of the points of `space` whose `parts` `implementation` admits (their
+    other parts `default`'s), fastest first, on chips of `device_kind`; for a forward and backward space,
+    the i-th fastest forward with the i-th fastest backward. Empty where the model does not time this
+    implementation (it models the `MODELLED` kernels) or has no rates for this device kind."""
+    chip = CHIPS.get(tpu_memory.CHIPS.get(device_kind, ""))
+    if implementation.name != MODELLED or chip is None:
+        return []
+    by_part = []
+    for part in parts:
+        admitted = [c for c in space.grid(default, (part,))
+                    if implementation.violation(problem.shapes, problem.spec, c, (part,)) is None]
+        by_part.append(sorted(((predict(problem, chip, **{part: getattr(c, part)}).seconds, c) for c in admitted),
+                              key=lambda timed: timed[0]))
+    if len(by_part) == 1:
+        return by_part[0]
+    return [(f[0] + b[0], registry.combine(implementation, f[1], b[1])) for f, b in zip(*by_part)]
+
+
+__all__ = ["CHIPS", "Chip", "GRID_STEP_S", "MODELLED", "Prediction", "predict", "ranked"]

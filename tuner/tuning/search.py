@@ -163,7 +163,7 @@ def search(
     state = Trials(problem, chosen, options, shared, name)
     enqueue(study, [state.default], state.space, state.parts)
     if options.warm_start:
-        warm_start(study, cache, key, versions, chosen, state.space, state.default, state.parts)
+        warm_start(study, cache, problem, key, versions, chosen, state.space, state.default, state.parts)
     if options.sampler == "grid":
         grid = [c for c in state.space.grid(state.default, state.parts) if c != state.default]
         enqueue(study, grid[:options.trials - 1], state.space, state.parts, source="grid")

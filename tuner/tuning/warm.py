@@ -8,8 +8,10 @@ nearest votes for its near-best configs (its winner and the configs its trials t
 is noisy and tiles near the best are near-ties, so a config near-best on several neighbours is a surer
 bet than one neighbour's winner (`docs/tuning.md`, "How good the search is"). Where the votes give fewer
 than `NEIGHBOURS` configs, the winners of the next nearest problems follow. Each is queued with `source`
-"nearest <key> (distance d)", naming every neighbour that voted for it. A config is queued once, and not at
-all where it is the default (the study's first trial) or a config this problem's space does not hold
+"nearest <key> (distance d)", naming every neighbour that voted for it. Where an analytic model times the
+implementation on this device (`tuner.models.tpu_model`: the pallas_tpu ring on a TPU), its `MODEL_PICKS`
+fastest admitted configs follow, with `source` "model (t ms predicted)". A config is queued once, and not
+at all where it is the default (the study's first trial) or a config this problem's space does not hold
 (tiles larger than its shards). Then the sampler takes over. `tuner search --no-warm-start` turns it off.
 """
 
@@ -24,10 +26,12 @@ import optuna
 from tuner import registry
 from tuner.cache import Cache, near_configs, row_config
 from tuner.registry import Config
-from tuner.semantics.problem import ProblemKey
+from tuner.models import tpu_model
+from tuner.semantics.problem import Problem, ProblemKey
 from tuner.tuning.study import enqueue
 
-NEIGHBOURS = 3  # how many configs a study starts from, after the default
+NEIGHBOURS = 3  # how many configs the nearest tuned problems give a study, after the default
+MODEL_PICKS = 2  # how many of the analytic model's fastest follow them, where a model times the implementation
 CONSENSUS = 3  # how many of the nearest tuned problems vote with their near-best configs
 CONSIDERED = 12  # how many of the nearest tuned problems are read
 
@@ -78,16 +82,38 @@ def winners(near: Iterable[tuple[float, dict[str, Any]]], implementation: regist
     return list(chosen.values())
 
 
-def warm_start(study: optuna.Study, cache: Cache, key: ProblemKey, versions: dict[str, str],
+def model_picks(problem: Problem, device_kind: str, implementation: registry.Implementation, space: registry.Space,
+                default: Config, parts: tuple[str, ...], taken: list[Config]) -> list[tuple[Config, str]]:
+    """(config, source) of the analytic model's `MODEL_PICKS` fastest configs (`tuner.models.tpu_model.ranked`:
+    the pallas_tpu ring on a TPU it has rates for; none elsewhere) other than `taken` in the tuned `parts`.
+    Configs the model times alike (it does not see every setting) give one pick at most: the first of them,
+    none where one of them is taken."""
+    def name(config: Config) -> str:
+        return json.dumps(space.params(config, parts), sort_keys=True)
+
+    seen, predicted = {name(config) for config in taken}, set()
+    picks = []
+    for seconds, config in tpu_model.ranked(problem, device_kind, implementation, space, default, parts):
+        if len(picks) == MODEL_PICKS:
+            break
+        if name(config) not in seen and seconds not in predicted:
+            picks.append((config, f"model ({seconds * 1e3:.3g} ms predicted)"))
+        seen.add(name(config))
+        predicted.add(seconds)
+    return picks
+
+
+def warm_start(study: optuna.Study, cache: Cache, problem: Problem, key: ProblemKey, versions: dict[str, str],
                implementation: registry.Implementation, space: registry.Space, default: Config,
                parts: tuple[str, ...]) -> list[str]:
-    """Queue in `study` the configs the nearest tuned problems found good (`winners`); returns the sources
-    queued."""
-    queued = []
-    for config, source in winners(cache.neighbours(key, versions, CONSIDERED), implementation, space, default, parts):
+    """Queue in `study` the configs the nearest tuned problems found good (`winners`), then the analytic
+    model's fastest (`model_picks`); returns the sources queued."""
+    chosen = winners(cache.neighbours(key, versions, CONSIDERED), implementation, space, default, parts)
+    chosen += model_picks(problem, key.device_kind, implementation, space, default, parts,
+                          [default, *(config for config, _ in chosen)])
+    for config, source in chosen:
         enqueue(study, [config], space, parts, source=source)
-        queued.append(source)
-    return queued
+    return [source for _, source in chosen]
 
 
-__all__ = ["CONSENSUS", "CONSIDERED", "NEIGHBOURS", "in_space", "warm_start", "winners"]
+__all__ = ["CONSENSUS", "CONSIDERED", "MODEL_PICKS", "NEIGHBOURS", "in_space", "model_picks", "warm_start", "winners"]
