@@ -42,6 +42,11 @@ def in_space(config: Config, space: registry.Space, default: Config, parts: tupl
                for part in parts)
 
 
+def point(config: Config, space: registry.Space, parts: tuple[str, ...]) -> str:
+    """The name of `config` in `space` by its tuned `parts`: two configs of one name are one trial."""
+    return json.dumps(space.params(config, parts), sort_keys=True)
+
+
 def winners(near: Iterable[tuple[float, dict[str, Any]]], implementation: registry.Implementation,
             space: registry.Space, default: Config, parts: tuple[str, ...]) -> list[tuple[Config, str]]:
     """(config, source) of the first `NEIGHBOURS` distinct configs to queue from the ranked (distance, row)
@@ -49,7 +54,7 @@ def winners(near: Iterable[tuple[float, dict[str, Any]]], implementation: regist
     winners; only configs `implementation` accepts, `space` holds, and that differ from `default` in the
     tuned `parts`."""
     def name(config: Config) -> str:
-        return json.dumps(space.params(config, parts), sort_keys=True)
+        return point(config, space, parts)
 
     def usable(config: Config) -> bool:
         try:
@@ -88,17 +93,14 @@ def model_picks(problem: Problem, device_kind: str, implementation: registry.Imp
     the pallas_tpu ring on a TPU it has rates for; none elsewhere) other than `taken` in the tuned `parts`.
     Configs the model times alike (it does not see every setting) give one pick at most: the first of them,
     none where one of them is taken."""
-    def name(config: Config) -> str:
-        return json.dumps(space.params(config, parts), sort_keys=True)
-
-    seen, predicted = {name(config) for config in taken}, set()
+    seen, predicted = {point(config, space, parts) for config in taken}, set()
     picks = []
     for seconds, config in tpu_model.ranked(problem, device_kind, implementation, space, default, parts):
         if len(picks) == MODEL_PICKS:
             break
-        if name(config) not in seen and seconds not in predicted:
+        if point(config, space, parts) not in seen and seconds not in predicted:
             picks.append((config, f"model ({seconds * 1e3:.3g} ms predicted)"))
-        seen.add(name(config))
+        seen.add(point(config, space, parts))
         predicted.add(seconds)
     return picks
 
@@ -116,4 +118,5 @@ def warm_start(study: optuna.Study, cache: Cache, problem: Problem, key: Problem
     return [source for _, source in chosen]
 
 
-__all__ = ["CONSENSUS", "CONSIDERED", "MODEL_PICKS", "NEIGHBOURS", "in_space", "model_picks", "warm_start", "winners"]
+__all__ = ["CONSENSUS", "CONSIDERED", "MODEL_PICKS", "NEIGHBOURS", "in_space", "model_picks", "point", "warm_start",
+           "winners"]
