@@ -23,9 +23,12 @@ from tuner.semantics.reference import dense_attention
 PROBLEM = ["--seq-len", "128", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--ring-size", "2"]
 
 
-def tuner(*args: str, home, **kwargs) -> subprocess.CompletedProcess:
+def tuner(*args: str, home, as_a_user: bool = False, **kwargs) -> subprocess.CompletedProcess:
+    """`tuner ARGS` in a subprocess; `as_a_user`: without the suite's JAX_PLATFORMS, as a shell runs it."""
     env = {**os.environ, "TUNER_HOME": str(home)}
     env.pop("XLA_FLAGS", None)
+    if as_a_user:
+        env.pop("JAX_PLATFORMS", None)
     return subprocess.run([sys.executable, "-m", "tuner.cli", *args], capture_output=True, text=True,
                           timeout=600, env=env, **kwargs)
 
@@ -39,7 +42,7 @@ def stored_key(stdout: str) -> str:
 @pytest.fixture(scope="module")
 def searched(tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
-    result = tuner("search", "--device", "cpu", *PROBLEM, "--trials", "3", "--runs", "1", home=home)
+    result = tuner("search", "--device", "cpu", *PROBLEM, "--trials", "3", "--runs", "1", home=home, as_a_user=True)
     assert result.returncode == 0, result.stderr
     return home, result
 
@@ -52,6 +55,8 @@ def test_search_prints_the_summary_table(searched):
     assert "3 in the study (3 run now)" in out
     assert "search" in result.stderr  # the progress bar
     assert re.search(r"best \d+\.\d\dx speedup", result.stderr), "the bar's best reads as the table's speedup"
+    # --device cpu starts no other backend: a TPU runtime installed beside jax (the test extra's libtpu) warns
+    assert "TPU" not in result.stderr, result.stderr
 
 
 def test_the_call_search_prints_hits_the_searched_entry_and_matches_dense(searched, monkeypatch):

@@ -25,11 +25,16 @@ def fail(message: str, status: int = 2) -> int:
 
 
 def simulate_cpu_devices(count: int) -> None:
-    """Before jax starts: make the CPU client expose `count` devices, and tune on the CPU."""
+    """Before jax starts a backend: make the CPU client expose `count` devices, and start no other (jax read
+    `JAX_PLATFORMS` when it was imported, so its config is set too: a TPU runtime installed beside it would
+    otherwise start, and warn, on a machine without a TPU)."""
+    import jax
+
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
     os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={count}"])
     os.environ["JAX_PLATFORMS"] = "cpu"
+    jax.config.update("jax_platforms", "cpu")
 
 
 def prepare_device(args: argparse.Namespace) -> None:
