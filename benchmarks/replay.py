@@ -48,8 +48,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import optuna  # noqa: E402
+from landscape import part_params  # noqa: E402
 
 from tuner import registry  # noqa: E402
 from tuner.semantics.problem import Problem  # noqa: E402
@@ -184,8 +186,7 @@ def load(file: Path, recorded_default: bool = False) -> tuple[dict, Problem, obj
     default = implementation.default_config(problem.shapes, problem.spec)
     for part, landscape in recorded["parts"].items():
         if recorded_default or landscape["device_kind"] != "cpu":
-            default = space.config({f"{part}.{k}": v for k, v in landscape["default"].items() if v is not None},
-                                   default)
+            default = space.config(part_params(part, landscape["default"]), default)
     return recorded, problem, implementation, space, default
 
 
@@ -210,7 +211,7 @@ def warm_configs(file: Path, files: list[Path], part: str, recorded_default: boo
         valued = Landscape(part, theirs["parts"][part])
         ranked = sorted(((valued.seconds(p["config"]), p["config"]) for p in theirs["parts"][part]["points"]
                          if p["status"] == "ok"), key=lambda point: point[0])
-        near = [their_space.config({f"{part}.{k}": v for k, v in config.items() if v is not None}, their_default)
+        near = [their_space.config(part_params(part, config), their_default)
                 for seconds, config in ranked[:NEAR_BEST] if seconds <= NEAR * valued.best]
         their_key = registry.problem_key(their_problem, their_implementation.name, theirs["parts"][part]["device_kind"])
         rows.append(make_row(their_key, near[0], versions=versions, tool_version="replay", objective=part, best_s=1.0,

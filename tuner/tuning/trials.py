@@ -231,8 +231,10 @@ def near_best(state: Trials, trials: list[optuna.trial.FrozenTrial], winner: Con
     complete = sorted((t for t in trials if t.state == optuna.trial.TrialState.COMPLETE), key=lambda t: t.value)
     configs = [winner]
     for t in complete:
+        if t.value > NEAR * complete[0].value:
+            break
         config = state.space.config(t.params, state.default)
-        if t.value <= NEAR * complete[0].value and config not in configs:
+        if config not in configs:
             configs.append(config)
     return configs[:NEAR_BEST]
 
