@@ -103,3 +103,35 @@ def test_tile_schedule_lists_every_allowed_tile_and_unmasks_only_whole_allowed_o
                 elif whole and tile.all() and not spec.has_segments and spec.window is None:
                     raise AssertionError(f"whole allowed tile {(b, qt, kt)} is masked")
     assert unmasked > 0
+
+
+@pytest.mark.parametrize("fused_dq", [True, False])
+def test_the_scan_kernel_visits_only_the_pairs_its_masks_let_through(fused_dq):
+    """One block of 8 tiles, causal, a document every 2 tiles: 3 of each document's 4 tile pairs are
+    allowed, 12 in all. The forward computes each once, the backward once per pass (dk/dv, and dq when
+    separate)."""
+    from tuner.kernels import BACKENDS
+    from tuner.semantics.spec import AttentionSpec
+
+    scan, t, tile = BACKENDS["scan"], 64, 8
+    spec = AttentionSpec(scale=0.5, causal=True, has_segments=True)
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    seg = pos // (2 * tile)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, t, 2, 8)), jnp.float32)
+    bwd = BwdParams(tile, tile) if fused_dq else BwdParams(tile, tile, block_q_dq=tile, block_kv_dq=tile)
+
+    def forward(q):
+        return scan.block_fwd(q, x, x, pos, pos, seg, seg, None, spec=spec, params=FwdParams(tile, tile))
+
+    def backward(q):
+        out, lse = forward(q)
+        return scan.block_bwd(q, x, x, out, lse, x, jnp.zeros(lse.shape), pos, pos, seg, seg, None, spec=spec,
+                              params=bwd)
+
+    with count_work() as forward_counts:
+        jax.block_until_ready(jax.jit(forward)(x))
+    with count_work() as both_counts:
+        jax.block_until_ready(jax.jit(backward)(x))
+    allowed = 12 * tile * tile
+    assert forward_counts["tile_area"][0] == allowed
+    assert both_counts["tile_area"][0] == allowed * (2 if fused_dq else 3)

@@ -1,9 +1,11 @@
-"""The scan backend's kernel: blockwise flash attention in pure JAX, with `lax.scan` over tiles.
+"""The scan backend's kernel: blockwise flash attention in pure JAX, with loops over tile pairs.
 
-Queries are cut into `block_q` tiles and keys into `block_kv` tiles; for each query tile an online
-softmax runs over the key tiles. A tile pair whose position / segment ranges exclude every pair
-(`masks.may_attend`) is skipped: each loop runs over the list of the tiles it visits
-(`Operands.visits`), so a skipped tile costs no iteration at all.
+Queries are cut into `block_q` tiles and keys into `block_kv` tiles. The loops run over the list of
+the (query tile, key tile) pairs the masks let through (`Operands.visits`), so a pair whose position /
+segment ranges exclude every pair (`masks.may_attend`) costs no iteration at all. The forward runs,
+per query tile, one loop over its key tiles, the online softmax in the loop's carry. The backward runs
+one loop over all the visited pairs, adding each pair's gradients in place into buffers of all tiles:
+with no loop per tile, a block whose pairs are mostly skipped costs little more than its tiling.
 
 Heads stay grouped: queries are viewed as `[B, Hkv, G, T, D]` (G = H // Hkv query heads per kv head),
 so grouped-query attention never repeats keys or values. Lengths that are not a multiple of the tile
@@ -50,7 +52,7 @@ def _einsum(subscripts: str, a, b):
     return jnp.einsum(subscripts, a, b, preferred_element_type=F32)
 
 
-def _logits(ops: Operands, spec: AttentionSpec, q_tile, i, j, masked: bool, transposed: bool = False):
+def _logits(ops: Operands, spec: AttentionSpec, q_tile, i, j, masked, transposed: bool = False):
     """Logits of tile (i, j), masked to -inf, and the softcap's tanh (or None).
 
     `[B, Hkv, G, bq, bk]` (query rows), or with `transposed` `[B, Hkv, bk, G, bq]` (key rows), which
@@ -75,26 +77,20 @@ def _logits(ops: Operands, spec: AttentionSpec, q_tile, i, j, masked: bool, tran
     return s, tanh
 
 
-def _visit_tiles(ops: Operands, spec: AttentionSpec, codes, compute, carry):
-    """Run `compute(carry, n, masked)` for every tile `n` of a row of tile pairs, in order, where
-    `codes [n]` (a row or column of `Operands.visits`) says how: not at all for 0 (the loop never
-    reaches a skipped tile, so it costs nothing), with `masked=False` (no mask built) for 1, with
-    `masked=True` for 2. Without a mask every tile runs unmasked."""
-    def counted(n, masked: bool):
-        def run(c):
-            work.record("tile_area", ops.tiling.block_q * ops.tiling.block_kv)
-            return compute(c, n, masked)
-        return run
+def _visit(ops: Operands, spec: AttentionSpec, codes, compute, carry):
+    """Run `compute(carry, n, masked)` for every entry `n` of `codes [N]` (tile pairs' codes, from
+    `Operands.visits`) that is not 0, in index order. The loop runs over the list of the visited
+    entries only, so a skipped pair (0) costs no iteration at all. `masked` is a traced bool, true for
+    code 2 (the masks exclude some pairs of the tile, so its mask is built: `Operands.mask`); without a
+    mask it is False."""
+    def run(c, n, masked):
+        work.record("tile_area", ops.tiling.block_q * ops.tiling.block_kv)
+        return compute(c, n, masked)
 
     if not spec.has_mask:
-        return lax.scan(lambda c, n: (counted(n, False)(c), None), carry, jnp.arange(codes.shape[0]))[0]
-    order = jnp.argsort(codes == 0, stable=True)  # the visited tiles first, in index order
-
-    def visit(m, c):
-        n = order[m]
-        return lax.cond(codes[n] == 2, counted(n, True), counted(n, False), c)
-
-    return lax.fori_loop(0, jnp.sum(codes != 0), visit, carry)
+        return lax.fori_loop(0, codes.shape[0], lambda n, c: run(c, n, False), carry)
+    order = jnp.argsort(codes == 0, stable=True)  # the visited entries first, in index order
+    return lax.fori_loop(0, jnp.sum(codes != 0), lambda m, c: run(c, order[m], codes[order[m]] == 2), carry)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -103,7 +99,6 @@ def _visit_tiles(ops: Operands, spec: AttentionSpec, codes, compute, carry):
 
 
 def _forward(ops: Operands, spec: AttentionSpec):
-    tiles = ops.tiling
     visits = ops.visits(spec)
 
     def query_tile(i):
@@ -124,19 +119,20 @@ def _forward(ops: Operands, spec: AttentionSpec):
         init = (jnp.full(stat_shape, -jnp.inf, F32), jnp.zeros(stat_shape, F32),
                 jnp.zeros((*stat_shape, ops.v.shape[-1]), F32))
         init = jax.tree.map(lambda x: vma.like(x, q_tile), init)
-        row_max, row_sum, acc = _visit_tiles(ops, spec, visits[i], key_tile, init)
+        row_max, row_sum, acc = _visit(ops, spec, visits[i], key_tile, init)
         has_mass = row_sum > 0
         safe_sum = jnp.where(has_mass, row_sum, 1.0)
         out = acc / safe_sum[..., None]
         lse = jnp.where(has_mass, row_max + jnp.log(safe_sum), -jnp.inf)
         return out, lse
 
-    out, lse = lax.map(query_tile, jnp.arange(tiles.num_q))  # [nq,B,Hkv,G,bq,(D)]
+    out, lse = lax.map(query_tile, jnp.arange(ops.tiling.num_q))  # [nq,B,Hkv,G,bq,(D)]
     return ops.untile_query(out), ops.untile_row_stat(lse)
 
 
 # --------------------------------------------------------------------------------------------------
-# Backward: a dk/dv pass (key tile held, query tiles streamed) and dq, fused into it or separate.
+# Backward: one loop over the visited pairs, key tile by key tile, adding each pair's dk, dv (and dq,
+# when fused) in place into buffers of all tiles; or a separate dq pass, query tile by query tile.
 # --------------------------------------------------------------------------------------------------
 
 
@@ -146,7 +142,7 @@ class _Grads:
     The dk/dv pass works `transposed` (key rows, see `_logits`); the separate dq pass does not.
     """
 
-    def __init__(self, ops: Operands, spec: AttentionSpec, do, lse, delta, i, j, masked: bool,
+    def __init__(self, ops: Operands, spec: AttentionSpec, do, lse, delta, i, j, masked,
                  transposed: bool):
         self.transposed = transposed
         q_tile, do_tile = ops.q[i], do[i]
@@ -185,31 +181,25 @@ class _Grads:
 
 def _backward(ops: Operands, spec: AttentionSpec, do, lse, delta, dq_ops: Operands | None,
               dq_do=None, dq_lse=None, dq_delta=None):
-    tiles = ops.tiling
     fused = dq_ops is None
-
-    visits = ops.visits(spec)
-
-    def key_tile(outer, j):
-        def query_tile(inner, i, masked):
-            dk, dv, dq, dbias = inner
-            grads = _Grads(ops, spec, do, lse, delta, i, j, masked, transposed=True)
-            dk, dv = dk + grads.dk(ops), dv + grads.dv(ops)
-            if fused:
-                dq = dq.at[i].add(grads.dq(ops, j))
-            if dbias is not None:
-                dbias = dbias.at[ops.bias_index(i, j)].add(grads.dbias(ops, i, j))
-            return dk, dv, dq, dbias
-
-        dq, dbias = outer
-        dk0, dv0 = (vma.like(jnp.zeros(x.shape[1:], F32), ops.q) for x in (ops.k, ops.v))
-        dk, dv, dq, dbias = _visit_tiles(ops, spec, visits[:, j], query_tile, (dk0, dv0, dq, dbias))
-        return (dq, dbias), (dk, dv)
-
     nq, b, hkv, g, bq, d = ops.q.shape
+
+    def pair(grads_so_far, n, masked):
+        j, i = n // nq, n % nq
+        dk, dv, dq, dbias = grads_so_far
+        grads = _Grads(ops, spec, do, lse, delta, i, j, masked, transposed=True)
+        dk, dv = dk.at[j].add(grads.dk(ops)), dv.at[j].add(grads.dv(ops))
+        if fused:
+            dq = dq.at[i].add(grads.dq(ops, j))
+        if dbias is not None:
+            dbias = dbias.at[ops.bias_index(i, j)].add(grads.dbias(ops, i, j))
+        return dk, dv, dq, dbias
+
+    dk0, dv0 = (vma.like(jnp.zeros(x.shape, F32), ops.q) for x in (ops.k, ops.v))
     dq0 = vma.like(jnp.zeros((nq, b, hkv, d, g, bq), F32), ops.q) if fused else None  # transposed
     dbias0 = None if ops.bias is None else vma.like(jnp.zeros(ops.bias.shape, F32), ops.q)
-    (dq, dbias), (dk, dv) = lax.scan(key_tile, (dq0, dbias0), jnp.arange(tiles.num_kv))
+    codes = ops.visits(spec).T.reshape(-1)  # key tile by key tile
+    dk, dv, dq, dbias = _visit(ops, spec, codes, pair, (dk0, dv0, dq0, dbias0))
     if fused:
         dq = jnp.moveaxis(dq, 3, -1)
     else:
@@ -218,17 +208,13 @@ def _backward(ops: Operands, spec: AttentionSpec, do, lse, delta, dq_ops: Operan
 
 
 def _dq_pass(ops: Operands, spec: AttentionSpec, do, lse, delta):
-    visits = ops.visits(spec)
+    def pair(dq, n, masked):
+        i, j = n // ops.tiling.num_kv, n % ops.tiling.num_kv
+        grads = _Grads(ops, spec, do, lse, delta, i, j, masked, transposed=False)
+        return dq.at[i].add(grads.dq(ops, j))
 
-    def query_tile(i):
-        def key_tile(dq, j, masked):
-            grads = _Grads(ops, spec, do, lse, delta, i, j, masked, transposed=False)
-            return dq + grads.dq(ops, j)
-
-        dq0 = vma.like(jnp.zeros(ops.q.shape[1:], F32), ops.q)
-        return _visit_tiles(ops, spec, visits[i], key_tile, dq0)
-
-    return lax.map(query_tile, jnp.arange(ops.tiling.num_q))
+    dq0 = vma.like(jnp.zeros(ops.q.shape, F32), ops.q)
+    return _visit(ops, spec, ops.visits(spec).reshape(-1), pair, dq0)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -12,10 +12,12 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from tuner.semantics import masks
 from tuner.semantics.padding import pad_to
 from tuner.semantics.spec import AttentionSpec
+from tuner.support import vma
 
 
 def _split(x, axis: int, block: int):
@@ -158,15 +160,24 @@ class Operands:
         rows, cols = jnp.arange(self.tiling.num_q), jnp.arange(self.tiling.num_kv)
         return jax.vmap(jax.vmap(code, (None, 0)), (0, None))(rows, cols).astype(jnp.int32)
 
-    def mask(self, spec: AttentionSpec, i, j, masked: bool):
+    def mask(self, spec: AttentionSpec, i, j, masked):
         """Bool `[B, 1, 1, bq, bk]` of readable pairs of tile (i, j), or None if all are readable.
 
-        With `masked=False` the caller knows the spec excludes no pair of this tile; only padding is
-        masked then.
+        `masked` (a traced bool, or False) says whether the spec may exclude pairs of this tile: the
+        spec's mask is built only then (under `lax.cond`), else only padding is masked.
         """
         mask = None
-        if masked:
-            mask = masks.allowed(self.q_pos[i], self.kv_pos[j], *self.segments(i, j), spec)
+        if masked is not False:
+            inputs = (self.q_pos[i], self.kv_pos[j], *self.segments(i, j))
+            shape = (inputs[0].shape[0], inputs[0].shape[1], inputs[1].shape[1])
+
+            def varying(x):  # the branches of a cond in shard_map vary over the same axes
+                for reference in (x for x in inputs if x is not None):
+                    x = vma.like(x, reference)
+                return x
+
+            mask = lax.cond(masked, lambda: varying(masks.allowed(*inputs, spec)),
+                            lambda: varying(jnp.ones(shape, bool)))
         if self.tiling.kv_padded:
             valid = self.kv_valid[j][None, None, :]
             mask = valid if mask is None else mask & valid
