@@ -172,7 +172,7 @@ class Operands:
             shape = (inputs[0].shape[0], inputs[0].shape[1], inputs[1].shape[1])
 
             def varying(x):  # the branches of a cond in shard_map vary over the same axes
-                for reference in (x for x in inputs if x is not None):
+                for reference in (r for r in inputs if r is not None):
                     x = vma.like(x, reference)
                 return x
 
