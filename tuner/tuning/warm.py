@@ -98,9 +98,10 @@ def model_picks(problem: Problem, device_kind: str, implementation: registry.Imp
     for seconds, config in tpu_model.ranked(problem, device_kind, implementation, space, default, parts):
         if len(picks) == MODEL_PICKS:
             break
-        if point(config, space, parts) not in seen and seconds not in predicted:
+        name = point(config, space, parts)
+        if name not in seen and seconds not in predicted:
             picks.append((config, f"model ({seconds * 1e3:.3g} ms predicted)"))
-        seen.add(point(config, space, parts))
+        seen.add(name)
         predicted.add(seconds)
     return picks
 
