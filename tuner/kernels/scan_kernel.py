@@ -2,10 +2,11 @@
 
 Queries are cut into `block_q` tiles and keys into `block_kv` tiles. The loops run over the list of
 the (query tile, key tile) pairs the masks let through (`Operands.visits`), so a pair whose position /
-segment ranges exclude every pair (`masks.may_attend`) costs no iteration at all. The forward runs,
-per query tile, one loop over its key tiles, the online softmax in the loop's carry. The backward runs
-one loop over all the visited pairs, adding each pair's gradients in place into buffers of all tiles:
-with no loop per tile, a block whose pairs are mostly skipped costs little more than its tiling.
+segment ranges exclude every pair (`masks.may_attend`) costs no iteration at all. The forward runs one
+loop over the visited pairs, query tile by query tile, with the online softmax of the current query
+tile in the loop's carry, writing that tile's output as it goes. The backward runs one loop over all
+the visited pairs, adding each pair's gradients in place into buffers of all tiles. With no loop per
+tile, a block whose pairs are mostly skipped costs little more than its tiling.
 
 Heads stay grouped: queries are viewed as `[B, Hkv, G, T, D]` (G = H // Hkv query heads per kv head),
 so grouped-query attention never repeats keys or values. Lengths that are not a multiple of the tile
@@ -94,39 +95,37 @@ def _visit(ops: Operands, spec: AttentionSpec, codes, compute, carry):
 
 
 # --------------------------------------------------------------------------------------------------
-# Forward: for each query tile, an online softmax over the key tiles.
+# Forward: one loop over the visited pairs, query tile by query tile, an online softmax in the carry.
 # --------------------------------------------------------------------------------------------------
 
 
 def _forward(ops: Operands, spec: AttentionSpec):
-    visits = ops.visits(spec)
+    nq, b, hkv, g, bq, _ = ops.q.shape
+    nk, dv = ops.tiling.num_kv, ops.v.shape[-1]
 
-    def query_tile(i):
-        q_tile = ops.q[i]
-        stat_shape = q_tile.shape[:-1]
-
-        def key_tile(carry, j, masked):
-            row_max, row_sum, acc = carry
-            s, _ = _logits(ops, spec, q_tile, i, j, masked)
-            new_max = jnp.maximum(row_max, s.max(axis=-1))
-            safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
-            p = jnp.exp(s - safe_max[..., None])
-            rescale = jnp.exp(row_max - safe_max)
-            row_sum = rescale * row_sum + p.sum(axis=-1)
-            pv = _einsum("bhgqk,bhkd->bhgqd", _operand(p, ops.v.dtype), ops.v[j])
-            return new_max, row_sum, rescale[..., None] * acc + pv
-
-        init = (jnp.full(stat_shape, -jnp.inf, F32), jnp.zeros(stat_shape, F32),
-                jnp.zeros((*stat_shape, ops.v.shape[-1]), F32))
-        init = jax.tree.map(lambda x: vma.like(x, q_tile), init)
-        row_max, row_sum, acc = _visit(ops, spec, visits[i], key_tile, init)
+    def pair(carry, n, masked):
+        row, row_max, row_sum, acc, out, lse = carry
+        i, j = n // nk, n % nk
+        row_max = jnp.where(i == row, row_max, -jnp.inf)  # a new query tile: rescale below zeroes sum and acc
+        s, _ = _logits(ops, spec, ops.q[i], i, j, masked)
+        new_max = jnp.maximum(row_max, s.max(axis=-1))
+        safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+        p = jnp.exp(s - safe_max[..., None])
+        rescale = jnp.exp(row_max - safe_max)
+        row_sum = rescale * row_sum + p.sum(axis=-1)
+        pv = _einsum("bhgqk,bhkd->bhgqd", _operand(p, ops.v.dtype), ops.v[j])
+        acc = rescale[..., None] * acc + pv
         has_mass = row_sum > 0
         safe_sum = jnp.where(has_mass, row_sum, 1.0)
-        out = acc / safe_sum[..., None]
-        lse = jnp.where(has_mass, row_max + jnp.log(safe_sum), -jnp.inf)
-        return out, lse
+        out = out.at[i].set(acc / safe_sum[..., None])  # the query tile so far: its last visit leaves it whole
+        lse = lse.at[i].set(jnp.where(has_mass, new_max + jnp.log(safe_sum), -jnp.inf))
+        return vma.like(i, ops.q), new_max, row_sum, acc, out, lse
 
-    out, lse = lax.map(query_tile, jnp.arange(ops.tiling.num_q))  # [nq,B,Hkv,G,bq,(D)]
+    stat = (b, hkv, g, bq)
+    init = (jnp.int32(-1), jnp.full(stat, -jnp.inf, F32), jnp.zeros(stat, F32), jnp.zeros((*stat, dv), F32),
+            jnp.zeros((nq, *stat, dv), F32), jnp.full((nq, *stat), -jnp.inf, F32))  # unvisited tiles: 0, -inf
+    init = jax.tree.map(lambda x: vma.like(x, ops.q), init)
+    *_, out, lse = _visit(ops, spec, ops.visits(spec).reshape(-1), pair, init)
     return ops.untile_query(out), ops.untile_row_stat(lse)
 
 
