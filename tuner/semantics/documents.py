@@ -229,9 +229,7 @@ def permute(x, order, axis: int):
     gather's own would be a scatter-add."""
     if order.ndim == 1:
         return jnp.take(x, order, axis=axis)
-    shape = [1] * x.ndim
-    shape[0], shape[axis] = order.shape
-    return jnp.take_along_axis(x, jnp.broadcast_to(jnp.reshape(order, shape), x.shape), axis=axis)
+    return jax.vmap(lambda row, row_order: jnp.take(row, row_order, axis=axis - 1))(x, order)  # whole slices
 
 
 def _permute_forward(x, order, axis: int):
