@@ -85,26 +85,34 @@ def declared_row(lengths: list[int]) -> tuple[str, jax.Array]:
     return declared, jnp.asarray(Packing.parse(declared).segment_ids(sum(lengths), 1))
 
 
-def critical_path(orders: dict[str, np.ndarray], seg, config: dict, ring: int, inputs: tuple, repeats: int
-                  ) -> dict[str, dict[str, float]]:
-    """Per layout (`orders`: each the token index at every slot, device-major), the forward+backward
-    seconds of a ring whose devices run in parallel, from measured blocks: every (device, step) block of
-    the scan kernel is timed alone on this CPU (medians, all blocks interleaved; none for the blocks the
-    ring skips whole), a step waits for its slowest device, and the steps add up. Transfers are left
-    out. Also the serial sum of the blocks."""
+def critical_path(orders: dict[str, np.ndarray], seg, configs: dict[str, dict], ring: int, inputs: tuple,
+                  repeats: int) -> dict[str, dict[str, float]]:
+    """Per layout (`orders`: each the token index at every slot, device-major; `configs`: each the
+    config its loader chose), the forward+backward seconds of a ring whose devices run in parallel, from
+    measured blocks: every (device, step) block of the scan kernel is timed alone on this CPU (medians,
+    all blocks interleaved; none for the blocks the ring skips whole), a step waits for its slowest
+    device, and the steps add up. Transfers are left out. Also the serial sum of the blocks.
+
+    The blocks' medians are also fitted (least squares over all of them) as a fixed cost per block plus a
+    cost per visited tile pair, unmasked and masked (pairs counted on the forward's tiles), returned
+    under `"fit"`, with each layout's critical path less that fixed cost (`without_fixed`): what the
+    layouts' ratio would be for a kernel with nothing to pay per block."""
     backend = BACKENDS["scan"]
     q, k, v, w = inputs
     spec = AttentionSpec(scale=q.shape[-1] ** -0.5, causal=True, has_segments=True)
-    fwd, bwd = FwdParams(**config["fwd"]), BwdParams(**config["bwd"])
     local = q.shape[1] // ring
 
-    def block(q, k, v, do, q_pos, kv_pos, q_seg, kv_seg):
-        out, lse = backend.block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, None, spec=spec, params=fwd)
-        delta = jnp.zeros(lse.shape, jnp.float32)
-        return out, backend.block_bwd(q, k, v, out, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, None, spec=spec,
-                                      params=bwd)
+    def block_of(config: dict):
+        fwd, bwd = FwdParams(**config["fwd"]), BwdParams(**config["bwd"])
 
-    thunks = {}
+        def block(q, k, v, do, q_pos, kv_pos, q_seg, kv_seg):
+            out, lse = backend.block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, None, spec=spec, params=fwd)
+            delta = jnp.zeros(lse.shape, jnp.float32)
+            return out, backend.block_bwd(q, k, v, out, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, None,
+                                          spec=spec, params=bwd)
+        return block
+
+    thunks, compiled, pairs = {}, {}, {}
     for layout, order in orders.items():
         rows = jnp.asarray(order)[None]
         laid = [documents.lay_out_rows(x, rows) for x in (q, k, v, w, seg)]
@@ -117,14 +125,28 @@ def critical_path(orders: dict[str, np.ndarray], seg, config: dict, ring: int, i
                 (q_lo, q_hi), q_seg, (k_lo, k_hi), k_seg = bounds
                 if masks.ranges_may_attend(q_lo, q_hi, k_lo, k_hi, (*q_seg, *k_seg), spec):  # else the ring skips it
                     thunks[(layout, r, step)] = args
-    compiled, _ = compile_timed(block, next(iter(thunks.values())))
-    times = run_interleaved({key: (lambda i, a=args: compiled(*a)) for key, args in thunks.items()},
+                    fwd = configs[layout]["fwd"]
+                    possible, every = masks.tile_pairs(args[4], args[5], args[6], args[7], spec, fwd["block_q"],
+                                                       fwd["block_kv"])
+                    pairs[(layout, r, step)] = (int(possible.sum()), int((possible & every).sum()))
+        key = json.dumps(configs[layout], sort_keys=True)
+        mine = [b for b in thunks if b[0] == layout]
+        if key not in compiled:
+            compiled[key] = compile_timed(block_of(configs[layout]), thunks[mine[0]])[0]
+        for block_key in mine:
+            thunks[block_key] = (compiled[key], thunks[block_key])
+    times = run_interleaved({key: (lambda i, c=c, a=args: c(*a)) for key, (c, args) in thunks.items()},
                             runs=repeats, warmup=1)
-    result = {}
+    keys = list(thunks)
+    counts = np.array([[1.0, pairs[key][1], pairs[key][0] - pairs[key][1]] for key in keys])
+    fixed, unmasked, masked = np.linalg.lstsq(counts, np.array([times[key].median for key in keys]), rcond=None)[0]
+    result = {"fit": dict(fixed_per_block=fixed, per_unmasked_pair=unmasked, per_masked_pair=masked)}
     for layout in orders:
         steps = [[times[(layout, r, step)].median if (layout, r, step) in times else 0.0 for r in range(ring)]
                  for step in range(ring)]
-        result[layout] = dict(critical_path=sum(max(t) for t in steps), serial=sum(sum(t) for t in steps))
+        bare = [[max(t - fixed, 0.0) if t else 0.0 for t in row] for row in steps]
+        result[layout] = dict(critical_path=sum(max(t) for t in steps), serial=sum(sum(t) for t in steps),
+                              without_fixed=sum(max(t) for t in bare))
     return result
 
 
@@ -249,8 +271,11 @@ def main(argv: list[str] | None = None) -> int:
             planned = steps["documents"][1]
             orders = {n: layouts.global_order(n, args.length, args.ring) for n in LAYOUTS if n != "documents"}
             orders["documents"] = layouts.document_order(np.asarray(seg), args.ring, tile=tuple(planned["tiles"]))[0]
-            paths = critical_path(orders, seg, planned["config"], args.ring, (q, k, v, w), args.repeats)
+            configs = {n: result["config"] for n, (_, result) in steps.items()}
+            paths = critical_path(orders, seg, configs, args.ring, (q, k, v, w), args.repeats)
             best_path = min(paths[n]["critical_path"] for n in LAYOUTS if n != "documents")
+            best_bare = min(paths[n]["without_fixed"] for n in LAYOUTS if n != "documents")
+            fit = paths["fit"]
             times = time_interleaved({n: f for n, (f, _) in steps.items()}, [(q, k, v, w, seg)], runs=args.repeats,
                                      warmup=1)
             best_fixed = min(times[n].median for n in LAYOUTS if n != "documents")
@@ -260,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
                 result["critical_path_seconds"] = paths[layout]["critical_path"]
                 result["serial_block_seconds"] = paths[layout]["serial"]
                 result["critical_path_speedup_vs_best_fixed"] = best_path / paths[layout]["critical_path"]
+                result["block_cost_fit"] = fit
+                result["without_fixed_speedup_vs_best_fixed"] = best_bare / paths[layout]["without_fixed"]
         for layout, (_, r) in steps.items():
             rows.append([name, layout, f"{r['imbalance']:.2f}", f"{r['efficiency']:.2f}",
                          "" if args.no_time else f"{r['seconds'] * 1e3:.0f} ms",
@@ -269,6 +296,11 @@ def main(argv: list[str] | None = None) -> int:
         print(table(["packing", "layout", "imbalance", "efficiency", "fwd+bwd", "vs best fixed", "parallel",
                      "vs best fixed"], rows[-4:]),
               flush=True)
+        if not args.no_time:
+            print(f"blocks fitted: {fit['fixed_per_block'] * 1e3:.2f} ms a block, {fit['per_unmasked_pair'] * 1e3:.3f} "
+                  f"ms an unmasked tile pair, {fit['per_masked_pair'] * 1e3:.3f} ms a masked one; less the block's "
+                  f"cost, documents vs best fixed: {steps['documents'][1]['without_fixed_speedup_vs_best_fixed']:.2f}x",
+                  flush=True)
     if args.tile_cost:
         return 0
     if args.autotune:

@@ -2,7 +2,7 @@
 
 Queries are cut into `block_q` tiles and keys into `block_kv` tiles. The loops run over the list of
 the (query tile, key tile) pairs the masks let through (`Operands.visits`), so a pair whose position /
-segment ranges exclude every pair (`masks.may_attend`) costs no iteration at all. The forward runs one
+segment ranges exclude every pair (`masks.tile_pairs`) costs no iteration at all. The forward runs one
 loop over the visited pairs, query tile by query tile, with the online softmax of the current query
 tile in the loop's carry, writing that tile's output as it goes. The backward runs one loop over all
 the visited pairs, adding each pair's gradients in place into buffers of all tiles. With no loop per

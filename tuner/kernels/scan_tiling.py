@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -68,6 +67,7 @@ class Operands:
         self.group = h // hkv
         tq, tk = tiling.num_q * tiling.block_q, tiling.num_kv * tiling.block_kv
 
+        self.positions_and_segments = (q_pos, kv_pos, q_seg, kv_seg)
         self.q = self.query_side(q)
         self.k = _split(pad_to(jnp.moveaxis(k, 1, 2), 2, tk), 2, tiling.block_kv)  # [nk,B,Hkv,bk,D]
         self.v = _split(pad_to(jnp.moveaxis(v, 1, 2), 2, tk), 2, tiling.block_kv)
@@ -145,20 +145,15 @@ class Operands:
             return None, None
         return self.q_seg[i], self.kv_seg[j]
 
-    def may_attend(self, spec: AttentionSpec, i, j):
-        return masks.may_attend(self.q_pos[i], self.kv_pos[j], *self.segments(i, j), spec)
-
-    def fully_allowed(self, spec: AttentionSpec, i, j):
-        return masks.fully_allowed(self.q_pos[i], self.kv_pos[j], *self.segments(i, j), spec)
-
     def visits(self, spec: AttentionSpec):
         """int32 `[nq, nk]`, per tile pair: 0 when the masks exclude every pair of it (skipped), 1 when
-        they exclude none, 2 when some (the mask is built)."""
-        def code(i, j):
-            return jnp.where(self.may_attend(spec, i, j), jnp.where(self.fully_allowed(spec, i, j), 1, 2), 0)
-
-        rows, cols = jnp.arange(self.tiling.num_q), jnp.arange(self.tiling.num_kv)
-        return jax.vmap(jax.vmap(code, (None, 0)), (0, None))(rows, cols).astype(jnp.int32)
+        they exclude none, 2 when some (the mask is built). The rule is `masks.tile_pairs`'s, from the
+        tiles' position and segment ranges, on every batch row."""
+        if not spec.has_mask:
+            return jnp.ones((self.tiling.num_q, self.tiling.num_kv), jnp.int32)
+        possible, every = masks.tile_pairs(*self.positions_and_segments, spec, self.tiling.block_q,
+                                           self.tiling.block_kv)
+        return jnp.where(possible.any(axis=0), jnp.where(every.all(axis=0), 1, 2), 0).astype(jnp.int32)
 
     def mask(self, spec: AttentionSpec, i, j, masked):
         """Bool `[B, 1, 1, bq, bk]` of readable pairs of tile (i, j), or None if all are readable.

@@ -110,14 +110,6 @@ def ranges_fully_allowed(q_lo, q_hi, k_lo, k_hi, segments, spec: AttentionSpec):
     return every
 
 
-def fully_allowed(q_pos, k_pos, q_seg, k_seg, spec: AttentionSpec):
-    """Scalar bool: every query of `q_pos [B, Tq]` may read every key of `k_pos [B, Tk]`."""
-    if not spec.has_mask:
-        return jnp.bool_(True)
-    segments = (*_bounds(q_seg), *_bounds(k_seg)) if spec.has_segments else None
-    return ranges_fully_allowed(*_bounds(q_pos), *_bounds(k_pos), segments, spec).all()
-
-
 class RingMask(NamedTuple):
     """The mask information of every step of a ring, resolved once before the ring turns: `visits [P]`
     (bool) says whether some query of this device may read some key of the shard that visits at step
@@ -159,14 +151,12 @@ class TileSchedule(NamedTuple):
     unmasked: Any
 
 
-def tile_schedule(q_pos, kv_pos, q_seg, kv_seg, spec: AttentionSpec, block_q: int, block_kv: int, *,
-                  by_key: bool = False) -> TileSchedule:
-    """The `TileSchedule` of query tiles over key tiles (with `by_key`, of key tiles over query tiles). A
-    tile pair is visited when `ranges_may_attend` says so of the tiles' position and segment ranges, and
-    needs no mask when `ranges_fully_allowed` does and both tiles are whole, inside the lengths: the
-    rules the scan backend and the ring driver skip and drop masks by."""
-    q_len, kv_len = q_pos.shape[1], kv_pos.shape[1]
-    nq, nk = -(-q_len // block_q), -(-kv_len // block_kv)
+def tile_pairs(q_pos, kv_pos, q_seg, kv_seg, spec: AttentionSpec, block_q: int, block_kv: int):
+    """Per batch row and (query tile, key tile) pair, bool `[B, nq, nk]` twice: `possible`, some query of
+    the tile may read some key of it (`ranges_may_attend` of the tiles' position and segment ranges),
+    and `every`, every query may read every key (`ranges_fully_allowed`). A last, partial tile is judged
+    by the tokens it has."""
+    nq, nk = -(-q_pos.shape[1] // block_q), -(-kv_pos.shape[1] // block_kv)
     q_lo, q_hi = _tile_bounds(q_pos, block_q, nq)
     k_lo, k_hi = _tile_bounds(kv_pos, block_kv, nk)
     segments = None
@@ -174,10 +164,21 @@ def tile_schedule(q_pos, kv_pos, q_seg, kv_seg, spec: AttentionSpec, block_q: in
         (qs_lo, qs_hi), (ks_lo, ks_hi) = _tile_bounds(q_seg, block_q, nq), _tile_bounds(kv_seg, block_kv, nk)
         segments = (qs_lo[:, :, None], qs_hi[:, :, None], ks_lo[:, None, :], ks_hi[:, None, :])
     ranges = (q_lo[:, :, None], q_hi[:, :, None], k_lo[:, None, :], k_hi[:, None, :], segments, spec)
-    possible = ranges_may_attend(*ranges)
+    return ranges_may_attend(*ranges), ranges_fully_allowed(*ranges)
+
+
+def tile_schedule(q_pos, kv_pos, q_seg, kv_seg, spec: AttentionSpec, block_q: int, block_kv: int, *,
+                  by_key: bool = False) -> TileSchedule:
+    """The `TileSchedule` of query tiles over key tiles (with `by_key`, of key tiles over query tiles). A
+    tile pair is visited when `tile_pairs` says it is possible, and needs no mask when every pair of it
+    is allowed and both tiles are whole, inside the lengths: the rules the scan backend and the ring
+    driver skip and drop masks by."""
+    q_len, kv_len = q_pos.shape[1], kv_pos.shape[1]
+    nq, nk = -(-q_len // block_q), -(-kv_len // block_kv)
+    possible, every = tile_pairs(q_pos, kv_pos, q_seg, kv_seg, spec, block_q, block_kv)
     whole = (((jnp.arange(nq) + 1) * block_q <= q_len)[:, None]
              & ((jnp.arange(nk) + 1) * block_kv <= kv_len)[None, :])
-    full = possible & ranges_fully_allowed(*ranges) & whole
+    full = possible & every & whole
     if by_key:
         possible, full = jnp.swapaxes(possible, 1, 2), jnp.swapaxes(full, 1, 2)
     rank = jnp.where(full, 0, jnp.where(possible, 1, 2))
