@@ -54,7 +54,7 @@ def test_search_prints_the_summary_table(searched):
         assert word in out, out
     assert "3 in the study (3 run now)" in out
     assert "search" in result.stderr  # the progress bar
-    assert re.search(r"best \d+\.\d\dx speedup", result.stderr), "the bar's best reads as the table's speedup"
+    assert re.search(r"best trial \d+\.\d\dx speedup", result.stderr), "the bar names its best as a trial's"
     # --device cpu starts no other backend: a TPU runtime installed beside jax (the test extra's libtpu) warns
     assert "TPU" not in result.stderr, result.stderr
 

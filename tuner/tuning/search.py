@@ -176,7 +176,7 @@ def search(
         if progress is not None:
             done = finished(trials)
             best = [t for t in done if t.state == optuna.trial.TrialState.COMPLETE]
-            status = (f"best {1 / min(t.value for t in best):.2f}x speedup" if best else "no result yet")
+            status = (f"best trial {1 / min(t.value for t in best):.2f}x speedup" if best else "no result yet")
             failed = sum(t.state == optuna.trial.TrialState.FAIL for t in done)
             progress(min(len(done), options.trials), options.trials,
                      f"{status}, {failed} failed" if failed else status)
