@@ -1,11 +1,12 @@
 """The masking rule of DESIGN section 2, written once: per pair of tokens, and per pair of ranges.
 
-`allowed` decides whether one query may read one key. `may_attend` decides, from the position and
-segment ranges of a group of queries and a group of keys, whether *any* pair in them may be allowed;
-when it says no, the whole tile is skipped, and `ring_mask` resolves it once for every step of a ring.
-`fully_allowed` decides whether *every* pair is allowed; when it says yes, the tile is computed
-without building a mask. Both are conservative: they may fail to skip, or fail to drop the mask, but
-never give a wrong result.
+`allowed` decides whether one query may read one key. `ranges_may_attend` decides, from the position
+and segment ranges of a group of queries and a group of keys, whether *any* pair in them may be
+allowed; when it says no, the whole group is skipped: a tile pair (`tile_pairs`, `tile_schedule`), or a
+ring step (`ring_mask` resolves it once for every step). `ranges_fully_allowed` decides whether *every*
+pair is allowed; when it says yes, the tile is computed without building a mask. Both are conservative:
+they may fail to skip, or fail to drop the mask, but never give a wrong result. `may_attend` is the
+first rule on whole arrays of positions.
 
 Positions are int32 and may lie anywhere in its range: no bound computed here can wrap around.
 """
