@@ -114,6 +114,8 @@ def critical_path(orders: dict[str, np.ndarray], seg, configs: dict[str, dict], 
 
     thunks, compiled, pairs = {}, {}, {}
     for layout, order in orders.items():
+        fwd = configs[layout]["fwd"]
+        area = fwd["block_q"] * fwd["block_kv"] / 64**2  # the fit counts 64 x 64 tile pairs
         rows = jnp.asarray(order)[None]
         laid = [documents.lay_out_rows(x, rows) for x in (q, k, v, w, seg)]
         shards = [[x[:, r * local:(r + 1) * local] for x in (*laid, rows)] for r in range(ring)]
@@ -125,10 +127,8 @@ def critical_path(orders: dict[str, np.ndarray], seg, configs: dict[str, dict], 
                 (q_lo, q_hi), q_seg, (k_lo, k_hi), k_seg = bounds
                 if masks.ranges_may_attend(q_lo, q_hi, k_lo, k_hi, (*q_seg, *k_seg), spec):  # else the ring skips it
                     thunks[(layout, r, step)] = args
-                    fwd = configs[layout]["fwd"]
                     possible, every = masks.tile_pairs(args[4], args[5], args[6], args[7], spec, fwd["block_q"],
                                                        fwd["block_kv"])
-                    area = fwd["block_q"] * fwd["block_kv"] / 64**2
                     pairs[(layout, r, step)] = (area * int(possible.sum()), area * int((possible & every).sum()))
         key = json.dumps(configs[layout], sort_keys=True)
         mine = [b for b in thunks if b[0] == layout]

@@ -1,6 +1,6 @@
 """The mask information of every ring step, resolved once (`masks.ring_mask`), says of each step what
-`masks.may_attend` says of the shard that visits at that step: the same rule, from the all-gathered
-bounds instead of the travelling shard."""
+`masks.tile_pairs` says of the shard that visits at that step, as one tile: the same rule, from the
+all-gathered bounds instead of the travelling shard."""
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +21,7 @@ SPECS = [AttentionSpec(scale=1.0, causal=True), AttentionSpec(scale=1.0, window=
 
 
 def steps_both_ways(spec: AttentionSpec, q_pos, kv_pos, q_seg, kv_seg):
-    """Per device and step: (`ring_mask`'s visit, `may_attend` on the shard of that step)."""
+    """Per device and step: (`ring_mask`'s visit, `tile_pairs` on the shard of that step, one tile each)."""
     mesh = Mesh(np.array(jax.devices()[:RING]), ("sp",))
 
     def local(q_pos, kv_pos, q_seg, kv_seg):
@@ -29,8 +29,8 @@ def steps_both_ways(spec: AttentionSpec, q_pos, kv_pos, q_seg, kv_seg):
         resolved = masks.ring_mask(q_pos, kv_pos, q_seg, kv_seg, spec, "sp", RING, rank).visits
         every_kv = lax.all_gather(kv_pos, "sp")
         every_seg = lax.all_gather(kv_seg, "sp")
-        direct = jnp.stack([masks.may_attend(q_pos, every_kv[(rank - s) % RING], q_seg,
-                                             every_seg[(rank - s) % RING], spec) for s in range(RING)])
+        direct = jnp.stack([masks.tile_pairs(q_pos, every_kv[(rank - s) % RING], q_seg, every_seg[(rank - s) % RING],
+                                             spec, LOCAL, LOCAL)[0].any() for s in range(RING)])
         return resolved[None], direct[None]
 
     seq = P(None, "sp")

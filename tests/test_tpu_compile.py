@@ -38,8 +38,9 @@ from tuner.cache import Cache  # noqa: E402
 from tuner.models import hlo  # noqa: E402
 
 RING, T, H, HKV, D = 4, 4 * 2048, 8, 2, 128
-STEP_T = 4 * 512  # the compiled training steps: one tile a ring step (the transfers' overlap and the VMEM asked
-# do not depend on the tile count), compiled in a third of T's time
+# The compiled training steps: one tile a ring step (the transfers' overlap and the VMEM asked do not depend
+# on the tile count), compiled in a third of T's time.
+STEP_T = 4 * 512
 
 
 @functools.cache

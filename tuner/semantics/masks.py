@@ -5,8 +5,7 @@ and segment ranges of a group of queries and a group of keys, whether *any* pair
 allowed; when it says no, the whole group is skipped: a tile pair (`tile_pairs`, `tile_schedule`), or a
 ring step (`ring_mask` resolves it once for every step). `ranges_fully_allowed` decides whether *every*
 pair is allowed; when it says yes, the tile is computed without building a mask. Both are conservative:
-they may fail to skip, or fail to drop the mask, but never give a wrong result. `may_attend` is the
-first rule on whole arrays of positions.
+they may fail to skip, or fail to drop the mask, but never give a wrong result.
 
 Positions are int32 and may lie anywhere in its range: no bound computed here can wrap around.
 """
@@ -62,17 +61,6 @@ def _bounds(x):
 
 def _ranges_overlap(lo_a, hi_a, lo_b, hi_b):
     return (lo_a <= hi_b) & (lo_b <= hi_a)
-
-
-def may_attend(q_pos, k_pos, q_seg, k_seg, spec: AttentionSpec):
-    """Scalar bool: some query of `q_pos [B, Tq]` may read some key of `k_pos [B, Tk]`.
-
-    Checked per batch row from the min/max of positions (and segment ids), then OR-ed over rows.
-    """
-    if not spec.has_mask:
-        return jnp.bool_(True)
-    segments = (*_bounds(q_seg), *_bounds(k_seg)) if spec.has_segments else None
-    return ranges_may_attend(*_bounds(q_pos), *_bounds(k_pos), segments, spec).any()
 
 
 def ranges_may_attend(q_lo, q_hi, k_lo, k_hi, segments, spec: AttentionSpec):
