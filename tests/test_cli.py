@@ -234,7 +234,27 @@ def test_corrupt_cache_file_is_one_line_with_what_to_do(tmp_path):
     (("demo", "--heads", "6", "--kv-heads", "4"), "must be a multiple of --kv-heads"),
     (("demo", "--devices", "0"), "--devices must be positive"),
 ])
-def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
+def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path, monkeypatch, capsys):
+    """In this process (`main`, as the `tuner` script calls it); the console entry itself is checked below."""
+    from tuner.cli import main
+
+    monkeypatch.setenv("TUNER_HOME", str(tmp_path))
+    monkeypatch.delenv("TUNER_DB", raising=False)
+    try:
+        code = main(list(args))
+    except SystemExit as exit_:  # argparse's own refusals
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message in err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (("search", "--device", "fpga"), "argument --device: invalid choice"),
+    (("search", "--device", "cpu", "--trials", "0"), "--trials must be positive"),
+])
+def test_the_tuner_command_refuses_bad_input_in_one_line_and_exit_2(args, message, tmp_path):
     result = tuner(*args, home=tmp_path)
     assert result.returncode == 2, result.stdout
     assert message in result.stderr

@@ -152,7 +152,7 @@ def test_the_plan_deals_within_one_chunk_and_its_host_estimate_is_its_count(leng
     spec = AttentionSpec(scale=1.0, causal=causal, has_segments=True)
     seg = jnp.asarray(segment_ids(lengths)[0])
     order = np.asarray(jax.jit(documents.plan, static_argnums=(1, 2, 3))(seg, ring, spec, tile))
-    cost = np.asarray(documents.chunk_costs(seg, spec, tile))
+    cost = np.asarray(jax.jit(documents.chunk_costs, static_argnums=(1, 2))(seg, spec, tile))
     loads = cost[order.reshape(ring, -1, tile)[:, :, 0] // tile].sum(axis=1)
     assert loads.max() - loads.min() <= cost.max()
     useful = documents.useful_logits(lengths, spec)

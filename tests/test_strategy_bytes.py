@@ -30,7 +30,7 @@ bench = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(bench)
 
 TOPOLOGY = "v5e:2x2"
-PROBLEM = Problem(seq_len=4096, heads=8, kv_heads=2, head_dim=128, dtype="bfloat16", causal=True, ring_size=4,
+PROBLEM = Problem(seq_len=1024, heads=8, kv_heads=2, head_dim=128, dtype="bfloat16", causal=True, ring_size=4,
                   layout="zigzag")
 
 

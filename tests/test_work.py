@@ -26,7 +26,7 @@ def _count(ring: int, layout: str, *, causal: bool = True, local: int = 16, back
     x = jnp.asarray(np.random.default_rng(0).standard_normal((1, ring * local, 2, 8)), jnp.float32)
     with count_work() as counts:
         if backward:
-            jax.block_until_ready(jax.grad(lambda q: fn(q, x, x).sum())(x))
+            jax.block_until_ready(jax.jit(jax.grad(lambda q: fn(q, x, x).sum()))(x))
         else:
             jax.block_until_ready(jax.jit(fn)(x, x, x))
     return counts
