@@ -1,0 +1,41 @@
+"""`benchmarks/compile_time.py`: the plugin times each XLA compile under the test that ran it, and the
+summary ranks tests and programs by the seconds recorded."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src import compiler
+
+_SPEC = importlib.util.spec_from_file_location("compile_time",
+                                               Path(__file__).parent.parent / "benchmarks" / "compile_time.py")
+compile_time = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(compile_time)
+
+
+def test_each_compile_is_recorded_under_its_test_and_program(monkeypatch):
+    monkeypatch.setattr(compiler, "backend_compile_and_load", compiler.backend_compile_and_load)  # undone after
+    monkeypatch.setattr(compile_time, "_records", [])
+    monkeypatch.setattr(compile_time, "_test", ["tests/x.py::test_a"])
+    compile_time.pytest_configure(None)
+
+    def a_program_of_its_own(x):
+        return jnp.sin(x) * 3.0 + 1.0
+
+    jax.jit(a_program_of_its_own)(jnp.arange(7.0)).block_until_ready()
+    [(test, program, seconds)] = [r for r in compile_time._records if r[1] == "jit_a_program_of_its_own"]
+    assert test == "tests/x.py::test_a" and seconds > 0
+
+
+def test_the_summary_ranks_tests_and_programs_by_seconds(tmp_path):
+    (tmp_path / "compiles-gw0.json").write_text(json.dumps([["t1", "jit_f", 2.0], ["t2", "jit_add", 0.5]]))
+    (tmp_path / "compiles-gw1.json").write_text(json.dumps([["t2", "jit_f", 3.0]]))
+    lines = compile_time.summary(tmp_path, top=1).splitlines()
+    assert lines[0] == "3 compiles, 6 s"
+    assert lines[3].split() == ["3.5", "t2"] and len(lines) == 7
+    assert lines[6].split() == ["5.0", "jit_f"]
+    with pytest.raises(SystemExit, match="no compiles"):
+        compile_time.summary(tmp_path / "empty", top=3)
