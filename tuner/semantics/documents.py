@@ -84,9 +84,9 @@ def row_useful(segments, spec: AttentionSpec):
 
 
 def useful_logits(lengths: Sequence[int], spec: AttentionSpec) -> float:
-    """`row_useful` of a row of documents of these `lengths`, computed now."""
-    with jax.ensure_compile_time_eval():
-        return float(row_useful(_row(lengths, sum(lengths)), spec))
+    """`row_useful` of a row of documents of these `lengths`, computed now, even inside a trace."""
+    row = _row(lengths, sum(lengths))
+    return float(_row_program(row_useful, row.shape[0], spec)(row))
 
 
 def chunk_costs(segments, spec: AttentionSpec, chunk: int):
@@ -126,15 +126,17 @@ def efficiency(lengths: Sequence[int], spec: AttentionSpec, ring: int, tile: int
     ring does not divide it, as a call on global arrays is), computed now, even inside a trace."""
     total = sum(lengths)
     row = _row(lengths, total + -total % ring)
-    return float(_row_efficiency_program(row.shape[0], spec, ring, tile)(row))
+    return float(_row_program(row_efficiency, row.shape[0], spec, ring, tile)(row))
 
 
 @functools.lru_cache(maxsize=64)
-def _row_efficiency_program(length: int, spec: AttentionSpec, ring: int, tile: int):
-    """`row_efficiency` compiled for rows of `length` tokens: one program, where op by op each new row length
-    compiled dozens of small ones (0.4 to 2 s), and `packed_tile` asks for three tiles."""
+def _row_program(function, length: int, *static):
+    """`function(row, *static)` compiled for int32 rows of `length` tokens, to run now: one program, where op
+    by op each new row length compiled dozens of small ones (0.4 to 2 s for `row_efficiency`, which
+    `packed_tile` asks for three tiles)."""
     row = jax.ShapeDtypeStruct((length,), jnp.int32)
-    return jax.jit(row_efficiency, static_argnums=(1, 2, 3)).lower(row, spec, ring, tile).compile()
+    static_argnums = tuple(range(1, 1 + len(static)))
+    return jax.jit(function, static_argnums=static_argnums).lower(row, *static).compile()
 
 
 def _row(lengths: Sequence[int], total: int) -> np.ndarray:
