@@ -252,6 +252,23 @@ def test_given_positions_travel_with_their_tokens():
     assert "documents layout" in explained.reason
 
 
+def test_a_call_outside_any_trace_compiles_only_the_tile_its_rows_choose():
+    """Called on arrays (not traced), the loader reads the rows' tile before compiling: one ring, the
+    tile `explain()` names, where a traced call compiles one per tile and switches in the step. The
+    results agree."""
+    mesh = Mesh(np.array(jax.devices()[:2]), ("sp",))
+    seg = jnp.asarray(segment_ids([32] * 8))  # tiny documents: their rows choose tiles of 16, not 64
+    q = jnp.asarray(np.random.default_rng(3).standard_normal((1, 256, 2, 8)), jnp.float32)
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, layout="documents")
+    eager = attn(q, q, q, q_segment_ids=seg, kv_segment_ids=seg)
+    tile = attn.explain(q, q, q, q_segment_ids=seg, kv_segment_ids=seg).config.to_dict()["fwd"]["block_q"]
+    assert tile == 16
+    assert [d.config.to_dict()["fwd"]["block_q"] for d in attn.traced] == [tile]
+    traced = jax.jit(lambda q, s: attn(q, q, q, q_segment_ids=s, kv_segment_ids=s))(q, seg)
+    assert len(attn.traced) == len(documents.PACKED_TILES)  # the traced call planned a ring per tile
+    np.testing.assert_allclose(eager, traced, atol=1e-6)
+
+
 def test_bad_input_names_the_argument():
     mesh = Mesh(np.array(jax.devices()[:2]), ("sp",))
     with pytest.raises(ValueError, match="pass mesh="):

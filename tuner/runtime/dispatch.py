@@ -110,21 +110,45 @@ class TunedRingAttention:
         options = _check_call_options(per_call_options)
         if self.mesh is None:
             return self._local(query, key, value, options)
+        if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((query, key, value, options))):
+            tile = self._rows_tile(query, key, value, options)
+            return self._compiled_call()(query, key, value, rows_tile=tile, **options)
+        return self._global(query, key, value, **options)
+
+    def _global(self, query, key, value, *, rows_tile: int | None = None, **options):
+        """The call on global arrays (traced); `rows_tile` as in `meshed.run_documents`."""
         size, ring = self._mesh_sizes()
         padding = meshed.padding(query, key, options, devices=size, layout=self.layout, causal=self.options["causal"])
-        if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((query, key, value, options))):
-            return self._compiled_call()(query, key, value, **options)
         return meshed.run(self._local, self._decide_global, self.mesh, self.axis_name, self.layout, ring, padding,
                           query, key, value, options, causal=self.options["causal"],
-                          window=self.options["sliding_window"])
+                          window=self.options["sliding_window"], rows_tile=rows_tile)
 
     def _compiled_call(self):
-        """This call under `jax.jit`, for calls outside any trace: the layout, `shard_map` and ring compile
-        once per shape instead of at every call. Made again after a cache write in this process, so that
-        the loader decides again as it does under the caller's own trace."""
+        """The call under `jax.jit`, for calls outside any trace: the layout, `shard_map` and ring compile
+        once per shape (and per tile the rows choose) instead of at every call. Made again after a cache
+        write in this process, so that the loader decides again as it does under the caller's own trace."""
         if self._compiled is None or self._compiled[0] != writes():
-            self._compiled = (writes(), jax.jit(self.__call__, static_argnames=("return_lse", "interpret")))
+            self._compiled = (writes(), jax.jit(self._global, static_argnames=("return_lse", "interpret",
+                                                                               "rows_tile")))
         return self._compiled[1]
+
+    def _rows_tile(self, query, key, value, options: dict[str, Any]) -> int | None:
+        """The tile the rows of these global arrays (values, in this process) choose, where a documents
+        layout call with nothing tuned and no packing declared takes it from its rows; else None."""
+        if self.layout != DOCUMENTS or options.get("q_segment_ids") is None:
+            return None
+        if not _concrete(query, key, value, options):
+            return None
+        if not all(x.is_fully_addressable for x in jax.tree.leaves((query, key, value, options))
+                   if isinstance(x, jax.Array)):
+            return None  # rows other processes hold: chosen in the step, where every process sees them
+        size, ring = self._mesh_sizes()
+        padding = meshed.padding(query, key, options, devices=size, layout=self.layout, causal=self.options["causal"])
+        if not self._decide_global(*meshed.planned(padding, query, key, value, options, layout=self.layout)
+                                   ).packed_default:
+            return None
+        return meshed.rows_tile(padding, query, key, value, options, ring, causal=self.options["causal"],
+                                window=self.options["sliding_window"])
 
     def explain(self, query, key, value, *, ring_size: int | tuple[int, int] | None = None,
                 **per_call_options) -> Decision:
@@ -162,9 +186,8 @@ class TunedRingAttention:
         padding = meshed.padding(query, key, options, devices=size, layout=self.layout, causal=self.options["causal"])
         planned = meshed.planned(padding, query, key, value, options, layout=self.layout)
         decision = self._decide_global(*planned, a2a)
-        if decision.packed_default and self.layout == DOCUMENTS and _concrete(query, key, value, options):
-            tile = meshed.rows_tile(padding, query, key, value, options, self._mesh_sizes()[1],
-                                    causal=self.options["causal"], window=self.options["sliding_window"])
+        tile = self._rows_tile(query, key, value, options) if decision.packed_default else None
+        if tile is not None:
             decision = self._decide_global(*planned, a2a, packed_tile=tile)
         notes = ([meshed.DOCUMENTS_NOTE] if self.layout == DOCUMENTS else []) + (
             [padding.describe()] if padding.needed else [])

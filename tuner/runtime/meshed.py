@@ -78,21 +78,22 @@ def shards(query, key, value, options: dict[str, Any], size: int):
 
 
 def run(local: Callable[..., Any], decide: Callable[..., Any], mesh: Mesh, axis_name: Hashable, layout: str,
-        ring: int, padding: Padding, query, key, value, options: dict[str, Any], *, causal: bool, window):
+        ring: int, padding: Padding, query, key, value, options: dict[str, Any], *, causal: bool, window,
+        rows_tile: int | None = None):
     """The loader's call on global arrays: padded, laid out, run by `local(q, k, v, options)` on each
     device, back in token order and stripped of the padding. `decide(q, k, v, options)` is the plan of
-    the call, whose tiles the documents layout is planned for."""
+    the call, whose tiles the documents layout is planned for; `rows_tile` as in `run_documents`."""
     query, key, value, options = padding.pad(query, key, value, options)
     if layout == DOCUMENTS:
         result = run_documents(local, decide, mesh, axis_name, ring, query, key, value, options, causal=causal,
-                               window=window)
+                               window=window, rows_tile=rows_tile)
     else:
         result = call(local, mesh, axis_name, layout, ring, query, key, value, options)
     return padding.strip(result, bool(options.get("return_lse")))
 
 
 def run_documents(local: Callable[..., Any], decide: Callable[..., Any], mesh: Mesh, axis_name: Hashable, ring: int,
-                  query, key, value, options: dict[str, Any], *, causal: bool, window):
+                  query, key, value, options: dict[str, Any], *, causal: bool, window, rows_tile: int | None = None):
     """`call` in the documents layout (`tuner.semantics.documents`): each batch row laid out from its query
     segment ids, planned for the forward tiles of the call's plan; the positions travel with the tokens
     (the row's token indices unless given), so the masks see the global positions and stay exact.
@@ -101,14 +102,16 @@ def run_documents(local: Callable[..., Any], decide: Callable[..., Any], mesh: M
     the step: one ring per tile of `documents.PACKED_TILES` (a tile that changes nothing shares the longer
     one's), and `documents.rows_tile_choice` of the rows' segment ids picks the layout plan and the ring
     that run (two `jax.lax.switch`es, so that only the chosen tile's plan is computed and the layout's
-    gathers stay outside the rings' switch).
-    `local` and `decide` take `packed_tile=`, the tile chosen."""
+    gathers stay outside the rings' switch). Where the rows' values are known before the trace (a call
+    outside any trace), `rows_tile` is the tile they chose (`rows_tile`, below): that tile's ring alone is
+    compiled, not one per tile. `local` and `decide` take `packed_tile=`, the tile chosen."""
     _check_documents(query, key, options)
     segments = options["q_segment_ids"]
     shaped = with_positions(options, query, key)
     plans = {None: decide(query, key, value, shaped)}
     if plans[None].packed_default:
-        plans = {tile: decide(query, key, value, shaped, packed_tile=tile) for tile in documents.PACKED_TILES}
+        tiles = documents.PACKED_TILES if rows_tile is None else (rows_tile,)
+        plans = {tile: decide(query, key, value, shaped, packed_tile=tile) for tile in tiles}
     configs, rings, orders, branch_of = [], [], [], []
     for tile, plan in plans.items():
         if plan.config not in configs:
@@ -140,10 +143,18 @@ def run_documents(local: Callable[..., Any], decide: Callable[..., Any], mesh: M
 def rows_tile(padding: Padding, query, key, value, options: dict[str, Any], ring: int, *, causal: bool, window
               ) -> int:
     """The tile of `documents.PACKED_TILES` that the rows of these arrays (values, not shapes) choose in the
-    step, as `run_documents` runs them: what `explain()` reports."""
-    segments = padding.pad(query, key, value, options)[3]["q_segment_ids"]
+    step, as `run_documents` runs them: computed now, in one compiled program."""
     spec = AttentionSpec(scale=1.0, causal=causal, window=window, has_segments=True)
-    return documents.PACKED_TILES[int(documents.rows_tile_choice(jnp.asarray(segments), spec, ring))]
+    sequences = {name: options.get(name) for name in SEQUENCE_OPTIONS}
+    return documents.PACKED_TILES[int(_rows_tile_index(padding, spec, ring, query, key, value, sequences))]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _rows_tile_index(padding: Padding, spec: AttentionSpec, ring: int, query, key, value, sequences):
+    """`documents.rows_tile_choice` of the padded query segment ids (the padding of q, k, v is never
+    computed: only the ids are returned from)."""
+    segments = padding.pad(query, key, value, sequences)[3]["q_segment_ids"]
+    return documents.rows_tile_choice(segments, spec, ring)
 
 
 def call(local: Callable[..., Any], mesh: Mesh, axis_name: Hashable, layout: str, ring: int, query, key, value,
