@@ -61,8 +61,12 @@ def check_sharded(mesh: Mesh, axis_name, ring: int, options: dict) -> None:
         return (jnp.sin(out) * out).sum(), out
 
     (_, got), got_grads = jax.jit(jax.value_and_grad(ring_loss, has_aux=True))(state)
-    (_, want), want_grads = nnx.value_and_grad(lambda m: ((lambda o: (jnp.sin(o) * o).sum())(m(x)), m(x)),
-                                               has_aux=True)(dense)
+
+    def dense_loss(model):
+        out = model(x)
+        return (jnp.sin(out) * out).sum(), out
+
+    (_, want), want_grads = nnx.jit(nnx.value_and_grad(dense_loss, has_aux=True))(dense)
     compare(got, want, got_grads, nnx.state(want_grads, nnx.Param))
 
 

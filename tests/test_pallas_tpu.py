@@ -30,6 +30,15 @@ FEW = max(4, settings.default.max_examples // 2)
 BACKEND = pallas_tpu.PallasTpuBackend()
 
 
+def jitted(kernel):
+    """`kernel` (a backend's `block_fwd` or `block_bwd`) compiled whole, as in a ring: op by op, every
+    small op of its wrapper would be a program. A new wrapper traces again (after a monkeypatch)."""
+    return jax.jit(lambda *args, **kwargs: kernel(*args, **kwargs), static_argnames=("spec", "params", "interpret"))
+
+
+block_fwd, block_bwd = jitted(BACKEND.block_fwd), jitted(BACKEND.block_bwd)
+
+
 @pytest.mark.slow
 @given(pallas_tpu_cases(ring_sizes=(1, 2, 4)))
 @settings(max_examples=FEW)
@@ -59,37 +68,36 @@ def test_masked_tiles_are_never_read():
     fwd = FwdParams(block_q=64, block_kv=128)
     bwd = BwdParams(block_q_dkv=64, block_kv_dkv=128, block_q_dq=64, block_kv_dq=128)
 
-    out, lse = BACKEND.block_fwd(q, poisoned_k, poisoned_v, q_pos, kv_pos, None, None, None, spec=spec,
+    out, lse = block_fwd(q, poisoned_k, poisoned_v, q_pos, kv_pos, None, None, None, spec=spec,
                                  params=fwd, interpret=True)
-    want, want_lse = dense_attention(q, k[:, :256], v[:, :256], causal=True, softmax_scale=0.25)
+    do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    want, want_lse, want_dq, want_dk, want_dv = dense_block(q, k[:, :256], v[:, :256], np.tri(256, dtype=bool), do)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(lse, want_lse, rtol=1e-5)
 
-    do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
     delta = jnp.einsum("bqhd,bqhd->bhq", do, out)
-    dq, dk, dv, _ = BACKEND.block_bwd(q, poisoned_k, poisoned_v, out, lse, do, delta, q_pos, kv_pos, None, None,
-                                      None, spec=spec, params=bwd, interpret=True)
-    _, pullback = jax.vjp(lambda q, k, v: dense_attention(q, k, v, causal=True, softmax_scale=0.25)[0],
-                          q, k[:, :256], v[:, :256])
-    want_dq, want_dk, want_dv = pullback(do)
+    dq, dk, dv, _ = block_bwd(q, poisoned_k, poisoned_v, out, lse, do, delta, q_pos, kv_pos, None, None,
+                              None, spec=spec, params=bwd, interpret=True)
     np.testing.assert_allclose(dq, want_dq, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(dk[:, :256], want_dk, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(dv[:, :256], want_dv, rtol=1e-4, atol=1e-5)
     assert np.all(dk[:, 256:] == 0) and np.all(dv[:, 256:] == 0)
 
 
-def run_block(q, k, v, spec, do):
+def run_block(q, k, v, spec, do, kernels=(block_fwd, block_bwd)):
     """Forward and gradients of one block through the interpreted kernels, at 64x128 tiles in all three."""
+    block_fwd, block_bwd = kernels
     q_pos = jnp.arange(q.shape[1], dtype=jnp.int32)[None]
     kv_pos = jnp.arange(k.shape[1], dtype=jnp.int32)[None]
-    out, lse = BACKEND.block_fwd(q, k, v, q_pos, kv_pos, None, None, None, spec=spec,
+    out, lse = block_fwd(q, k, v, q_pos, kv_pos, None, None, None, spec=spec,
                                  params=FwdParams(block_q=64, block_kv=128), interpret=True)
     delta = jnp.einsum("bqhd,bqhd->bhq", do, out)
-    dq, dk, dv, _ = BACKEND.block_bwd(q, k, v, out, lse, do, delta, q_pos, kv_pos, None, None, None, spec=spec,
+    dq, dk, dv, _ = block_bwd(q, k, v, out, lse, do, delta, q_pos, kv_pos, None, None, None, spec=spec,
                                       params=BwdParams(64, 128, 64, 128), interpret=True)
     return out, lse, dq, dk, dv
 
 
+@jax.jit
 def dense_block(q, k, v, allowed, do):
     """Dense attention under the boolean `allowed [Tq, Tk]`: out, lse and the gradients of `<out, do>`."""
     bias = jnp.where(allowed, 0.0, -jnp.inf)[None, None]
@@ -133,7 +141,8 @@ def test_the_mask_free_interior(monkeypatch):
     allowed = np.arange(256)[None, :] // 128 * 128 <= tokens[:, None] // 64 * 64 + 63
     dense = dense_block(q, *padded, allowed, do)
     dense = (*dense[:3], dense[3][:, :192], dense[4][:, :192])
-    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), run_block(q, k, v, causal, do), dense):
+    patched = (jitted(BACKEND.block_fwd), jitted(BACKEND.block_bwd))
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), run_block(q, k, v, causal, do, patched), dense):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"{name}, every tile unmasked")
 
 
@@ -148,15 +157,19 @@ def test_values_of_another_head_dim_than_queries_and_keys(head_dim, value_head_d
     v, do = rng.standard_normal((1, 192, 2, value_head_dim)), rng.standard_normal((1, 192, 4, value_head_dim))
     spec = AttentionSpec(scale=head_dim ** -0.5, causal=True)
     with jax.enable_x64(True):
-        (out, lse), pullback = jax.vjp(lambda q, k, v: dense_attention(q, k, v, causal=True, softmax_scale=spec.scale),
-                                       q, k, v)
-        want = [np.asarray(x) for x in (out, lse, *pullback((do, jnp.zeros_like(lse))))]
+        @jax.jit
+        def reference(q, k, v, do):
+            (out, lse), pullback = jax.vjp(lambda q, k, v: dense_attention(q, k, v, causal=True,
+                                                                           softmax_scale=spec.scale), q, k, v)
+            return out, lse, *pullback((do, jnp.zeros_like(lse)))
+
+        want = [np.asarray(x) for x in reference(q, k, v, do)]
     q, k, v, do, out, lse = (jnp.asarray(x, jnp.float32) for x in (q, k, v, do, *want[:2]))
     positions = jnp.arange(192, dtype=jnp.int32)[None]
-    got = BACKEND.block_fwd(q, k, v, positions, positions, None, None, None, spec=spec,
+    got = block_fwd(q, k, v, positions, positions, None, None, None, spec=spec,
                             params=FwdParams(block_q=64, block_kv=128), interpret=True)
     delta = jnp.einsum("bqhd,bqhd->bhq", do, out)
-    got += BACKEND.block_bwd(q, k, v, out, lse, do, delta, positions, positions, None, None, None, spec=spec,
+    got += block_bwd(q, k, v, out, lse, do, delta, positions, positions, None, None, None, spec=spec,
                              params=BwdParams(64, 128, 64, 128), interpret=True)[:3]
     for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
         assert g.shape == w.shape and g.dtype == jnp.float32, (name, g.shape, g.dtype)
