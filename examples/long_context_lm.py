@@ -68,7 +68,7 @@ def build(config: Config):
     import numpy as np
     import optax
     from flax import nnx
-    from jax.sharding import Mesh
+    from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from tuner.semantics import layouts
@@ -148,7 +148,9 @@ def build(config: Config):
         return tuple(layouts.lay_out(jnp.asarray(a), config.layout, config.devices)
                      for a in (tokens.astype(np.int32), targets, weights))
 
-    return params, optimizer.init(params), train_step, batch
+    # the state replicated over the mesh from the start, as the step returns it: one compile, not two
+    state = jax.device_put((params, optimizer.init(params)), NamedSharding(mesh, P()))
+    return *state, train_step, batch
 
 
 def train(config: Config, progress: bool = True, autotune_trials: int = 0) -> list[float]:

@@ -68,8 +68,8 @@ def test_masked_tiles_are_never_read():
     fwd = FwdParams(block_q=64, block_kv=128)
     bwd = BwdParams(block_q_dkv=64, block_kv_dkv=128, block_q_dq=64, block_kv_dq=128)
 
-    out, lse = block_fwd(q, poisoned_k, poisoned_v, q_pos, kv_pos, None, None, None, spec=spec,
-                                 params=fwd, interpret=True)
+    out, lse = block_fwd(q, poisoned_k, poisoned_v, q_pos, kv_pos, None, None, None, spec=spec, params=fwd,
+                         interpret=True)
     do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
     want, want_lse, want_dq, want_dk, want_dv = dense_block(q, k[:, :256], v[:, :256], np.tri(256, dtype=bool), do)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
@@ -90,10 +90,10 @@ def run_block(q, k, v, spec, do, kernels=(block_fwd, block_bwd)):
     q_pos = jnp.arange(q.shape[1], dtype=jnp.int32)[None]
     kv_pos = jnp.arange(k.shape[1], dtype=jnp.int32)[None]
     out, lse = block_fwd(q, k, v, q_pos, kv_pos, None, None, None, spec=spec,
-                                 params=FwdParams(block_q=64, block_kv=128), interpret=True)
+                         params=FwdParams(block_q=64, block_kv=128), interpret=True)
     delta = jnp.einsum("bqhd,bqhd->bhq", do, out)
     dq, dk, dv, _ = block_bwd(q, k, v, out, lse, do, delta, q_pos, kv_pos, None, None, None, spec=spec,
-                                      params=BwdParams(64, 128, 64, 128), interpret=True)
+                              params=BwdParams(64, 128, 64, 128), interpret=True)
     return out, lse, dq, dk, dv
 
 
@@ -167,10 +167,10 @@ def test_values_of_another_head_dim_than_queries_and_keys(head_dim, value_head_d
     q, k, v, do, out, lse = (jnp.asarray(x, jnp.float32) for x in (q, k, v, do, *want[:2]))
     positions = jnp.arange(192, dtype=jnp.int32)[None]
     got = block_fwd(q, k, v, positions, positions, None, None, None, spec=spec,
-                            params=FwdParams(block_q=64, block_kv=128), interpret=True)
+                    params=FwdParams(block_q=64, block_kv=128), interpret=True)
     delta = jnp.einsum("bqhd,bqhd->bhq", do, out)
     got += block_bwd(q, k, v, out, lse, do, delta, positions, positions, None, None, None, spec=spec,
-                             params=BwdParams(64, 128, 64, 128), interpret=True)[:3]
+                     params=BwdParams(64, 128, 64, 128), interpret=True)[:3]
     for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
         assert g.shape == w.shape and g.dtype == jnp.float32, (name, g.shape, g.dtype)
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5, err_msg=name)
