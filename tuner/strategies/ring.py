@@ -74,10 +74,18 @@ def group_size(axis_name: Hashable | None) -> int | None:
 
 
 def _travelling(k, v, kv_pos, kv_seg) -> tuple:
-    """The shards that travel the ring, all varying over the axes of the keys: on a 2-D mesh the
-    positions vary over the ring axis only, and `tuner.strategies.ordering` ties each one to arrays that vary over
-    both."""
-    return tuple(None if x is None else vma.like(x, k) for x in (k, v, kv_pos, kv_seg))
+    """The shards that travel the ring, `(k, v, ids)`, all varying over the axes of the keys (on a 2-D
+    mesh the positions vary over the ring axis only, and `tuner.strategies.ordering` ties each one to
+    arrays that vary over both). `ids` holds the key positions, stacked with the segment ids where there
+    are any: one transfer a step, not two (on the CPU every collective waits for the one before)."""
+    ids = kv_pos if kv_seg is None else jnp.stack([kv_pos, kv_seg])
+    return tuple(vma.like(x, k) for x in (k, v, ids))
+
+
+def _arrived(visiting) -> tuple:
+    """`(k, v, kv_pos, kv_seg)` of the shards `_travelling` sent."""
+    k, v, ids = visiting
+    return (k, v, ids[0], ids[1]) if ids.ndim == 3 else (k, v, ids, None)
 
 
 def _send_to_next(tree, axis_name: Hashable, size: int, after: tuple = ()):
@@ -139,7 +147,7 @@ def _forward(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks
     kv_len, value_dim = k.shape[1], v.shape[3]
 
     def block(visiting, step, out, lse):
-        k_, v_, kv_pos_, kv_seg_ = visiting
+        k_, v_, kv_pos_, kv_seg_ = _arrived(visiting)
         source = (rank - step) % size
 
         def compute(carry):
@@ -190,7 +198,7 @@ def _backward(cfg: RingConfig, residuals, cotangents):
     def block(visiting, step, dq, dbias):
         """One step: dq (and dbias) accumulate here; the block's own dk, dv are returned (zeros for a
         skipped step), to be added to the accumulators travelling with those keys."""
-        k_, v_, kv_pos_, kv_seg_ = visiting
+        k_, v_, kv_pos_, kv_seg_ = _arrived(visiting)
         source = (rank - step) % size
 
         def compute(carry):
