@@ -3,11 +3,12 @@
 The driver (DESIGN section 3) owns everything ring-specific; backends only compute one block.
 
 Forward, on each of the P devices of `axis_name`: P steps. At every step the visiting key/value shard
-(with its positions and segment ids) is first sent on to the next device, so the transfer can overlap
-the compute, then this device's queries attend to it and the block result is merged into the running
-`(out, lse)` by `logaddexp` in float32. There is no send after the last step. A step whose visiting
-shard is wholly excluded by the masks is skipped: which ones, `masks.ring_mask` resolves once before
-the ring turns, from every shard's position bounds. Sinks join the softmax once, at the end.
+(with its positions and segment ids, stacked into one int32 array) is first sent on to the next device,
+so the transfer can overlap the compute, then this device's queries attend to it and the block result
+is merged into the running `(out, lse)` by `logaddexp` in float32. There is no send after the last
+step. A step whose visiting shard is wholly excluded by the masks is skipped: which ones,
+`masks.ring_mask` resolves once before the ring turns, from every shard's position bounds. Sinks join
+the softmax once, at the end.
 
 Backward replays the same steps with the final (sink-inclusive) lse and `delta = rowsum(dout * out)`:
 dq accumulates here, while dk/dv accumulators travel with the keys and, after one last hop, arrive
