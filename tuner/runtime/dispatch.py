@@ -135,8 +135,8 @@ class TunedRingAttention:
     def _rows_tile(self, query, key, value, options: dict[str, Any]) -> int | None:
         """The tile the rows of these global arrays (values, in this process) choose, where a documents
         layout call with nothing tuned and no packing declared takes it from its rows; else None."""
-        if self.layout != DOCUMENTS or options.get("q_segment_ids") is None:
-            return None
+        if self.layout != DOCUMENTS or self.packing is not None or options.get("q_segment_ids") is None:
+            return None  # a declared packing's tile is planned from the packing: no decision to make here
         if not _concrete(query, key, value, options):
             return None
         if not all(x.is_fully_addressable for x in jax.tree.leaves((query, key, value, options))
