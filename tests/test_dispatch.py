@@ -105,16 +105,16 @@ def test_a_call_on_a_mesh_outside_jit_compiles_once_and_again_after_a_cache_writ
     """Outside any trace the loader on a mesh runs under its own `jax.jit`: the second call of the same
     shapes traces nothing (it used to lay out, `shard_map` and compile the ring at every call), and a
     cache write in the process makes it trace, and decide, again."""
-    from tuner.runtime import meshed
+    from tuner.runtime import sharded
 
     traced = []
 
     def counting(*args, **kwargs):
         traced.append(1)
-        return meshed_call(*args, **kwargs)
+        return sharded_run(*args, **kwargs)
 
-    meshed_call = meshed.call
-    monkeypatch.setattr(meshed, "call", counting)
+    sharded_run = sharded.run
+    monkeypatch.setattr(sharded, "run", counting)
     db = tmp_path / "tuning.sqlite"
     mesh = Mesh(np.array(jax.devices()[:RING]), ("sp",))
     attn = get_tuned_ring_attention(axis_name="sp", causal=True, layout="zigzag", db=str(db), mesh=mesh)

@@ -32,7 +32,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 
 from tuner.semantics import documents, layouts
@@ -67,7 +66,15 @@ class TunedRingAttention:
 
     def __init__(self, *, axis_name: Hashable | None, causal: bool, sliding_window, chunk_size,
                  logits_soft_cap, softmax_scale, layout: str, backend: str, db, mesh: Mesh | None,
-                 strategy: str = "auto", packing: str | None = None):
+                 strategy: str = "auto", packing: str | None = None, laid_out: bool = False):
+        if not isinstance(laid_out, bool):
+            raise ValueError(f"laid_out must be True or False, got {laid_out!r}")
+        if laid_out and mesh is None:
+            raise ValueError("laid_out=True says the global arrays given with mesh= are already laid out: pass mesh=; "
+                             "on local shards, pass layout= instead")
+        if laid_out and layout is None:
+            raise ValueError("laid_out=True needs the layout the arrays are in: pass layout= (as given to "
+                             "tuner.layouts.lay_out_batch)")
         if layout is not None and (not isinstance(layout, str) or layout not in LOADER_LAYOUTS):
             raise ValueError(f"layout must be one of {', '.join(LOADER_LAYOUTS)} or None, got {layout!r}")
         if layout == DOCUMENTS and mesh is None:
@@ -102,7 +109,9 @@ class TunedRingAttention:
         self._decisions: dict[tuple, Decision] = {}
         self._agreed: dict[tuple, Decision] = {}  # the decisions of traced calls, agreed across processes
         self._writes = writes()
-        self._compiled: tuple[int, Any] | None = None  # (cache writes when made, the jitted call on a mesh)
+        self._global = None if mesh is None else meshed.GlobalCall(
+            mesh=mesh, axis_name=axis_name, layout=layout, causal=causal, window=self.options["sliding_window"],
+            laid_out=laid_out, local=self._local, decide=self._decide)
 
     # ----------------------------------------------------------------------------------------------
 
@@ -110,45 +119,7 @@ class TunedRingAttention:
         options = _check_call_options(per_call_options)
         if self.mesh is None:
             return self._local(query, key, value, options)
-        if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((query, key, value, options))):
-            tile = self._rows_tile(query, key, value, options)
-            return self._compiled_call()(query, key, value, rows_tile=tile, **options)
-        return self._global(query, key, value, **options)
-
-    def _global(self, query, key, value, *, rows_tile: int | None = None, **options):
-        """The call on global arrays (traced); `rows_tile` as in `meshed.run_documents`."""
-        size, ring = self._mesh_sizes()
-        padding = meshed.padding(query, key, options, devices=size, layout=self.layout, causal=self.options["causal"])
-        return meshed.run(self._local, self._decide_global, self.mesh, self.axis_name, self.layout, ring, padding,
-                          query, key, value, options, causal=self.options["causal"],
-                          window=self.options["sliding_window"], rows_tile=rows_tile)
-
-    def _compiled_call(self):
-        """The call under `jax.jit`, for calls outside any trace: the layout, `shard_map` and ring compile
-        once per shape (and per tile the rows choose) instead of at every call. Made again after a cache
-        write in this process, so that the loader decides again as it does under the caller's own trace."""
-        if self._compiled is None or self._compiled[0] != writes():
-            self._compiled = (writes(), jax.jit(self._global, static_argnames=("return_lse", "interpret",
-                                                                               "rows_tile")))
-        return self._compiled[1]
-
-    def _rows_tile(self, query, key, value, options: dict[str, Any]) -> int | None:
-        """The tile the rows of these global arrays (values, in this process) choose, where a documents
-        layout call with nothing tuned and no packing declared takes it from its rows; else None."""
-        if self.layout != DOCUMENTS or self.packing is not None or options.get("q_segment_ids") is None:
-            return None  # a declared packing's tile is planned from the packing: no decision to make here
-        if not _concrete(query, key, value, options):
-            return None
-        if not all(x.is_fully_addressable for x in jax.tree.leaves((query, key, value, options))
-                   if isinstance(x, jax.Array)):
-            return None  # rows other processes hold: chosen in the step, where every process sees them
-        size, ring = self._mesh_sizes()
-        padding = meshed.padding(query, key, options, devices=size, layout=self.layout, causal=self.options["causal"])
-        if not self._decide_global(*meshed.planned(padding, query, key, value, options, layout=self.layout)
-                                   ).packed_default:
-            return None
-        return meshed.rows_tile(padding, query, key, value, options, ring, causal=self.options["causal"],
-                                window=self.options["sliding_window"])
+        return self._global(query, key, value, options)
 
     def explain(self, query, key, value, *, ring_size: int | tuple[int, int] | None = None,
                 **per_call_options) -> Decision:
@@ -163,7 +134,7 @@ class TunedRingAttention:
         options = _check_call_options(per_call_options)
         pair = isinstance(self.axis_name, tuple)
         if self.mesh is not None:
-            devices, ring = self._mesh_sizes()
+            devices, ring = self._global.sizes()
             given = (ring, devices // ring) if pair else devices
             if ring_size is not None and ring_size != given:
                 raise ValueError(f"ring_size={ring_size} does not match mesh axis {self.axis_name!r} of "
@@ -183,24 +154,7 @@ class TunedRingAttention:
             size, a2a = check_int("ring_size", 1 if ring_size is None else ring_size), None
         if self.mesh is None:
             return self._decide(query, key, value, size, options, a2a)
-        padding = meshed.padding(query, key, options, devices=size, layout=self.layout, causal=self.options["causal"])
-        planned = meshed.planned(padding, query, key, value, options, layout=self.layout)
-        decision = self._decide_global(*planned, a2a)
-        tile = self._rows_tile(query, key, value, options) if decision.packed_default else None
-        if tile is not None:
-            decision = self._decide_global(*planned, a2a, packed_tile=tile)
-        notes = ([meshed.DOCUMENTS_NOTE] if self.layout == DOCUMENTS else []) + (
-            [padding.describe()] if padding.needed else [])
-        return dataclasses.replace(decision, reason="; ".join([decision.reason, *notes])) if notes else decision
-
-    def _decide_global(self, query, key, value, options: dict[str, Any], a2a: int | None = None, *,
-                       packed_tile: int | None = None) -> Decision:
-        """The decision for global arrays of lengths the mesh divides, from what each device's shard is."""
-        size, ring = self._mesh_sizes()
-        if a2a is None and isinstance(self.axis_name, tuple):
-            a2a = size // ring
-        query, key, value, options = meshed.shards(query, key, value, options, size)
-        return self._decide(query, key, value, size, options, a2a, packed_tile=packed_tile)
+        return self._global.explain(query, key, value, options, a2a)
 
     @property
     def traced(self) -> list[Decision]:
@@ -210,14 +164,6 @@ class TunedRingAttention:
         return list(self._agreed.values())
 
     # ----------------------------------------------------------------------------------------------
-
-    def _mesh_sizes(self) -> tuple[int, int]:
-        """(devices the sequence is split over, ring positions the layout is over) of `mesh=`: the axis's
-        size twice, or over two axes R x A and R."""
-        if isinstance(self.axis_name, tuple):
-            ring, a2a = (self.mesh.shape[name] for name in self.axis_name)
-            return ring * a2a, ring
-        return self.mesh.shape[self.axis_name], self.mesh.shape[self.axis_name]
 
     def _local(self, query, key, value, options: dict[str, Any], *, packed_tile: int | None = None):
         size, group = ring_geometry(self.axis_name)[0], group_size(self.axis_name)
@@ -408,13 +354,6 @@ class TunedRingAttention:
         return Plan(name, config, found.source, reason, problem, spec, layout)
 
 
-def _concrete(*arrays) -> bool:
-    """Whether these arrays (and pytrees of them) hold values: no tracer, no `jax.ShapeDtypeStruct`."""
-    leaves = jax.tree.leaves(arrays)
-    return all(isinstance(x, (np.ndarray, jax.Array)) and not isinstance(x, jax.core.Tracer)
-               for x in leaves if hasattr(x, "shape"))
-
-
 def _check_call_options(options: dict[str, Any]) -> dict[str, Any]:
     unknown = [name for name in options if name not in CALL_OPTIONS]
     if unknown:
@@ -437,17 +376,22 @@ def get_tuned_ring_attention(
     mesh: Mesh | None = None,
     strategy: str = "auto",
     packing: str | None = None,
+    laid_out: bool = False,
 ) -> TunedRingAttention:
     """Ring attention that runs the tuned variant for each problem it is traced with.
 
     With `mesh`, call it on global arrays in token order (and per-call segment ids, positions and bias
-    in token order too): it lays the sequence out in `layout` (default "zigzag", which balances causal
-    work and is what `tuner search` tunes by default), applies `shard_map` over `axis_name`, and puts
-    the output (and lse) back in token order; the permutation costs one exchange of the arrays, so a
-    data pipeline that already yields laid-out shards should call it on local shards instead. Without
-    `mesh`, call it on local shards inside your `shard_map` over `axis_name`, with `layout` saying how
-    your shards hold the sequence (required on a ring of more than one device); without `axis_name`,
-    on one device. `db` is the cache file (default `$TUNER_DB`, else `$TUNER_HOME/tuning.sqlite`).
+    in token order too), sharded over `axis_name` along the sequence or not: it lays the sequence out in
+    `layout` (default "zigzag", which balances causal work and is what `tuner search` tunes by default)
+    inside one `shard_map` over `axis_name`, with collectives that move each device's shards and never
+    gather the sequence, and puts the output (and lse) back in token order, sharded as the query came in
+    (other mesh axes, a batch on a data axis or heads on a tensor axis, keep theirs). That costs one exchange
+    of q, k, v and the output in every call; a training step lays its batch out once instead
+    (`tuner.layouts.lay_out_batch`) and passes `laid_out=True`: then nothing moves and the output stays
+    in the layout. Without `mesh`, call it on local shards inside your `shard_map` over `axis_name`, with
+    `layout` saying how your shards hold the sequence (required on a ring of more than one device); without
+    `axis_name`, on one device. `db` is the cache file (default `$TUNER_DB`, else
+    `$TUNER_HOME/tuning.sqlite`).
 
     `strategy` says how the devices share the work: "ring", "all_to_all" or "all_gather" runs that one
     ("ring": over the kernel `backend` names, else the platform's); "auto" (the default) lets a
@@ -463,4 +407,4 @@ def get_tuned_ring_attention(
     return TunedRingAttention(axis_name=axis_name, causal=causal, sliding_window=sliding_window,
                               chunk_size=chunk_size, logits_soft_cap=logits_soft_cap,
                               softmax_scale=softmax_scale, layout=layout, backend=backend, db=db, mesh=mesh,
-                              strategy=strategy, packing=packing)
+                              strategy=strategy, packing=packing, laid_out=laid_out)

@@ -1,36 +1,175 @@
-"""The loader's call on global arrays (`get_tuned_ring_attention(mesh=...)`): lay the sequence out, run
-the local call under `shard_map`, put the results back in token order.
+"""The loader's call on global arrays (`get_tuned_ring_attention(mesh=...)`), in one place: pad the
+sequence to a length the layout splits, plan the call from one device's shards, and run it in one
+`shard_map` that lays the shards out with collectives and puts the results back
+(`tuner.runtime.sharded`). Nothing gathers q, k, v or the output along the sequence.
 
 The layout is over the ring's positions: the axis's size, or over two axes the ring axis, whose every
-position's chunk is then cut evenly over the group axis by the sharding `PartitionSpec(None,
-(ring_axis, group_axis))`. Per-call arrays along the sequence (segment ids, positions) are laid out the same
-way; a bias `[B, H, Tq, Tk]` is laid out on both sequence axes and sharded over its query axis only.
-The documents layout is one permutation per batch row, computed from the row's segment ids. A global
-length the layout does not split is padded first, and the padding stripped from the results
-(`tuner.semantics.padding`).
+position's chunk is then cut evenly over the group axis (`PartitionSpec(None, (ring_axis, group_axis))`).
+Per-call arrays along the sequence (segment ids, positions) move with the tokens; a bias `[B, H, Tq, Tk]`
+is sharded over its query axis, which moves with the queries, while its key axis is permuted in place.
+The documents layout is one permutation per batch row, planned from the row's segment ids. A global
+length the layout does not split is padded first (`tuner.semantics.padding`; XLA moves the few pad-shifted
+tokens between neighbours), and the padding stripped from the results.
+
+With `laid_out=True` the arrays are already in the layout's device-major order (`tuner.layouts.lay_out_batch`
+in the data pipeline, once per batch): nothing is permuted, and the output stays in that order.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from tuner import registry
-from tuner.runtime.plan import ARRAY_OPTIONS
-from tuner.semantics import documents, layouts
+from tuner.cache import writes
+from tuner.runtime import sharded
+from tuner.runtime.plan import ARRAY_OPTIONS, Plan
+from tuner.semantics import documents, layouts, moves
 from tuner.semantics.documents import DOCUMENTS
 from tuner.semantics.padding import Padding
 from tuner.semantics.spec import AttentionSpec
+from tuner.support.targets import compile_target
 
-SEQUENCE_OPTIONS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")
+SEQUENCE_OPTIONS = sharded.SEQUENCE_OPTIONS
 DOCUMENTS_NOTE = ("documents layout: each row laid out from its segment ids, keyed as contiguous (every shard in "
                   "token order, positions given)")
+
+
+class GlobalCall:
+    """`call(query, key, value, options)` on global arrays over `mesh`. `local(q, k, v, options,
+    packed_tile=)` is the loader's call on one device's shards (under `shard_map`); `decide(q, k, v,
+    ring_size, options, group, packed_tile=)` its plan for one device's shapes."""
+
+    def __init__(self, *, mesh: Mesh, axis_name: Hashable, layout: str, causal: bool, window, laid_out: bool,
+                 local: Callable[..., Any], decide: Callable[..., Plan]):
+        self.mesh, self.axis_name, self.layout, self.laid_out = mesh, axis_name, layout, laid_out
+        self.causal, self.window = causal, window
+        self._local, self._decide = local, decide
+        self._compiled: tuple[int, Any] | None = None  # (cache writes when made, the jitted call)
+
+    def sizes(self) -> tuple[int, int]:
+        """(devices the sequence is split over, ring positions the layout is over): the axis's size twice,
+        or over two axes R x A and R."""
+        if isinstance(self.axis_name, tuple):
+            ring, group = (self.mesh.shape[name] for name in self.axis_name)
+            return ring * group, ring
+        return (self.mesh.shape[self.axis_name],) * 2
+
+    def __call__(self, query, key, value, options: dict[str, Any]):
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((query, key, value, options))):
+            return self._traced(query, key, value, **options)
+        tile = self.rows_tile(query, key, value, options)
+        return self._jitted()(query, key, value, rows_tile=tile, **options)
+
+    def plan(self, query, key, value, options: dict[str, Any], a2a: int | None = None, *,
+             packed_tile: int | None = None) -> Plan:
+        """The plan for global arrays (or shapes) of lengths the mesh divides, from one device's shards."""
+        size, ring = self.sizes()
+        if a2a is None and isinstance(self.axis_name, tuple):
+            a2a = size // ring
+        query, key, value, options = shards(query, key, value, options, size)
+        return self._decide(query, key, value, size, options, a2a, packed_tile=packed_tile)
+
+    def explain(self, query, key, value, options: dict[str, Any], a2a: int | None) -> Plan:
+        """The plan of the call, with what the layout moves and the padding in its reason."""
+        padding = self._padding(query, key, options)
+        planned_ = planned(padding, query, key, value, options, layout=self.layout)
+        decision = self.plan(*planned_, a2a)
+        tile = self.rows_tile(query, key, value, options) if decision.packed_default else None
+        if tile is not None:
+            decision = self.plan(*planned_, a2a, packed_tile=tile)
+        size, _ = self.sizes()
+        moved = sharded.describe(self._how(), self.axis_name, padding.q_to // size, size)
+        notes = ([DOCUMENTS_NOTE] if self.layout == DOCUMENTS else []) + (
+            [padding.describe()] if padding.needed else []) + [moved]
+        return dataclasses.replace(decision, reason="; ".join([decision.reason, *notes]))
+
+    def rows_tile(self, query, key, value, options: dict[str, Any]) -> int | None:
+        """The tile the rows of these global arrays (values, in this process) choose, where a documents
+        layout call with nothing tuned and no packing declared takes it from its rows; else None (then,
+        under a trace, the rows choose in the step)."""
+        if self.layout != DOCUMENTS or self.laid_out or options.get("q_segment_ids") is None:
+            return None
+        leaves = [x for x in jax.tree.leaves((query, key, value, options)) if hasattr(x, "shape")]
+        if not all(isinstance(x, (np.ndarray, jax.Array)) and not isinstance(x, jax.core.Tracer) for x in leaves):
+            return None
+        if not all(x.is_fully_addressable for x in leaves if isinstance(x, jax.Array)):
+            return None  # rows other processes hold: chosen in the step, where every process sees them
+        padding = self._padding(query, key, options)
+        if not self.plan(*planned(padding, query, key, value, options, layout=self.layout)).packed_default:
+            return None  # a declared packing's tile is planned from the packing: nothing to choose here
+        spec = AttentionSpec(scale=1.0, causal=self.causal, window=self.window, has_segments=True)
+        sequences = {name: options.get(name) for name in SEQUENCE_OPTIONS}
+        index = _rows_tile_index(padding, spec, self.sizes()[1], query, key, value, sequences)
+        return documents.PACKED_TILES[int(index)]
+
+    # ----------------------------------------------------------------------------------------------
+
+    def _traced(self, query, key, value, *, rows_tile: int | None = None, **options):
+        padding = self._padding(query, key, options)
+        if self.laid_out and padding.needed:
+            raise ValueError(f"laid_out=True takes arrays already in the {self.layout} layout, of a length it splits "
+                             f"over {self.sizes()[0]} devices: query length {query.shape[1]}, key length "
+                             f"{key.shape[1]}; lay the batch out with tuner.layouts.lay_out_batch, which pads it")
+        if self.laid_out and self.layout == DOCUMENTS and options.get("q_positions") is None:
+            raise ValueError("laid_out=True with layout='documents' needs the positions the layout gave the tokens: "
+                             "pass q_positions and kv_positions (tuner.layouts.lay_out_batch returns them)")
+        query, key, value, options = padding.pad(query, key, value, options)
+        rings, how = self._rings(query, key, value, options, rows_tile)
+        result = sharded.run(rings, how, self.mesh, self.axis_name, query, key, value, options)
+        return padding.strip(result, bool(options.get("return_lse")))
+
+    def _jitted(self):
+        """The call under `jax.jit`, for calls outside any trace: compiled once per shape (and per tile the
+        rows choose), made again after a cache write in this process, so that the loader decides again as
+        it does under the caller's own trace."""
+        if self._compiled is None or self._compiled[0] != writes():
+            self._compiled = (writes(), jax.jit(self._traced, static_argnames=("return_lse", "interpret",
+                                                                               "rows_tile")))
+        return self._compiled[1]
+
+    def _padding(self, query, key, options: dict[str, Any]) -> Padding:
+        size, _ = self.sizes()
+        return Padding.of(query, key, options, devices=size, causal=self.causal,
+                          layout="contiguous" if self.layout == DOCUMENTS else self.layout)
+
+    def _how(self, orders: tuple = (), branch_of: tuple = ()) -> sharded.Layout:
+        spec = AttentionSpec(scale=1.0, causal=self.causal, window=self.window, has_segments=True)
+        return sharded.Layout(self.layout, self.sizes()[1], moves.method_for(compile_target(self.mesh)[0]),
+                              self.laid_out, spec, orders, branch_of)
+
+    def _rings(self, query, key, value, options: dict[str, Any], rows_tile: int | None):
+        """(the rings the step may run, how their shards are laid out). A documents-layout call with nothing
+        tuned and no packing declared (`Plan.packed_default`) takes its tile in the step: one ring per tile of
+        `documents.PACKED_TILES` (a tile that changes nothing shares the longer one's), of which the rows pick
+        one; where the rows were read before the trace, `rows_tile` is their choice, and that ring alone is
+        compiled."""
+        if self.layout != DOCUMENTS:
+            return [self._local], self._how()
+        _check_documents(query, key, options)
+        shaped = with_positions(options, query, key)
+        plans = {None: self.plan(query, key, value, shaped)}
+        if plans[None].packed_default:
+            tiles = documents.PACKED_TILES if rows_tile is None else (rows_tile,)
+            plans = {tile: self.plan(query, key, value, shaped, packed_tile=tile) for tile in tiles}
+        configs, rings, orders, branch_of = [], [], [], []
+        size, ring = self.sizes()
+        for tile, plan_ in plans.items():
+            if plan_.config not in configs:
+                configs.append(plan_.config)
+                rings.append(functools.partial(self._local, packed_tile=tile))
+                tiles = registry.forward_tiles(plan_.config) or (documents.DEFAULT_TILE,) * 2
+                orders.append(functools.partial(layouts.document_order, ring_size=ring, causal=self.causal,
+                                                window=self.window, tile=tiles))
+            branch_of.append(configs.index(plan_.config))
+        return rings, self._how(tuple(orders), tuple(branch_of))
 
 
 def local_shape(x, size: int, name: str, axis: int = 1) -> jax.ShapeDtypeStruct:
@@ -40,13 +179,6 @@ def local_shape(x, size: int, name: str, axis: int = 1) -> jax.ShapeDtypeStruct:
     shape = list(x.shape)
     shape[axis] //= size
     return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
-
-
-def padding(query, key, options: dict[str, Any], *, devices: int, layout: str, causal: bool) -> Padding:
-    """The padding of a call on global arrays: to lengths `layout` splits over `devices` (the documents
-    layout splits as contiguous does)."""
-    return Padding.of(query, key, options, devices=devices, causal=causal,
-                      layout="contiguous" if layout == DOCUMENTS else layout)
 
 
 def planned(padding: Padding, query, key, value, options: dict[str, Any], *, layout: str):
@@ -77,99 +209,12 @@ def shards(query, key, value, options: dict[str, Any], size: int):
     return query, key, value, options
 
 
-def run(local: Callable[..., Any], decide: Callable[..., Any], mesh: Mesh, axis_name: Hashable, layout: str,
-        ring: int, padding: Padding, query, key, value, options: dict[str, Any], *, causal: bool, window,
-        rows_tile: int | None = None):
-    """The loader's call on global arrays: padded, laid out, run by `local(q, k, v, options)` on each
-    device, back in token order and stripped of the padding. `decide(q, k, v, options)` is the plan of
-    the call, whose tiles the documents layout is planned for; `rows_tile` as in `run_documents`."""
-    query, key, value, options = padding.pad(query, key, value, options)
-    if layout == DOCUMENTS:
-        result = run_documents(local, decide, mesh, axis_name, ring, query, key, value, options, causal=causal,
-                               window=window, rows_tile=rows_tile)
-    else:
-        result = call(local, mesh, axis_name, layout, ring, query, key, value, options)
-    return padding.strip(result, bool(options.get("return_lse")))
-
-
-def run_documents(local: Callable[..., Any], decide: Callable[..., Any], mesh: Mesh, axis_name: Hashable, ring: int,
-                  query, key, value, options: dict[str, Any], *, causal: bool, window, rows_tile: int | None = None):
-    """`call` in the documents layout (`tuner.semantics.documents`): each batch row laid out from its query
-    segment ids, planned for the forward tiles of the call's plan; the positions travel with the tokens
-    (the row's token indices unless given), so the masks see the global positions and stay exact.
-
-    A packed call with nothing tuned and no packing declared (`Plan.packed_default`) takes its tiles in
-    the step: one ring per tile of `documents.PACKED_TILES` (a tile that changes nothing shares the longer
-    one's), and `documents.rows_tile_choice` of the rows' segment ids picks the layout plan and the ring
-    that run (two `jax.lax.switch`es, so that only the chosen tile's plan is computed and the layout's
-    gathers stay outside the rings' switch). Where the rows' values are known before the trace (a call
-    outside any trace), `rows_tile` is the tile they chose (`rows_tile`, below): that tile's ring alone is
-    compiled, not one per tile. `local` and `decide` take `packed_tile=`, the tile chosen."""
-    _check_documents(query, key, options)
-    segments = options["q_segment_ids"]
-    shaped = with_positions(options, query, key)
-    plans = {None: decide(query, key, value, shaped)}
-    if plans[None].packed_default:
-        tiles = documents.PACKED_TILES if rows_tile is None else (rows_tile,)
-        plans = {tile: decide(query, key, value, shaped, packed_tile=tile) for tile in tiles}
-    configs, rings, orders, branch_of = [], [], [], []
-    for tile, plan in plans.items():
-        if plan.config not in configs:
-            configs.append(plan.config)
-            rings.append(functools.partial(local, packed_tile=tile))
-            tiles = registry.forward_tiles(plan.config) or (documents.DEFAULT_TILE,) * 2
-            orders.append(functools.partial(layouts.document_order, ring_size=ring, causal=causal, window=window,
-                                            tile=tiles))
-        branch_of.append(configs.index(plan.config))
-    chosen = None
-    if len(rings) > 1:
-        spec = AttentionSpec(scale=1.0, causal=causal, window=window, has_segments=True)
-        chosen = jnp.asarray(branch_of)[documents.rows_tile_choice(segments, spec, ring)]
-    order = orders[0](segments) if chosen is None else jax.lax.switch(chosen, orders, segments)
-    options = dict(options)
-    for name in ("q_positions", "kv_positions"):  # laid out below with the tokens
-        if options.get(name) is None:
-            options[name] = jnp.broadcast_to(jnp.arange(order.shape[1], dtype=jnp.int32), order.shape)
-
-    def lay_out(x, axis: int = 1):
-        return x if x.shape[axis] == 1 else documents.lay_out_rows(x, order, axis=axis)
-
-    def restore(x, axis: int = 1):
-        return documents.restore_rows(x, order, axis=axis)
-
-    return _sharded(rings, chosen, mesh, axis_name, lay_out, restore, query, key, value, options)
-
-
-def rows_tile(padding: Padding, query, key, value, options: dict[str, Any], ring: int, *, causal: bool, window
-              ) -> int:
-    """The tile of `documents.PACKED_TILES` that the rows of these arrays (values, not shapes) choose in the
-    step, as `run_documents` runs them: computed now, in one compiled program."""
-    spec = AttentionSpec(scale=1.0, causal=causal, window=window, has_segments=True)
-    sequences = {name: options.get(name) for name in SEQUENCE_OPTIONS}
-    return documents.PACKED_TILES[int(_rows_tile_index(padding, spec, ring, query, key, value, sequences))]
-
-
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _rows_tile_index(padding: Padding, spec: AttentionSpec, ring: int, query, key, value, sequences):
     """`documents.rows_tile_choice` of the padded query segment ids (the padding of q, k, v is never
     computed: only the ids are returned from)."""
     segments = padding.pad(query, key, value, sequences)[3]["q_segment_ids"]
     return documents.rows_tile_choice(segments, spec, ring)
-
-
-def call(local: Callable[..., Any], mesh: Mesh, axis_name: Hashable, layout: str, ring: int, query, key, value,
-         options: dict[str, Any]):
-    """`local(q, k, v, options)` on each device's shards of the global `query`/`key`/`value` (and per-call
-    arrays in `options`), laid out in `layout` over `ring` positions and sharded over `axis_name` (one
-    mesh axis, or the hybrid's pair); the output (and lse with `return_lse`) in token order."""
-
-    def lay_out(x, axis: int = 1):
-        return x if x.shape[axis] == 1 else layouts.lay_out(x, layout, ring, axis=axis)
-
-    def restore(x, axis: int = 1):
-        return layouts.restore(x, layout, ring, axis=axis)
-
-    return _sharded([local], None, mesh, axis_name, lay_out, restore, query, key, value, options)
 
 
 def _check_documents(query, key, options: dict[str, Any]) -> None:
@@ -181,32 +226,4 @@ def _check_documents(query, key, options: dict[str, Any]) -> None:
                          f"length {query.shape[1]}, key length {key.shape[1]}")
 
 
-def _sharded(rings: list[Callable[..., Any]], chosen, mesh: Mesh, axis_name: Hashable, lay_out, restore, query, key,
-             value, options: dict[str, Any]):
-    """The shared body of the calls: `lay_out(x, axis)` permutes a global array's sequence axis into
-    device-major order, `restore(x, axis)` undoes it; `rings[chosen]` runs on each device's shards (the
-    only one where `chosen` is None)."""
-    seq = P(None, axis_name)
-    specs = {name: seq for name in SEQUENCE_OPTIONS}
-    specs["softmax_aux"] = P()
-    arrays = {n: x for n, x in options.items() if n in specs and x is not None}
-    arrays.update({n: lay_out(x) for n, x in arrays.items() if n in SEQUENCE_OPTIONS})
-    if options.get("bias") is not None:  # queries are sharded, the (laid-out) global key axis is not
-        bias = lay_out(lay_out(options["bias"], axis=2), axis=3)
-        arrays["bias"] = bias
-        specs["bias"] = P(None, None, axis_name if bias.shape[2] > 1 else None, None)
-    flags = {n: x for n, x in options.items() if n not in specs}
-    out_specs = (seq, P(None, None, axis_name)) if flags.get("return_lse") else seq
-    sharded = [jax.shard_map(lambda q, k, v, x, local=local: local(q, k, v, {**x, **flags}), mesh=mesh,
-                             in_specs=(seq, seq, seq, {n: specs[n] for n in arrays}), out_specs=out_specs)
-               for local in rings]
-    laid_out = (*(lay_out(x) for x in (query, key, value)), arrays)
-    result = sharded[0](*laid_out) if chosen is None else jax.lax.switch(chosen, sharded, *laid_out)
-    if flags.get("return_lse"):
-        out, lse = result
-        return restore(out), restore(lse, axis=2)
-    return restore(result)
-
-
-__all__ = ["DOCUMENTS_NOTE", "SEQUENCE_OPTIONS", "call", "local_shape", "padding", "planned", "rows_tile", "run",
-           "run_documents", "shards", "with_positions"]
+__all__ = ["DOCUMENTS_NOTE", "GlobalCall", "SEQUENCE_OPTIONS", "local_shape", "planned", "shards", "with_positions"]

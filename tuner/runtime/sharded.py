@@ -1,0 +1,154 @@
+"""The body of a call on global arrays: one `shard_map` over the sequence axes that lays each device's
+shards out, runs the ring on them and puts the results back, with collectives (`tuner.semantics.moves`).
+
+The arrays arrive sharded over the sequence axes in token order (the caller's sharding, or the one
+`shard_map` gives them); every other mesh axis stays automatic, so a batch on a data axis or heads on a
+tensor axis keep their sharding through the call and the output comes back sharded as the query came
+in. No device holds more of the sequence than its shard, except the segment ids and positions the
+documents layout plans from (4 bytes a token each).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from tuner.semantics import documents, layouts, moves
+from tuner.semantics.documents import DOCUMENTS
+from tuner.semantics.spec import AttentionSpec
+
+SEQUENCE_OPTIONS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the body lays the shards out. `layout`: a fixed layout or `documents`; `laid_out`: the caller
+    already did (nothing moves); `method`: how a permutation moves (`moves.METHODS`); for the documents
+    layout, `orders[i](rows)` is the layout of the rows of segment ids `[B, T]` for the `i`-th ring, and
+    `branch_of` maps the tile index the rows choose (`documents.rows_tile_choice`) to a ring, where there
+    are several."""
+
+    layout: str
+    ring: int
+    method: str
+    laid_out: bool = False
+    spec: AttentionSpec | None = None
+    orders: tuple[Callable[..., Any], ...] = ()
+    branch_of: tuple[int, ...] = ()
+
+
+def run(rings: list[Callable[..., Any]], how: Layout, mesh: Mesh, axis_name: Hashable, query, key, value,
+        options: dict[str, Any]):
+    """`rings[i](q, k, v, options)` on each device's laid-out shards of the global `query`/`key`/`value`
+    (and the per-call arrays in `options`), inside `shard_map` over `axis_name` (one mesh axis or a pair);
+    the output (and lse with `return_lse`) in token order, sharded as the query is."""
+    seq = P(None, axis_name)
+    specs = {name: seq for name in SEQUENCE_OPTIONS}
+    specs["softmax_aux"] = P()
+    arrays = {n: x for n, x in options.items() if n in specs and x is not None}
+    if options.get("bias") is not None:
+        arrays["bias"] = options["bias"]
+        specs["bias"] = P(None, None, axis_name if options["bias"].shape[2] > 1 else None, None)
+    flags = {n: x for n, x in options.items() if n not in specs}
+    return_lse = bool(flags.get("return_lse"))
+    out_specs = (seq, P(None, None, axis_name)) if return_lse else seq
+    names = set(axis_name) if isinstance(axis_name, tuple) else {axis_name}
+
+    def body(q, k, v, arrays):
+        move, chosen, arrays = _move_of(how, axis_name, q.shape[1], arrays)
+        q, k, v = (move.lay_out(x) for x in (q, k, v))
+        arrays = {n: move.lay_out(x) if n in SEQUENCE_OPTIONS and not _given_by(how, n, options) else x
+                  for n, x in arrays.items()}
+        if "bias" in arrays:
+            arrays["bias"] = _bias(arrays["bias"], move, how, axis_name)
+        calls = [lambda q, k, v, a, ring=ring: ring(q, k, v, {**a, **flags}) for ring in rings]
+        result = calls[0](q, k, v, arrays) if chosen is None else lax.switch(chosen, calls, q, k, v, arrays)
+        if return_lse:
+            return move.restore(result[0]), move.restore(result[1], axis=2)
+        return move.restore(result)
+
+    in_specs = (seq, seq, seq, {n: specs[n] for n in arrays})
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=names)(
+        query, key, value, arrays)
+
+
+def describe(how: Layout, axis_name: Hashable, shard: int, devices: int) -> str:
+    """What the body moves, for `explain()`."""
+    if how.laid_out:
+        return f"arrays laid out by the caller ({how.layout}): nothing permuted"
+    if how.layout == DOCUMENTS:
+        move = moves.Move("permutation", axis_name, method=how.method)
+        return f"laid out in the step ({DOCUMENTS}, each row from its segment ids): {move.describe()}"
+    two = isinstance(axis_name, tuple)
+    if how.layout == "contiguous":
+        how_moved = "nothing moves"
+    elif how.layout == "zigzag" and not two:
+        how_moved = moves.Move("zigzag", axis_name).describe()
+    elif how.layout == "striped" and not two and shard % devices == 0:
+        how_moved = moves.Move("striped", axis_name).describe()
+    else:
+        how_moved = moves.Move("permutation", axis_name, method=how.method).describe()
+    return f"laid out in the step ({how.layout}): {how_moved}"
+
+
+def _given_by(how: Layout, name: str, options: dict[str, Any]) -> bool:
+    """Whether the body computed this array itself (the documents layout's positions), so it is laid out."""
+    return how.layout == DOCUMENTS and not how.laid_out and name.endswith("positions") and options.get(name) is None
+
+
+def _move_of(how: Layout, axis_name: Hashable, shard: int, arrays: dict[str, Any]):
+    """(the move of this call's shards, the ring the rows chose or None, the per-call arrays with the
+    positions the documents layout passes)."""
+    devices = lax.axis_size(axis_name)
+    if how.laid_out:
+        return moves.Move("contiguous", axis_name), _laid_out_choice(how, axis_name, arrays), arrays
+    if how.layout != DOCUMENTS:
+        return moves.fixed(how.layout, axis_name, shard, devices, method=how.method), None, arrays
+    rows = lax.all_gather(arrays["q_segment_ids"], axis_name, axis=1, tiled=True)  # the plan reads whole rows
+    chosen = None
+    if len(how.orders) > 1:
+        chosen = jnp.asarray(how.branch_of)[documents.rows_tile_choice(rows, how.spec, how.ring)]
+        order = lax.switch(chosen, list(how.orders), rows)
+    else:
+        order = how.orders[0](rows)
+    arrays = dict(arrays)
+    mine = lax.dynamic_slice_in_dim(order, lax.axis_index(axis_name) * shard, shard, axis=1)
+    for name in ("q_positions", "kv_positions"):
+        if arrays.get(name) is None:
+            arrays[name] = mine  # already in the layout: the tokens' indices
+    return moves.permutation(order, axis_name, method=how.method), chosen, arrays
+
+
+def _laid_out_choice(how: Layout, axis_name: Hashable, arrays: dict[str, Any]):
+    """The ring the rows of a call laid out by the caller choose, where there are several: from their
+    segment ids put back in token order by their positions."""
+    if len(how.orders) <= 1:
+        return None
+    ids, positions = (lax.all_gather(arrays[n], axis_name, axis=1, tiled=True) for n in ("q_segment_ids",
+                                                                                        "q_positions"))
+    rows = jnp.take_along_axis(ids, jnp.argsort(positions, axis=1), axis=1)
+    return jnp.asarray(how.branch_of)[documents.rows_tile_choice(rows, how.spec, how.ring)]
+
+
+def _bias(bias, move: moves.Move, how: Layout, axis_name: Hashable):
+    """A bias `[B, H, Tq/P, Tk]` laid out: its query axis moves with the queries; its key axis, whole on
+    every device, is permuted in place."""
+    if bias.shape[2] > 1:
+        if move.how == "permutation" and bias.shape[0] < move.order.shape[0]:
+            bias = jnp.broadcast_to(bias, (move.order.shape[0], *bias.shape[1:]))
+        bias = move.lay_out(bias, axis=2)
+    if bias.shape[3] == 1 or how.laid_out or how.layout == "contiguous":
+        return bias
+    if move.how == "permutation":
+        return documents.lay_out_rows(bias, move.order, axis=3)
+    return layouts.lay_out(bias, how.layout, how.ring, axis=3)
+
+
+__all__ = ["Layout", "SEQUENCE_OPTIONS", "describe", "run"]
