@@ -59,7 +59,7 @@ def measure(way: str, length: int) -> dict[str, float]:
         jax.block_until_ready(call(q, k, v, seg))
         times.append(time.perf_counter() - start)
     options = dict(q_segment_ids=seg, kv_segment_ids=seg)
-    choice = min(timeit.repeat(lambda: attn._rows_tile(q, k, v, options), number=20, repeat=5)) / 20
+    choice = min(timeit.repeat(lambda: attn._global.rows_tile(q, k, v, options), number=20, repeat=5)) / 20
     return dict(first_s=times[0], second_s=times[1], host_choice_ms=1000 * choice)
 
 

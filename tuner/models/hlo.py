@@ -240,6 +240,16 @@ def collective_bytes(hlo: str, kinds: tuple[str, ...] = COLLECTIVE_KINDS) -> dic
     return counts
 
 
+def gathers(hlo: str) -> list[tuple[str, int]]:
+    """Every all-gather of a compiled module (`compiled.as_text()`): its result type on one device and
+    that type's bytes, largest first. An async pair counts once, by its `-done`."""
+    found = []
+    for match in filter(None, map(_INSTRUCTION.match, hlo.split("\n"))):
+        if match.group("op") in ("all-gather", "all-gather-done"):
+            found.append((match.group("type"), _type_bytes(match.group("type"))))
+    return sorted(found, key=lambda pair: -pair[1])
+
+
 def unordered_collectives(hlo: str, kind: str = "collective-permute") -> list[tuple[str, str]]:
     """Pairs of instructions that may have a `kind` collective in flight at the same time: in one
     computation, two that are such a collective or run one (a loop, a call, a conditional), with no data
@@ -261,5 +271,5 @@ def unordered_collectives(hlo: str, kind: str = "collective-permute") -> list[tu
     return pairs
 
 
-__all__ = ["COLLECTIVE_KINDS", "collective_bytes", "kernel_vmem", "loop_bodies", "overlap_problem",
+__all__ = ["COLLECTIVE_KINDS", "collective_bytes", "gathers", "kernel_vmem", "loop_bodies", "overlap_problem",
            "unordered_collectives", "with_trip_counts"]

@@ -31,7 +31,7 @@ from tuner import registry
 from tuner.cache import writes
 from tuner.runtime import sharded
 from tuner.runtime.plan import ARRAY_OPTIONS, Plan
-from tuner.semantics import documents, layouts, moves
+from tuner.semantics import documents, layouts
 from tuner.semantics.documents import DOCUMENTS
 from tuner.semantics.padding import Padding
 from tuner.semantics.spec import AttentionSpec
@@ -142,8 +142,9 @@ class GlobalCall:
 
     def _how(self, orders: tuple = (), branch_of: tuple = ()) -> sharded.Layout:
         spec = AttentionSpec(scale=1.0, causal=self.causal, window=self.window, has_segments=True)
-        return sharded.Layout(self.layout, self.sizes()[1], moves.method_for(compile_target(self.mesh)[0]),
-                              self.laid_out, spec, orders, branch_of)
+        names = set(self.axis_name) if isinstance(self.axis_name, tuple) else {self.axis_name}
+        return sharded.Layout(self.layout, self.sizes()[1], compile_target(self.mesh)[0],
+                              bool(set(self.mesh.axis_names) - names), self.laid_out, spec, orders, branch_of)
 
     def _rings(self, query, key, value, options: dict[str, Any], rows_tile: int | None):
         """(the rings the step may run, how their shards are laid out). A documents-layout call with nothing

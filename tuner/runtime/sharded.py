@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from tuner.semantics import documents, layouts, moves
 from tuner.semantics.documents import DOCUMENTS
 from tuner.semantics.spec import AttentionSpec
+from tuner.support import ordering
 
 SEQUENCE_OPTIONS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")
 
@@ -30,14 +31,16 @@ SEQUENCE_OPTIONS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positi
 @dataclass(frozen=True)
 class Layout:
     """How the body lays the shards out. `layout`: a fixed layout or `documents`; `laid_out`: the caller
-    already did (nothing moves); `method`: how a permutation moves (`moves.METHODS`); for the documents
+    already did (nothing moves); `platform` and `other_axes` (whether the mesh has axes other than the
+    sequence's) choose the collectives (`tuner.semantics.moves.method_for`); for the documents
     layout, `orders[i](rows)` is the layout of the rows of segment ids `[B, T]` for the `i`-th ring, and
     `branch_of` maps the tile index the rows choose (`documents.rows_tile_choice`) to a ring, where there
     are several."""
 
     layout: str
     ring: int
-    method: str
+    platform: str
+    other_axes: bool
     laid_out: bool = False
     spec: AttentionSpec | None = None
     orders: tuple[Callable[..., Any], ...] = ()
@@ -63,15 +66,16 @@ def run(rings: list[Callable[..., Any]], how: Layout, mesh: Mesh, axis_name: Has
 
     def body(q, k, v, arrays):
         move, chosen, arrays = _move_of(how, axis_name, q.shape[1], arrays)
-        q, k, v = (move.lay_out(x) for x in (q, k, v))
-        arrays = {n: move.lay_out(x) if n in SEQUENCE_OPTIONS and not _given_by(how, n, options) else x
-                  for n, x in arrays.items()}
+        moving = [n for n in SEQUENCE_OPTIONS if n in arrays and not _given_by(how, n, options)]
+        q, k, v, *moved = _in_order(move.lay_out, [q, k, v, *(arrays[n] for n in moving)], after=chosen)
+        arrays = {**arrays, **dict(zip(moving, moved))}
         if "bias" in arrays:
-            arrays["bias"] = _bias(arrays["bias"], move, how, axis_name)
+            arrays["bias"] = _bias(ordering.ordered(arrays["bias"], moved[-1:] or v), move, how)
         calls = [lambda q, k, v, a, ring=ring: ring(q, k, v, {**a, **flags}) for ring in rings]
         result = calls[0](q, k, v, arrays) if chosen is None else lax.switch(chosen, calls, q, k, v, arrays)
         if return_lse:
-            return move.restore(result[0]), move.restore(result[1], axis=2)
+            out, lse = _in_order(move.restore, [result[0], jnp.swapaxes(result[1], 1, 2)])
+            return out, jnp.swapaxes(lse, 1, 2)
         return move.restore(result)
 
     in_specs = (seq, seq, seq, {n: specs[n] for n in arrays})
@@ -83,19 +87,16 @@ def describe(how: Layout, axis_name: Hashable, shard: int, devices: int) -> str:
     """What the body moves, for `explain()`."""
     if how.laid_out:
         return f"arrays laid out by the caller ({how.layout}): nothing permuted"
-    if how.layout == DOCUMENTS:
-        move = moves.Move("permutation", axis_name, method=how.method)
-        return f"laid out in the step ({DOCUMENTS}, each row from its segment ids): {move.describe()}"
-    two = isinstance(axis_name, tuple)
-    if how.layout == "contiguous":
-        how_moved = "nothing moves"
-    elif how.layout == "zigzag" and not two:
-        how_moved = moves.Move("zigzag", axis_name).describe()
-    elif how.layout == "striped" and not two and shard % devices == 0:
-        how_moved = moves.Move("striped", axis_name).describe()
-    else:
-        how_moved = moves.Move("permutation", axis_name, method=how.method).describe()
-    return f"laid out in the step ({how.layout}): {how_moved}"
+    documents_ = how.layout == DOCUMENTS
+    kind = "permutation" if documents_ else moves.kind(how.layout, isinstance(axis_name, tuple), shard, devices)
+    method = moves.method_for(how.platform, how.other_axes, permutation=kind == "permutation")
+    what = f"{DOCUMENTS}, each row from its segment ids" if documents_ else how.layout
+    return f"laid out in the step ({what}): {moves.Move(kind, axis_name, method=method).describe()}"
+
+
+def _in_order(move: Callable[..., Any], xs: list, after=None) -> list:
+    """`move` of each array of `xs`, one after the other on the CPU (`tuner.support.ordering`)."""
+    return ordering.in_order(move, xs, () if after is None else (after,))
 
 
 def _given_by(how: Layout, name: str, options: dict[str, Any]) -> bool:
@@ -110,7 +111,8 @@ def _move_of(how: Layout, axis_name: Hashable, shard: int, arrays: dict[str, Any
     if how.laid_out:
         return moves.Move("contiguous", axis_name), _laid_out_choice(how, axis_name, arrays), arrays
     if how.layout != DOCUMENTS:
-        return moves.fixed(how.layout, axis_name, shard, devices, method=how.method), None, arrays
+        return moves.fixed(how.layout, axis_name, shard, devices, platform=how.platform,
+                           other_axes=how.other_axes), None, arrays
     rows = lax.all_gather(arrays["q_segment_ids"], axis_name, axis=1, tiled=True)  # the plan reads whole rows
     chosen = None
     if len(how.orders) > 1:
@@ -123,7 +125,7 @@ def _move_of(how: Layout, axis_name: Hashable, shard: int, arrays: dict[str, Any
     for name in ("q_positions", "kv_positions"):
         if arrays.get(name) is None:
             arrays[name] = mine  # already in the layout: the tokens' indices
-    return moves.permutation(order, axis_name, method=how.method), chosen, arrays
+    return moves.permutation(order, axis_name, platform=how.platform, other_axes=how.other_axes), chosen, arrays
 
 
 def _laid_out_choice(how: Layout, axis_name: Hashable, arrays: dict[str, Any]):
@@ -131,13 +133,13 @@ def _laid_out_choice(how: Layout, axis_name: Hashable, arrays: dict[str, Any]):
     segment ids put back in token order by their positions."""
     if len(how.orders) <= 1:
         return None
-    ids, positions = (lax.all_gather(arrays[n], axis_name, axis=1, tiled=True) for n in ("q_segment_ids",
-                                                                                        "q_positions"))
+    ids, positions = ordering.in_order(lambda x: lax.all_gather(x, axis_name, axis=1, tiled=True),
+                                       [arrays["q_segment_ids"], arrays["q_positions"]])
     rows = jnp.take_along_axis(ids, jnp.argsort(positions, axis=1), axis=1)
     return jnp.asarray(how.branch_of)[documents.rows_tile_choice(rows, how.spec, how.ring)]
 
 
-def _bias(bias, move: moves.Move, how: Layout, axis_name: Hashable):
+def _bias(bias, move: moves.Move, how: Layout):
     """A bias `[B, H, Tq/P, Tk]` laid out: its query axis moves with the queries; its key axis, whole on
     every device, is permuted in place."""
     if bias.shape[2] > 1:

@@ -14,7 +14,8 @@ buffer in flight, and each token travels once:
   none, so there `P - 1` `ppermute` rounds each send one shard-sized buffer to the device that many
   places on (`ROTATION`: every token still moves once, the buffer carries the padding).
 
-Both directions are differentiable; the gradient of a move is the opposite move.
+Both directions are differentiable; the gradient of a move is the opposite move. On the CPU each
+collective waits for the one before it (`tuner.support.ordering`).
 """
 
 from __future__ import annotations
@@ -28,15 +29,21 @@ import jax.numpy as jnp
 from jax import lax
 
 from tuner.semantics.layouts import global_order
+from tuner.support import ordering
 
-RAGGED = "ragged_all_to_all"
+ONE_COLLECTIVE = "one collective"
 ROTATION = "rotation"
-METHODS = (RAGGED, ROTATION)
+METHODS = (ONE_COLLECTIVE, ROTATION)
 
 
-def method_for(platform: str) -> str:
-    """How a permutation moves on `platform`: one ragged all-to-all, except on XLA:CPU, which has none."""
-    return ROTATION if platform == "cpu" else RAGGED
+def method_for(platform: str, other_axes: bool, *, permutation: bool) -> str:
+    """How a striped layout (`permutation=False`) or a permutation moves: in one collective (an all-to-all;
+    for a permutation, a ragged all-to-all, which XLA:CPU does not have), unless the mesh has axes other
+    than the sequence's. XLA's partitioner gathers those axes' shards around an all-to-all (the batch on a
+    data axis, whole), so there the rows move by `ppermute` rounds, row by row."""
+    if other_axes or (permutation and platform == "cpu"):
+        return ROTATION
+    return ONE_COLLECTIVE
 
 
 @dataclass(frozen=True)
@@ -44,15 +51,15 @@ class Move:
     """The move of this device's shards between token order and a layout, inside `shard_map` over `axes`
     (one mesh axis, or the pair a call over two axes shards the sequence over, ring axis outer).
 
-    `how` names the collectives (`contiguous`, `zigzag`, `striped`, `permutation`); a permutation holds the
-    laid-out row's token indices `order` and their inverse `slots`, every row's (`[B, T]`) or one for all
-    (`[1, T]`)."""
+    `how` names the collectives (`contiguous`, `zigzag`, `striped`, `permutation`) and `method` how
+    (`METHODS`); a permutation holds the laid-out row's token indices `order` and their inverse `slots`,
+    every row's (`[B, T]`) or one for all (`[1, T]`)."""
 
     how: str
     axes: Hashable
     order: jax.Array | None = None
     slots: jax.Array | None = None
-    method: str = ROTATION
+    method: str = ONE_COLLECTIVE
 
     def lay_out(self, x, axis: int = 1):
         """This device's shard of `x` (sequence `axis`) in token order -> its shard in the layout."""
@@ -64,12 +71,15 @@ class Move:
 
     def describe(self) -> str:
         """The collectives, for `explain()`."""
-        return {"contiguous": "nothing moves",
-                "zigzag": "two collective permutes of half a shard each way",
-                "striped": "one all-to-all each way",
-                "permutation": f"one {self.method} each way" if self.method == RAGGED else
-                f"{ROTATION}: P-1 collective permutes of one shard each way (XLA:CPU has no ragged all-to-all)",
-                }[self.how]
+        if self.how == "contiguous":
+            return "nothing moves"
+        if self.how == "zigzag":
+            return "two collective permutes of half a shard each way"
+        one = self.method == ONE_COLLECTIVE
+        if self.how == "striped":
+            return "one all-to-all each way" if one else "P-1 collective permutes of 1/P of a shard each way"
+        return ("one ragged all-to-all each way" if one else
+                "P-1 collective permutes of one shard each way, row by row (no ragged all-to-all here)")
 
     def _move(self, x, axis: int, forward: bool):
         if self.how == "contiguous":
@@ -78,45 +88,46 @@ class Move:
         if self.how == "permutation":
             dest, source = (self.slots, self.order) if forward else (self.order, self.slots)
             x = _permute(x, dest, source, self.axes, self.method)
+        elif self.how == "zigzag":
+            x = _zigzag(x, self.axes, lax.axis_size(self.axes), forward)
+        elif self.method == ONE_COLLECTIVE:
+            x = _striped(x, self.axes, lax.axis_size(self.axes), forward)
         else:
-            x = _fixed(x, self.how, self.axes, forward)
+            x = _striped_rounds(x, self.axes, lax.axis_size(self.axes), forward)
         return jnp.moveaxis(x, 1, axis)
 
 
-def fixed(layout: str, axes: Hashable, local_length: int, devices: int, *, method: str) -> Move:
-    """The move of a fixed layout: its own collectives over one axis, else the general permutation."""
+def kind(layout: str, two_axes: bool, local_length: int, devices: int) -> str:
+    """Which collectives move `layout` (`Move.how`): a fixed layout's own over one axis, else a permutation."""
     if layout == "contiguous" or devices == 1:
-        return Move("contiguous", axes)
-    one_axis = not isinstance(axes, tuple)
-    if one_axis and layout == "zigzag":
-        return Move("zigzag", axes)
-    if one_axis and layout == "striped" and local_length % devices == 0:
-        return Move("striped", axes)
-    order = global_order(layout, local_length * devices, devices if one_axis else _ring_size(axes))
-    return permutation(jnp.asarray(order[None], jnp.int32), axes, method=method)
+        return "contiguous"
+    if not two_axes and (layout == "zigzag" or layout == "striped" and local_length % devices == 0):
+        return layout
+    return "permutation"
 
 
-def permutation(order, axes: Hashable, *, method: str) -> Move:
+def fixed(layout: str, axes: Hashable, local_length: int, devices: int, *, platform: str, other_axes: bool
+          ) -> Move:
+    """The move of a fixed layout inside `shard_map` (`kind`), on `platform`, in a mesh with or without
+    `other_axes` than the sequence's."""
+    how = kind(layout, isinstance(axes, tuple), local_length, devices)
+    if how != "permutation":
+        return Move(how, axes, method=method_for(platform, other_axes, permutation=False))
+    ring = lax.axis_size(axes[0]) if isinstance(axes, tuple) else devices
+    order = global_order(layout, local_length * devices, ring)
+    return permutation(jnp.asarray(order[None], jnp.int32), axes, platform=platform, other_axes=other_axes)
+
+
+def permutation(order, axes: Hashable, *, platform: str, other_axes: bool) -> Move:
     """The move that puts global token `order[b, s]` at laid-out slot `s` of row `b` (`order` int32
-    `[B or 1, T]`, the same on every device)."""
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    `[B or 1, T]`, the same on every device), on `platform`, in a mesh with or without `other_axes` than
+    the sequence's."""
     slots = jnp.argsort(order, axis=-1).astype(jnp.int32)
-    return Move("permutation", axes, order, slots, method)
-
-
-def _ring_size(axes: tuple) -> int:
-    return lax.axis_size(axes[0])
+    return Move("permutation", axes, order, slots, method_for(platform, other_axes, permutation=True))
 
 
 # ------------------------------------------------------------------------------------------------
 # zigzag and striped over one axis
-
-
-def _fixed(x, layout: str, axis_name: Hashable, forward: bool):
-    """`x [B, T_l, ...]` moved between token order and `layout` by that layout's own collectives."""
-    size = lax.axis_size(axis_name)
-    return (_zigzag if layout == "zigzag" else _striped)(x, axis_name, size, forward)
 
 
 def _zigzag_home(chunk: int, size: int) -> int:
@@ -133,12 +144,14 @@ def _zigzag(x, axis_name: Hashable, size: int, forward: bool):
     first, second = jnp.split(x, 2, axis=1)
     parity_even = lax.axis_index(axis_name) % 2 == 0
     if forward:
-        from_even, from_odd = lax.ppermute(first, axis_name, even), lax.ppermute(second, axis_name, odd)
+        from_even = lax.ppermute(first, axis_name, even)
+        from_odd = lax.ppermute(ordering.ordered(second, from_even), axis_name, odd)  # one at a time on the CPU
         return jnp.concatenate([jnp.where(parity_even, from_even, from_odd),
                                 jnp.where(parity_even, from_odd, from_even)], axis=1)
     evens, odds = jnp.where(parity_even, first, second), jnp.where(parity_even, second, first)
     back = [(b, a) for a, b in even], [(b, a) for a, b in odd]
-    return jnp.concatenate([lax.ppermute(evens, axis_name, back[0]), lax.ppermute(odds, axis_name, back[1])], axis=1)
+    evens = lax.ppermute(evens, axis_name, back[0])
+    return jnp.concatenate([evens, lax.ppermute(ordering.ordered(odds, evens), axis_name, back[1])], axis=1)
 
 
 def _striped(x, axis_name: Hashable, size: int, forward: bool):
@@ -154,6 +167,25 @@ def _striped(x, axis_name: Hashable, size: int, forward: bool):
     return jnp.swapaxes(y, 1, 2).reshape(batch, length, *rest)
 
 
+def _striped_rounds(x, axis_name: Hashable, size: int, forward: bool):
+    """`_striped` by P-1 `ppermute`s, row by row: in round s, device r sends device r+s what it holds for it
+    (every P-th token of its shard in token order; one source's block of its striped shard)."""
+    batch, length, rest = x.shape[0], x.shape[1], x.shape[2:]
+    me, part = lax.axis_index(axis_name), length // size
+    by_device, into = (part, size), (size, part)  # token order [T_l/P, P]; striped [P sources, T_l/P]
+    if not forward:
+        by_device, into = into, by_device
+    blocks = x.reshape(batch, *by_device, *rest)
+    take, put = (2, 1) if forward else (1, 2)
+    out = jnp.zeros((batch, *into, *rest), x.dtype)
+    for shift in range(size):
+        block = lax.dynamic_index_in_dim(blocks, (me + shift) % size, take, keepdims=False)
+        if shift:  # each round after the one before, on the CPU
+            block = lax.ppermute(ordering.ordered(block, out), axis_name, _shifted(size, shift))
+        out = lax.dynamic_update_index_in_dim(out, block, (me - shift) % size, put)
+    return out.reshape(x.shape)
+
+
 # ------------------------------------------------------------------------------------------------
 # any permutation of the rows
 
@@ -165,30 +197,35 @@ def _permute(x, dest, source, axes: Hashable, method: str):
     inverse of `dest`. Only the shards move; `dest` and `source` are every device's."""
     devices, me = lax.axis_size(axes), lax.axis_index(axes)
     batch, length = x.shape[:2]
-    flat = x.reshape(batch * length, *x.shape[2:])
     mine = _rows(lax.dynamic_slice_in_dim(dest, me * length, length, axis=1), batch)  # where my tokens go
     wanted = _rows(lax.dynamic_slice_in_dim(source, me * length, length, axis=1), batch)  # what my slots hold
-    to_device, to_slot = mine // length, mine % length
-    from_device = wanted // length
-    row = lax.broadcasted_iota(jnp.int32, (batch, length), 0) * length
-    if method == RAGGED:
-        counts = _counts(dest, batch, length, devices)
-        send = jnp.argsort((to_device * batch * length + row + to_slot).ravel())
-        arrival = jnp.argsort((from_device * batch * length + row + lax.iota(jnp.int32, length)).ravel())
-        mine_counts, into = counts[me], counts[:, me]
-        moved = lax.ragged_all_to_all(flat[send], jnp.zeros_like(flat), _starts(mine_counts), mine_counts,
-                                      _starts(counts, axis=0)[me], into, axis_name=axes)
-        return moved[_inverse(arrival)].reshape(x.shape)
-    out = jnp.zeros_like(flat)
-    slot_keys = (row + lax.iota(jnp.int32, length)).ravel()
-    for shift in range(devices):
-        going = (to_device == (me + shift) % devices).ravel()
-        buffer = flat[jnp.argsort(jnp.where(going, (row + to_slot).ravel(), batch * length + slot_keys))]
+    to_device, to_slot, from_device = mine // length, mine % length, wanted // length
+    if method == ONE_COLLECTIVE:
+        return _ragged(x, dest, to_device, to_slot, from_device, axes, devices, me)
+    out = jnp.zeros_like(x)
+    for shift in range(devices):  # round `shift`: to the device that many places on, row by row
+        going = to_device == (me + shift) % devices
+        buffer = _take(x, jnp.argsort(jnp.where(going, to_slot, length + to_slot), axis=1))
         if shift:
-            buffer = lax.ppermute(buffer, axes, [(d, (d + shift) % devices) for d in range(devices)])
-        coming = (from_device == (me - shift) % devices).ravel()  # they arrive in slot order
-        out = jnp.where(_expand(coming, out.ndim), buffer[jnp.cumsum(coming) - 1], out)
-    return out.reshape(x.shape)
+            buffer = lax.ppermute(ordering.after(buffer, out), axes, _shifted(devices, shift))
+        coming = from_device == (me - shift) % devices  # they arrive in slot order
+        out = jnp.where(_expand(coming, x.ndim), _take(buffer, jnp.cumsum(coming, axis=1) - 1), out)
+    return out
+
+
+def _ragged(x, dest, to_device, to_slot, from_device, axes: Hashable, devices: int, me):
+    """`_permute` in one ragged all-to-all: every token of the shard sorted by (device, row, slot) it goes
+    to, each device's part sent at once; they arrive by (device, row, slot) they come from."""
+    batch, length = x.shape[:2]
+    flat = x.reshape(batch * length, *x.shape[2:])
+    row = lax.broadcasted_iota(jnp.int32, (batch, length), 0) * length
+    counts = _counts(dest, batch, length, devices)
+    send = jnp.argsort((to_device * batch * length + row + to_slot).ravel())
+    arrival = jnp.argsort((from_device * batch * length + row + lax.iota(jnp.int32, length)).ravel())
+    sizes = counts[me]
+    moved = lax.ragged_all_to_all(flat[send], jnp.zeros_like(flat), _starts(sizes), sizes,
+                                  _starts(counts, axis=0)[me], counts[:, me], axis_name=axes)
+    return moved[_inverse(arrival)].reshape(x.shape)
 
 
 def _permute_forward(x, dest, source, axes, method):
@@ -203,12 +240,21 @@ def _permute_backward(axes, method, residuals, cotangent):
 _permute.defvjp(_permute_forward, _permute_backward)
 
 
+def _shifted(devices: int, shift: int) -> list[tuple[int, int]]:
+    return [(d, (d + shift) % devices) for d in range(devices)]
+
+
+def _take(x, index):
+    """`x [B, T, ...]` at `index [B, T]` along its sequence axis, row by row."""
+    return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
 def _rows(x, batch: int):
     return jnp.broadcast_to(x, (batch, x.shape[1]))
 
 
 def _expand(mask, ndim: int):
-    return mask.reshape(mask.shape + (1,) * (ndim - 1))
+    return mask.reshape(mask.shape + (1,) * (ndim - 2))
 
 
 def _counts(dest, batch: int, length: int, devices: int):
@@ -228,4 +274,4 @@ def _inverse(permutation):
     return jnp.zeros_like(permutation).at[permutation].set(lax.iota(permutation.dtype, permutation.shape[0]))
 
 
-__all__ = ["METHODS", "Move", "RAGGED", "ROTATION", "fixed", "method_for", "permutation"]
+__all__ = ["METHODS", "Move", "ONE_COLLECTIVE", "ROTATION", "fixed", "kind", "method_for", "permutation"]

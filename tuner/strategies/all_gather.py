@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from tuner.semantics import layouts
-from tuner.strategies import ordering
+from tuner.support import ordering
 from tuner import registry
 from tuner.support import vma
 from tuner.kernels.base import SearchSpace
@@ -96,7 +96,7 @@ def all_gather_attention(query, key, value, *, spec: AttentionSpec, config: Tile
 
     if q_positions is None:
         q_positions = jnp.broadcast_to(layouts.local_positions(layout, tq, size, rank), (b, tq))
-    # On the CPU one gather at a time (`tuner.strategies.ordering`).
+    # On the CPU one gather at a time (`tuner.support.ordering`).
     key, value, kv_positions, kv_segment_ids = ordering.in_order(gathered, [
         key, value, None if kv_positions is None else kv_positions.astype(jnp.int32),
         None if kv_segment_ids is None else kv_segment_ids.astype(jnp.int32)])

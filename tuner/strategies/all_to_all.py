@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from tuner.semantics import layouts
-from tuner.strategies import ordering
+from tuner.support import ordering
 from tuner import registry
 from tuner.support import vma
 from tuner.strategies.implementations import ExchangedScan, TileConfig, TileSpace
@@ -100,7 +100,7 @@ def all_to_all_attention(query, key, value, *, spec: AttentionSpec, config: Tile
             sinks = lax.pcast(sinks, (axis_name,), to="varying")
         group = heads // size
         sinks = lax.dynamic_slice_in_dim(sinks, rank * group, group, axis=0)
-    # On the CPU one exchange at a time (`tuner.strategies.ordering`).
+    # On the CPU one exchange at a time (`tuner.support.ordering`).
     query, key, value = ordering.in_order(to_heads, [query, key, value])
     q_seg, kv_seg, q_pos, kv_pos = ordering.in_order(gathered, [q_segment_ids, kv_segment_ids, q_positions,
                                                                 kv_positions])

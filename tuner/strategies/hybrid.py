@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from tuner.semantics import layouts
-from tuner.strategies import ordering
+from tuner.support import ordering
 from tuner import registry
 from tuner.support import vma
 from tuner.strategies.all_to_all import AllToAll, kv_repeats
@@ -96,7 +96,7 @@ def hybrid_attention(query, key, value, *, spec: AttentionSpec, config: TileConf
         if a2a_axis not in vma.varying_axes(sinks):  # one set for every device: its gradient sums over the group
             sinks = lax.pcast(sinks, (a2a_axis,), to="varying")
         sinks = lax.dynamic_slice_in_dim(sinks, group_rank * (heads // groups), heads // groups, axis=0)
-    # On the CPU one exchange at a time (`tuner.strategies.ordering`).
+    # On the CPU one exchange at a time (`tuner.support.ordering`).
     query, key, value = ordering.in_order(to_heads, [query, key, value])
     q_seg, kv_seg, q_pos, kv_pos = ordering.in_order(chunk, [q_segment_ids, kv_segment_ids, q_positions, kv_positions])
     out, lse = run_ring(query, key, value, spec=spec, backend=INNER, fwd_params=config.fwd, bwd_params=config.bwd,

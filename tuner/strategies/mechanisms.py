@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from tuner.semantics import layouts, masks
-from tuner.strategies import ordering
+from tuner.support import ordering
 from tuner.semantics.reference import dense_attention
 from tuner.strategies.ring import ring_geometry
 from tuner.semantics.spec import AttentionSpec

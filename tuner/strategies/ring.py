@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from tuner.semantics import layouts, masks
-from tuner.strategies import ordering
+from tuner.support import ordering
 from tuner import registry
 from tuner.support import vma, work
 from tuner.kernels.base import Backend
@@ -76,7 +76,7 @@ def group_size(axis_name: Hashable | None) -> int | None:
 
 def _travelling(k, v, kv_pos, kv_seg) -> tuple:
     """The shards that travel the ring, `(k, v, ids)`, all varying over the axes of the keys (on a 2-D
-    mesh the positions vary over the ring axis only, and `tuner.strategies.ordering` ties each one to
+    mesh the positions vary over the ring axis only, and `tuner.support.ordering` ties each one to
     arrays that vary over both). `ids` holds the key positions, stacked with the segment ids where there
     are any: one transfer a step, not two (on the CPU every collective waits for the one before)."""
     ids = kv_pos if kv_seg is None else jnp.stack([kv_pos, kv_seg])
@@ -91,7 +91,7 @@ def _arrived(visiting) -> tuple:
 
 def _send_to_next(tree, axis_name: Hashable, size: int, after: tuple = ()):
     """Each array of `tree` sent to the next device on the ring; on the CPU one after the other, the
-    first after the arrays of `after` (`tuner.strategies.ordering`)."""
+    first after the arrays of `after` (`tuner.support.ordering`)."""
     perm = [(i, (i + 1) % size) for i in range(size)]
     leaves, treedef = jax.tree.flatten(tree)
     return treedef.unflatten(ordering.in_order(lambda x: lax.ppermute(x, axis_name, perm), leaves, after))
@@ -232,7 +232,7 @@ def _backward(cfg: RingConfig, residuals, cotangents):
         # at hand (from the device that had them a step ago) travel while the kernel runs: neither
         # transfer waits for this step's result, so the scheduler can overlap both with the kernel.
         # On the CPU the first send waits for lse and dout, as the kernel does, so that it cannot meet
-        # the forward ring's sends or a later layer's in flight (`tuner.strategies.ordering`).
+        # the forward ring's sends or a later layer's in flight (`tuner.support.ordering`).
         arriving = send(visiting, after=(lse, dout)) if size > 1 else visiting
         dq, outgoing, dbias = block(visiting, 0, dq, dbias)
         if size > 1:
@@ -250,7 +250,7 @@ def _backward(cfg: RingConfig, residuals, cotangents):
             dk, dv = send(tuple(g.astype(x.dtype) for g, x in zip(add(incoming, grads), (k, v))),
                           after=jax.tree.leaves(incoming)[-1:])
             # On the CPU dq and dk wait for dv, the last send, so that the ring of an earlier layer,
-            # which needs them, cannot start sending while it is in flight (`tuner.strategies.ordering`).
+            # which needs them, cannot start sending while it is in flight (`tuner.support.ordering`).
             dq, outgoing = ordering.after(dq, dv), (ordering.after(dk, dv), dv)
     dk, dv = outgoing
 
