@@ -61,6 +61,7 @@ class Result:
     mesh_bytes: int  # temp + output a device, the mesh= program
     shard_map_bytes: int  # the same ring under shard_map on the caller's shards
     largest_gather_per_token: float  # bytes of the largest all-gather over the global batch's tokens
+    shard_map_gather_per_token: float  # the same in the shard_map program (a strategy's own gathers)
     collectives: dict[str, int]  # instructions by kind, the mesh= program
     out_spec: str  # the mesh= program's first output's sharding
     in_spec: str  # the query's
@@ -121,12 +122,12 @@ def compile_case(case: Case, devices) -> Result:
             function = _gradient(function)
         programs.append(jax.jit(function).lower(q, kv, kv, *rows).compile())
     text = programs[0].as_text()
-    gathers = hlo.gathers(text)
+    largest = [(gathers[0][1] if gathers else 0) / (case.batch * case.tokens)
+               for gathers in (hlo.gathers(p.as_text()) for p in programs)]
     counts = {kind: len(re.findall(rf" {kind}(?:-start)?\(", text)) for kind in KINDS}
     outs = programs[0].output_shardings
     out = outs[0] if isinstance(outs, (tuple, list)) else outs
-    return Result(case, _bytes(programs[0]), _bytes(programs[1]),
-                  (gathers[0][1] / (case.batch * case.tokens)) if gathers else 0.0,
+    return Result(case, _bytes(programs[0]), _bytes(programs[1]), *largest,
                   {k: n for k, n in counts.items() if n}, str(out.spec), str(spec),
                   sum(len(hlo.unordered_collectives(text, kind)) for kind in KINDS[:3]) if _cpu(devices) else 0)
 
@@ -179,8 +180,9 @@ def main(argv: list[str] | None = None) -> int:
             for mesh in meshes:
                 for layout in args.layouts:
                     for backward in (False, True):
+                        data = int(mesh.split("x")[0]) if "x" in mesh and strategy != "hybrid" else 1
                         case = Case(layout, strategy, mesh, backward, tokens, heads=heads[0], kv_heads=heads[1],
-                                    **shape)
+                                    dim=shape["dim"], batch=max(shape["batch"], data))
                         result = compile_case(case, devices)
                         rows.append(result)
                         print(f"{layout:<11} {strategy:<10} {mesh:<5} {'fwd+bwd' if backward else 'fwd':<8} "

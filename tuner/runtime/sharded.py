@@ -74,9 +74,9 @@ def run(rings: list[Callable[..., Any]], how: Layout, mesh: Mesh, axis_name: Has
         calls = [lambda q, k, v, a, ring=ring: ring(q, k, v, {**a, **flags}) for ring in rings]
         result = calls[0](q, k, v, arrays) if chosen is None else lax.switch(chosen, calls, q, k, v, arrays)
         if return_lse:
-            out, lse = _in_order(move.restore, [result[0], jnp.swapaxes(result[1], 1, 2)])
+            out, lse = _restored(move, [result[0], jnp.swapaxes(result[1], 1, 2)])
             return out, jnp.swapaxes(lse, 1, 2)
-        return move.restore(result)
+        return _restored(move, [result])[0]
 
     in_specs = (seq, seq, seq, {n: specs[n] for n in arrays})
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=names)(
@@ -95,8 +95,17 @@ def describe(how: Layout, axis_name: Hashable, shard: int, devices: int) -> str:
 
 
 def _in_order(move: Callable[..., Any], xs: list, after=None) -> list:
-    """`move` of each array of `xs`, one after the other on the CPU (`tuner.support.ordering`)."""
-    return ordering.in_order(move, xs, () if after is None else (after,))
+    """`move` of each array of `xs`, one after the other on the CPU, the first after `after`
+    (`tuner.support.ordering`)."""
+    return ordering.in_order(move, xs, () if after is None else after)
+
+
+def _restored(move: moves.Move, results: list) -> list:
+    """`move.restore` of the ring's results, one after the other on the CPU. Their cotangents wait for the
+    forward values of every restore, so that in the backward pass the transposed restores, which start from the
+    loss's seed, cannot meet the forward's collectives in flight (`tuner.support.ordering`)."""
+    restored = _in_order(move.restore, results)
+    return [ordering.ordered(x, restored) for x in restored]
 
 
 def _given_by(how: Layout, name: str, options: dict[str, Any]) -> bool:

@@ -52,7 +52,7 @@ def _ordered(x, deps):
 
 
 def _ordered_fwd(x, deps):
-    return _wait(x, deps), deps
+    return _wait(x, deps), (deps, jnp.ravel(x)[:0])  # no bytes: the mesh axes `x` varies over
 
 
 def _waiting(x, deps):
@@ -61,9 +61,13 @@ def _waiting(x, deps):
     return waited if vma.varying_axes(waited) <= vma.varying_axes(x) else x
 
 
-def _ordered_bwd(deps, ct):
+def _ordered_bwd(residuals, ct):
     # The cotangent of `x` waits for the forward values of `deps`, and the cotangents of `deps` wait for
-    # it: the transposed collectives run after the forward ones, one at a time, in the reverse order.
+    # it: the transposed collectives run after the forward ones, one at a time, in the reverse order. A
+    # cotangent that varies over fewer mesh axes than `x` (a loss's constant seed) is marked as varying
+    # over `x`'s first, so that it can wait too.
+    deps, like_x = residuals
+    ct = vma.like(ct, like_x)
     return _waiting(ct, deps), jax.tree.map(lambda d: _waiting(jnp.zeros_like(d), ct), deps)
 
 

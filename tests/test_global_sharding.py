@@ -1,0 +1,84 @@
+"""The loader's call on global arrays (`mesh=`) keeps the sequence sharded, read from the compiled programs:
+
+- no all-gather bigger than 8 bytes a token of the global batch (segment ids and positions may travel;
+  q, k, v, the output, lse and their gradients may not), beyond what the strategy itself gathers under
+  `shard_map`;
+- the output (or the gradients) come back sharded as the query came in, the batch on a data axis too;
+- per-device memory (temp + output, `memory_analysis()`) at most 1.25x the same ring called under
+  `shard_map` on the caller's shards;
+- on the CPU, no two collectives of one kind can be in flight at once (XLA:CPU cannot run them).
+
+Every layout, forward and forward+backward, on one sequence axis of 8 devices and on a 2x4 mesh with the
+batch on its data axis; the strategies that take `mesh=` on zigzag. The same for TPU v5e:2x2 at 131072
+tokens, compiled by libtpu, is in the slow tier. `benchmarks/global_memory.py` prints the table.
+"""
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # one host: libtpu's worker list, without a warning
+
+_SPEC = importlib.util.spec_from_file_location("global_memory",
+                                               Path(__file__).parents[1] / "benchmarks" / "global_memory.py")
+global_memory = importlib.util.module_from_spec(_SPEC)
+sys.modules["global_memory"] = global_memory  # its dataclasses look their module up
+_SPEC.loader.exec_module(global_memory)
+Case = global_memory.Case
+
+TOKENS = 4096  # q, k, v large enough against the fixed cost of the documents plan; compiles in about a second
+
+
+def check(result) -> None:
+    case = result.case
+    allowed = max(8.0, result.shard_map_gather_per_token)  # ids and positions, and what the strategy gathers
+    assert result.largest_gather_per_token <= allowed, (case, result.largest_gather_per_token)
+    assert result.out_spec == result.in_spec, (case, result.out_spec)
+    assert result.ratio <= 1.25, (case, result.mesh_bytes, result.shard_map_bytes)
+    assert result.unordered == 0, case
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("layout", global_memory.LAYOUTS)
+def test_the_mesh_path_keeps_the_sequence_sharded_on_one_axis(layout, backward):
+    result = global_memory.compile_case(Case(layout, "ring", "8", backward, TOKENS), jax.devices())
+    check(result)
+    moves = result.collectives.get("collective-permute", 0) + result.collectives.get("all-to-all", 0)
+    assert layout == "contiguous" or moves > (15 if backward else 3), result.collectives  # the layout moved
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "striped", "documents"])
+def test_a_batch_on_a_data_axis_stays_sharded_there(layout):
+    """The mesh's other axes stay automatic: no all-to-all (XLA gathers a data axis around one); the
+    striped layout and the documents' permutation move by collective permutes, row by row."""
+    result = global_memory.compile_case(Case(layout, "ring", "2x4", True, TOKENS), jax.devices())
+    check(result)
+    assert result.out_spec == "P('dp', 'sp')" and "all-to-all" not in result.collectives
+
+
+@pytest.mark.parametrize("strategy", ["all_to_all", "all_gather", "hybrid"])
+def test_the_strategies_that_take_a_mesh_keep_it_sharded(strategy):
+    """all_to_all moves heads, all_gather gathers k and v (in its shard_map program as much), the hybrid
+    shards the sequence over two axes (the layout's permutation moves by collective permutes)."""
+    case = Case("zigzag", strategy, "4x2" if strategy == "hybrid" else "8", True, TOKENS, heads=8)
+    check(global_memory.compile_case(case, jax.devices()))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu is not installed: pip install -e '.[tpu]'")
+@pytest.mark.parametrize("layout", global_memory.LAYOUTS)
+def test_on_the_tpu_compiler_at_131072_tokens(layout):
+    devices = global_memory.tpu_devices("v5e:2x2")
+    for backward in (False, True):
+        result = global_memory.compile_case(Case(layout, "ring", "4", backward, 131072, batch=1, heads=8,
+                                                 dim=128), devices)
+        check(result)
+        if layout == "documents":  # the TPU has a ragged all-to-all: each token moves once
+            assert result.collectives.get("ragged-all-to-all", 0) >= 3, result.collectives
+    assert np.isfinite(result.ratio)
