@@ -25,7 +25,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
 
 from tuner import registry
 from tuner.cache import writes
@@ -63,30 +64,56 @@ class GlobalCall:
         return (self.mesh.shape[self.axis_name],) * 2
 
     def __call__(self, query, key, value, options: dict[str, Any]):
+        split = self.split(query, key)
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((query, key, value, options))):
-            return self._traced(query, key, value, **options)
+            return self._traced(query, key, value, split=split, **options)
         tile = self.rows_tile(query, key, value, options)
-        return self._jitted()(query, key, value, rows_tile=tile, **options)
+        return self._jitted()(query, key, value, rows_tile=tile, split=split, **options)
+
+    def split(self, query, key) -> sharded.Split:
+        """What the mesh's other axes hold of these arrays (`sharded.Split`): read from their shardings where
+        they have them (arrays, `jax.ShapeDtypeStruct`s, traced arrays of an explicit-sharding mesh). Under a
+        trace of auto-sharded arrays XLA decides later: on the CPU the other axes are left to it (every kernel
+        there is XLA's to partition); elsewhere, where Mosaic and Triton kernels are not, the batch is taken to
+        be split over them (else the heads), as data parallelism (else tensor parallelism) does."""
+        names = set(self.axis_name) if isinstance(self.axis_name, tuple) else {self.axis_name}
+        others = tuple(n for n in self.mesh.axis_names if n not in names)
+        if not others:
+            return sharded.Split()
+        specs = [_spec(x, self.mesh) for x in (query, key)]
+        if None not in specs:
+            entries = [[_entry(spec, dim, names) for dim in (0, 2)] for spec in specs]
+            return sharded.Split(batch=entries[0][0], q_heads=entries[0][1], kv_heads=entries[1][1])
+        if compile_target(self.mesh)[0] == "cpu":
+            return sharded.Split(manual=False)
+        count, entry = int(np.prod([self.mesh.shape[n] for n in others])), others if len(others) > 1 else others[0]
+        if query.shape[0] % count == 0:
+            return sharded.Split(batch=entry)
+        if query.shape[2] % count == 0 and key.shape[2] % count == 0:
+            return sharded.Split(q_heads=entry, kv_heads=entry)
+        return sharded.Split(manual=False)
 
     def plan(self, query, key, value, options: dict[str, Any], a2a: int | None = None, *,
-             packed_tile: int | None = None) -> Plan:
+             packed_tile: int | None = None, split: sharded.Split | None = None) -> Plan:
         """The plan for global arrays (or shapes) of lengths the mesh divides, from one device's shards."""
         size, ring = self.sizes()
         if a2a is None and isinstance(self.axis_name, tuple):
             a2a = size // ring
-        query, key, value, options = shards(query, key, value, options, size)
+        split = self.split(query, key) if split is None else split
+        query, key, value, options = shards(query, key, value, options, size, split, self.mesh)
         return self._decide(query, key, value, size, options, a2a, packed_tile=packed_tile)
 
     def explain(self, query, key, value, options: dict[str, Any], a2a: int | None) -> Plan:
         """The plan of the call, with what the layout moves and the padding in its reason."""
         padding = self._padding(query, key, options)
         planned_ = planned(padding, query, key, value, options, layout=self.layout)
-        decision = self.plan(*planned_, a2a)
+        split = self.split(query, key)
+        decision = self.plan(*planned_, a2a, split=split)
         tile = self.rows_tile(query, key, value, options) if decision.packed_default else None
         if tile is not None:
-            decision = self.plan(*planned_, a2a, packed_tile=tile)
+            decision = self.plan(*planned_, a2a, packed_tile=tile, split=split)
         size, _ = self.sizes()
-        moved = sharded.describe(self._how(), self.axis_name, padding.q_to // size, size)
+        moved = sharded.describe(self._how(split), self.axis_name, padding.q_to // size, size)
         notes = ([DOCUMENTS_NOTE] if self.layout == DOCUMENTS else []) + (
             [padding.describe()] if padding.needed else []) + [moved]
         return dataclasses.replace(decision, reason="; ".join([decision.reason, *notes]))
@@ -112,7 +139,7 @@ class GlobalCall:
 
     # ----------------------------------------------------------------------------------------------
 
-    def _traced(self, query, key, value, *, rows_tile: int | None = None, **options):
+    def _traced(self, query, key, value, *, split: sharded.Split, rows_tile: int | None = None, **options):
         padding = self._padding(query, key, options)
         if self.laid_out and padding.needed:
             raise ValueError(f"laid_out=True takes arrays already in the {self.layout} layout, of a length it splits "
@@ -122,8 +149,8 @@ class GlobalCall:
             raise ValueError("laid_out=True with layout='documents' needs the positions the layout gave the tokens: "
                              "pass q_positions and kv_positions (tuner.layouts.lay_out_batch returns them)")
         query, key, value, options = padding.pad(query, key, value, options)
-        rings, how = self._rings(query, key, value, options, rows_tile)
-        result = sharded.run(rings, how, self.mesh, self.axis_name, query, key, value, options)
+        rings, how = self._rings(query, key, value, options, rows_tile, split)
+        result = sharded.run(rings, how, split, self.mesh, self.axis_name, query, key, value, options)
         return padding.strip(result, bool(options.get("return_lse")))
 
     def _jitted(self):
@@ -132,7 +159,7 @@ class GlobalCall:
         it does under the caller's own trace."""
         if self._compiled is None or self._compiled[0] != writes():
             self._compiled = (writes(), jax.jit(self._traced, static_argnames=("return_lse", "interpret",
-                                                                               "rows_tile")))
+                                                                               "rows_tile", "split")))
         return self._compiled[1]
 
     def _padding(self, query, key, options: dict[str, Any]) -> Padding:
@@ -140,26 +167,27 @@ class GlobalCall:
         return Padding.of(query, key, options, devices=size, causal=self.causal,
                           layout="contiguous" if self.layout == DOCUMENTS else self.layout)
 
-    def _how(self, orders: tuple = (), branch_of: tuple = ()) -> sharded.Layout:
+    def _how(self, split: sharded.Split, orders: tuple = (), branch_of: tuple = ()) -> sharded.Layout:
         spec = AttentionSpec(scale=1.0, causal=self.causal, window=self.window, has_segments=True)
         names = set(self.axis_name) if isinstance(self.axis_name, tuple) else {self.axis_name}
-        return sharded.Layout(self.layout, self.sizes()[1], compile_target(self.mesh)[0],
-                              bool(set(self.mesh.axis_names) - names), self.laid_out, spec, orders, branch_of)
+        automatic = not split.manual and bool(set(self.mesh.axis_names) - names)
+        return sharded.Layout(self.layout, self.sizes()[1], compile_target(self.mesh)[0], automatic, self.laid_out,
+                              spec, orders, branch_of)
 
-    def _rings(self, query, key, value, options: dict[str, Any], rows_tile: int | None):
+    def _rings(self, query, key, value, options: dict[str, Any], rows_tile: int | None, split: sharded.Split):
         """(the rings the step may run, how their shards are laid out). A documents-layout call with nothing
         tuned and no packing declared (`Plan.packed_default`) takes its tile in the step: one ring per tile of
         `documents.PACKED_TILES` (a tile that changes nothing shares the longer one's), of which the rows pick
         one; where the rows were read before the trace, `rows_tile` is their choice, and that ring alone is
         compiled."""
         if self.layout != DOCUMENTS:
-            return [self._local], self._how()
+            return [self._local], self._how(split)
         _check_documents(query, key, options)
         shaped = with_positions(options, query, key)
-        plans = {None: self.plan(query, key, value, shaped)}
+        plans = {None: self.plan(query, key, value, shaped, split=split)}
         if plans[None].packed_default:
             tiles = documents.PACKED_TILES if rows_tile is None else (rows_tile,)
-            plans = {tile: self.plan(query, key, value, shaped, packed_tile=tile) for tile in tiles}
+            plans = {tile: self.plan(query, key, value, shaped, packed_tile=tile, split=split) for tile in tiles}
         configs, rings, orders, branch_of = [], [], [], []
         size, ring = self.sizes()
         for tile, plan_ in plans.items():
@@ -170,7 +198,7 @@ class GlobalCall:
                 orders.append(functools.partial(layouts.document_order, ring_size=ring, causal=self.causal,
                                                 window=self.window, tile=tiles))
             branch_of.append(configs.index(plan_.config))
-        return rings, self._how(tuple(orders), tuple(branch_of))
+        return rings, self._how(split, tuple(orders), tuple(branch_of))
 
 
 def local_shape(x, size: int, name: str, axis: int = 1) -> jax.ShapeDtypeStruct:
@@ -200,14 +228,49 @@ def with_positions(options: dict[str, Any], query, key) -> dict[str, Any]:
     return options
 
 
-def shards(query, key, value, options: dict[str, Any], size: int):
-    """What one device of `size` holds of global arrays of lengths they divide: `(query, key, value,
-    options)` as `jax.ShapeDtypeStruct`s (a bias is sharded over its query axis only)."""
+def shards(query, key, value, options: dict[str, Any], size: int, split: sharded.Split | None = None,
+           mesh: Mesh | None = None):
+    """What one device of `size` along the sequence holds of global arrays of lengths they divide: `(query,
+    key, value, options)` as `jax.ShapeDtypeStruct`s (a bias is sharded over its query axis only); the batch
+    and heads split over the mesh's other axes as `split` says."""
     query, key, value = (local_shape(x, size, name) for x, name in ((query, "query"), (key, "key"), (value, "value")))
     options = {n: local_shape(x, size, n) if n in SEQUENCE_OPTIONS and x is not None else x for n, x in options.items()}
     if options.get("bias") is not None and options["bias"].shape[2] > 1:
         options["bias"] = local_shape(options["bias"], size, "bias", axis=2)
+    if mesh is None or split is None or not split.manual or split == sharded.Split():
+        return query, key, value, options
+
+    def divided(x, heads):
+        shape = list(x.shape)
+        shape[0] = split.shard(mesh, shape[0], split.batch) if shape[0] > 1 else 1
+        if heads is not None and len(shape) > 2:
+            shape[2] = split.shard(mesh, shape[2], heads)
+        return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+
+    query, key, value = divided(query, split.q_heads), divided(key, split.kv_heads), divided(value, split.kv_heads)
+    options = {n: divided(x, None) if n in SEQUENCE_OPTIONS and x is not None else x for n, x in options.items()}
     return query, key, value, options
+
+
+def _spec(x, mesh: Mesh) -> P | None:
+    """The `PartitionSpec` of `x` over `mesh`, padded to its rank, where it has one to read: an array's or a
+    `jax.ShapeDtypeStruct`'s sharding, or a traced array's over explicit mesh axes; else None."""
+    sharding = getattr(x, "sharding", None) if not isinstance(x, jax.core.Tracer) else jax.typeof(x).sharding
+    spec = getattr(sharding, "spec", None)
+    axes = getattr(getattr(sharding, "mesh", None), "axis_names", None)
+    if spec is None or axes is None or set(axes) != set(mesh.axis_names):
+        return None
+    if isinstance(x, jax.core.Tracer) and not any(t == AxisType.Explicit for t in sharding.mesh.axis_types):
+        return None
+    return P(*spec, *([None] * (len(x.shape) - len(spec))))
+
+
+def _entry(spec: P, dim: int, sequence: set) -> Any:
+    """The mesh axes `spec` gives dimension `dim`, unless they include a sequence axis (then None: the
+    layout's `shard_map` takes the sequence axes for the sequence)."""
+    entry = spec[dim]
+    names = entry if isinstance(entry, tuple) else (entry,)
+    return None if entry is None or set(names) & sequence else entry
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -47,21 +48,46 @@ class Layout:
     branch_of: tuple[int, ...] = ()
 
 
-def run(rings: list[Callable[..., Any]], how: Layout, mesh: Mesh, axis_name: Hashable, query, key, value,
-        options: dict[str, Any]):
+@dataclass(frozen=True)
+class Split:
+    """What the mesh's axes other than the sequence's hold of the arrays: the mesh axes (a `PartitionSpec`
+    entry) of the batch, of the query heads and of the key/value heads. `manual`: the body runs manual over
+    every axis of the mesh with these entries; else over the sequence axes only, the others left to XLA's
+    partitioner, which keeps whatever sharding they have (but cannot partition a Mosaic or Triton kernel)."""
+
+    batch: Any = None
+    q_heads: Any = None
+    kv_heads: Any = None
+    manual: bool = True
+
+    def shard(self, mesh: Mesh, dim: int, entry: Any) -> int:
+        """The length of a dimension of `dim` on one device, split over the mesh axes of `entry`."""
+        if not self.manual or entry is None:
+            return dim
+        names = entry if isinstance(entry, tuple) else (entry,)
+        return dim // int(np.prod([mesh.shape[n] for n in names]))
+
+
+def run(rings: list[Callable[..., Any]], how: Layout, split: Split, mesh: Mesh, axis_name: Hashable, query, key,
+        value, options: dict[str, Any]):
     """`rings[i](q, k, v, options)` on each device's laid-out shards of the global `query`/`key`/`value`
-    (and the per-call arrays in `options`), inside `shard_map` over `axis_name` (one mesh axis or a pair);
-    the output (and lse with `return_lse`) in token order, sharded as the query is."""
-    seq = P(None, axis_name)
+    (and the per-call arrays in `options`), inside `shard_map` over `axis_name` (one mesh axis or a pair)
+    and, as `split` says, the mesh's other axes; the output (and lse with `return_lse`) in token order,
+    sharded as the query is."""
+    batch, q_heads, kv_heads = split.batch, split.q_heads, split.kv_heads
+    seq = P(batch, axis_name)
     specs = {name: seq for name in SEQUENCE_OPTIONS}
-    specs["softmax_aux"] = P()
+    sinks = options.get("softmax_aux")
+    specs["softmax_aux"] = P() if sinks is None else P(q_heads, *([None] * (sinks.ndim - 1)))
     arrays = {n: x for n, x in options.items() if n in specs and x is not None}
     if options.get("bias") is not None:
-        arrays["bias"] = options["bias"]
-        specs["bias"] = P(None, None, axis_name if options["bias"].shape[2] > 1 else None, None)
+        bias = arrays["bias"] = options["bias"]
+        specs["bias"] = P(batch if bias.shape[0] > 1 else None, q_heads if bias.shape[1] > 1 else None,
+                          axis_name if bias.shape[2] > 1 else None, None)
     flags = {n: x for n, x in options.items() if n not in specs}
     return_lse = bool(flags.get("return_lse"))
-    out_specs = (seq, P(None, None, axis_name)) if return_lse else seq
+    q_spec, kv_spec = P(batch, axis_name, q_heads, None), P(batch, axis_name, kv_heads, None)
+    out_specs = (q_spec, P(batch, q_heads, axis_name)) if return_lse else q_spec
     names = set(axis_name) if isinstance(axis_name, tuple) else {axis_name}
 
     def body(q, k, v, arrays):
@@ -78,8 +104,9 @@ def run(rings: list[Callable[..., Any]], how: Layout, mesh: Mesh, axis_name: Has
             return out, jnp.swapaxes(lse, 1, 2)
         return _restored(move, [result])[0]
 
-    in_specs = (seq, seq, seq, {n: specs[n] for n in arrays})
-    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=names)(
+    in_specs = (q_spec, kv_spec, kv_spec, {n: specs[n] for n in arrays})
+    manual = set(mesh.axis_names) if split.manual else names
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=manual)(
         query, key, value, arrays)
 
 
@@ -162,4 +189,4 @@ def _bias(bias, move: moves.Move, how: Layout):
     return layouts.lay_out(bias, how.layout, how.ring, axis=3)
 
 
-__all__ = ["Layout", "SEQUENCE_OPTIONS", "describe", "run"]
+__all__ = ["Layout", "SEQUENCE_OPTIONS", "Split", "describe", "run"]
