@@ -147,7 +147,8 @@ def _move_of(how: Layout, axis_name: Hashable, shard: int, arrays: dict[str, Any
     if how.laid_out:
         return moves.Move("contiguous", axis_name), _laid_out_choice(how, axis_name, arrays), arrays
     if how.layout != DOCUMENTS:
-        return moves.fixed(how.layout, axis_name, shard, devices, platform=how.platform,
+        order = layouts.global_order(how.layout, shard * devices, how.ring)
+        return moves.fixed(how.layout, axis_name, shard, devices, order, platform=how.platform,
                            other_axes=how.other_axes), None, arrays
     rows = lax.all_gather(arrays["q_segment_ids"], axis_name, axis=1, tiled=True)  # the plan reads whole rows
     chosen = None

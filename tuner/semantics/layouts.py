@@ -17,20 +17,28 @@ with the token indices passed as positions.
 
 `Padding` pads global arrays to a length a layout splits evenly (`padded_length`), with pad tokens no
 query reads, and strips the result (`tuner.semantics.padding`).
+
+`lay_out_batch` lays a whole training batch out once, in the data pipeline, for any layout: on the host
+(NumPy) or on the devices (sharded over the ring, no array gathered: `tuner.semantics.moves`);
+`restore_batch` undoes it. Attention then runs on the laid-out arrays with nothing to permute
+(`get_tuned_ring_attention(..., laid_out=True)`), and the per-token loss does not care about the order.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Hashable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from tuner.semantics import documents
+from tuner.semantics import documents, moves
 from tuner.semantics.documents import DEFAULT_TILE, DOCUMENTS, lay_out_rows, restore_rows
 from tuner.semantics.padding import Padding, padded_length
+from tuner.support import ordering
 from tuner.support.checks import check_int
 from tuner.semantics.spec import LAYOUTS, AttentionSpec
 
@@ -163,6 +171,132 @@ def _document_order(segment_ids: jax.Array, ring_size: int, spec: AttentionSpec,
     return jax.vmap(row_order)(segment_ids)
 
 
+def lay_out_batch(batch: Mapping[str, Any], ring_size: int, layout: str = DOCUMENTS, *,
+                  segment_ids: str | None = "segment_ids", causal: bool = True, window: tuple[int, int] | None = None,
+                  tile: int | tuple[int, int] = DEFAULT_TILE, mesh=None, axis_name: Hashable | None = None
+                  ) -> tuple[dict[str, Any], Any]:
+    """A training batch laid out for a ring of `ring_size` positions, once: `(laid_out, positions)`.
+
+    Every array of `batch` (`[B, T, ...]` in token order: tokens, labels, loss weights, segment ids, your
+    own positions) has its axis 1 put in the layout's device-major order, as the loader would in every
+    call; `positions [B, T]` int32 is the token index each slot now holds. Pass `positions` as
+    `q_positions`/`kv_positions` (and to rotary embeddings) and the laid-out segment ids to attention made
+    with `laid_out=True`. `layout` is a fixed layout or `"documents"`, planned per row from
+    `batch[segment_ids]` for the masks `causal` and `window` and the kernel's `tile` (`document_order`).
+
+    Without `mesh`, on the host: NumPy in, NumPy out (jax arrays work too, gathered where they are). With
+    `mesh` and `axis_name` (its sequence axis, or the pair of a call over two axes), on the devices: the
+    arrays sharded over `axis_name` along the sequence stay so, each device sending its tokens where they
+    belong (`tuner.semantics.moves`); only the segment ids are gathered whole, for the plan."""
+    ring_size = check_int("ring_size", ring_size, numeric=True)
+    if layout not in (*LAYOUTS, DOCUMENTS):
+        raise ValueError(f"layout must be one of {', '.join((*LAYOUTS, DOCUMENTS))}, got {layout!r}")
+    if not batch:
+        raise ValueError("batch must hold at least one array [B, T, ...]")
+    shapes = {name: np.shape(x) for name, x in batch.items()}
+    rows, length = next(iter(shapes.values()))[:2]
+    wrong = {n: s for n, s in shapes.items() if len(s) < 2 or s[:2] != (rows, length)}
+    if wrong:
+        raise ValueError(f"every array of batch must be [B, T, ...] with one B and T: {shapes}")
+    devices = ring_size if mesh is None else _mesh_devices(mesh, axis_name, ring_size)
+    multiple = devices * (2 if layout == "zigzag" else 1)
+    if length % multiple:
+        raise ValueError(f"batch: the {layout} layout over {devices} devices needs a length that is a multiple of "
+                         f"{multiple}, got {length}: pack rows of padded_length({length}, {devices}, {layout!r}) "
+                         f"tokens")
+    if layout == DOCUMENTS and (segment_ids is None or segment_ids not in batch):
+        raise ValueError(f"segment_ids: the documents layout plans each row from its segment ids, but batch has no "
+                         f"array {segment_ids!r}: pass the key of its [B, T] segment ids")
+    plan = functools.partial(_batch_order, layout=layout, ring_size=ring_size, causal=causal, window=window,
+                             tile=tile)
+    if mesh is None:
+        order = plan(batch[segment_ids] if layout == DOCUMENTS else None, length)
+        return {n: _take_rows(x, order) for n, x in batch.items()}, order
+    return _lay_out_sharded(dict(batch), plan, mesh, axis_name, layout, segment_ids)
+
+
+def restore_batch(batch: Mapping[str, Any], positions, *, mesh=None, axis_name: Hashable | None = None
+                  ) -> dict[str, Any]:
+    """`lay_out_batch` undone: every array of `batch` (`[B, T, ...]`, laid out) back in token order, from the
+    `positions` it returned. With `mesh` and `axis_name`, on the devices, as `lay_out_batch` does."""
+    if mesh is None:
+        back = np.argsort(np.asarray(positions), axis=1) if isinstance(positions, np.ndarray) else \
+            jnp.argsort(positions, axis=1)
+        return {n: _take_rows(x, back) for n, x in batch.items()}
+    return _restore_sharded(dict(batch), positions, mesh, axis_name)
+
+
+def _batch_order(segment_ids, length: int, *, layout: str, ring_size: int, causal: bool, window, tile):
+    """The laid-out rows' token indices: `[B, T]` for the documents layout, `[1, T]` for a fixed one."""
+    if layout == DOCUMENTS:
+        return document_order(segment_ids, ring_size, causal=causal, window=window, tile=tile)
+    order = global_order(layout, length, ring_size)[None].astype(np.int32)
+    return order if segment_ids is None or isinstance(segment_ids, np.ndarray) else jnp.asarray(order)
+
+
+def _take_rows(x, order):
+    """`x [B, T, ...]` with its axis 1 taken at `order [B or 1, T]`, row by row."""
+    index = order.reshape(order.shape + (1,) * (np.ndim(x) - 2))
+    if isinstance(x, np.ndarray) and isinstance(order, np.ndarray):
+        return np.take_along_axis(x, np.broadcast_to(index, (x.shape[0], *index.shape[1:])), axis=1)
+    index = jnp.broadcast_to(jnp.asarray(index), (x.shape[0], *index.shape[1:]))
+    return jnp.take_along_axis(jnp.asarray(x), index, axis=1)
+
+
+def _mesh_devices(mesh, axis_name, ring_size: int) -> int:
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if axis_name is None or any(n not in mesh.shape for n in names):
+        raise ValueError(f"with mesh=, axis_name must name the sequence's mesh axis (or the pair of a call over two "
+                         f"axes) among {tuple(mesh.shape)}, got {axis_name!r}")
+    if mesh.shape[names[0]] != ring_size:
+        raise ValueError(f"ring_size={ring_size} does not match mesh axis {names[0]!r} of size {mesh.shape[names[0]]}")
+    return int(np.prod([mesh.shape[n] for n in names]))
+
+
+def _on_devices(body, mesh, axis_name, arrays: dict, *extra):
+    """`body(move_of, arrays, *extra)` inside `shard_map` over the sequence axes of `mesh` (the other axes
+    left to XLA's partitioner), every array sharded over `axis_name` along its axis 1, and so its results.
+    `move_of(order)` is the move of the permutation `order [B or 1, T]` on this mesh."""
+    names = set(axis_name) if isinstance(axis_name, tuple) else {axis_name}
+    platform, other_axes = mesh.devices.flat[0].platform, bool(set(mesh.axis_names) - names)
+    seq = jax.sharding.PartitionSpec(None, axis_name)
+
+    def move_of(order, layout: str = DOCUMENTS, shard: int = 0):
+        if layout == DOCUMENTS:
+            return moves.permutation(order, axis_name, platform=platform, other_axes=other_axes)
+        return moves.fixed(layout, axis_name, shard, lax.axis_size(axis_name), order, platform=platform,
+                           other_axes=other_axes)
+
+    return jax.shard_map(functools.partial(body, move_of), mesh=mesh, in_specs=({n: seq for n in arrays},
+                                                                                  *(seq,) * len(extra)),
+                         out_specs=seq, axis_names=names)(arrays, *extra)
+
+
+def _lay_out_sharded(batch: dict, plan, mesh, axis_name, layout: str, segment_ids: str | None):
+    def body(move_of, arrays):
+        shard = next(iter(arrays.values())).shape[1]
+        total = shard * lax.axis_size(axis_name)
+        rows = None
+        if layout == DOCUMENTS:  # the plan reads whole rows of segment ids: 4 bytes a token
+            rows = lax.all_gather(arrays[segment_ids], axis_name, axis=1, tiled=True)
+        order = jnp.asarray(plan(rows, total))
+        move = move_of(order, layout, shard)
+        laid = ordering.in_order(move.lay_out, list(arrays.values()))
+        mine = lax.dynamic_slice_in_dim(order, lax.axis_index(axis_name) * shard, shard, axis=1)
+        batch_rows = next(iter(arrays.values())).shape[0]
+        return dict(zip(arrays, laid)), jnp.broadcast_to(mine, (batch_rows, shard)).astype(jnp.int32)
+
+    return _on_devices(body, mesh, axis_name, batch)
+
+
+def _restore_sharded(batch: dict, positions, mesh, axis_name):
+    def body(move_of, arrays, positions):
+        move = move_of(lax.all_gather(positions, axis_name, axis=1, tiled=True))  # 4 bytes a token
+        return dict(zip(arrays, ordering.in_order(move.restore, list(arrays.values()))))
+
+    return _on_devices(body, mesh, axis_name, batch, jnp.asarray(positions, jnp.int32))
+
+
 __all__ = ["DOCUMENTS", "LAYOUTS", "Padding", "check_axes", "check_layout", "document_order", "global_order",
-           "grouped_positions", "lay_out", "lay_out_rows", "local_positions", "local_positions_np", "padded_length",
-           "restore", "restore_rows"]
+           "grouped_positions", "lay_out", "lay_out_batch", "lay_out_rows", "local_positions", "local_positions_np",
+           "padded_length", "restore", "restore_batch", "restore_rows"]

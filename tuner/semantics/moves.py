@@ -28,7 +28,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tuner.semantics.layouts import global_order
 from tuner.support import ordering
 
 ONE_COLLECTIVE = "one collective"
@@ -106,16 +105,15 @@ def kind(layout: str, two_axes: bool, local_length: int, devices: int) -> str:
     return "permutation"
 
 
-def fixed(layout: str, axes: Hashable, local_length: int, devices: int, *, platform: str, other_axes: bool
+def fixed(layout: str, axes: Hashable, local_length: int, devices: int, order, *, platform: str, other_axes: bool
           ) -> Move:
     """The move of a fixed layout inside `shard_map` (`kind`), on `platform`, in a mesh with or without
-    `other_axes` than the sequence's."""
+    `other_axes` than the sequence's. `order` is the layout's `global_order`, the permutation it is where it
+    has no collectives of its own."""
     how = kind(layout, isinstance(axes, tuple), local_length, devices)
     if how != "permutation":
         return Move(how, axes, method=method_for(platform, other_axes, permutation=False))
-    ring = lax.axis_size(axes[0]) if isinstance(axes, tuple) else devices
-    order = global_order(layout, local_length * devices, ring)
-    return permutation(jnp.asarray(order[None], jnp.int32), axes, platform=platform, other_axes=other_axes)
+    return permutation(jnp.asarray(order, jnp.int32).reshape(1, -1), axes, platform=platform, other_axes=other_axes)
 
 
 def permutation(order, axes: Hashable, *, platform: str, other_axes: bool) -> Move:
@@ -141,14 +139,16 @@ def _zigzag(x, axis_name: Hashable, size: int, forward: bool):
     parity first (half-chunk r)."""
     even = [(r, _zigzag_home(2 * r, size)) for r in range(size)]
     odd = [(r, _zigzag_home(2 * r + 1, size)) for r in range(size)]
-    first, second = jnp.split(x, 2, axis=1)
-    parity_even = lax.axis_index(axis_name) % 2 == 0
+    half = x.shape[1] // 2
+    odd_first = lax.axis_index(axis_name) % 2  # where a device's even half-chunk sits in its zigzag shard
     if forward:
+        first, second = lax.slice_in_dim(x, 0, half, axis=1), lax.slice_in_dim(x, half, 2 * half, axis=1)
         from_even = lax.ppermute(first, axis_name, even)
         from_odd = lax.ppermute(ordering.ordered(second, from_even), axis_name, odd)  # one at a time on the CPU
-        return jnp.concatenate([jnp.where(parity_even, from_even, from_odd),
-                                jnp.where(parity_even, from_odd, from_even)], axis=1)
-    evens, odds = jnp.where(parity_even, first, second), jnp.where(parity_even, second, first)
+        out = lax.dynamic_update_slice_in_dim(jnp.zeros_like(x), from_even, odd_first * half, axis=1)
+        return lax.dynamic_update_slice_in_dim(out, from_odd, (1 - odd_first) * half, axis=1)
+    evens = lax.dynamic_slice_in_dim(x, odd_first * half, half, axis=1)
+    odds = lax.dynamic_slice_in_dim(x, (1 - odd_first) * half, half, axis=1)
     back = [(b, a) for a, b in even], [(b, a) for a, b in odd]
     evens = lax.ppermute(evens, axis_name, back[0])
     return jnp.concatenate([evens, lax.ppermute(ordering.ordered(odds, evens), axis_name, back[1])], axis=1)

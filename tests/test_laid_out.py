@@ -1,0 +1,87 @@
+"""Laying a batch out once (`tuner.layouts.lay_out_batch`) and running attention on it with `laid_out=True`:
+on the host and on the devices (sharded, under `jax.jit`) the same layout as the loader's per-call one,
+undone by `restore_batch`; the loader then permutes nothing, and its output equals the per-call path's."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tuner import get_tuned_ring_attention, layouts
+from tuner.semantics.reference import dense_attention
+
+RING, T = 8, 256
+
+
+def packed_batch(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    segments = np.sort(rng.integers(0, 5, (2, T)), axis=1).astype(np.int32)
+    return {"tokens": rng.integers(0, 100, (2, T)).astype(np.int32), "segment_ids": segments,
+            "features": rng.standard_normal((2, T, 3)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped", "documents"])
+def test_a_batch_laid_out_on_the_host_and_on_the_devices_alike(layout):
+    batch = packed_batch()
+    laid, positions = layouts.lay_out_batch(batch, RING, layout)
+    assert isinstance(positions, np.ndarray) and sorted(positions[0]) == list(range(T))
+    for name, x in batch.items():
+        index = positions.reshape(positions.shape + (1,) * (x.ndim - 2))
+        np.testing.assert_array_equal(laid[name], np.take_along_axis(x, np.broadcast_to(index, laid[name].shape), 1))
+    back = layouts.restore_batch(laid, positions)
+    assert all(np.array_equal(back[name], batch[name]) for name in batch)
+
+    mesh = Mesh(np.array(jax.devices()[:RING]), ("sp",))
+    on_devices = {n: jax.device_put(x, NamedSharding(mesh, P(None, "sp"))) for n, x in batch.items()}
+    laid_d, positions_d = jax.jit(lambda b: layouts.lay_out_batch(b, RING, layout, mesh=mesh, axis_name="sp"))(
+        on_devices)
+    np.testing.assert_array_equal(np.asarray(positions_d), np.broadcast_to(positions, positions_d.shape))
+    assert all(np.array_equal(np.asarray(laid_d[n]), laid[n]) for n in batch)
+    assert laid_d["features"].sharding.spec == P(None, "sp")
+    back_d = jax.jit(lambda b, p: layouts.restore_batch(b, p, mesh=mesh, axis_name="sp"))(laid_d, positions_d)
+    assert all(np.array_equal(np.asarray(back_d[n]), batch[n]) for n in batch)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "documents"])
+def test_attention_on_a_laid_out_batch_equals_the_per_call_layout(layout):
+    batch = packed_batch(1)
+    keys = jax.random.split(jax.random.key(1), 3)
+    q = jax.random.normal(keys[0], (2, T, 4, 16))
+    k, v = (jax.random.normal(key, (2, T, 2, 16)) for key in keys[1:])
+    mesh = Mesh(np.array(jax.devices()[:RING]), ("sp",))
+    segments = jnp.asarray(batch["segment_ids"])
+    per_call = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, layout=layout)
+    want = per_call(q, k, v, q_segment_ids=segments, kv_segment_ids=segments)
+    laid, positions = layouts.lay_out_batch({"q": q, "k": k, "v": v, "segment_ids": segments}, RING, layout)
+    once = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, layout=layout, laid_out=True)
+    arrays = dict(q_segment_ids=laid["segment_ids"], kv_segment_ids=laid["segment_ids"])
+    if layout == "documents":
+        arrays.update(q_positions=positions, kv_positions=positions)
+    out = once(laid["q"], laid["k"], laid["v"], **arrays)
+    restored = layouts.restore_batch({"out": out}, positions)["out"]
+    np.testing.assert_allclose(restored, want, rtol=0, atol=2e-5)
+    dense, _ = dense_attention(q, k, v, causal=True, q_segment_ids=segments, kv_segment_ids=segments)
+    np.testing.assert_allclose(restored, dense, rtol=0, atol=2e-5)
+    assert "arrays laid out by the caller" in once.explain(laid["q"], laid["k"], laid["v"], **arrays).reason
+    compiled = jax.jit(lambda *a: once(*a, **arrays)).lower(laid["q"], laid["k"], laid["v"]).compile().as_text()
+    assert " all-to-all(" not in compiled and "ragged" not in compiled
+
+
+def test_laid_out_arguments_are_checked():
+    mesh = Mesh(np.array(jax.devices()[:RING]), ("sp",))
+    with pytest.raises(ValueError, match="laid_out=True says"):
+        get_tuned_ring_attention(axis_name="sp", layout="zigzag", laid_out=True)
+    with pytest.raises(ValueError, match="needs the layout"):
+        get_tuned_ring_attention(axis_name="sp", mesh=mesh, laid_out=True)
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, layout="documents", laid_out=True)
+    q = jnp.zeros((1, T, 2, 16))
+    with pytest.raises(ValueError, match="q_positions"):
+        attn(q, q, q, q_segment_ids=jnp.zeros((1, T), jnp.int32), kv_segment_ids=jnp.zeros((1, T), jnp.int32))
+    with pytest.raises(ValueError, match="length it splits"):
+        attn(q[:, :T - 4], q[:, :T - 4], q[:, :T - 4])
+    with pytest.raises(ValueError, match="segment_ids"):
+        layouts.lay_out_batch({"tokens": np.zeros((1, T), np.int32)}, RING, "documents")
+    with pytest.raises(ValueError, match="multiple of 16"):
+        layouts.lay_out_batch({"tokens": np.zeros((1, T - 8), np.int32)}, RING, "zigzag")
