@@ -10,14 +10,23 @@ The sequence is laid out zigzag over `devices` simulated CPU devices (`shard_map
 layer is RMSNorm -> `tuner.flax.RingSelfAttention` (rotary embeddings on global positions, tuned ring
 attention) -> residual, RMSNorm -> MLP -> residual.
 
+With `--packed` each row packs documents of different lengths, each with its own needle and questions,
+and the model trains the way context parallelism is done at scale: the data pipeline lays every batch
+out once in the documents layout (`tuner.layouts.lay_out_batch`: tokens, targets, weights and segment ids,
+and the positions it gives them), and the step runs on global arrays sharded over the mesh, attention
+with `laid_out=True` permuting nothing. `--per-call` trains on the same batches in token order instead,
+the loader laying out q, k and v in every call: the same loss curve, more collectives.
+
     python examples/long_context_lm.py                  # 8 devices, 1024 tokens, 300 steps
     python examples/long_context_lm.py --seq-len 512 --steps 250
     python examples/long_context_lm.py --autotune 8     # tune the step's attention first, then train
+    python examples/long_context_lm.py --packed         # packed documents, laid out once per batch
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -44,6 +53,8 @@ class Config:
     seq_len: int = 1024
     devices: int = 8
     layout: str = "zigzag"
+    packed: bool = False  # rows of packed documents, laid out in the documents layout by the pipeline
+    per_call: bool = False  # with packed: rows in token order, laid out by the loader in every call
     steps: int = 300
     learning_rate: float = 3e-3
     seed: int = 0
@@ -51,6 +62,10 @@ class Config:
     def __post_init__(self) -> None:
         if self.seq_len > self.max_seq_len:
             raise ValueError(f"seq_len={self.seq_len} exceeds max_seq_len={self.max_seq_len}")
+        if self.per_call and not self.packed:
+            raise ValueError("per_call compares the two ways of laying out packed rows: it needs packed")
+        if self.packed and self.seq_len < 8 * self.queries * 2:
+            raise ValueError(f"seq_len={self.seq_len} is too short to pack documents of {self.queries} questions")
         if self.seq_len % (2 * self.devices):
             raise ValueError(f"seq_len={self.seq_len} must be a multiple of 2 x devices={2 * self.devices} "
                              f"(the zigzag layout gives each device two chunks)")
@@ -77,15 +92,17 @@ def build(config: Config):
     class Block(nnx.Module):
         def __init__(self, c: Config, rngs: nnx.Rngs):
             self.attention_norm = nnx.RMSNorm(c.embed_dim, rngs=rngs)
+            on_mesh = dict(mesh=mesh, layout="documents", laid_out=not c.per_call) if c.packed else dict(
+                layout=c.layout)
             self.attention = RingSelfAttention(c.embed_dim, c.num_heads, num_kv_heads=c.num_kv_heads,
-                                               axis_name="sp", layout=c.layout, causal=True, rope_base=c.rope_base,
-                                               rngs=rngs)
+                                               axis_name="sp", causal=True, rope_base=c.rope_base, rngs=rngs,
+                                               **on_mesh)
             self.mlp_norm = nnx.RMSNorm(c.embed_dim, rngs=rngs)
             self.up = nnx.Linear(c.embed_dim, c.hidden_size, rngs=rngs)
             self.down = nnx.Linear(c.hidden_size, c.embed_dim, rngs=rngs)
 
-        def __call__(self, x, dropout):
-            x = x + dropout(self.attention(self.attention_norm(x)))
+        def __call__(self, x, dropout, positions=None, segment_ids=None):
+            x = x + dropout(self.attention(self.attention_norm(x), positions=positions, segment_ids=segment_ids))
             return x + dropout(self.down(jax.nn.gelu(self.up(self.mlp_norm(x)))))
 
     class LanguageModel(nnx.Module):
@@ -95,40 +112,42 @@ def build(config: Config):
             self.norm = nnx.RMSNorm(c.embed_dim, rngs=rngs)
             self.head = nnx.Linear(c.embed_dim, c.vocab_size, rngs=rngs)
 
-        def __call__(self, tokens, dropout_key=None):
-            def dropout(x):  # explicit keys: the same model runs on every device of the ring
+        def __call__(self, tokens, dropout_key=None, positions=None, segment_ids=None):
+            def dropout(x):  # explicit keys: under shard_map the same model runs on every device of the ring
                 if dropout_key is None or config.dropout == 0.0:
                     return x
-                key = jax.random.fold_in(dropout_key, jax.lax.axis_index("sp"))
+                key = dropout_key if config.packed else jax.random.fold_in(dropout_key, jax.lax.axis_index("sp"))
                 keep = jax.random.bernoulli(key, 1.0 - config.dropout, x.shape)
                 return jnp.where(keep, x / (1.0 - config.dropout), 0.0)
 
             x = self.embed(tokens)
             for block in self.blocks:
-                x = block(x, dropout)
+                x = block(x, dropout, positions, segment_ids)
             return self.head(self.norm(x))
 
+    mesh = Mesh(np.array(jax.devices()[:config.devices]), ("sp",))
     model = LanguageModel(config, nnx.Rngs(config.seed))
     graphdef, params = nnx.split(model)
     warmup = max(1, min(20, config.steps // 10))
     optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, warmup,
                                                                max(config.steps, warmup + 1)))
-    mesh = Mesh(np.array(jax.devices()[:config.devices]), ("sp",))
     seq = P(None, "sp")
 
-    def logits_of(params, tokens, key):
-        return nnx.merge(graphdef, params)(tokens, key)
+    def logits_of(params, tokens, key, *rows):
+        return nnx.merge(graphdef, params)(tokens, key, *rows)
 
-    sharded = jax.shard_map(logits_of, mesh=mesh, in_specs=(P(), seq, P()), out_specs=seq)
+    # packed: global arrays, the attention's own shard_map over "sp"; else the model under shard_map
+    sharded = logits_of if config.packed else jax.shard_map(logits_of, mesh=mesh, in_specs=(P(), seq, P()),
+                                                            out_specs=seq)
 
-    def loss_fn(params, tokens, targets, weights, key):
-        logits = sharded(params, tokens, key)
+    def loss_fn(params, tokens, targets, weights, key, *rows):
+        logits = sharded(params, tokens, key, *rows)
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-        return (losses * weights).sum() / weights.sum()
+        return (losses * weights).sum() / weights.sum()  # per token: the order of the tokens does not matter
 
     @jax.jit
-    def train_step(params, opt_state, tokens, targets, weights, key):
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, targets, weights, key)
+    def train_step(params, opt_state, tokens, targets, weights, key, *rows):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, targets, weights, key, *rows)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -148,9 +167,41 @@ def build(config: Config):
         return tuple(layouts.lay_out(jnp.asarray(a), config.layout, config.devices)
                      for a in (tokens.astype(np.int32), targets, weights))
 
+    def packed_batch(rng: np.random.Generator):
+        """One batch of rows of packed documents, each with its needle in its first quarter and its questions at
+        its end: tokens, targets, loss weights, then positions and segment ids, laid out once for the ring
+        (token order and no positions with per_call), sharded over the mesh."""
+        b, t = config.batch, config.seq_len
+        query, shortest = config.vocab_size - 1, 8 * config.queries
+        tokens = rng.integers(config.needles, config.needles + config.noise, size=(b, t))
+        targets, weights = np.zeros((b, t), np.int32), np.zeros((b, t), np.float32)
+        segments = np.zeros((b, t), np.int32)
+        for row in range(b):
+            start, document = 0, 0
+            while start < t:
+                left = t - start
+                length = left if left < 2 * shortest else int(rng.integers(shortest, left - shortest + 1))
+                end = start + length  # the last document takes what is left
+                needle = rng.integers(0, config.needles)
+                tokens[row, start + rng.integers(0, length // 4)] = needle
+                tokens[row, end - config.queries:end] = query
+                targets[row, end - config.queries:end] = needle
+                weights[row, end - config.queries:end] = 1.0
+                segments[row, start:end] = document
+                start, document = end, document + 1
+        rows = {"tokens": tokens.astype(np.int32), "targets": targets, "weights": weights, "segment_ids": segments}
+        if config.per_call:
+            arrays, extra = rows, (None,)
+        else:
+            arrays, positions = layouts.lay_out_batch(rows, config.devices, "documents", causal=True)
+            extra = (positions,)
+        put = functools.partial(jax.device_put, device=NamedSharding(mesh, seq))
+        laid = tuple(put(arrays[n]) for n in ("tokens", "targets", "weights"))
+        return *laid, *(None if x is None else put(x) for x in extra), put(arrays["segment_ids"])
+
     # the state replicated over the mesh from the start, as the step returns it: one compile, not two
     state = jax.device_put((params, optimizer.init(params)), NamedSharding(mesh, P()))
-    return *state, train_step, batch
+    return *state, train_step, packed_batch if config.packed else batch
 
 
 def train(config: Config, progress: bool = True, autotune_trials: int = 0) -> list[float]:
@@ -165,17 +216,18 @@ def train(config: Config, progress: bool = True, autotune_trials: int = 0) -> li
         import tuner
 
         example = batch(np.random.default_rng(config.seed + 1))  # the shapes of a batch, not the training data
-        report = tuner.autotune(train_step, params, opt_state, *example, jax.random.key(0), trials=autotune_trials,
-                                progress=progress)
+        tokens, targets, weights, *rows = example
+        report = tuner.autotune(train_step, params, opt_state, tokens, targets, weights, jax.random.key(0), *rows,
+                                trials=autotune_trials, progress=progress)
         print(report.render(), file=sys.stderr)
     rng = np.random.default_rng(config.seed)
     key = jax.random.key(config.seed)
     losses = []
     with tqdm(total=config.steps, desc="train", unit="step", disable=not progress, file=sys.stderr) as bar:
         for step in range(config.steps):
-            tokens, targets, weights = batch(rng)
+            tokens, targets, weights, *rows = batch(rng)  # packed: positions (or None) and segment ids
             params, opt_state, loss = train_step(params, opt_state, tokens, targets, weights,
-                                                 jax.random.fold_in(key, step))
+                                                 jax.random.fold_in(key, step), *rows)
             losses.append(float(loss))
             bar.set_postfix_str(f"loss {losses[-1]:.4f}", refresh=False)
             bar.update()
@@ -190,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
     for name in ("dropout", "learning_rate", "rope_base"):
         parser.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
+    parser.add_argument("--packed", action="store_true",
+                        help="rows of packed documents, laid out once per batch in the documents layout")
+    parser.add_argument("--per-call", action="store_true",
+                        help="with --packed: rows in token order, laid out by the loader in every call")
     parser.add_argument("--autotune", type=int, default=0, metavar="TRIALS",
                         help="first tune the training step's attention problems on the CPU, TRIALS trials each "
                              "(tuner.autotune; rows go to $TUNER_DB, else $TUNER_HOME/tuning.sqlite)")
@@ -204,9 +260,15 @@ def main(argv: list[str] | None = None) -> int:
     # Before jax starts: simulate the ring on CPU devices.
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={config.devices}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    print(f"ring of {config.devices} devices, {config.layout} layout, {config.seq_len} tokens "
-          f"({config.seq_len // config.devices} per device); needle in the first {config.seq_len // 4} "
-          f"positions, {config.queries} questions at the end", file=sys.stderr)
+    if config.packed:
+        how = "in every call by the loader" if config.per_call else "once per batch by the pipeline"
+        print(f"ring of {config.devices} devices, {config.seq_len} tokens of packed documents a row, documents "
+              f"layout {how}; each document's needle in its first quarter, {config.queries} questions at its end",
+              file=sys.stderr)
+    else:
+        print(f"ring of {config.devices} devices, {config.layout} layout, {config.seq_len} tokens "
+              f"({config.seq_len // config.devices} per device); needle in the first {config.seq_len // 4} "
+              f"positions, {config.queries} questions at the end", file=sys.stderr)
     start = time.perf_counter()
     losses = train(config, autotune_trials=autotune_trials)
     tail = losses[-10:]

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # one host: libtpu's worker list, without a warning
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes may hold libtpu
 
 _SPEC = importlib.util.spec_from_file_location("global_memory",
                                                Path(__file__).parents[1] / "benchmarks" / "global_memory.py")

@@ -4,7 +4,10 @@
 heads), rotary position embeddings on the **global** positions of the tokens (from the ring layout,
 so a token gets the same rotation whichever device holds it), the tuned ring attention of
 `get_tuned_ring_attention`, and an output projection. Inside `shard_map` over `axis_name` it takes
-each device's shard of the sequence; with `axis_name=None` it is ordinary attention on one device.
+each device's shard of the sequence; with `axis_name=None` it is ordinary attention on one device. With
+`mesh=` it takes global arrays under `jax.jit` (the loader's `mesh=` path): in token order, laid out in
+every call, or laid out once per batch by the data pipeline (`laid_out=True`, `tuner.layouts.lay_out_batch`,
+its positions passed).
 `strategy` is the loader's ("auto", "ring", "all_to_all", "all_gather", or "hybrid" with
 `axis_name=(ring_axis, a2a_axis)`, the layout then over the ring axis).
 `attention="dense"` swaps the ring for dense attention over the same inputs (one device): the
@@ -18,6 +21,7 @@ from typing import Any
 
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from tuner.semantics import layouts
 from tuner.support.checks import check_int
@@ -53,7 +57,7 @@ class RingSelfAttention(nnx.Module):
                  chunk_size: int | None = None, logits_soft_cap: float | None = None, use_rope: bool = True,
                  rope_base: float = 10_000.0, backend: str = "auto", attention: str = "ring",
                  strategy: str = "auto", dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, db=None,
-                 rngs: nnx.Rngs):
+                 mesh: Mesh | None = None, laid_out: bool = False, rngs: nnx.Rngs):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
             check_int(name, value)
@@ -72,6 +76,7 @@ class RingSelfAttention(nnx.Module):
             raise ValueError("attention='dense' is the one-device reference; use it with axis_name=None")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.axis_name, self.layout, self.use_rope, self.rope_base = axis_name, layout, use_rope, rope_base
+        self.on_mesh, self.laid_out = mesh is not None, laid_out
         self.attention_kind = attention
         self.options = dict(causal=causal, sliding_window=sliding_window, chunk_size=chunk_size,
                             logits_soft_cap=logits_soft_cap)
@@ -84,11 +89,14 @@ class RingSelfAttention(nnx.Module):
         self.value = linear(embed_dim, num_kv_heads * head_dim)
         self.out = linear(num_heads * head_dim, embed_dim)
         self.ring = get_tuned_ring_attention(axis_name=axis_name, layout=layout, backend=backend, db=db,
-                                             strategy=strategy, **self.options)
+                                             strategy=strategy, mesh=mesh, laid_out=laid_out, **self.options)
 
     def positions(self, batch: int, length: int):
         """Global positions `[batch, length]` of this device's tokens under the layout (over two axes: over the
-        ring axis, each position's chunk cut over the group axis)."""
+        ring axis, each position's chunk cut over the group axis); with `mesh=`, of global arrays in token
+        order."""
+        if self.on_mesh:
+            return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
         if isinstance(self.axis_name, tuple):
             return jnp.broadcast_to(layouts.grouped_positions(self.layout, length, self.axis_name), (batch, length))
         size, rank = ring_geometry(self.axis_name)
@@ -97,6 +105,9 @@ class RingSelfAttention(nnx.Module):
 
     def __call__(self, x, *, positions=None, segment_ids=None):
         b, t, _ = x.shape
+        if positions is None and self.laid_out:
+            raise ValueError("laid_out=True takes the positions the layout gave the tokens: pass positions= (the "
+                             "ones tuner.layouts.lay_out_batch returned)")
         if positions is None:
             positions = self.positions(b, t)
         q = self.query(x).reshape(b, t, self.num_heads, self.head_dim)
