@@ -8,8 +8,9 @@
   `shard_map` on the caller's shards;
 - on the CPU, no two collectives of one kind can be in flight at once (XLA:CPU cannot run them).
 
-Every layout, forward and forward+backward, on one sequence axis of 8 devices and on a 2x4 mesh with the
-batch on its data axis; the strategies that take `mesh=` on zigzag. The same for TPU v5e:2x2 at 131072
+Every layout, forward and forward+backward, on one sequence axis of 4 devices (fewer rounds of the CPU's
+documents move to compile than 8) and on a 2x4 mesh with the batch on its data axis; the strategies that
+take `mesh=` on zigzag. The same for TPU v5e:2x2 at 131072
 tokens, compiled by libtpu, is in the slow tier. `benchmarks/global_memory.py` prints the table.
 """
 
@@ -47,10 +48,10 @@ def check(result) -> None:
 @pytest.mark.parametrize("backward", [False, True], ids=["fwd", "fwd+bwd"])
 @pytest.mark.parametrize("layout", global_memory.LAYOUTS)
 def test_the_mesh_path_keeps_the_sequence_sharded_on_one_axis(layout, backward):
-    result = global_memory.compile_case(Case(layout, "ring", "8", backward, TOKENS), jax.devices())
+    result = global_memory.compile_case(Case(layout, "ring", "4", backward, TOKENS), jax.devices())
     check(result)
-    moves = result.collectives.get("collective-permute", 0) + result.collectives.get("all-to-all", 0)
-    assert layout == "contiguous" or moves > (15 if backward else 3), result.collectives  # the layout moved
+    moved = sum(result.collectives.values()) - sum(result.shard_map_collectives.values())
+    assert moved == 0 if layout == "contiguous" else moved > 0, result  # the layout's own collectives, or none
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "striped", "documents"])

@@ -130,7 +130,8 @@ class GlobalCall:
         if not all(x.is_fully_addressable for x in leaves if isinstance(x, jax.Array)):
             return None  # rows other processes hold: chosen in the step, where every process sees them
         padding = self._padding(query, key, options)
-        if not self.plan(*planned(padding, query, key, value, options, layout=self.layout)).packed_default:
+        split = self.split(query, key)
+        if not self.plan(*planned(padding, query, key, value, options, layout=self.layout), split=split).packed_default:
             return None  # a declared packing's tile is planned from the packing: nothing to choose here
         spec = AttentionSpec(scale=1.0, causal=self.causal, window=self.window, has_segments=True)
         sequences = {name: options.get(name) for name in SEQUENCE_OPTIONS}

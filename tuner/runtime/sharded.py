@@ -2,10 +2,10 @@
 shards out, runs the ring on them and puts the results back, with collectives (`tuner.semantics.moves`).
 
 The arrays arrive sharded over the sequence axes in token order (the caller's sharding, or the one
-`shard_map` gives them); every other mesh axis stays automatic, so a batch on a data axis or heads on a
-tensor axis keep their sharding through the call and the output comes back sharded as the query came
-in. No device holds more of the sequence than its shard, except the segment ids and positions the
-documents layout plans from (4 bytes a token each).
+`shard_map` gives them). The mesh's other axes keep what they hold (`Split`: a batch on a data axis, heads
+on a tensor axis), and the output comes back sharded as the query came in. No device holds more of the
+sequence than its shard, except the segment ids (and, laid out by the caller, the positions) that the
+documents layout plans from, 4 bytes a token each.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def _restored(move: moves.Move, results: list) -> list:
 
 
 def _given_by(how: Layout, name: str, options: dict[str, Any]) -> bool:
-    """Whether the body computed this array itself (the documents layout's positions), so it is laid out."""
+    """Whether the body made this array itself, already laid out (the documents layout's positions)."""
     return how.layout == DOCUMENTS and not how.laid_out and name.endswith("positions") and options.get(name) is None
 
 
