@@ -111,7 +111,7 @@ class TunedRingAttention:
         self._writes = writes()
         self._global = None if mesh is None else meshed.GlobalCall(
             mesh=mesh, axis_name=axis_name, layout=layout, causal=causal, window=self.options["sliding_window"],
-            laid_out=laid_out, local=self._local, decide=self._decide)
+            laid_out=laid_out, packing=packing, local=self._local, decide=self._decide)
 
     # ----------------------------------------------------------------------------------------------
 

@@ -49,8 +49,9 @@ class GlobalCall:
     ring_size, options, group, packed_tile=)` its plan for one device's shapes."""
 
     def __init__(self, *, mesh: Mesh, axis_name: Hashable, layout: str, causal: bool, window, laid_out: bool,
-                 local: Callable[..., Any], decide: Callable[..., Plan]):
+                 packing: str | None, local: Callable[..., Any], decide: Callable[..., Plan]):
         self.mesh, self.axis_name, self.layout, self.laid_out = mesh, axis_name, layout, laid_out
+        self.packing = packing  # a declared packing plans its tile from the packing: nothing for the rows to choose
         self.causal, self.window = causal, window
         self._local, self._decide = local, decide
         self._compiled: tuple[int, Any] | None = None  # (cache writes when made, the jitted call)
@@ -122,7 +123,9 @@ class GlobalCall:
         """The tile the rows of these global arrays (values, in this process) choose, where a documents
         layout call with nothing tuned and no packing declared takes it from its rows; else None (then,
         under a trace, the rows choose in the step)."""
-        if self.layout != DOCUMENTS or self.laid_out or options.get("q_segment_ids") is None:
+        if self.layout != DOCUMENTS or self.laid_out or self.packing is not None:
+            return None
+        if options.get("q_segment_ids") is None:
             return None
         leaves = [x for x in jax.tree.leaves((query, key, value, options)) if hasattr(x, "shape")]
         if not all(isinstance(x, (np.ndarray, jax.Array)) and not isinstance(x, jax.core.Tracer) for x in leaves):
