@@ -10,9 +10,13 @@ buffer in flight, and each token travels once:
 - `striped` over one axis (where `P` divides the shard): one `all_to_all`;
 - anything else (the documents layout of packed rows, a fixed layout over two axes or a shard `P` does
   not divide): a permutation of the whole row, known to every device (its `order [B or 1, T]`, 4 bytes
-  a token), carried out by one `ragged_all_to_all` where the platform has it (TPU, GPU); XLA:CPU has
-  none, so there `P - 1` `ppermute` rounds each send one shard-sized buffer to the device that many
-  places on (`ROTATION`: every token still moves once, the buffer carries the padding).
+  a token), carried out by one `ragged_all_to_all` where the platform has it (TPU, GPU).
+
+XLA:CPU has no ragged all-to-all, and where the mesh has axes left to XLA's partitioner (automatic, not
+manual in the `shard_map`) it gathers their shards around an all-to-all. There (`ROTATION`) the rows move
+by `P - 1` rounds of `ppermute`, row by row: round s sends each device's tokens for the device s places
+on, in a shard-sized buffer for a permutation (every token still moves once; the buffer carries the
+padding) and in 1/P of a shard for the striped layout.
 
 Both directions are differentiable; the gradient of a move is the opposite move. On the CPU each
 collective waits for the one before it (`tuner.support.ordering`).
@@ -37,9 +41,9 @@ METHODS = (ONE_COLLECTIVE, ROTATION)
 
 def method_for(platform: str, other_axes: bool, *, permutation: bool) -> str:
     """How a striped layout (`permutation=False`) or a permutation moves: in one collective (an all-to-all;
-    for a permutation, a ragged all-to-all, which XLA:CPU does not have), unless the mesh has axes other
-    than the sequence's. XLA's partitioner gathers those axes' shards around an all-to-all (the batch on a
-    data axis, whole), so there the rows move by `ppermute` rounds, row by row."""
+    for a permutation, a ragged all-to-all, which XLA:CPU does not have), unless the mesh has `other_axes`
+    left automatic, whose shards XLA's partitioner would gather around an all-to-all (a batch on a data
+    axis, whole): then by `ppermute` rounds, row by row."""
     if other_axes or (permutation and platform == "cpu"):
         return ROTATION
     return ONE_COLLECTIVE
@@ -143,15 +147,21 @@ def _zigzag(x, axis_name: Hashable, size: int, forward: bool):
     odd_first = lax.axis_index(axis_name) % 2  # where a device's even half-chunk sits in its zigzag shard
     if forward:
         first, second = lax.slice_in_dim(x, 0, half, axis=1), lax.slice_in_dim(x, half, 2 * half, axis=1)
-        from_even = lax.ppermute(first, axis_name, even)
-        from_odd = lax.ppermute(ordering.ordered(second, from_even), axis_name, odd)  # one at a time on the CPU
+        from_even = _sent(first, axis_name, even)
+        from_odd = _sent(ordering.ordered(second, from_even), axis_name, odd)  # one at a time on the CPU
         out = lax.dynamic_update_slice_in_dim(jnp.zeros_like(x), from_even, odd_first * half, axis=1)
         return lax.dynamic_update_slice_in_dim(out, from_odd, (1 - odd_first) * half, axis=1)
     evens = lax.dynamic_slice_in_dim(x, odd_first * half, half, axis=1)
     odds = lax.dynamic_slice_in_dim(x, (1 - odd_first) * half, half, axis=1)
     back = [(b, a) for a, b in even], [(b, a) for a, b in odd]
-    evens = lax.ppermute(evens, axis_name, back[0])
-    return jnp.concatenate([evens, lax.ppermute(ordering.ordered(odds, evens), axis_name, back[1])], axis=1)
+    evens = _sent(evens, axis_name, back[0])
+    return jnp.concatenate([evens, _sent(ordering.ordered(odds, evens), axis_name, back[1])], axis=1)
+
+
+def _sent(x, axis_name: Hashable, pairs: list[tuple[int, int]]):
+    """`ppermute` over `pairs`, or `x` itself where every device keeps its own (a ring of 2's even
+    half-chunks): no transfer, no buffer."""
+    return x if all(a == b for a, b in pairs) else lax.ppermute(x, axis_name, pairs)
 
 
 def _striped(x, axis_name: Hashable, size: int, forward: bool):
