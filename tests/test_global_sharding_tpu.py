@@ -1,0 +1,42 @@
+"""The loader's call on global arrays (`mesh=`) as the TPU compiler builds it for v5e 2x2 (4 chips, one
+sequence axis) at 131072 tokens, bf16, GQA 8/2, D=128, the Pallas kernels: the rules of
+`tests/test_global_sharding.py`, for the layouts with collectives of their own on the TPU (zigzag's collective
+permutes, the documents layout's ragged all-to-all), forward and forward+backward (the documents layout's
+forward+backward only: its program holds the forward's moves). Contiguous moves nothing, and the striped
+layout's all-to-all is the CPU test's. Slow tier: about 100 s of compiling.
+`benchmarks/global_memory.py --tpu v5e:2x2 --tokens 131072 524288` prints every layout's table."""
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                 reason="libtpu is not installed: pip install -e '.[tpu]'")]
+
+os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # one host: libtpu's worker list, without a warning
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes may hold libtpu
+
+_SPEC = importlib.util.spec_from_file_location("global_memory",
+                                               Path(__file__).parents[1] / "benchmarks" / "global_memory.py")
+global_memory = importlib.util.module_from_spec(_SPEC)
+sys.modules["global_memory"] = global_memory  # its dataclasses look their module up
+_SPEC.loader.exec_module(global_memory)
+
+
+@pytest.mark.parametrize("layout, backward", [("zigzag", False), ("zigzag", True), ("documents", True)],
+                         ids=["zigzag-fwd", "zigzag-fwd+bwd", "documents-fwd+bwd"])
+def test_on_the_tpu_compiler_at_131072_tokens(layout, backward):
+    devices = global_memory.tpu_devices("v5e:2x2")
+    case = global_memory.Case(layout, "ring", "4", backward, 131072, batch=1, heads=8, dim=128)
+    result = global_memory.compile_case(case, devices)
+    assert result.largest_gather_per_token <= 8.0, result
+    assert result.out_spec == result.in_spec, result
+    assert result.ratio <= 1.25, result
+    if layout == "documents":  # the TPU has a ragged all-to-all: each token moves once, in one collective
+        assert result.collectives.get("ragged-all-to-all", 0) >= 8, result.collectives
+    else:
+        assert "all-to-all" not in result.collectives and "all-gather" not in result.collectives, result.collectives
