@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from tuner import get_tuned_ring_attention  # noqa: E402
+from tuner import get_tuned_ring_attention, layouts  # noqa: E402
 from tuner.models import hlo  # noqa: E402
 
 LAYOUTS = ("contiguous", "zigzag", "striped", "documents")
@@ -144,7 +144,8 @@ def compile_case(case: Case, devices) -> Result:
 
 def time_case(case: Case, devices, repeats: int) -> tuple[float, float]:
     """Median seconds of a call of the mesh= program and of the shard_map one, on random arrays (documents:
-    16 per row; positions in token order), run interleaved after one call each."""
+    16 a row, which the shard_map ring gets laid out as the documents layout lays them out, with their
+    positions), run interleaved after one call each."""
     functions, arguments, _ = _programs(case, devices)
     rng = np.random.default_rng(0)
 
@@ -155,11 +156,18 @@ def time_case(case: Case, devices, repeats: int) -> tuple[float, float]:
             return jax.device_put(np.asarray(row, np.int32), struct.sharding)
         return jax.device_put(rng.standard_normal(struct.shape).astype(struct.dtype), struct.sharding)
 
+    values = [[real(a, i) for i, a in enumerate(args)] for args in arguments]
+    if case.layout == "documents":  # the shard_map ring runs on the rows as the documents layout lays them out
+        names = ("q", "k", "v", "segment_ids")
+        laid, positions = layouts.lay_out_batch(dict(zip(names, map(np.asarray, values[0]))), int(
+            case.mesh.split("x")[-1]), "documents", causal=True)
+        values[1] = [jax.device_put(laid[n], a.sharding) for n, a in zip(names, arguments[1])]
+        values[1].append(jax.device_put(positions.astype(np.int32), arguments[1][4].sharding))
     calls = []
-    for function, args in zip(functions, arguments):
-        compiled, values = jax.jit(function), [real(a, i) for i, a in enumerate(args)]
-        jax.block_until_ready(compiled(*values))
-        calls.append(functools.partial(compiled, *values))
+    for function, args in zip(functions, values):
+        compiled = jax.jit(function)
+        jax.block_until_ready(compiled(*args))
+        calls.append(functools.partial(compiled, *args))
     times: list[list[float]] = [[], []]
     for _ in range(repeats):
         for i, call in enumerate(calls):
