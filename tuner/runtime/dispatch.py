@@ -67,30 +67,12 @@ class TunedRingAttention:
     def __init__(self, *, axis_name: Hashable | None, causal: bool, sliding_window, chunk_size,
                  logits_soft_cap, softmax_scale, layout: str, backend: str, db, mesh: Mesh | None,
                  strategy: str = "auto", packing: str | None = None, laid_out: bool = False):
-        if not isinstance(laid_out, bool):
-            raise ValueError(f"laid_out must be True or False, got {laid_out!r}")
-        if laid_out and mesh is None:
-            raise ValueError("laid_out=True says the global arrays given with mesh= are already laid out: pass mesh=; "
-                             "on local shards, pass layout= instead")
-        if laid_out and layout is None:
-            raise ValueError("laid_out=True needs the layout the arrays are in: pass layout= (as given to "
-                             "tuner.layouts.lay_out_batch)")
         if layout is not None and (not isinstance(layout, str) or layout not in LOADER_LAYOUTS):
             raise ValueError(f"layout must be one of {', '.join(LOADER_LAYOUTS)} or None, got {layout!r}")
-        if layout == DOCUMENTS and mesh is None:
-            raise ValueError("layout='documents' lays out global arrays: pass mesh= and call attn on arrays in token "
-                             "order; on local shards, lay them out with tuner.layouts.document_order and pass "
-                             "layout='contiguous' with the positions it gives")
+        meshed.check_arguments(mesh, axis_name, layout, laid_out)
         if backend != "auto":
             registry.get(backend)
         strategy = plan.check_strategy(strategy, backend, axis_name)
-        if mesh is not None:
-            if not isinstance(mesh, Mesh):
-                raise ValueError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
-            names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-            if any(name is None or name not in mesh.shape for name in names):
-                raise ValueError(f"with mesh=, axis_name must name {'two' if len(names) > 1 else 'one'} of its "
-                                 f"axes {tuple(mesh.shape)}, got {axis_name!r}")
         if layout is None and mesh is not None:
             layout = DEFAULT_LAYOUT
         self.axis_name, self.layout, self.backend, self.mesh = axis_name, layout, backend, mesh

@@ -205,6 +205,31 @@ class GlobalCall:
         return rings, self._how(split, tuple(orders), tuple(branch_of))
 
 
+def check_arguments(mesh: Mesh | None, axis_name: Hashable, layout: str | None, laid_out: bool) -> None:
+    """`ValueError` naming the argument, where the loader's `mesh`, `axis_name`, `layout` and `laid_out` do not
+    make a call on global arrays (or, without `mesh`, ask for one)."""
+    if not isinstance(laid_out, bool):
+        raise ValueError(f"laid_out must be True or False, got {laid_out!r}")
+    if laid_out and mesh is None:
+        raise ValueError("laid_out=True says the global arrays given with mesh= are already laid out: pass mesh=; "
+                         "on local shards, pass layout= instead")
+    if laid_out and layout is None:
+        raise ValueError("laid_out=True needs the layout the arrays are in: pass layout= (as given to "
+                         "tuner.layouts.lay_out_batch)")
+    if layout == DOCUMENTS and mesh is None:
+        raise ValueError("layout='documents' lays out global arrays: pass mesh= and call attn on arrays in token "
+                         "order; on local shards, lay them out with tuner.layouts.lay_out_batch and pass "
+                         "layout='contiguous' with the positions it gives")
+    if mesh is None:
+        return
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if any(name is None or name not in mesh.shape for name in names):
+        raise ValueError(f"with mesh=, axis_name must name {'two' if len(names) > 1 else 'one'} of its "
+                         f"axes {tuple(mesh.shape)}, got {axis_name!r}")
+
+
 def local_shape(x, size: int, name: str, axis: int = 1) -> jax.ShapeDtypeStruct:
     """One device's shard of the global `x`, split over `size` devices along its sequence `axis`."""
     if x.shape[axis] % size:
@@ -294,4 +319,5 @@ def _check_documents(query, key, options: dict[str, Any]) -> None:
                          f"length {query.shape[1]}, key length {key.shape[1]}")
 
 
-__all__ = ["DOCUMENTS_NOTE", "GlobalCall", "SEQUENCE_OPTIONS", "local_shape", "planned", "shards", "with_positions"]
+__all__ = ["DOCUMENTS_NOTE", "GlobalCall", "SEQUENCE_OPTIONS", "check_arguments", "local_shape", "planned", "shards",
+           "with_positions"]

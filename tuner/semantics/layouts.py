@@ -40,6 +40,7 @@ from tuner.semantics.documents import DEFAULT_TILE, DOCUMENTS, lay_out_rows, res
 from tuner.semantics.padding import Padding, padded_length
 from tuner.support import ordering
 from tuner.support.checks import check_int
+from tuner.support.targets import compile_target
 from tuner.semantics.spec import LAYOUTS, AttentionSpec
 
 
@@ -258,7 +259,7 @@ def _on_devices(body, mesh, axis_name, arrays: dict, *extra):
     left to XLA's partitioner), every array sharded over `axis_name` along its axis 1, and so its results.
     `move_of(order)` is the move of the permutation `order [B or 1, T]` on this mesh."""
     names = set(axis_name) if isinstance(axis_name, tuple) else {axis_name}
-    platform, other_axes = mesh.devices.flat[0].platform, bool(set(mesh.axis_names) - names)
+    platform, other_axes = compile_target(mesh)[0], bool(set(mesh.axis_names) - names)
     seq = jax.sharding.PartitionSpec(None, axis_name)
 
     def move_of(order, layout: str = DOCUMENTS, shard: int = 0):
