@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 
@@ -72,3 +74,29 @@ def test_the_strategies_that_take_a_mesh_keep_it_sharded(strategy):
     shards the sequence over two axes (the layout's permutation moves by collective permutes)."""
     case = Case("zigzag", strategy, "4x2" if strategy == "hybrid" else "8", True, TOKENS, heads=8)
     check(global_memory.compile_case(case, jax.devices()))
+
+
+def test_a_permutation_lowers_for_cuda_to_one_ragged_all_to_all_each_way():
+    """Off the CPU a permutation (the documents layout's) moves in one ragged all-to-all: lowered for CUDA
+    here (XLA:CPU cannot compile one), forward and back, and its gradient the opposite moves."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from tuner.semantics import moves
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("sp",))
+    order = jnp.asarray(np.random.default_rng(0).permutation(64)[None], jnp.int32)
+
+    def round_trip(x):
+        move = moves.permutation(order, "sp", platform="gpu", other_axes=False)
+        assert move.method == moves.ONE_COLLECTIVE
+        return move.restore(move.lay_out(x) * 2.0)
+
+    call = jax.shard_map(round_trip, mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+    x = jax.ShapeDtypeStruct((2, 64, 2, 8), jnp.bfloat16)
+    forward = jax.jit(call).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert forward.count("@ragged_all_to_all(") == 2
+    gradient = jax.jit(jax.grad(lambda x: (call(x).astype(jnp.float32) ** 2).sum())).trace(x).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert gradient.count("@ragged_all_to_all(") == 4  # the forward's two, and their opposites
+    assert "all_gather" not in forward and "stablehlo.all_to_all" not in forward
