@@ -32,13 +32,13 @@ from tuner import registry
 from tuner.cache import writes
 from tuner.runtime import sharded
 from tuner.runtime.plan import ARRAY_OPTIONS, Plan
+from tuner.runtime.sharded import SEQUENCE_OPTIONS
 from tuner.semantics import documents, layouts
 from tuner.semantics.documents import DOCUMENTS
 from tuner.semantics.padding import Padding
 from tuner.semantics.spec import AttentionSpec
 from tuner.support.targets import compile_target
 
-SEQUENCE_OPTIONS = sharded.SEQUENCE_OPTIONS
 DOCUMENTS_NOTE = ("documents layout: each row laid out from its segment ids, keyed as contiguous (every shard in "
                   "token order, positions given)")
 
@@ -53,6 +53,8 @@ class GlobalCall:
         self.mesh, self.axis_name, self.layout, self.laid_out = mesh, axis_name, layout, laid_out
         self.packing = packing  # a declared packing plans its tile from the packing: nothing for the rows to choose
         self.causal, self.window = causal, window
+        # the masks the documents plan and the rows' tile choice count tiles by
+        self._rows_spec = AttentionSpec(scale=1.0, causal=causal, window=window, has_segments=True)
         self._local, self._decide = local, decide
         self._compiled: tuple[int, Any] | None = None  # (cache writes when made, the jitted call)
 
@@ -68,7 +70,7 @@ class GlobalCall:
         split = self.split(query, key)
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((query, key, value, options))):
             return self._traced(query, key, value, split=split, **options)
-        tile = self.rows_tile(query, key, value, options)
+        tile = self.rows_tile(query, key, value, options, split)
         return self._jitted()(query, key, value, rows_tile=tile, split=split, **options)
 
     def split(self, query, key) -> sharded.Split:
@@ -77,7 +79,7 @@ class GlobalCall:
         trace of auto-sharded arrays XLA decides later: on the CPU the other axes are left to it (every kernel
         there is XLA's to partition); elsewhere, where Mosaic and Triton kernels are not, the batch is taken to
         be split over them (else the heads), as data parallelism (else tensor parallelism) does."""
-        names = set(self.axis_name) if isinstance(self.axis_name, tuple) else {self.axis_name}
+        names = set(layouts.sequence_axes(self.axis_name))
         others = tuple(n for n in self.mesh.axis_names if n not in names)
         if not others:
             return sharded.Split()
@@ -110,7 +112,7 @@ class GlobalCall:
         planned_ = planned(padding, query, key, value, options, layout=self.layout)
         split = self.split(query, key)
         decision = self.plan(*planned_, a2a, split=split)
-        tile = self.rows_tile(query, key, value, options) if decision.packed_default else None
+        tile = self.rows_tile(query, key, value, options, split) if decision.packed_default else None
         if tile is not None:
             decision = self.plan(*planned_, a2a, packed_tile=tile, split=split)
         size, _ = self.sizes()
@@ -119,10 +121,11 @@ class GlobalCall:
             [padding.describe()] if padding.needed else []) + [moved]
         return dataclasses.replace(decision, reason="; ".join([decision.reason, *notes]))
 
-    def rows_tile(self, query, key, value, options: dict[str, Any]) -> int | None:
+    def rows_tile(self, query, key, value, options: dict[str, Any], split: sharded.Split | None = None
+                  ) -> int | None:
         """The tile the rows of these global arrays (values, in this process) choose, where a documents
         layout call with nothing tuned and no packing declared takes it from its rows; else None (then,
-        under a trace, the rows choose in the step)."""
+        under a trace, the rows choose in the step). `split`: `self.split(query, key)`, where known."""
         if self.layout != DOCUMENTS or self.laid_out or self.packing is not None:
             return None
         if options.get("q_segment_ids") is None:
@@ -133,12 +136,11 @@ class GlobalCall:
         if not all(x.is_fully_addressable for x in leaves if isinstance(x, jax.Array)):
             return None  # rows other processes hold: chosen in the step, where every process sees them
         padding = self._padding(query, key, options)
-        split = self.split(query, key)
+        split = self.split(query, key) if split is None else split
         if not self.plan(*planned(padding, query, key, value, options, layout=self.layout), split=split).packed_default:
-            return None  # a declared packing's tile is planned from the packing: nothing to choose here
-        spec = AttentionSpec(scale=1.0, causal=self.causal, window=self.window, has_segments=True)
+            return None  # tuned for this problem: its tiles are the cache's
         sequences = {name: options.get(name) for name in SEQUENCE_OPTIONS}
-        index = _rows_tile_index(padding, spec, self.sizes()[1], query, key, value, sequences)
+        index = _rows_tile_index(padding, self._rows_spec, self.sizes()[1], query, key, value, sequences)
         return documents.PACKED_TILES[int(index)]
 
     # ----------------------------------------------------------------------------------------------
@@ -172,11 +174,9 @@ class GlobalCall:
                           layout="contiguous" if self.layout == DOCUMENTS else self.layout)
 
     def _how(self, split: sharded.Split, orders: tuple = (), branch_of: tuple = ()) -> sharded.Layout:
-        spec = AttentionSpec(scale=1.0, causal=self.causal, window=self.window, has_segments=True)
-        names = set(self.axis_name) if isinstance(self.axis_name, tuple) else {self.axis_name}
-        automatic = not split.manual and bool(set(self.mesh.axis_names) - names)
+        automatic = not split.manual and bool(set(self.mesh.axis_names) - set(layouts.sequence_axes(self.axis_name)))
         return sharded.Layout(self.layout, self.sizes()[1], compile_target(self.mesh)[0], automatic, self.laid_out,
-                              spec, orders, branch_of)
+                              self._rows_spec, orders, branch_of)
 
     def _rings(self, query, key, value, options: dict[str, Any], rows_tile: int | None, split: sharded.Split):
         """(the rings the step may run, how their shards are laid out). A documents-layout call with nothing
@@ -224,7 +224,7 @@ def check_arguments(mesh: Mesh | None, axis_name: Hashable, layout: str | None, 
         return
     if not isinstance(mesh, Mesh):
         raise ValueError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
-    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    names = layouts.sequence_axes(axis_name)
     if any(name is None or name not in mesh.shape for name in names):
         raise ValueError(f"with mesh=, axis_name must name {'two' if len(names) > 1 else 'one'} of its "
                          f"axes {tuple(mesh.shape)}, got {axis_name!r}")
@@ -257,8 +257,7 @@ def with_positions(options: dict[str, Any], query, key) -> dict[str, Any]:
     return options
 
 
-def shards(query, key, value, options: dict[str, Any], size: int, split: sharded.Split | None = None,
-           mesh: Mesh | None = None):
+def shards(query, key, value, options: dict[str, Any], size: int, split: sharded.Split, mesh: Mesh):
     """What one device of `size` along the sequence holds of global arrays of lengths they divide: `(query,
     key, value, options)` as `jax.ShapeDtypeStruct`s (a bias is sharded over its query axis only); the batch
     and heads split over the mesh's other axes as `split` says."""
@@ -266,9 +265,6 @@ def shards(query, key, value, options: dict[str, Any], size: int, split: sharded
     options = {n: local_shape(x, size, n) if n in SEQUENCE_OPTIONS and x is not None else x for n, x in options.items()}
     if options.get("bias") is not None and options["bias"].shape[2] > 1:
         options["bias"] = local_shape(options["bias"], size, "bias", axis=2)
-    if mesh is None or split is None or not split.manual or split == sharded.Split():
-        return query, key, value, options
-
     def divided(x, heads):
         shape = list(x.shape)
         shape[0] = split.shard(mesh, shape[0], split.batch) if shape[0] > 1 else 1
@@ -319,5 +315,4 @@ def _check_documents(query, key, options: dict[str, Any]) -> None:
                          f"length {query.shape[1]}, key length {key.shape[1]}")
 
 
-__all__ = ["DOCUMENTS_NOTE", "GlobalCall", "SEQUENCE_OPTIONS", "check_arguments", "local_shape", "planned", "shards",
-           "with_positions"]
+__all__ = ["DOCUMENTS_NOTE", "GlobalCall", "check_arguments", "local_shape", "planned", "shards", "with_positions"]

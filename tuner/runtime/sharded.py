@@ -88,7 +88,7 @@ def run(rings: list[Callable[..., Any]], how: Layout, split: Split, mesh: Mesh, 
     return_lse = bool(flags.get("return_lse"))
     q_spec, kv_spec = P(batch, axis_name, q_heads, None), P(batch, axis_name, kv_heads, None)
     out_specs = (q_spec, P(batch, q_heads, axis_name)) if return_lse else q_spec
-    names = set(axis_name) if isinstance(axis_name, tuple) else {axis_name}
+    names = set(layouts.sequence_axes(axis_name))
 
     def body(q, k, v, arrays):
         move, chosen, arrays = _move_of(how, axis_name, q.shape[1], arrays)

@@ -92,6 +92,11 @@ def local_positions(layout: str, local_length: int, ring_size: int, rank) -> jnp
     return chunk * half + t % half
 
 
+def sequence_axes(axis_name) -> tuple:
+    """The mesh axes a call's `axis_name` shards the sequence over: the one axis, or the pair."""
+    return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+
 def check_axes(axis_name) -> tuple:
     """`axis_name` as a pair `(ring_axis, group_axis)` of two different mesh axes, the sharding of a call over
     two axes; `ValueError` naming it otherwise."""
@@ -245,7 +250,7 @@ def _take_rows(x, order):
 
 
 def _mesh_devices(mesh, axis_name, ring_size: int) -> int:
-    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    names = sequence_axes(axis_name)
     if axis_name is None or any(n not in mesh.shape for n in names):
         raise ValueError(f"with mesh=, axis_name must name the sequence's mesh axis (or the pair of a call over two "
                          f"axes) among {tuple(mesh.shape)}, got {axis_name!r}")
@@ -258,7 +263,7 @@ def _on_devices(body, mesh, axis_name, arrays: dict, *extra):
     """`body(move_of, arrays, *extra)` inside `shard_map` over the sequence axes of `mesh` (the other axes
     left to XLA's partitioner), every array sharded over `axis_name` along its axis 1, and so its results.
     `move_of(order)` is the move of the permutation `order [B or 1, T]` on this mesh."""
-    names = set(axis_name) if isinstance(axis_name, tuple) else {axis_name}
+    names = set(sequence_axes(axis_name))
     platform, other_axes = compile_target(mesh)[0], bool(set(mesh.axis_names) - names)
     seq = jax.sharding.PartitionSpec(None, axis_name)
 
@@ -300,4 +305,4 @@ def _restore_sharded(batch: dict, positions, mesh, axis_name):
 
 __all__ = ["DOCUMENTS", "LAYOUTS", "Padding", "check_axes", "check_layout", "document_order", "global_order",
            "grouped_positions", "lay_out", "lay_out_batch", "lay_out_rows", "local_positions", "local_positions_np",
-           "padded_length", "restore", "restore_batch", "restore_rows"]
+           "padded_length", "restore", "restore_batch", "restore_rows", "sequence_axes"]
