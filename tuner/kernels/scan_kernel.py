@@ -88,10 +88,12 @@ def _visit(ops: Operands, spec: AttentionSpec, codes, compute, carry):
         work.record("tile_area", ops.tiling.block_q * ops.tiling.block_kv)
         return compute(c, n, masked)
 
+    zero = jnp.int32(0)  # int32 loop indices, also under x64: the carries hold tile indices as int32
     if not spec.has_mask:
-        return lax.fori_loop(0, codes.shape[0], lambda n, c: run(c, n, False), carry)
-    order = jnp.argsort(codes == 0, stable=True)  # the visited entries first, in index order
-    return lax.fori_loop(0, jnp.sum(codes != 0), lambda m, c: run(c, order[m], codes[order[m]] == 2), carry)
+        return lax.fori_loop(zero, jnp.int32(codes.shape[0]), lambda n, c: run(c, n, False), carry)
+    order = jnp.argsort(codes == 0, stable=True).astype(jnp.int32)  # the visited entries first, in order
+    visited = jnp.sum(codes != 0, dtype=jnp.int32)
+    return lax.fori_loop(zero, visited, lambda m, c: run(c, order[m], codes[order[m]] == 2), carry)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tuner import registry
@@ -140,7 +140,7 @@ class GlobalCall:
         if not self.plan(*planned(padding, query, key, value, options, layout=self.layout), split=split).packed_default:
             return None  # tuned for this problem: its tiles are the cache's
         sequences = {name: options.get(name) for name in SEQUENCE_OPTIONS}
-        index = _rows_tile_index(padding, self._rows_spec, self.sizes()[1], query, key, value, sequences)
+        index = _rows_tile_index(padding, self._rows_spec, self.sizes()[1], self.mesh, query, key, value, sequences)
         return documents.PACKED_TILES[int(index)]
 
     # ----------------------------------------------------------------------------------------------
@@ -298,11 +298,14 @@ def _entry(spec: P, dim: int, sequence: set) -> Any:
     return None if entry is None or set(names) & sequence else entry
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _rows_tile_index(padding: Padding, spec: AttentionSpec, ring: int, query, key, value, sequences):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _rows_tile_index(padding: Padding, spec: AttentionSpec, ring: int, mesh: Mesh, query, key, value, sequences):
     """`documents.rows_tile_choice` of the padded query segment ids (the padding of q, k, v is never
-    computed: only the ids are returned from)."""
+    computed: only the ids are returned from). The ids are replicated first (4 bytes a token, as the
+    documents plan gathers them anyway): the choice compares every chunk of a row with every other, which
+    explicit sharding refuses to shard twice over one axis."""
     segments = padding.pad(query, key, value, sequences)[3]["q_segment_ids"]
+    segments = jax.sharding.reshard(segments, NamedSharding(mesh, P()))
     return documents.rows_tile_choice(segments, spec, ring)
 
 

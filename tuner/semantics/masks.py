@@ -117,8 +117,11 @@ def ring_mask(q_pos, kv_pos, q_seg, kv_seg, spec: AttentionSpec, axis_name, size
     local = jnp.stack([*_bounds(kv_pos), *(_bounds(kv_seg) if spec.has_segments else ())])  # [2 or 4, B]
     every = lax.all_gather(local, axis_name) if size > 1 else local[None]  # [P, 2 or 4, B], by ring position
     shard = every[(rank - jnp.arange(size)) % size]  # by step
-    segments = (*_bounds(q_seg), shard[:, 2], shard[:, 3]) if spec.has_segments else None
-    return RingMask(ranges_may_attend(*_bounds(q_pos), shard[:, 0], shard[:, 1], segments, spec).any(axis=-1))
+    def mine(x):  # this device's [B] bounds, against every step's [P, B]
+        return tuple(bound[None] for bound in _bounds(x))
+
+    segments = (*mine(q_seg), shard[:, 2], shard[:, 3]) if spec.has_segments else None
+    return RingMask(ranges_may_attend(*mine(q_pos), shard[:, 0], shard[:, 1], segments, spec).any(axis=-1))
 
 
 def _tile_bounds(x, block: int, tiles: int):

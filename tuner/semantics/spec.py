@@ -226,9 +226,10 @@ def _check_int(name: str, x: Any) -> None:
 
 def _check_int32_values(name: str, x: Any) -> None:
     """Positions are converted to int32: concrete values outside its range raise rather than wrap.
-    (Traced values cannot be looked at; a wider dtype's values must then be in range.)"""
+    (Traced values and shapes cannot be looked at; a wider dtype's values must then be in range.)"""
     info = jnp.iinfo(x.dtype)
-    if isinstance(x, jax.core.Tracer) or (info.min >= INT32_MIN and info.max <= INT32_MAX):
+    concrete = hasattr(x, "__array__") and not isinstance(x, jax.core.Tracer)
+    if not concrete or (info.min >= INT32_MIN and info.max <= INT32_MAX):
         return
     values = np.asarray(x)
     if values.min() < INT32_MIN or values.max() > INT32_MAX:

@@ -1,0 +1,114 @@
+"""The library under the JAX settings real codebases turn on (`docs/settings.md`).
+
+Each setting runs the loader on global arrays over a mesh of 4 devices (`mesh=`), forward outside any
+trace and gradients under `jax.jit`, against the float64 dense reference at DESIGN section 10's float32
+tolerances (bfloat16: 2e-2 forward, 4e-2 gradients). The problem: packed documents (segment ids),
+grouped-query heads and a sliding window, in the zigzag layout under every setting, and in the documents
+layout (its plan, permutations and per-row tile: three rings compiled, 20 s a case) under the three
+settings that broke it before issue 56.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from cases import rel_err
+from tuner import get_tuned_ring_attention
+from tuner.semantics.reference import dense_attention
+
+RING, B, T, H, HKV, D = 4, 2, 256, 4, 2, 16
+WINDOW = (96, 0)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A JAX setting: the context it runs under, the mesh's axis type, the inputs' dtype."""
+
+    context: Callable[[jax.sharding.Mesh], contextlib.AbstractContextManager]
+    axis_type: AxisType = AxisType.Auto
+    dtype: str = "float32"
+
+
+SETTINGS = {
+    "x64": Setting(lambda mesh: jax.enable_x64(True)),
+    "rank_promotion_raise": Setting(lambda mesh: jax.numpy_rank_promotion("raise")),
+    "explicit_sharding": Setting(jax.set_mesh, AxisType.Explicit),
+    "debug_nans": Setting(lambda mesh: jax.debug_nans(True)),
+    "tracer_leaks": Setting(lambda mesh: jax.checking_leaks()),
+    "matmul_precision_highest": Setting(lambda mesh: jax.default_matmul_precision("highest")),
+    "transfer_guard_disallow": Setting(lambda mesh: jax.transfer_guard("disallow")),
+    "bfloat16_sharded": Setting(lambda mesh: contextlib.nullcontext(), dtype="bfloat16"),
+}
+CASES = [(name, "zigzag") for name in SETTINGS] + [
+    (name, "documents") for name in ("x64", "rank_promotion_raise", "explicit_sharding")]
+
+
+def segment_ids(rng: np.random.Generator) -> np.ndarray:
+    """`[B, T]` packed rows: documents of random lengths, one id each, in order."""
+    rows = []
+    for _ in range(B):
+        cuts = np.sort(rng.choice(np.arange(1, T), 4, replace=False))
+        rows.append(np.searchsorted(cuts, np.arange(T), side="right"))
+    return np.asarray(rows, np.int32)
+
+
+def reference(q, k, v, w, segments):
+    """The float64 dense output and gradients of `sum(out * w)`, NumPy."""
+    with jax.enable_x64(True):
+        def loss(q, k, v):
+            out, _ = dense_attention(q, k, v, causal=True, sliding_window=WINDOW, q_segment_ids=segments,
+                                     kv_segment_ids=segments)
+            return jnp.sum(out * w), out
+
+        as64 = [jnp.asarray(x, jnp.float64) for x in (q, k, v, w)]
+        w = as64[3]
+        grads, out = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(*as64[:3])
+        return [np.asarray(x, np.float64) for x in (out, *grads)]
+
+
+@pytest.mark.parametrize(("name", "layout"), CASES)
+def test_the_loader_under_the_setting_matches_float64(name, layout, tmp_path, monkeypatch):
+    monkeypatch.setenv("TUNER_HOME", str(tmp_path))
+    setting = SETTINGS[name]
+    mesh = jax.make_mesh((RING,), ("sp",), axis_types=(setting.axis_type,), devices=jax.devices()[:RING])
+    rng = np.random.default_rng(0)
+    dtype = jnp.dtype(setting.dtype)
+    arrays = [rng.standard_normal(shape).astype(np.float32) for shape in
+              ((B, T, H, D), (B, T, HKV, D), (B, T, HKV, D), (B, T, H, D))]
+    arrays[:3] = [np.asarray(jnp.asarray(x, dtype), np.float32) for x in arrays[:3]]  # what the ring gets
+    segments = segment_ids(rng)
+    want = reference(*arrays, segments)
+
+    sharding = NamedSharding(mesh, P(None, "sp"))
+    q, k, v = (jax.device_put(jnp.asarray(x, dtype), sharding) for x in arrays[:3])
+    w = jax.device_put(arrays[3], sharding)
+    ids = jax.device_put(segments, sharding)
+    options = {"q_segment_ids": ids, "kv_segment_ids": ids}
+
+    with setting.context(mesh):
+        attn = get_tuned_ring_attention(axis_name="sp", mesh=mesh, causal=True, sliding_window=WINDOW,
+                                        layout=layout)
+        out = attn(q, k, v, **options)
+
+        def loss(q, k, v):
+            return jnp.sum(attn(q, k, v, **options).astype(jnp.float32) * w)
+
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+        jax.block_until_ready((out, grads))
+
+    assert out.dtype == dtype and tuple(out.sharding.spec)[:2] == (None, "sp")
+    assert all(g.dtype == dtype and tuple(g.sharding.spec)[:2] == (None, "sp") for g in grads)
+    fwd_tol, grad_tol = (1e-5, 1e-4) if dtype == jnp.float32 else (2e-2, 4e-2)
+    got = [np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (out, *grads)]
+    assert rel_err(got[0], want[0]) <= fwd_tol, f"forward error {rel_err(got[0], want[0]):.2e}"
+    for grad, g, r in zip(("dq", "dk", "dv"), got[1:], want[1:]):
+        assert rel_err(g, r) <= grad_tol, f"{grad} error {rel_err(g, r):.2e}"
