@@ -134,9 +134,20 @@ def prepare_disagreeing_loader(a: Arrays, mesh: Mesh, db: str, warnings: list[st
             warnings.append(record.getMessage())
 
     logging.getLogger("tuner.runtime.agreement").addHandler(Collect(logging.WARNING))
-    step = jax.jit(lambda q, k, v: attn(q, k, v, return_lse=True)).lower(*args).compile()
+    multihost_utils.sync_global_devices("stored")  # no process has traced the call: process 0 decided nothing
+    before = attn.explain(*args, return_lse=True)
+    def compiled():
+        return jax.jit(lambda q, k, v: attn(q, k, v, return_lse=True)).lower(*args).compile()
+
+    step = compiled() if jax.process_index() == 0 else None  # process 0 publishes its decision
+    multihost_utils.sync_global_devices("process 0 traced")
+    published = attn.explain(*args, return_lse=True)
+    step = step or compiled()
+    after = attn.explain(*args, return_lse=True)
     (ran,) = attn.traced
-    warnings.append(json.dumps({"ran": ran.config.to_dict()["fwd"], "source": ran.source}))
+    explained = {name: {"fwd": p.config.to_dict()["fwd"], "source": p.source, "reason": p.reason}
+                 for name, p in (("before", before), ("published", published), ("after", after))}
+    warnings.append(json.dumps({"ran": ran.config.to_dict()["fwd"], "source": ran.source, "explained": explained}))
     return lambda: [np.asarray(x, np.float64) for x in multihost_utils.process_allgather(step(*args), tiled=True)]
 
 

@@ -111,3 +111,21 @@ def test_processes_whose_caches_disagree_run_process_0s_decision(outcome: dict) 
     (warning,) = outcome["said"][1]["said"][:-1]
     assert "this process (1, on " in warning and "process 0 (on " in warning and "running process 0's" in warning, \
         warning
+
+
+@pytest.mark.slow
+def test_explain_on_every_process_says_what_runs_and_from_where(outcome: dict) -> None:
+    """Before any process traces the call, process 1's explain() gives its own cache's (8, 16) and says that
+    a traced call runs process 0's; once process 0 has traced it (published), and once process 1 has too
+    (after), it gives process 0's (8, 8) and says whose it is. Process 0 explains its own decision throughout."""
+    assert outcome["ok"], f"the workers failed:\n{outcome['report']}"
+    explained = [json.loads(said["said"][-1])["explained"] for said in outcome["said"]]
+    whens = ("before", "published", "after")
+    tiles = [[(e[when]["fwd"]["block_q"], e[when]["fwd"]["block_kv"]) for when in whens] for e in explained]
+    assert tiles == [[(8, 8)] * 3, [(8, 16), (8, 8), (8, 8)]], explained
+    assert not any("process 0" in explained[0][when]["reason"] for when in whens), explained[0]
+    assert "process 1 of 2: this process's cache's decision, which may not be what runs: a traced call runs " \
+           "process 0's" in explained[1]["before"]["reason"], explained[1]
+    for when in ("published", "after"):
+        assert explained[1][when]["reason"].startswith("process 0's decision ("), explained[1]
+        assert explained[1][when]["source"] == "exact", explained[1]

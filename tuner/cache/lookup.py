@@ -103,7 +103,7 @@ class _Search:
                     self.usable(row, where, origin)
                 continue
             ranked.append((distance, partial))
-        ranked.sort(key=lambda item: item[0])
+        ranked.sort(key=lambda item: (item[0], str(item[1]["key"])))  # ties by key: never by the file's row order
         found = None
         for distance, partial in ranked:
             if found is not None and distance > 0.5:

@@ -42,6 +42,21 @@ def _published(plan: Plan) -> dict:
     return {"backend": plan.backend, "config": plan.config.to_dict(), "source": plan.source, "reason": plan.reason}
 
 
+def _name(problem: tuple) -> tuple[str, str]:
+    """(the problem's digest, the store's name of the next decision of it this process meets)."""
+    digest = hashlib.sha256(repr(problem).encode()).hexdigest()[:24]
+    return digest, f"ring_tuner/decision/{digest}/{_rounds[digest]}"
+
+
+def _adopted(plan: Plan, chosen: dict) -> Plan:
+    """`plan` replaced by process 0's decision `chosen` (as published, without its host)."""
+    implementation = registry.get(chosen["backend"])
+    return dataclasses.replace(
+        plan, backend=implementation.name, config=implementation.config_type.from_dict(chosen["config"]),
+        source=chosen["source"], key=dataclasses.replace(plan.key, backend=implementation.name),
+        reason=f"process 0's decision ({chosen['reason']}); this process's cache said {plan.source}: {plan.reason}")
+
+
 def agree(plan: Plan, problem: tuple) -> Plan:
     """`plan` on process 0 and in a single-process program; elsewhere process 0's plan for `problem` (what
     every process knows the call by before reading its cache: the loader's memo of the call). `RuntimeError`
@@ -54,8 +69,7 @@ def agree(plan: Plan, problem: tuple) -> Plan:
                     "cannot agree on a decision; each runs its own cache's", plan.key.digest[:12],
                     jax.process_count())
         return plan
-    digest = hashlib.sha256(repr(problem).encode()).hexdigest()[:24]
-    name = f"ring_tuner/decision/{digest}/{_rounds[digest]}"
+    digest, name = _name(problem)
     _rounds[digest] += 1
     mine = _published(plan)
     if jax.process_index() == 0:
@@ -71,16 +85,40 @@ def agree(plan: Plan, problem: tuple) -> Plan:
     host = chosen.pop("host")
     if chosen == mine:
         return plan
-    implementation = registry.get(chosen["backend"])
     log.warning("ring attention %s: this process (%d, on %s) decided %s %s from %s, process 0 (on %s) %s %s from "
                 "%s; running process 0's so that every process builds the same program (make the cache files "
                 "agree: tuner export / import)", plan.key.digest[:12], jax.process_index(), socket.gethostname(),
                 plan.backend, plan.config.to_dict(), plan.source, host, chosen["backend"], chosen["config"],
                 chosen["source"])
-    return dataclasses.replace(
-        plan, backend=implementation.name, config=implementation.config_type.from_dict(chosen["config"]),
-        source=chosen["source"], key=dataclasses.replace(plan.key, backend=implementation.name),
-        reason=f"process 0's decision ({chosen['reason']}); this process's cache said {plan.source}: {plan.reason}")
+    return _adopted(plan, chosen)
 
 
-__all__ = ["TIMEOUT_S", "agree"]
+def expected(plan: Plan, problem: tuple) -> Plan:
+    """What the next traced call of `problem` will run on this process, said without waiting and without
+    taking part in the agreement (what `explain()` reports): `plan` on process 0 and in a single-process
+    program; elsewhere process 0's decision where process 0 has published it, else `plan` with a reason
+    saying that the traced call runs process 0's decision, which is not known here yet. A loader that has
+    traced the call knows what it ran without asking (`TunedRingAttention.traced`)."""
+    if jax.process_count() == 1 or jax.process_index() == 0:
+        return plan
+    here = f"process {jax.process_index()} of {jax.process_count()}"
+    client = _client()
+    if client is None:
+        return dataclasses.replace(plan, reason=f"{here}, without jax.distributed: every process runs its own "
+                                                f"cache's decision; {plan.reason}")
+    try:
+        theirs = client.key_value_try_get(_name(problem)[1])
+    except Exception:  # noqa: BLE001 - not published yet: the runtime's not-found error has no public type
+        return dataclasses.replace(
+            plan, reason=f"{here}: this process's cache's decision, which may not be what runs: a traced call runs "
+                         f"process 0's, published when process 0 traces the call (process 0's explain() says it); "
+                         f"{plan.reason}")
+    chosen = json.loads(theirs)
+    host = chosen.pop("host")
+    if chosen == _published(plan):
+        return dataclasses.replace(plan, reason=f"{here}: process 0 (on {host}) decided the same, and a traced call "
+                                                f"runs process 0's; {plan.reason}")
+    return _adopted(plan, chosen)
+
+
+__all__ = ["TIMEOUT_S", "agree", "expected"]

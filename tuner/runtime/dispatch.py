@@ -135,7 +135,7 @@ class TunedRingAttention:
         else:
             size, a2a = check_int("ring_size", 1 if ring_size is None else ring_size), None
         if self.mesh is None:
-            return self._decide(query, key, value, size, options, a2a)
+            return self._decide(query, key, value, size, options, a2a, expect=True)
         return self._global.explain(query, key, value, options, a2a)
 
     @property
@@ -199,10 +199,12 @@ class TunedRingAttention:
                           key=decision.key.as_dict()))
 
     def _decide(self, query, key, value, ring_size: int, options: dict[str, Any], group: int | None = None,
-                agree: bool = False, packed_tile: int | None = None) -> Decision:
+                agree: bool = False, packed_tile: int | None = None, expect: bool = False) -> Decision:
         """The plan of this call on `ring_size` devices (over two axes R x A, with `group` A), decided once
         per problem key; with `agree` (a traced call, which every process of the program traces), the
-        plan every process runs. `packed_tile`: a packed call's default tile, as its rows chose it."""
+        plan every process runs; with `expect` (`explain()`), what a traced call runs, said without waiting
+        for the other processes (`agreement.expected`). `packed_tile`: a packed call's default tile, as its
+        rows chose it."""
         platform, device_kind = compile_target(self.mesh)
         target = registry.Target(platform, bool(options.get("interpret")))
         return_lse = bool(options.get("return_lse"))
@@ -251,6 +253,8 @@ class TunedRingAttention:
             self._decisions[memo] = decision
             log.info("ring attention %s: %s, config from %s (%s)", decision.key.digest, decision.backend,
                      decision.source, decision.reason)
+        if expect:
+            return self._agreed[memo] if memo in self._agreed else agreement.expected(self._decisions[memo], memo)
         if not agree:
             return self._decisions[memo]
         if memo not in self._agreed:

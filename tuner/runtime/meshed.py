@@ -46,7 +46,7 @@ DOCUMENTS_NOTE = ("documents layout: each row laid out from its segment ids, key
 class GlobalCall:
     """`call(query, key, value, options)` on global arrays over `mesh`. `local(q, k, v, options,
     packed_tile=)` is the loader's call on one device's shards (under `shard_map`); `decide(q, k, v,
-    ring_size, options, group, packed_tile=)` its plan for one device's shapes."""
+    ring_size, options, group, packed_tile=, expect=)` its plan for one device's shapes."""
 
     def __init__(self, *, mesh: Mesh, axis_name: Hashable, layout: str, causal: bool, window, laid_out: bool,
                  packing: str | None, local: Callable[..., Any], decide: Callable[..., Plan]):
@@ -97,24 +97,25 @@ class GlobalCall:
         return sharded.Split(manual=False)
 
     def plan(self, query, key, value, options: dict[str, Any], a2a: int | None = None, *,
-             packed_tile: int | None = None, split: sharded.Split | None = None) -> Plan:
-        """The plan for global arrays (or shapes) of lengths the mesh divides, from one device's shards."""
+             packed_tile: int | None = None, split: sharded.Split | None = None, expect: bool = False) -> Plan:
+        """The plan for global arrays (or shapes) of lengths the mesh divides, from one device's shards
+        (`expect`: what a traced call runs, in a multi-process program process 0's where known)."""
         size, ring = self.sizes()
         if a2a is None and isinstance(self.axis_name, tuple):
             a2a = size // ring
         split = self.split(query, key) if split is None else split
         query, key, value, options = shards(query, key, value, options, size, split, self.mesh)
-        return self._decide(query, key, value, size, options, a2a, packed_tile=packed_tile)
+        return self._decide(query, key, value, size, options, a2a, packed_tile=packed_tile, expect=expect)
 
     def explain(self, query, key, value, options: dict[str, Any], a2a: int | None) -> Plan:
         """The plan of the call, with what the layout moves and the padding in its reason."""
         padding = self._padding(query, key, options)
         planned_ = planned(padding, query, key, value, options, layout=self.layout)
         split = self.split(query, key)
-        decision = self.plan(*planned_, a2a, split=split)
+        decision = self.plan(*planned_, a2a, split=split, expect=True)
         tile = self.rows_tile(query, key, value, options, split) if decision.packed_default else None
         if tile is not None:
-            decision = self.plan(*planned_, a2a, packed_tile=tile, split=split)
+            decision = self.plan(*planned_, a2a, packed_tile=tile, split=split, expect=True)
         size, _ = self.sizes()
         moved = sharded.describe(self._how(split), self.axis_name, padding.q_to // size, size)
         notes = ([DOCUMENTS_NOTE] if self.layout == DOCUMENTS else []) + (

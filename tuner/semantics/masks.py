@@ -170,7 +170,7 @@ def tile_schedule(q_pos, kv_pos, q_seg, kv_seg, spec: AttentionSpec, block_q: in
     possible, every = tile_pairs(q_pos, kv_pos, q_seg, kv_seg, spec, block_q, block_kv)
     whole = (((jnp.arange(nq) + 1) * block_q <= q_len)[:, None]
              & ((jnp.arange(nk) + 1) * block_kv <= kv_len)[None, :])
-    full = possible & every & whole
+    full = possible & every & whole[None]
     if by_key:
         possible, full = jnp.swapaxes(possible, 1, 2), jnp.swapaxes(full, 1, 2)
     rank = jnp.where(full, 0, jnp.where(possible, 1, 2))
