@@ -37,7 +37,7 @@ def rotary(x, positions, base: float = 10_000.0):
     of channels (i, i + D/2) is rotated by `position * base ** (-2i / D)`, in float32."""
     half = x.shape[-1] // 2
     frequencies = base ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / x.shape[-1])
-    angles = positions.astype(jnp.float32)[..., None, None] * frequencies  # [B, T, 1, D/2]
+    angles = positions.astype(jnp.float32)[..., None, None] * frequencies[None, None, None]  # [B, T, 1, D/2]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
