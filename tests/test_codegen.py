@@ -16,6 +16,7 @@ from tuner.kernels import codegen
 from tuner import ring_attention
 from tuner.kernels import pallas_tpu
 from tuner.kernels import triton as triton_backend
+from tuner.kernels import triton_compile, triton_launch
 from tuner.semantics.spec import AttentionSpec
 
 needs_triton = pytest.mark.skipif(
@@ -84,19 +85,19 @@ def test_the_interpreter_process_refuses_a_changed_module_and_the_backend_render
         generated, tmp_path, monkeypatch):
     """A module file replaced between tracing and running is refused by a fresh interpreter process;
     the backend renders it again and the kernel runs, the planted code never."""
-    interpreter = triton_backend._Interpreter()
+    interpreter = triton_launch._Interpreter()
     replies = []
 
     def ask(request):
-        replies.append(triton_backend._Interpreter._ask(interpreter, request))
+        replies.append(triton_launch._Interpreter._ask(interpreter, request))
         return replies[-1]
 
     monkeypatch.setattr(interpreter, "_ask", ask)
-    monkeypatch.setattr(triton_backend, "_INTERPRETER", interpreter)
+    monkeypatch.setattr(triton_launch, "_INTERPRETER", interpreter)
     q, k, v = (jnp.asarray(np.random.default_rng(i).standard_normal((1, 16, 2, 16)), jnp.float32) for i in range(3))
     compiled = jax.jit(lambda q, k, v: ring_attention(q, k, v, causal=True, backend="triton", interpret=True)) \
         .lower(q, k, v).compile()
-    variant = triton_backend.variant(AttentionSpec(scale=0.25, causal=True), jnp.float32, 16)
+    variant = triton_launch.variant(AttentionSpec(scale=0.25, causal=True), jnp.float32, 16)
     path = generated / variant.filename
     assert [p.name for p in generated.iterdir()] == [path.name]  # rendered when traced
     marker = tmp_path / "marker"
@@ -147,7 +148,7 @@ def test_the_interpreter_process_refuses_a_changed_module_and_the_backend_render
 ])
 def test_occupancy_counts_what_the_occupancy_calculator_counts(arch, registers, shared, warps, tmem, blocks,
                                                                limited_by):
-    assert triton_backend.occupancy(arch, registers, shared, warps, tmem) == {
+    assert triton_compile.occupancy(arch, registers, shared, warps, tmem) == {
         "blocks_per_sm": blocks, "warps_per_sm": blocks * warps, "limited_by": limited_by}
 
 
@@ -157,11 +158,11 @@ def test_mma_family_and_the_architectures_tensor_core_path():
     sass = {"HMMA": "HMMA.16816.F32.BF16 R4, R8, R12, R4 ;", "HGMMA": "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24 ;",
             "UTCHMMA": "UTCHMMA gdesc[UR12], gdesc[UR14], tmem[UR20], tmem[UR10], idesc[UR11], !UPT ;",
             "none": "FFMA R1, R2, R3, R1 ;\nEXIT ;"}
-    assert {family: triton_backend.mma_family(text) for family, text in sass.items()} == {f: f for f in sass}
-    assert triton_backend.mma_family(sass["HMMA"] + "\n" + sass["HGMMA"]) == "HGMMA"
-    assert triton_backend.mma_family("QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR4], R24 ;") == "QGMMA"  # fp8
-    assert triton_backend.uses_tensor_cores("QGMMA", 90) and triton_backend.uses_tensor_cores("UTCQMMA", 100)
-    path = {(mma, arch): triton_backend.uses_tensor_cores(mma, arch) for mma in sass for arch in (80, 90, 100)}
+    assert {family: triton_compile.mma_family(text) for family, text in sass.items()} == {f: f for f in sass}
+    assert triton_compile.mma_family(sass["HMMA"] + "\n" + sass["HGMMA"]) == "HGMMA"
+    assert triton_compile.mma_family("QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR4], R24 ;") == "QGMMA"  # fp8
+    assert triton_compile.uses_tensor_cores("QGMMA", 90) and triton_compile.uses_tensor_cores("UTCQMMA", 100)
+    path = {(mma, arch): triton_compile.uses_tensor_cores(mma, arch) for mma in sass for arch in (80, 90, 100)}
     assert [key for key, yes in path.items() if yes] == [("HMMA", 80), ("HGMMA", 90), ("UTCHMMA", 100)]
 
 
@@ -181,7 +182,7 @@ def test_pointers_are_marked_aligned_as_jax_triton_marks_them():
     for kind in ("bf16", "fp16", "fp32", "i32"):
         _, key = libtriton.native_specialize_impl(backend, types.SimpleNamespace(data_ptr=lambda: 16, dtype=kind),
                                                   False, True, True)
-        assert backend.parse_attr(key) == triton_backend.ALIGNED_POINTER, kind
+        assert backend.parse_attr(key) == triton_compile.ALIGNED_POINTER, kind
 
 
 @needs_triton
@@ -193,7 +194,7 @@ def test_generate_compiles_for_sm_100_and_reports_the_tensor_core_path_and_occup
 
     from tuner.cli import main
 
-    variant = triton_backend.variant(AttentionSpec(scale=0.125, causal=True), jnp.bfloat16, 64)
+    variant = triton_launch.variant(AttentionSpec(scale=0.125, causal=True), jnp.bfloat16, 64)
     monkeypatch.setattr(triton_backend, "standard_variants", lambda: [variant])
     report = tmp_path / "report.json"
     assert main(["generate", "--backend", "triton", "--out", str(tmp_path / "kernels"), "--compile", "sm_100",
@@ -204,5 +205,5 @@ def test_generate_compiles_for_sm_100_and_reports_the_tensor_core_path_and_occup
     assert [row["kernel"] for row in rows] == ["attention_fwd", "attention_dkv", "attention_dq"]
     for row in rows:
         assert row["target"] == "sm_100" and row["mma"] == "UTCHMMA" and row["tensor_core"], row
-        assert 0 < row["shared"] <= triton_backend.SHARED_MEMORY_BYTES[100] and 0 < row["tmem"] <= 512, row
+        assert 0 < row["shared"] <= triton_compile.SHARED_MEMORY_BYTES[100] and 0 < row["tmem"] <= 512, row
         assert row["blocks_per_sm"] >= 1 and row["warps_per_sm"] == row["blocks_per_sm"] * row["num_warps"], row

@@ -13,7 +13,7 @@ import pytest
 
 from tuner import registry
 from tuner.cache import Cache
-from tuner.kernels import codegen, triton
+from tuner.kernels import codegen, triton, triton_compile, triton_launch
 from tuner.kernels.params import FwdParams
 from tuner.models import gpu_model
 from tuner.semantics.problem import Problem
@@ -53,7 +53,7 @@ def test_the_pruning_rule_rules_out_exactly_what_the_compiler_spills_or_cannot_f
         bad = "error" in record or record["spill_bytes"] > 0 or not record["fits_shared"] or \
             record["blocks_per_sm"] == 0
         spilled += "error" not in record and record["spill_bytes"] > 0
-        reason = triton.ruled_out(record, int(record["target"][3:]))
+        reason = triton_compile.ruled_out(record, int(record["target"][3:]))
         assert (reason is not None) == bad, (record, reason)
     assert spilled > 0
 
@@ -106,7 +106,7 @@ def test_every_default_compiles_without_spills_on_the_tensor_core_path(capabilit
     """Each architecture's defaults, compiled for it as jax_triton does (causal bf16, 4096 tokens, 16
     heads): no stack bytes, the architecture's own MMA, a block fits an SM."""
     head_dim, value_head_dim = dims
-    source = codegen.Variant("triton", triton.TEMPLATE, {
+    source = codegen.Variant("triton", triton_launch.TEMPLATE, {
         "causal": True, "window": False, "chunk": False, "segments": False, "softcap": False, "dtype": "bfloat16",
         "head_dim": head_dim, "value_head_dim": value_head_dim, "precision": "tf32"})
     for row in triton.standard_resources(source, capability):
@@ -165,7 +165,7 @@ def test_the_gpu_dry_run_stores_the_models_best_as_a_compiled_row_the_lookup_ser
 
     problem = Problem(seq_len=256, heads=4, kv_heads=2, head_dim=64, dtype="bfloat16", ring_size=2)
     report = compiled_gpu.compile_gpu_target(problem, "h100", sample=1, workers=1)
-    assert sorted({x.kernel for x in report.launches}) == sorted(triton.KERNEL_ARGS)
+    assert sorted({x.kernel for x in report.launches}) == sorted(triton_launch.KERNEL_ARGS)
     assert all(x.verdict for x in report.launches) and report.config is not None, report.render()
     fwd, dkv, dq = report.chosen
     assert fwd.ruled_out is None and fwd.predicted.seconds == min(

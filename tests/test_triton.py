@@ -23,6 +23,7 @@ from tests.cases import check_case, check_low_precision, rel_err, triton_cases
 from tuner import BwdParams, FwdParams, ring_attention
 from tuner.kernels import codegen
 from tuner.kernels import triton as triton_backend
+from tuner.kernels import triton_compile, triton_launch
 from tuner.semantics.problem import Problem
 from tuner.semantics.reference import dense_attention
 from tuner.tuning.search import SearchOptions, search
@@ -124,9 +125,9 @@ MMA = {80: "HMMA", 90: "HGMMA", 100: "UTCHMMA"}
 
 def _compiled_in_ci():
     plain_causal = {"causal": True, "window": False, "chunk": False, "segments": False, "softcap": False}
-    latent = triton_backend.variant(AttentionSpec(scale=192**-0.5, causal=True), jnp.bfloat16, 192, 128)
+    latent = triton_launch.variant(AttentionSpec(scale=192**-0.5, causal=True), jnp.bfloat16, 192, 128)
     yield pytest.param(latent, 90, id=f"{latent.filename}-sm_90")
-    causal = triton_backend.variant(AttentionSpec(scale=128**-0.5, causal=True), jnp.bfloat16, 128)
+    causal = triton_launch.variant(AttentionSpec(scale=128**-0.5, causal=True), jnp.bfloat16, 128)
     yield pytest.param(causal, 100, id=f"{causal.filename}-sm_100")
     sm_90 = 0
     for variant in triton_backend.standard_variants():
@@ -146,7 +147,7 @@ def test_standard_variants_compile_for_sm80_sm90_and_sm100(variant, capability):
         print(f"{variant.filename} {row['kernel']} sm_{capability}: {row['shared']} B shared, "
               f"{row['registers']} registers, {row['spill_bytes']} B stack, {row['mma']}, "
               f"{row['blocks_per_sm']} blocks/SM ({row['limited_by']})")
-        assert 0 < row["shared"] <= triton_backend.SHARED_MEMORY_BYTES[capability]
+        assert 0 < row["shared"] <= triton_compile.SHARED_MEMORY_BYTES[capability]
         assert row["registers"] is not None and row["registers"] <= 255
         assert row["mma"] == MMA[capability] and row["tensor_core"]
         assert row["tmem"] <= 512 and (row["tmem"] > 0) == (capability == 100)
@@ -160,12 +161,12 @@ def test_pointers_aligned_as_jax_triton_aligns_them_give_vectorized_loads():
     variant = triton_backend.standard_variants()[1]
     assert variant.features["dtype"] == "bfloat16" and variant.features["head_dim"] == 128
     _, spec = codegen.standard_shapes(variant, 4096, 16, kv_heads=16)
-    constants = triton_backend._constants(spec, 4096, 4096, 16, 16, 128, 128, 64)
-    compiled = triton_backend._compiled(variant, "attention_fwd", tuple(sorted(constants.items())), 4, 3, 90)
+    constants = triton_launch._constants(spec, 4096, 4096, 16, 16, 128, 128, 64)
+    compiled = triton_compile._compiled(variant, "attention_fwd", tuple(sorted(constants.items())), 4, 3, 90)
     assert re.search(r"tt\.divisibility = 16", compiled.asm["ttir"])
     cubin = Path(tempfile.mkdtemp()) / "kernel.cubin"
     cubin.write_bytes(compiled.asm["cubin"])
-    sass = subprocess.run([triton_backend._tool("cuobjdump"), "-sass", str(cubin)], capture_output=True,
+    sass = subprocess.run([triton_compile._tool("cuobjdump"), "-sass", str(cubin)], capture_output=True,
                           text=True, check=True).stdout
     shutil.rmtree(cubin.parent)
     assert "LDGSTS.E.BYPASS.128" in sass and "LDG.E.128" in sass and "LDG.E.U16" not in sass
@@ -177,8 +178,8 @@ def test_it_compiles_after_jax_triton_emptied_the_cache_folder_variable(monkeypa
     monkeypatch.setenv("TRITON_CACHE_DIR", "")
     variant = triton_backend.standard_variants()[0]
     _, spec = codegen.standard_shapes(variant, 256, 2, kv_heads=2)
-    constants = triton_backend._constants(spec, 256, 256, 2, 2, variant.features["head_dim"], 64, 64)
-    compiled = triton_backend._compiled.__wrapped__(variant, "attention_fwd", tuple(sorted(constants.items())),
+    constants = triton_launch._constants(spec, 256, 256, 2, 2, variant.features["head_dim"], 64, 64)
+    compiled = triton_compile._compiled.__wrapped__(variant, "attention_fwd", tuple(sorted(constants.items())),
                                                     4, 2, 80)
     assert compiled.asm["cubin"] and os.environ["TRITON_CACHE_DIR"] == ""
 
@@ -215,7 +216,7 @@ def test_shared_memory_constraint_compiles_and_compares(monkeypatch):
     problem = Problem(seq_len=8192, heads=16, kv_heads=16, head_dim=128, dtype="bfloat16", ring_size=2)
     fwd, bwd = backend.default_params(4096, 4096, 128)
     assert backend.violation(problem.shapes, problem.spec, fwd, None) is None
-    monkeypatch.setitem(triton_backend.SHARED_MEMORY_BYTES, 90, 16 * 1024)
+    monkeypatch.setitem(triton_compile.SHARED_MEMORY_BYTES, 90, 16 * 1024)
     reason = backend.violation(problem.shapes, problem.spec, fwd, None)
     assert re.fullmatch(rf"attention_fwd {fwd.block_q}x{fwd.block_kv} \({fwd.num_warps} warps, {fwd.num_stages} "
                         rf"stages\) needs \d+ KiB of shared memory, over the 16 KiB of sm_90", reason), reason

@@ -2,7 +2,7 @@
 build to without the hardware -- Triton kernels compiled for GPU targets (sm_80, sm_90, sm_100, ...) as
 jax_triton compiles them (16-byte aligned pointers): shared memory, registers, spills, the MMA instructions
 and whether they are the architecture's tensor-core path, the occupancy those imply
-(`tuner.kernels.triton.resources`); Pallas kernels lowered for TPU (the Mosaic kernels at the default tiles).
+(`tuner.kernels.triton_compile.resources`); Pallas kernels lowered for TPU (the Mosaic kernels at the default tiles).
 """
 
 from __future__ import annotations

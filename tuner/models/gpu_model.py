@@ -43,7 +43,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from tuner.kernels.triton import pow2_at_least
+from tuner.kernels.triton_launch import pow2_at_least
 from tuner.models import tiles
 from tuner.semantics.problem import Problem
 
@@ -154,7 +154,7 @@ def predict(problem: Problem, gpu: Gpu, kernel: str, block_q: int, block_kv: int
             verdict: dict[str, Any]) -> Prediction:
     """The model's time of `kernel` ("attention_fwd", "attention_dkv" or "attention_dq") with tiles
     `block_q` x `block_kv`, `num_warps` warps and `num_stages` stages over the ring of `problem` on `gpu`,
-    given the compiler's `verdict` for it (`tuner.kernels.triton.resources`: the MMA family, the
+    given the compiler's `verdict` for it (`tuner.kernels.triton_compile.resources`: the MMA family, the
     tensor-core path, resident blocks and warps)."""
     if kernel not in ALU_OPS:
         raise ValueError(f"kernel must be one of {', '.join(ALU_OPS)}, got {kernel!r}")

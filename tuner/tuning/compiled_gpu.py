@@ -4,9 +4,9 @@ by the roofline model (`tuner.models.gpu_model`).
 
 For each target (a GPU of `gpu_model.GPUS`), each distinct launch of the search space -- the forward at
 its points, the dK/dV kernel at the backward points, the dQ kernel at its tiles with the backward's
-warps and stages -- is compiled as jax_triton compiles it (`tuner.kernels.triton.resources`). A launch
+warps and stages -- is compiled as jax_triton compiles it (`tuner.kernels.triton_compile.resources`). A launch
 that does not compile, spills registers, needs more shared memory than a block may use or fits no SM
-is ruled out with the compiler's reason (`triton.ruled_out`, the rule a search on that GPU prunes
+is ruled out with the compiler's reason (`triton_compile.ruled_out`, the rule a search on that GPU prunes
 with). The model times the others; the best forward and the best pair of backward kernels that share
 their warps and stages (`BwdParams` holds one of each) make the target's config, written to the cache
 as a `compiled` row for that GPU's device kind: the loader uses it there when no measured row exists
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from tuner import registry
 from tuner.cache import Cache, make_row
-from tuner.kernels import codegen, triton
+from tuner.kernels import codegen, triton, triton_compile, triton_launch
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.models import gpu_model
 from tuner.semantics.problem import Problem
@@ -59,11 +59,11 @@ class Launch:
 
 
 def _verdict(task: tuple[codegen.Variant, str, dict[str, Any], int, int, int]) -> dict[str, Any]:
-    """Compile one launch (in a worker process, or here) and return `triton.resources`' report, or the
+    """Compile one launch (in a worker process, or here) and return `triton_compile.resources`' report, or the
     compiler's error."""
     source, kernel, constants, warps, stages, capability = task
     try:
-        return triton.resources(source, kernel, constants, num_warps=warps, num_stages=stages,
+        return triton_compile.resources(source, kernel, constants, num_warps=warps, num_stages=stages,
                                 capability=capability)
     except Exception as error:  # noqa: BLE001 - the compiler's refusal is the verdict
         return {"error": error_line(error, limit=300)}
@@ -93,7 +93,7 @@ def verdicts(tasks: list[tuple], *, workers: int | None = None,
 def predict(problem: Problem, gpu: gpu_model.Gpu, launches: Iterable[Launch]) -> None:
     """Rule out each launch by its verdict and give the admitted ones the model's prediction."""
     for launch in launches:
-        launch.ruled_out = triton.ruled_out(launch.verdict, gpu.arch)
+        launch.ruled_out = triton_compile.ruled_out(launch.verdict, gpu.arch)
         if launch.ruled_out is None:
             launch.predicted = gpu_model.predict(problem, gpu, launch.kernel, launch.block_q, launch.block_kv,
                                                  launch.num_warps, launch.num_stages, launch.verdict)
@@ -157,7 +157,7 @@ class GpuReport:
     def render(self, top: int = 5) -> str:
         """Per kernel: launches, how many the verdict rules out (by reason), the model's best `top`."""
         rows, reasons = [], Counter()
-        for kernel in triton.KERNEL_ARGS:
+        for kernel in triton_launch.KERNEL_ARGS:
             mine = [launch for launch in self.launches if launch.kernel == kernel]
             admitted = sorted((launch for launch in mine if launch.predicted is not None), key=_order)
             reasons.update(reason_kind(launch.ruled_out) for launch in mine if launch.ruled_out is not None)
@@ -189,9 +189,9 @@ def reason_kind(reason: str) -> str:
 def _sample(launches: list[Launch], sample: int, default: TileConfig) -> list[Launch]:
     """Per kernel, the default's launch and `sample` others spread evenly over the space's order."""
     wanted = {(kernel, bq, bk, params.num_warps, params.num_stages)
-              for kernel, bq, bk, params in triton.launches(default.fwd, default.bwd)}
+              for kernel, bq, bk, params in triton_launch.launches(default.fwd, default.bwd)}
     kept = []
-    for kernel in triton.KERNEL_ARGS:
+    for kernel in triton_launch.KERNEL_ARGS:
         mine = [launch for launch in launches if launch.kernel == kernel]
         first = [x for x in mine if (x.kernel, x.block_q, x.block_kv, x.num_warps, x.num_stages) in wanted]
         others = [x for x in mine if x not in first]
@@ -220,8 +220,8 @@ def compile_gpu_target(problem: Problem, target: str, *, sample: int | None = No
         default = TileConfig(*backend.default_params(shapes.q_len, shapes.kv_len, *shapes.head_dims,
                                                      capability=gpu.arch))
         launches = _sample(launches, sample, default)
-    source = triton.variant(spec, shapes.dtype, shapes.head_dim, shapes.value_dim)
-    tasks = [(source, x.kernel, triton.launch_constants(shapes, spec, x.block_q, x.block_kv), x.num_warps,
+    source = triton_launch.variant(spec, shapes.dtype, shapes.head_dim, shapes.value_dim)
+    tasks = [(source, x.kernel, triton_launch.launch_constants(shapes, spec, x.block_q, x.block_kv), x.num_warps,
               x.num_stages, gpu.arch) for x in launches]
     for launch, verdict in zip(launches, verdicts(tasks, workers=workers, progress=progress)):
         launch.verdict = verdict
