@@ -52,6 +52,9 @@ KERNEL_CASES = [
                                      fwd=FwdParams(16, 32),
                                      bwd=BwdParams(16, 32, 16, 32)),
                  id="pallas_tpu-ring2-bf16"),
+    pytest.param(dataclasses.replace(BASE, backend="cudnn", segments=None, dtype="bfloat16", fwd=FwdParams(8, 8),
+                                     bwd=BwdParams(8, 8)),
+                 id="cudnn-twin-ring4-bf16"),
 ]
 
 EXCHANGED_CASES = [  # (implementation, case, config, all-to-all group)
@@ -63,7 +66,7 @@ EXCHANGED_CASES = [  # (implementation, case, config, all-to-all group)
 
 LOADER_BACKENDS = [("auto", True), ("jax_nn", False)]  # (backend, whether a second loader compiles again)
 
-COVERED = {"scan", "triton", "pallas_tpu", "all_to_all", "all_gather", "hybrid", "dense", "jax_nn"}
+COVERED = {"scan", "triton", "pallas_tpu", "cudnn", "all_to_all", "all_gather", "hybrid", "dense", "jax_nn"}
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,6 @@
 """Block kernels: one query block against one key block, forward and backward, for the ring to call
-(`scan` in jax, `triton`, `pallas_tpu` rendered from `templates/` by `codegen`; the contract is `base`),
+(`scan` in jax, `triton`, `pallas_tpu` rendered from `templates/` by `codegen`, `cudnn` over cuDNN's fused
+attention or its XLA twin; the contract is `base`),
 with their tiles (`params`), search spaces and constraints. `tuner.strategies.ring` runs one under its
 ring driver, registered as an implementation of the same name. Imports `support` and `semantics` only.
 """
@@ -7,12 +8,13 @@ ring driver, registered as an implementation of the same name. Imports `support`
 from __future__ import annotations
 
 from tuner.kernels.base import Backend
+from tuner.kernels.cudnn import CudnnBackend
 from tuner.kernels.pallas_tpu import PallasTpuBackend
 from tuner.kernels.scan import ScanBackend
 from tuner.kernels.triton import TritonBackend
 
 BACKENDS: dict[str, Backend] = {"scan": ScanBackend(), "triton": TritonBackend(),
-                                 "pallas_tpu": PallasTpuBackend()}
+                                 "pallas_tpu": PallasTpuBackend(), "cudnn": CudnnBackend()}
 
 
 def check_vma(name: str, interpret: bool) -> bool:

@@ -1,0 +1,203 @@
+"""The cudnn backend without a GPU: its ring code (chunks, their kinds, merges, the lse correction) runs
+with the XLA twin engine against float64 dense attention, its refusals name what cuDNN cannot express,
+and the ring with cuDNN's real primitives lowers for CUDA to the custom calls cuDNN runs.
+
+The float32 cases call the ring driver directly (cuDNN itself takes bfloat16 and float16 only, so the
+public entry refuses float32): there the twin computes in float32 and the DESIGN tolerances apply. The
+bfloat16 case goes through `ring_attention` and is held to twice dense bfloat16's error.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from cases import Case, check_low_precision, rel_err
+from tuner.kernels import BACKENDS, cudnn, cudnn_engine
+from tuner.kernels.params import BwdParams, FwdParams
+from tuner.semantics import layouts
+from tuner.semantics.reference import dense_attention
+from tuner.semantics.spec import AttentionSpec
+from tuner.strategies.ring import run_ring
+
+B, T, H, HKV, D = 2, 128, 4, 2, 16
+KERNEL = BACKENDS["cudnn"]
+
+
+def ring_step(spec: AttentionSpec, ring: int, layout: str, chunk: int, *, interpret: bool = True,
+              use_lse: bool = False):
+    """The jitted value and gradients of `sum(out * w) (+ sum(lse * u))` of the cudnn ring under
+    `shard_map` over `ring` devices, on arrays laid out in `layout`."""
+    mesh = Mesh(np.array(jax.devices()[:ring]), ("sp",))
+
+    def local(q, k, v):
+        return run_ring(q, k, v, spec=spec, backend="cudnn", fwd_params=FwdParams(chunk, chunk),
+                        bwd_params=BwdParams(chunk, chunk), axis_name="sp", layout=layout, interpret=interpret,
+                        return_lse=True)
+
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "sp"),) * 3,
+                            out_specs=(P(None, "sp"), P(None, None, "sp")))
+
+    def loss(q, k, v, w, u):
+        out, lse = sharded(q, k, v)
+        value = jnp.sum(out.astype(jnp.float32) * w)
+        return (value + jnp.sum(lse * u) if use_lse else value), (out, lse)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+
+def reference(spec: AttentionSpec, q, k, v, w, u, use_lse: bool):
+    with jax.enable_x64(True):
+        def loss(q, k, v):
+            out, lse = dense_attention(q, k, v, causal=spec.causal, sliding_window=spec.window,
+                                       softmax_scale=spec.scale)
+            value = jnp.sum(out * w)
+            return (value + jnp.sum(lse * u) if use_lse else value), (out, lse)
+
+        (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+            *(jnp.asarray(x, jnp.float64) for x in (q, k, v)))
+        return [np.asarray(x, np.float64) for x in (out, lse, *grads)]
+
+
+# (ring, layout, causal, window, chunks a shard, lse in the loss): the zigzag halves' FULL / DIAGONAL / SKIP
+# pairs with the lse's cotangent (its correction), a striped shard under a window (GENERAL pairs, where the
+# window also crosses the diagonal), and no mask (one call a block).
+CASES = [
+    (4, "zigzag", True, None, 2, True),
+    (2, "striped", True, 20, 2, False),
+    (1, "contiguous", False, None, 1, True),
+]
+
+
+@pytest.mark.parametrize(("ring", "layout", "causal", "window", "parts", "use_lse"), CASES)
+def test_the_ring_over_the_twin_engine_matches_float64(ring, layout, causal, window, parts, use_lse):
+    window = (window, window) if isinstance(window, int) else window
+    spec = AttentionSpec(scale=D ** -0.5, causal=causal, window=window)
+    rng = np.random.default_rng(ring)
+    q, k, v, w = (rng.standard_normal(s).astype(np.float32) for s in ((B, T, H, D), (B, T, HKV, D), (B, T, HKV, D),
+                                                                        (B, T, H, D)))
+    u = rng.standard_normal((B, H, T)).astype(np.float32)
+
+    def lay(x, axis=1):
+        return jnp.asarray(np.take(x, layouts.global_order(layout, x.shape[axis], ring), axis=axis))
+
+    def back(x, axis=1):
+        order = np.argsort(layouts.global_order(layout, x.shape[axis], ring))
+        return np.take(np.asarray(x, np.float64), order, axis=axis)
+
+    step = ring_step(spec, ring, layout, T // ring // parts, use_lse=use_lse)
+    (_, (out, lse)), grads = step(lay(q), lay(k), lay(v), lay(w), lay(u, 2))
+    want = reference(spec, q, k, v, w, u, use_lse)
+    got = [back(out), back(lse, 2), *(back(g) for g in grads)]
+    for name, tol, g, r in zip(("out", "lse", "dq", "dk", "dv"), (1e-5, 1e-5, 1e-4, 1e-4, 1e-4), got, want):
+        assert rel_err(g, r) <= tol, f"{name} error {rel_err(g, r):.2e}"
+
+
+def test_bfloat16_through_ring_attention_within_twice_dense_error():
+    check_low_precision(Case(batch=1, length=128, heads=4, kv_heads=2, head_dim=16, ring=2, layout="zigzag",
+                             causal=True, backend="cudnn", dtype="bfloat16", fwd=FwdParams(32, 32),
+                             bwd=BwdParams(32, 32)))
+
+
+def test_zigzag_halves_are_full_diagonal_or_skipped_and_interleaved_striped_halves_are_general():
+    spec = AttentionSpec(scale=1.0, causal=True)
+    length, ring = 64, 4
+
+    def kinds(layout: str, rank: int, source: int) -> list[int]:
+        q_pos = layouts.local_positions(layout, length // ring, ring, rank)[None]
+        kv_pos = layouts.local_positions(layout, length // ring, ring, source)[None]
+        half = length // ring // 2
+        return [int(cudnn._kind(spec, q_pos[:, i * half:(i + 1) * half], kv_pos[:, j * half:(j + 1) * half]))
+                for i in range(2) for j in range(2)]
+
+    assert kinds("zigzag", 1, 1) == [cudnn.DIAGONAL, cudnn.SKIP, cudnn.FULL, cudnn.DIAGONAL]
+    assert kinds("zigzag", 2, 0) == [cudnn.FULL, cudnn.SKIP, cudnn.FULL, cudnn.SKIP]
+    assert kinds("zigzag", 0, 2) == [cudnn.SKIP, cudnn.SKIP, cudnn.FULL, cudnn.FULL]
+    assert kinds("striped", 1, 2) == [cudnn.GENERAL, cudnn.SKIP, cudnn.FULL, cudnn.GENERAL]
+
+
+def test_what_cudnn_cannot_express_is_refused_with_the_reason():
+    spec = AttentionSpec(scale=1.0, causal=True)
+    bf16 = jnp.bfloat16
+    assert KERNEL.supports(spec, bf16, 128) is None
+    assert KERNEL.supports(AttentionSpec(scale=1.0, causal=True, window=(64, 64)), bf16, 128) is None
+    assert KERNEL.supports(spec, bf16, 192, 128) is None
+    refused = {
+        "segment ids": AttentionSpec(scale=1.0, causal=True, has_segments=True),
+        "bias": AttentionSpec(scale=1.0, has_bias=True),
+        "a soft cap": AttentionSpec(scale=1.0, softcap=30.0),
+        "chunked attention": AttentionSpec(scale=1.0, causal=True, chunk_size=64),
+        "a window that looks right": AttentionSpec(scale=1.0, window=(8, 8)),
+    }
+    for words, refused_spec in refused.items():
+        assert KERNEL.supports(refused_spec, bf16, 128).startswith(words), words
+    assert KERNEL.supports(spec, jnp.float32, 128).startswith("dtype float32")
+    assert KERNEL.supports(spec, bf16, 12).startswith("head_dim 12")
+    assert KERNEL.supports(spec, bf16, 128, 320).startswith("value_head_dim 320")
+
+
+def test_without_the_private_names_the_backend_says_why_once(monkeypatch):
+    monkeypatch.setattr(cudnn_engine, "NAMES", (*cudnn_engine.NAMES, "_a_name_jax_never_had"))
+    cudnn_engine.private_module.cache_clear()
+    try:
+        reason = KERNEL.unavailable_reason(platform="gpu")
+        assert "lacks _a_name_jax_never_had" in reason and "0.10.0 to 0.11.2" in reason
+        assert KERNEL.unavailable_reason(interpret=True) is None  # the twin needs none of it
+    finally:
+        monkeypatch.undo()
+        cudnn_engine.private_module.cache_clear()
+    assert cudnn_engine.private_module()[1] is None
+
+
+def _custom_calls(text: str) -> list[tuple[str, list[str], dict]]:
+    """(target, operand types, cuDNN backend config) of each cuDNN custom call in StableHLO `text`."""
+    calls = []
+    pattern = r'custom_call @(__cudnn\$\w+)\(.*?backend_config = "(.*?)".*?: \((.*?)\) ->'
+    for target, config, types in re.findall(pattern, text):
+        decoded = re.sub(r"\\([0-9A-Fa-f]{2})", lambda m: chr(int(m.group(1), 16)), config)
+        calls.append((target, re.findall(r"tensor<[^>]*>", types), json.loads(decoded)["cudnn_fmha_backend_config"]))
+    return calls
+
+
+@pytest.mark.parametrize(("causal", "window"), [(False, None), (True, None), (True, 100)])
+def test_the_ring_lowers_for_cuda_to_cudnn_s_custom_calls(causal, window):
+    ring, length = 4, 1024
+    local = length // ring
+    spec = AttentionSpec(scale=0.125, causal=causal, window=None if window is None else (window, window))
+    mesh = Mesh(np.array(jax.devices()[:ring]), ("sp",))
+
+    def attention(q, k, v):
+        return run_ring(q, k, v, spec=spec, backend="cudnn", fwd_params=FwdParams(local // 2, local // 2),
+                        bwd_params=BwdParams(local // 2, local // 2), axis_name="sp", layout="zigzag")
+
+    sharded = jax.shard_map(attention, mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"))
+    q = jax.ShapeDtypeStruct((1, length, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, length, 2, 128), jnp.bfloat16)
+    forward = jax.jit(sharded).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    both = jax.jit(jax.grad(lambda q, k, v: sharded(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))).trace(
+        q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+
+    masked = ["CAUSAL", "NO_MASK"] if causal else ["NO_MASK"]
+    calls = _custom_calls(forward)
+    assert {t for t, _, _ in calls} == {"__cudnn$fmhaSoftmax"}
+    assert sorted({c["mask_type"] for _, _, c in calls}) == sorted(masked)
+    for _, types, config in calls:
+        assert types == ["tensor<1x128x4x128xbf16>", "tensor<1x128x2x128xbf16>", "tensor<1x128x2x128xbf16>"] \
+            if causal else types[0] == "tensor<1x256x4x128xbf16>", types
+        assert config["fmha_scale"] == 0.125
+        expected_window = window + 1 if (window is not None and config["mask_type"] == "CAUSAL") else 0
+        assert config["sliding_window_length"] == expected_window, config
+
+    backward = [c for c in _custom_calls(both) if c[0] == "__cudnn$fmhaSoftmaxBackward"]
+    assert backward and sorted({c["mask_type"] for _, _, c in backward}) == sorted(masked)
+    rows = 128 if causal else 256
+    for _, types, _ in backward:  # q, k, v, the softmax statistics (float32 lse), do, o
+        assert types[3] == f"tensor<1x4x{rows}xf32>", types
+        assert types[4] == types[5] == f"tensor<1x{rows}x4x128xbf16>", types

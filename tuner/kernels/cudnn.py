@@ -1,0 +1,283 @@
+"""The cudnn backend: cuDNN's fused flash attention as the engine of each ring step (NVIDIA GPUs).
+
+cuDNN computes a whole block under one of the masks it expresses, chosen when the program is built:
+none, or causal on the diagonal (top-left: key j for query i when j <= i), with a sliding window there.
+A ring step's block is not always one of those: in the zigzag layout a device's shard is two halves of
+the sequence, so a block pairs halves that are wholly visible, wholly hidden, or on the diagonal. So,
+under a position mask, the block is cut into `block_q` x `block_kv` chunks (half the shard by default)
+and each chunk pair is classified from its positions when the step runs (`_kind`):
+
+    SKIP      no query may read any key of the pair: nothing runs
+    FULL      every query may read every key: cuDNN without a mask
+    DIAGONAL  the pair's queries and keys hold the same consecutive positions: cuDNN causal (+ window)
+    GENERAL   anything else (a window cut off the diagonal, a striped shard, positions you passed):
+              the scan kernel, exact for every mask, and slower; `auto` and the search choose by
+              measurement, so a layout that lands here loses to the Triton kernels
+
+Without a position mask a block is one cuDNN call, whatever the tiles. Chunk results merge into the
+running output and lse in float32 (cuDNN returns each chunk's output in the input dtype); the backward's
+dq, dk and dv add up in float32.
+
+The backward takes the final output and lse, as every kernel's does. cuDNN computes `delta = rowsum(do *
+o)` itself, while the ring's delta also holds the lse's cotangent (and was summed before `do` was rounded
+to the input dtype). Where the two differ by more than the input dtype's resolution of delta, a second
+call adds the difference: cuDNN's backward with zero values, `do` a unit vector and `o` the difference
+along it gives exactly `d logits = p * difference`, whose dq and dk are the missing terms.
+
+`interpret=True` runs the same code with the XLA twin engine (`cudnn_engine.XlaEngine`): the CPU's
+tests run this module's chunking, classification, merges and the lse correction against float64.
+Segment ids, a soft cap, bias, chunked attention and a window that looks right are refused
+(`supports`); bfloat16 and float16 only (cuDNN's flash attention has no float32); head dims multiples of
+8 up to 256 (on Hopper and later; 128 before), values' head dim equal or, with cuDNN 9.10+ on Hopper,
+different (192 and 128).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from tuner.kernels import cudnn_engine, scan_kernel
+from tuner.kernels.base import SearchSpace, reject_settings, source_hash
+from tuner.kernels.params import BwdParams, FwdParams
+from tuner.semantics import masks
+from tuner.semantics.spec import AttentionSpec, LocalShapes
+from tuner.support import vma
+from tuner.support.targets import compile_target
+
+F32 = jnp.float32
+SKIP, FULL, DIAGONAL, GENERAL = range(4)
+GENERAL_TILE = 128  # the scan kernel's tiles on a GENERAL chunk pair
+DTYPES = ("bfloat16", "float16")
+
+
+def _window(spec: AttentionSpec) -> int | None:
+    """The keys back from a query that cuDNN's causal mask keeps on a DIAGONAL chunk pair of `spec`."""
+    return None if spec.window is None else spec.window[0]
+
+
+def _kind(spec: AttentionSpec, q_pos, kv_pos):
+    """The `SKIP` / `FULL` / `DIAGONAL` / `GENERAL` of a chunk pair, from its `[B, T]` positions: the
+    kind every row of the batch shares (one cuDNN call covers them all), else `GENERAL`."""
+    q_lo, q_hi, k_lo, k_hi = q_pos.min(axis=1), q_pos.max(axis=1), kv_pos.min(axis=1), kv_pos.max(axis=1)
+    may = masks.ranges_may_attend(q_lo, q_hi, k_lo, k_hi, None, spec)
+    every = masks.ranges_fully_allowed(q_lo, q_hi, k_lo, k_hi, None, spec)
+    diagonal = jnp.bool_(False)
+    if q_pos.shape[1] == kv_pos.shape[1]:
+        steps = jnp.arange(q_pos.shape[1], dtype=q_pos.dtype)[None]
+        diagonal = jnp.all((q_pos == kv_pos) & (q_pos == q_pos[:, :1] + steps))
+    kind = jnp.where(diagonal, DIAGONAL, GENERAL)
+    kind = jnp.where(jnp.all(every), FULL, kind)
+    return jnp.where(~jnp.any(may), SKIP, kind).astype(jnp.int32)
+
+
+def _switch(kind, branches, reference, *operands):
+    """`lax.switch` over `branches`, each one's results varying over `reference`'s manual axes (so that
+    the zeros of `SKIP` match the kernels' results inside `shard_map`)."""
+    def varying(branch):
+        return lambda *args: jax.tree.map(lambda x: vma.like(x, reference), branch(*args))
+
+    return lax.switch(kind, [varying(branch) for branch in branches], *operands)
+
+
+def _chunks(x, size: int, axis: int = 1) -> list:
+    """`x` cut along `axis` into pieces of `size`."""
+    return [lax.slice_in_dim(x, start, start + size, axis=axis) for start in range(0, x.shape[axis], size)]
+
+
+def _merge(out, lse, block_out, block_lse):
+    """Two partial softmaxes (normalized outputs `[B, T, H, D]`, lse `[B, H, T]`) combined, in float32."""
+    new = jnp.logaddexp(lse, block_lse)
+    safe = jnp.where(new == -jnp.inf, 0.0, new)
+
+    def weight(x):
+        return jnp.swapaxes(jnp.exp(x - safe), 1, 2)[..., None]
+
+    return weight(lse) * out + weight(block_lse) * block_out, new
+
+
+def forward(q, k, v, q_pos, kv_pos, *, spec: AttentionSpec, params: FwdParams, interpret: bool):
+    """`(o, lse)` in float32 of one query block against one key block (the kernel contract)."""
+    engine = cudnn_engine.engine(interpret)
+    if not spec.has_position_mask:
+        o, lse = engine.forward(q, k, v, scale=spec.scale, causal=False, window=None)
+        return o.astype(F32), lse
+    window = _window(spec)
+    size_q, size_kv = min(params.block_q, q.shape[1]), min(params.block_kv, k.shape[1])
+    scan_tiles = dict(block_q=min(GENERAL_TILE, size_q), block_kv=min(GENERAL_TILE, size_kv))
+
+    def cudnn(masked: bool):
+        def run(q_, k_, v_, qp, kp):
+            o, lse = engine.forward(q_, k_, v_, scale=spec.scale, causal=masked, window=window if masked else None)
+            return o.astype(F32), lse
+        return run
+
+    def general(q_, k_, v_, qp, kp):
+        return scan_kernel.forward(q_, k_, v_, qp, kp, None, None, None, spec=spec, **scan_tiles)
+
+    def skip(q_, k_, v_, qp, kp):
+        b, t, h, _ = q_.shape
+        return jnp.zeros((b, t, h, v_.shape[3]), F32), jnp.full((b, h, t), -jnp.inf, F32)
+
+    branches = (skip, cudnn(False), cudnn(True), general)
+    outs, lses = [], []
+    for q_, qp in zip(_chunks(q, size_q), _chunks(q_pos, size_q)):
+        o, lse = (vma.like(x, q) for x in skip(q_, k, v, qp, kv_pos))
+        for k_, v_, kp in zip(_chunks(k, size_kv), _chunks(v, size_kv), _chunks(kv_pos, size_kv)):
+            o, lse = _merge(o, lse, *_switch(_kind(spec, qp, kp), branches, q, q_, k_, v_, qp, kp))
+        outs.append(o)
+        lses.append(lse)
+    return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=2)
+
+
+def _engine_backward(engine, spec: AttentionSpec, q, k, v, o, lse, do, delta, *, causal: bool,
+                     window: int | None):
+    """dq, dk, dv (float32) of one chunk pair by `engine`, with the lse correction (module docstring)."""
+    call = dict(scale=spec.scale, causal=causal, window=window)
+    dq, dk, dv = (x.astype(F32) for x in engine.backward(q, k, v, o, lse, do, **call))
+    rows = jnp.einsum("bqhd,bqhd->bhq", do.astype(F32), o.astype(F32))
+    difference = rows - delta  # [B, H, Tq]
+    resolution = jnp.finfo(q.dtype).eps * jnp.einsum("bqhd,bqhd->bhq", jnp.abs(do.astype(F32)), jnp.abs(o.astype(F32)))
+
+    def corrected(grads):
+        dq, dk = grads
+        unit = jnp.zeros(do.shape, do.dtype).at[..., 0].set(1)
+        along = jnp.zeros(o.shape, o.dtype).at[..., 0].set(-jnp.swapaxes(difference, 1, 2).astype(o.dtype))
+        dq_c, dk_c, _ = engine.backward(q, k, jnp.zeros_like(v), along, lse, unit, **call)
+        return dq + dq_c.astype(F32), dk + dk_c.astype(F32)
+
+    dq, dk = lax.cond(jnp.any(jnp.abs(difference) > resolution), corrected, lambda grads: grads, (dq, dk))
+    return dq, dk, dv
+
+
+def backward(q, k, v, o, lse, do, delta, q_pos, kv_pos, *, spec: AttentionSpec, params: BwdParams,
+             interpret: bool):
+    """`(dq, dk, dv)` in float32 of one query block against one key block (the kernel contract)."""
+    engine = cudnn_engine.engine(interpret)
+    if not spec.has_position_mask:
+        return _engine_backward(engine, spec, q, k, v, o, lse, do, delta, causal=False, window=None)
+    window = _window(spec)
+    size_q, size_kv = min(params.block_q_dkv, q.shape[1]), min(params.block_kv_dkv, k.shape[1])
+
+    def cudnn(masked: bool):
+        def run(q_, k_, v_, o_, lse_, do_, delta_, qp, kp):
+            return _engine_backward(engine, spec, q_, k_, v_, o_, lse_, do_, delta_, causal=masked,
+                                    window=window if masked else None)
+        return run
+
+    def general(q_, k_, v_, o_, lse_, do_, delta_, qp, kp):
+        dq, dk, dv, _ = scan_kernel.backward(
+            q_, k_, v_, lse_, do_, delta_, qp, kp, None, None, None, spec=spec,
+            dkv_tiles=(min(GENERAL_TILE, size_q), min(GENERAL_TILE, size_kv)), dq_tiles=None)
+        return dq, dk, dv
+
+    def skip(q_, k_, v_, *rest):
+        return jnp.zeros(q_.shape, F32), jnp.zeros(k_.shape, F32), jnp.zeros(v_.shape, F32)
+
+    branches = (skip, cudnn(False), cudnn(True), general)
+    key_chunks = list(zip(_chunks(k, size_kv), _chunks(v, size_kv), _chunks(kv_pos, size_kv)))
+    dks = [vma.like(jnp.zeros(k_.shape, F32), q) for k_, _, _ in key_chunks]
+    dvs = [vma.like(jnp.zeros(v_.shape, F32), q) for _, v_, _ in key_chunks]
+    dqs = []
+    query_chunks = zip(*(_chunks(x, size_q) for x in (q, o, do, q_pos)), _chunks(lse, size_q, 2),
+                       _chunks(delta, size_q, 2))
+    for q_, o_, do_, qp, lse_, delta_ in query_chunks:
+        dq = vma.like(jnp.zeros(q_.shape, F32), q)
+        for j, (k_, v_, kp) in enumerate(key_chunks):
+            dq_c, dk_c, dv_c = _switch(_kind(spec, qp, kp), branches, q, q_, k_, v_, o_, lse_, do_, delta_, qp, kp)
+            dq, dks[j], dvs[j] = dq + dq_c, dks[j] + dk_c, dvs[j] + dv_c
+        dqs.append(dq)
+    return jnp.concatenate(dqs, axis=1), jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1)
+
+
+class CudnnBackend:
+    """cuDNN's flash attention per chunk pair of a ring step (module docstring)."""
+
+    name = "cudnn"
+    masked_tile = None  # the default chunks hold under every mask
+
+    def unavailable_reason(self, interpret: bool = False, platform: str | None = None) -> str | None:
+        module, reason = cudnn_engine.private_module()
+        if interpret:
+            return None  # the XLA twin engine needs none of cuDNN
+        if module is None:
+            return reason
+        if (platform or compile_target()[0]) != "gpu" or not any(d.platform == "gpu" for d in jax.devices()):
+            return "no CUDA GPU visible to jax"
+        return None
+
+    def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int, value_head_dim: int | None = None
+                 ) -> str | None:
+        """What a chunk pair's cuDNN call cannot express is refused, so `auto` takes Triton or scan."""
+        if spec.has_segments:
+            return "segment ids (cuDNN's masks are per block: the Triton kernels skip other documents' tiles)"
+        for name, present in (("bias", spec.has_bias), ("a soft cap", spec.softcap is not None),
+                              ("chunked attention", spec.chunk_size is not None)):
+            if present:
+                return f"{name} (cuDNN's flash attention here takes none)"
+        if spec.window is not None and not spec.causal and spec.window[1] > 0:
+            return "a window that looks right (cuDNN's window keeps the keys before a query)"
+        if jnp.dtype(dtype).name not in DTYPES:
+            return f"dtype {jnp.dtype(dtype).name} (cuDNN's flash attention takes bfloat16 and float16)"
+        for name, dim in (("head_dim", head_dim), ("value_head_dim", value_head_dim or head_dim)):
+            if dim % 8 or dim > 256:
+                return f"{name} {dim} (cuDNN takes multiples of 8 up to 256)"
+        return None
+
+    def check_params(self, fwd: FwdParams, bwd: BwdParams) -> None:
+        reject_settings(self.name, fwd, bwd, launch=False, compute_slice=False)
+        if not bwd.fused_dq:
+            raise ValueError("bwd_params.block_q_dq / block_kv_dq: the cudnn backend computes dq with dk and dv "
+                             "(one cuDNN backward per chunk pair); leave them None")
+
+    def default_params(self, q_len: int, kv_len: int, head_dim: int, value_head_dim: int | None = None
+                       ) -> tuple[FwdParams, BwdParams]:
+        """Chunks of half the shard (a zigzag shard's halves), or the whole shard where it is odd."""
+        half_q = q_len // 2 if q_len % 2 == 0 else q_len
+        half_kv = kv_len // 2 if kv_len % 2 == 0 else kv_len
+        return FwdParams(block_q=half_q, block_kv=half_kv), BwdParams(block_q_dkv=half_q, block_kv_dkv=half_kv)
+
+    def search_space(self, shapes: LocalShapes, spec: AttentionSpec) -> SearchSpace:
+        """Square chunks of the shard, a half, a quarter (under a position mask; without one the block is one
+        call and the space one point)."""
+        local = min(shapes.q_len, shapes.kv_len)
+        if not spec.has_position_mask:
+            return SearchSpace(fwd={"block_q": (shapes.q_len,), "block_kv": (shapes.kv_len,)},
+                               bwd={"block_q_dkv": (shapes.q_len,), "block_kv_dkv": (shapes.kv_len,)},
+                               dq_passes=("fused",))
+        sides = tuple(sorted({local // n for n in (1, 2, 4) if local % n == 0}))
+        return SearchSpace(fwd={"block_q": sides, "block_kv": sides}, bwd={"block_q_dkv": sides, "block_kv_dkv": sides},
+                           dq_passes=("fused",))
+
+    def violation(self, shapes: LocalShapes, spec: AttentionSpec, fwd: FwdParams | None, bwd: BwdParams | None
+                  ) -> str | None:
+        """Under a position mask the chunks (cut to the shard) divide it and are square (a diagonal pair
+        must be)."""
+        if not spec.has_position_mask:
+            return None
+        pairs = ([("fwd", fwd.block_q, fwd.block_kv)] if fwd is not None else []) + (
+            [("bwd", bwd.block_q_dkv, bwd.block_kv_dkv)] if bwd is not None else [])
+        for name, block_q, block_kv in pairs:
+            block_q, block_kv = min(block_q, shapes.q_len), min(block_kv, shapes.kv_len)
+            if shapes.q_len % block_q or shapes.kv_len % block_kv:
+                return f"{name} chunks {block_q}x{block_kv} do not divide the shard {shapes.q_len}x{shapes.kv_len}"
+            if block_q != block_kv:
+                return f"{name} chunks {block_q}x{block_kv} are not square (a diagonal pair must be)"
+        return None
+
+    def code_hash(self) -> str:
+        return source_hash(Path(__file__), Path(cudnn_engine.__file__))
+
+    def block_fwd(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec,
+                  params: FwdParams, interpret: bool = False):
+        return forward(q, k, v, q_pos, kv_pos, spec=spec, params=params, interpret=interpret)
+
+    def block_bwd(self, q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *,
+                  spec: AttentionSpec, params: BwdParams, interpret: bool = False):
+        dq, dk, dv = backward(q, k, v, o, lse, do, delta, q_pos, kv_pos, spec=spec, params=params,
+                              interpret=interpret)
+        return dq, dk, dv, None

@@ -1,0 +1,138 @@
+"""The engines of the cudnn block kernel: cuDNN's fused attention, and its XLA twin.
+
+Both compute attention of a query chunk against a key chunk of equal positions' kind, under one of the
+masks cuDNN's flash attention expresses, with one contract:
+
+    forward(q, k, v, *, scale, causal, window) -> o [B, Tq, H, Dv] (q's dtype), lse [B, H, Tq] (float32)
+    backward(q, k, v, o, lse, do, *, scale, causal, window) -> dq, dk, dv (their inputs' dtypes)
+
+`causal` is cuDNN's top-left causal mask (key j for query i when j <= i); `window` (with `causal`) keeps
+the keys j >= i - window as well. `lse` is the natural-log logsumexp of the scaled logits. The backward
+takes the final `o` and `lse` of the whole softmax, not this chunk's, and computes `delta = rowsum(do * o)`
+itself, as cuDNN does.
+
+`CudnnEngine` binds the primitives of `jax._src.cudnn.fused_attention_stablehlo`, a private module, read
+and tested on jax 0.10.2 (`TESTED_JAX`). It does not differentiate through that module's
+`return_residual` path (whose backward drops the lse cotangent) nor use `jax.nn.dot_product_attention`'s
+residual (the lse cast to the input dtype): the cudnn kernel's ring has its own `custom_vjp`.
+`XlaEngine` computes the same contract with XLA in float32 (the output rounded to the input dtype, as
+cuDNN's is), so that the cudnn kernel's code runs, and is tested, on a CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+PRIVATE_MODULE = "jax._src.cudnn.fused_attention_stablehlo"
+NAMES = ("_dot_product_attention_fwd_p_wrapper", "_dot_product_attention_bwd_p_wrapper", "MaskType",
+         "AttentionLayout")
+TESTED_JAX = ("0.10.0", "0.11.2")  # the jax versions whose private module this binding was read against
+
+
+class Engine(Protocol):
+    name: str
+
+    def forward(self, q, k, v, *, scale: float, causal: bool, window: int | None): ...
+
+    def backward(self, q, k, v, o, lse, do, *, scale: float, causal: bool, window: int | None): ...
+
+
+@functools.lru_cache(maxsize=1)
+def private_module() -> tuple[Any, str | None]:
+    """(jax's cuDNN attention module, None), or (None, why it cannot be bound)."""
+    try:
+        module = importlib.import_module(PRIVATE_MODULE)
+    except ImportError as error:
+        return None, f"jax {jax.__version__} has no {PRIVATE_MODULE} ({error})"
+    missing = [name for name in NAMES if not hasattr(module, name)]
+    if missing:
+        return None, (f"jax {jax.__version__}'s {PRIVATE_MODULE} lacks {', '.join(missing)}: the cudnn kernel binds "
+                      f"the module of jax {TESTED_JAX[0]} to {TESTED_JAX[1]}")
+    return module, None
+
+
+class CudnnEngine:
+    """cuDNN's flash attention through jax's primitives, layout `[B, T, N, H]`."""
+
+    name = "cudnn"
+
+    def _common(self, q, scale: float, causal: bool, window: int | None) -> tuple[Any, dict[str, Any]]:
+        fa, reason = private_module()
+        if fa is None:
+            raise RuntimeError(reason)
+        unused = jnp.zeros((0,), q.dtype)
+        mask = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
+        # cuDNN's window keeps the keys (i - length, i]: `window` keys back and the query's own
+        length = None if window is None else window + 1
+        return (unused,) * 7, dict(scale=float(scale), seed=0, dropout_rate=0.0, variadic_args=(False, False),
+                                   mask_type=mask, layout=fa.AttentionLayout.BTNH.value,
+                                   sliding_window_length=length)
+
+    def forward(self, q, k, v, *, scale: float, causal: bool, window: int | None):
+        unused, params = self._common(q, scale, causal, window)
+        fa = private_module()[0]
+        o, lse = fa._dot_product_attention_fwd_p_wrapper.bind(q, k, v, *unused, **params, is_training=True)
+        return o, lse
+
+    def backward(self, q, k, v, o, lse, do, *, scale: float, causal: bool, window: int | None):
+        unused, params = self._common(q, scale, causal, window)
+        fa = private_module()[0]
+        dq, dk, dv = fa._dot_product_attention_bwd_p_wrapper.bind(q, k, v, *unused, lse, o, do, **params)
+        return dq, dk, dv
+
+
+class XlaEngine:
+    """The same contract in XLA, float32 inside: the twin the CPU runs the cudnn kernel with."""
+
+    name = "xla"
+
+    @staticmethod
+    def _logits(q, k, *, scale: float, causal: bool, window: int | None):
+        """The scaled logits, `[B, Hkv, G, Tq, Tk]` float32, -inf where the mask excludes a key."""
+        b, tq, h, d = q.shape
+        hkv = k.shape[2]
+        grouped = q.astype(F32).reshape(b, tq, hkv, h // hkv, d)
+        logits = jnp.einsum("bqhgd,bkhd->bhgqk", grouped, k.astype(F32)) * scale
+        if not causal:
+            return logits
+        i, j = jnp.arange(tq)[:, None], jnp.arange(k.shape[1])[None, :]
+        allowed = j <= i if window is None else (j <= i) & (i - j <= window)
+        return jnp.where(allowed[None, None, None], logits, -jnp.inf)
+
+    def forward(self, q, k, v, *, scale: float, causal: bool, window: int | None):
+        b, tq, h, _ = q.shape
+        logits = self._logits(q, k, scale=scale, causal=causal, window=window)
+        lse = jax.nn.logsumexp(logits, axis=-1)  # every row reads its own key at least: finite
+        o = jnp.einsum("bhgqk,bkhd->bqhgd", jnp.exp(logits - lse[..., None]), v.astype(F32))
+        return o.reshape(b, tq, h, v.shape[3]).astype(q.dtype), lse.reshape(b, h, tq)
+
+    def backward(self, q, k, v, o, lse, do, *, scale: float, causal: bool, window: int | None):
+        b, tq, h, d = q.shape
+        hkv, g = k.shape[2], h // k.shape[2]
+        logits = self._logits(q, k, scale=scale, causal=causal, window=window)
+        p = jnp.exp(logits - lse.reshape(b, hkv, g, tq)[..., None])
+        do_g = do.astype(F32).reshape(b, tq, hkv, g, do.shape[3])
+        delta = jnp.einsum("bqhgd,bqhgd->bhgq", do_g, o.astype(F32).reshape(do_g.shape))
+        dv = jnp.einsum("bhgqk,bqhgd->bkhd", p, do_g)
+        dp = jnp.einsum("bqhgd,bkhd->bhgqk", do_g, v.astype(F32))
+        ds = p * (dp - delta[..., None]) * scale
+        dq = jnp.einsum("bhgqk,bkhd->bqhgd", ds, k.astype(F32)).reshape(q.shape)
+        dk = jnp.einsum("bhgqk,bqhgd->bkhd", ds, q.astype(F32).reshape(b, tq, hkv, g, d))
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+ENGINES: dict[str, Engine] = {"cudnn": CudnnEngine(), "xla": XlaEngine()}
+
+
+def engine(interpret: bool) -> Engine:
+    """The XLA twin in interpret mode (the CPU), else cuDNN."""
+    return ENGINES["xla" if interpret else "cudnn"]
+
+
+__all__ = ["ENGINES", "Engine", "CudnnEngine", "TESTED_JAX", "XlaEngine", "engine", "private_module"]
