@@ -5,12 +5,15 @@ trace and gradients under `jax.jit`, against the float64 dense reference at DESI
 tolerances (bfloat16: 2e-2 forward, 4e-2 gradients). The problem: packed documents (segment ids),
 grouped-query heads and a sliding window, in the zigzag layout under every setting, and in the documents
 layout (its plan, permutations and per-row tile: three rings compiled, 20 s a case) under the three
-settings that broke it before issue 56.
+settings that broke it before issue 56. The Triton kernels (their interpreter) run under x64, and the
+cudnn kernel (its XLA twin, bfloat16, no segment ids: cuDNN takes none) under x64 and rank promotion
+`raise`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -61,7 +64,7 @@ def segment_ids(rng: np.random.Generator) -> np.ndarray:
     return np.asarray(rows, np.int32)
 
 
-def reference(q, k, v, w, segments):
+def reference(q, k, v, w, segments=None):
     """The float64 dense output and gradients of `sum(out * w)`, NumPy."""
     with jax.enable_x64(True):
         def loss(q, k, v):
@@ -75,28 +78,29 @@ def reference(q, k, v, w, segments):
         return [np.asarray(x, np.float64) for x in (out, *grads)]
 
 
-@pytest.mark.parametrize(("name", "layout"), CASES)
-def test_the_loader_under_the_setting_matches_float64(name, layout, tmp_path, monkeypatch):
-    monkeypatch.setenv("TUNER_HOME", str(tmp_path))
-    setting = SETTINGS[name]
+def check_loader(setting: Setting, layout: str, *, backend: str = "auto", dtype: str | None = None,
+                 packed: bool = True) -> None:
+    """The loader under `setting` (forward outside any trace, gradients under `jax.jit`) against float64."""
     mesh = jax.make_mesh((RING,), ("sp",), axis_types=(setting.axis_type,), devices=jax.devices()[:RING])
     rng = np.random.default_rng(0)
-    dtype = jnp.dtype(setting.dtype)
+    dtype = jnp.dtype(dtype or setting.dtype)
     arrays = [rng.standard_normal(shape).astype(np.float32) for shape in
               ((B, T, H, D), (B, T, HKV, D), (B, T, HKV, D), (B, T, H, D))]
     arrays[:3] = [np.asarray(jnp.asarray(x, dtype), np.float32) for x in arrays[:3]]  # what the ring gets
-    segments = segment_ids(rng)
+    segments = segment_ids(rng) if packed else None
     want = reference(*arrays, segments)
 
     sharding = NamedSharding(mesh, P(None, "sp"))
     q, k, v = (jax.device_put(jnp.asarray(x, dtype), sharding) for x in arrays[:3])
     w = jax.device_put(arrays[3], sharding)
-    ids = jax.device_put(segments, sharding)
-    options = {"q_segment_ids": ids, "kv_segment_ids": ids}
+    ids = None if segments is None else jax.device_put(segments, sharding)
+    options = {"q_segment_ids": ids, "kv_segment_ids": ids} if packed else {}
+    if backend != "auto":
+        options["interpret"] = True
 
     with setting.context(mesh):
         attn = get_tuned_ring_attention(axis_name="sp", mesh=mesh, causal=True, sliding_window=WINDOW,
-                                        layout=layout)
+                                        layout=layout, backend=backend)
         out = attn(q, k, v, **options)
 
         def loss(q, k, v):
@@ -112,3 +116,22 @@ def test_the_loader_under_the_setting_matches_float64(name, layout, tmp_path, mo
     assert rel_err(got[0], want[0]) <= fwd_tol, f"forward error {rel_err(got[0], want[0]):.2e}"
     for grad, g, r in zip(("dq", "dk", "dv"), got[1:], want[1:]):
         assert rel_err(g, r) <= grad_tol, f"{grad} error {rel_err(g, r):.2e}"
+
+
+@pytest.mark.parametrize(("name", "layout"), CASES)
+def test_the_loader_under_the_setting_matches_float64(name, layout, tmp_path, monkeypatch):
+    monkeypatch.setenv("TUNER_HOME", str(tmp_path))
+    check_loader(SETTINGS[name], layout)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None,
+                    reason="the Triton interpreter needs triton and torch (pip install -e '.[test]')")
+def test_the_triton_kernels_under_x64_in_their_interpreter(tmp_path, monkeypatch):
+    monkeypatch.setenv("TUNER_HOME", str(tmp_path))
+    check_loader(SETTINGS["x64"], "zigzag", backend="triton")
+
+
+@pytest.mark.parametrize("name", ["x64", "rank_promotion_raise"])
+def test_the_cudnn_kernel_under_the_setting_with_its_xla_twin(name, tmp_path, monkeypatch):
+    monkeypatch.setenv("TUNER_HOME", str(tmp_path))
+    check_loader(SETTINGS[name], "zigzag", backend="cudnn", dtype="bfloat16", packed=False)
