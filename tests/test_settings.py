@@ -7,7 +7,7 @@ grouped-query heads and a sliding window, in the zigzag layout under every setti
 layout (its plan, permutations and per-row tile: three rings compiled, 20 s a case) under the three
 settings that broke it before issue 56. The Triton kernels (their interpreter) run under x64, and the
 cudnn kernel (its XLA twin, bfloat16, no segment ids: cuDNN takes none) under x64 and rank promotion
-`raise`.
+`raise`, the Pallas TPU kernels (interpret mode, through `ring_attention` under `shard_map`) under x64.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cases import rel_err
-from tuner import get_tuned_ring_attention
+from cases import Case, check_case, rel_err
+from tuner import BwdParams, FwdParams, get_tuned_ring_attention
 from tuner.semantics.reference import dense_attention
 
 RING, B, T, H, HKV, D = 4, 2, 256, 4, 2, 16
@@ -135,3 +135,10 @@ def test_the_triton_kernels_under_x64_in_their_interpreter(tmp_path, monkeypatch
 def test_the_cudnn_kernel_under_the_setting_with_its_xla_twin(name, tmp_path, monkeypatch):
     monkeypatch.setenv("TUNER_HOME", str(tmp_path))
     check_loader(SETTINGS[name], "zigzag", backend="cudnn", dtype="bfloat16", packed=False)
+
+
+def test_the_pallas_tpu_kernels_under_x64_in_interpret_mode():
+    case = Case(batch=1, length=128, heads=4, kv_heads=2, head_dim=16, ring=2, layout="zigzag", causal=True,
+                window=48, backend="pallas_tpu", fwd=FwdParams(16, 64), bwd=BwdParams(16, 64, 16, 64))
+    with jax.enable_x64(True):
+        check_case(case)
