@@ -7,7 +7,7 @@ hypothesis profiles.
 
 JAX's persistent compilation cache is off, even where `JAX_COMPILATION_CACHE_DIR` is set: on jax 0.10.2
 a multi-device CPU program loaded back from it is more likely to have two collectives of one kind in
-flight at once, which XLA:CPU cannot run (`benchmarks/NOTES.md`). The run's header says when the
+flight at once, which XLA:CPU cannot run (`benchmarks/cpu_ring/README.md`). The run's header says when the
 variable was dropped.
 """
 
@@ -34,7 +34,7 @@ def pytest_report_header() -> str | None:
     """A line in the run's header when the caller's compilation cache folder was dropped."""
     if _DROPPED_CACHE:
         return (f"JAX_COMPILATION_CACHE_DIR={_DROPPED_CACHE} ignored: JAX's persistent compilation cache stays off "
-                "on the CPU (benchmarks/NOTES.md)")
+                "on the CPU (benchmarks/cpu_ring/README.md)")
     return None
 
 

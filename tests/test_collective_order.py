@@ -1,6 +1,6 @@
 """On the CPU the ring never has two sends in flight at once: jax 0.10.2 gives every collective the same
 channel id, and XLA:CPU then joins two collective-permutes in flight together into one rendezvous and
-aborts, hangs or corrupts its heap (benchmarks/NOTES.md). Checked on the compiled programs with
+aborts, hangs or corrupts its heap (benchmarks/cpu_ring/README.md). Checked on the compiled programs with
 `hlo.unordered_collectives`, itself checked on programs that do have such pairs."""
 
 import functools

@@ -1,4 +1,4 @@
-"""`benchmarks/compile_time.py`: the plugin times each XLA compile under the test that ran it, and the
+"""`benchmarks/suite/compile_time.py`: the plugin times each XLA compile under the test that ran it, and the
 summary ranks tests and programs by the seconds recorded."""
 
 import importlib.util
@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import pytest
 from jax._src import compiler
 
-_SPEC = importlib.util.spec_from_file_location("compile_time",
-                                               Path(__file__).parent.parent / "benchmarks" / "compile_time.py")
+_SPEC = importlib.util.spec_from_file_location(
+    "compile_time", Path(__file__).parent.parent / "benchmarks" / "suite" / "compile_time.py")
 compile_time = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(compile_time)
 

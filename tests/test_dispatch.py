@@ -289,7 +289,7 @@ def test_a_position_mask_gives_the_scan_default_its_masked_tile(monkeypatch):
 
 def test_the_scan_default_forward_takes_short_query_tiles_on_short_shards():
     """Up to `SHORT_SHARD` tokens a shard's default forward takes query tiles of 128 (5 to 19% faster there
-    on every unmasked landscape, benchmarks/NOTES.md), beyond it the tall tiles of 512; the backward takes
+    on every unmasked landscape, benchmarks/cpu_ring/README.md), beyond it the tall tiles of 512; the backward takes
     query tiles of 64 and key tiles of 512 at every length; every tile is cut to the shard."""
     from tuner.kernels.scan import SHORT_SHARD
 

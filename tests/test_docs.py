@@ -8,8 +8,12 @@ right before its fence, and is left out:
     <!-- docs-test: skip: <reason> -->
 
 Other fences (```bash, ```text, plain ```) are never run. A page whose python blocks cannot all be run
-or skipped this way (an unknown `docs-test` comment, a `py`/`python3` fence, a skip with no reason),
-a broken relative link, or a README over README_MAX_LINES lines fails here.
+or skipped this way (an unknown `docs-test` comment, a `py`/`python3` fence, a skip with no reason), or
+a README over README_MAX_LINES lines fails here.
+
+What the pages cite is checked too, on these pages and on cache_db/README.md and benchmarks/**/*.md: a
+relative link must name an existing file, and its `#anchor` a heading of that file (GitHub's anchors);
+a script path (`benchmarks/<group>/<name>.py` or `.sh`, `examples/<name>.py`, `tests/<name>.py`) must exist.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+CITING = [*PAGES, ROOT / "cache_db" / "README.md", *sorted((ROOT / "benchmarks").rglob("*.md"))]
 README_MAX_LINES = 220
 PAGE_TIMEOUT_S = 300
 NOTE = "The Python blocks on this page run in order, in one fresh process"  # each page with blocks says so
@@ -35,6 +40,9 @@ FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>[^`]*)$")
 DIRECTIVE = re.compile(r"<!--\s*docs-test\b(?P<body>.*?)-->")
 SKIP = re.compile(r"^:\s*skip:\s*(?P<reason>\S.*?)\s*$")
 LINK = re.compile(r"\[[^\]]*\]\((?P<target>[^)\s]+)\)")
+HEADING = re.compile(r"^#{1,6}[ \t]+(?P<text>.+?)[ \t#]*$")
+SCRIPT = re.compile(r"(?<![\w./-])(?:benchmarks/(?:\w[\w.-]*/)*\w[\w.-]*\.(?:py|sh)"
+                    r"|(?:examples|tests)/(?:\w[\w.-]*/)*\w[\w.-]*\.py)(?!\w)")
 
 
 @dataclass(frozen=True)
@@ -200,16 +208,66 @@ def test_the_block_check_catches_what_cannot_run():
         assert parse(text)[1], text
 
 
-def test_relative_links_point_at_files():
-    missing = []
-    for page in PAGES:
-        for match in LINK.finditer(page.read_text(encoding="utf-8")):
-            target = match["target"].split("#")[0]
-            if not target or re.match(r"^[a-z]+:", target):
-                continue
-            if not (page.parent / target).exists():
-                missing.append(f"{page_id(page)}: {match['target']}")
-    assert not missing, "\n".join(missing)
+def anchors(text: str) -> set[str]:
+    """GitHub's anchors for a page's headings (fenced code left out): lowercase, punctuation but `-` and `_`
+    dropped, spaces to `-`; a repeated anchor gets `-1`, `-2`, ..."""
+    found: set[str] = set()
+    fence = None
+    for line in text.splitlines():
+        opening = FENCE.match(line)
+        if opening and (fence is None or (opening["fence"][0] == fence[0] and len(opening["fence"]) >= len(fence)
+                                          and not opening["info"].strip())):
+            fence = opening["fence"] if fence is None else None
+            continue
+        heading = HEADING.match(line) if fence is None else None
+        if heading:
+            anchor = re.sub(r"[^\w\- ]", "", heading["text"].lower()).replace(" ", "-")
+            count = 0
+            while (unique := anchor if count == 0 else f"{anchor}-{count}") in found:
+                count += 1
+            found.add(unique)
+    return found
+
+
+def citation_problems(page: Path) -> list[str]:
+    """The page's relative links to a missing file or heading, and its script paths that do not exist."""
+    text = page.read_text(encoding="utf-8")
+    problems = []
+    for match in LINK.finditer(text):
+        target = match["target"]
+        if re.match(r"^[a-z]+:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            problems.append(f"link to a missing file: {target}")
+        elif anchor and file.suffix == ".md" and anchor not in anchors(file.read_text(encoding="utf-8")):
+            problems.append(f"link to a missing heading: {target}")
+    problems += [f"no such script: {path}" for path in sorted(set(SCRIPT.findall(text))) if not (ROOT / path).exists()]
+    return problems
+
+
+def test_what_the_pages_cite_exists():
+    """Every relative link of the pages names an existing file (and heading), every script path a script."""
+    problems = [f"{page_id(page)}: {problem}" for page in CITING for problem in citation_problems(page)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_citation_check_catches_what_is_missing(tmp_path: Path):
+    """The checker itself: a missing file, a missing heading and a missing script are each reported; a
+    heading's anchor drops punctuation, a repeated one is numbered, and a `#` line in a fence is no heading."""
+    (tmp_path / "other.md").write_text("# Other\n\n## `tuner search`: A, b (2026)\n\n## Twice\n\n## Twice\n\n"
+                                       "```bash\n# Not a heading\n```\n")
+    page = tmp_path / "page.md"
+    page.write_text("# Page\n\n[a](other.md#tuner-search-a-b-2026) [b](other.md#twice-1) [c](#page) [d](other.md)\n"
+                    "`python tests/test_docs.py` and `examples/long_context_lm.py`\n")
+    assert citation_problems(page) == []
+    page.write_text("[a](gone.md) [b](other.md#twice-2) [c](other.md#not-a-heading) [d](#nowhere)\n\n"
+                    "```bash\npython benchmarks/nowhere/gone.py --help\nbash benchmarks/gone.sh\n```\n")
+    assert citation_problems(page) == [
+        "link to a missing file: gone.md", "link to a missing heading: other.md#twice-2",
+        "link to a missing heading: other.md#not-a-heading", "link to a missing heading: #nowhere",
+        "no such script: benchmarks/gone.sh", "no such script: benchmarks/nowhere/gone.py"]
 
 
 def test_the_readme_fits_a_first_read():

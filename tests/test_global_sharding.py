@@ -11,7 +11,7 @@
 Every layout, forward and forward+backward (the documents layout's forward+backward only, whose program
 holds its forward), on one sequence axis of 4 devices (fewer rounds of the CPU's documents move to compile
 than 8) and on a 2x4 mesh with the batch on its data axis; the strategies that take `mesh=` on zigzag. The
-TPU compiler's programs are in `tests/test_global_sharding_tpu.py`. `benchmarks/global_memory.py` prints
+TPU compiler's programs are in `tests/test_global_sharding_tpu.py`. `benchmarks/memory/global_memory.py` prints
 the table.
 """
 
@@ -26,7 +26,7 @@ import pytest
 
 
 _SPEC = importlib.util.spec_from_file_location("global_memory",
-                                               Path(__file__).parents[1] / "benchmarks" / "global_memory.py")
+                                               Path(__file__).parents[1] / "benchmarks" / "memory" / "global_memory.py")
 global_memory = importlib.util.module_from_spec(_SPEC)
 sys.modules["global_memory"] = global_memory  # its dataclasses look their module up
 _SPEC.loader.exec_module(global_memory)

@@ -4,7 +4,7 @@ sequence axis) at 131072 tokens, bf16, GQA 8/2, D=128, the Pallas kernels: the r
 permutes, the documents layout's ragged all-to-all), forward and forward+backward (the documents layout's
 forward+backward only: its program holds the forward's moves). Contiguous moves nothing, and the striped
 layout's all-to-all is the CPU test's. Slow tier: about 100 s of compiling.
-`benchmarks/global_memory.py --tpu v5e:2x2 --tokens 131072 524288` prints every layout's table."""
+`benchmarks/memory/global_memory.py --tpu v5e:2x2 --tokens 131072 524288` prints every layout's table."""
 
 import importlib.util
 import os
@@ -21,7 +21,7 @@ os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # one host: libtpu's
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes may hold libtpu
 
 _SPEC = importlib.util.spec_from_file_location("global_memory",
-                                               Path(__file__).parents[1] / "benchmarks" / "global_memory.py")
+                                               Path(__file__).parents[1] / "benchmarks" / "memory" / "global_memory.py")
 global_memory = importlib.util.module_from_spec(_SPEC)
 sys.modules["global_memory"] = global_memory  # its dataclasses look their module up
 _SPEC.loader.exec_module(global_memory)

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_benchmark():
-    spec = importlib.util.spec_from_file_location("gpu_attention", ROOT / "benchmarks" / "gpu_attention.py")
+    spec = importlib.util.spec_from_file_location("gpu_attention", ROOT / "benchmarks" / "gpu" / "gpu_attention.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

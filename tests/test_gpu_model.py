@@ -22,7 +22,7 @@ from tuner.semantics.spec import AttentionSpec, LocalShapes
 pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[1]
-_SPEC = importlib.util.spec_from_file_location("triton_defaults", ROOT / "benchmarks" / "triton_defaults.py")
+_SPEC = importlib.util.spec_from_file_location("triton_defaults", ROOT / "benchmarks" / "gpu" / "triton_defaults.py")
 triton_defaults = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(triton_defaults)
 
@@ -82,7 +82,7 @@ def test_a_search_on_the_gpu_never_times_a_launch_the_compiler_spills():
 
 
 def test_the_defaults_are_the_models_choice_among_the_launches_the_compiler_admits():
-    """`triton.DEFAULTS` is what `benchmarks/triton_defaults.py` derives from the committed sweeps for
+    """`triton.DEFAULTS` is what `benchmarks/gpu/triton_defaults.py` derives from the committed sweeps for
     every architecture and head-dim class they cover whole: so each default was compiled there, does not
     spill, and uses the tensor-core path."""
     chosen = triton_defaults.choose_defaults(sweep_records())

@@ -1,5 +1,5 @@
-"""`benchmarks/replay.py` on synthetic landscapes of a tiny problem: the harness behind the sampler table
-of docs/tuning.md. Without noise, a grid walk finds the best; a warm replay starts from the neighbour's best."""
+"""`benchmarks/search/replay.py` on synthetic landscapes of a tiny problem: the harness behind the sampler
+table of docs/samplers.md. Without noise, a grid walk finds the best; a warm replay starts from the neighbour's best."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tuner import registry
 from tuner.semantics.problem import Problem
 
 ROOT = Path(__file__).resolve().parent.parent
-_SPEC = importlib.util.spec_from_file_location("replay", ROOT / "benchmarks" / "replay.py")
+_SPEC = importlib.util.spec_from_file_location("replay", ROOT / "benchmarks" / "search" / "replay.py")
 replay = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(replay)
 
@@ -115,9 +115,9 @@ def test_a_replay_starts_from_the_default_of_its_device_kind_and_warms_from_the_
 
 
 def test_tiles_as_ranks_and_as_categories_walk_the_same_points(landscapes):
-    """The search's space offers tiles as ranks; `benchmarks/ordered_tiles.py` compares it with categories.
+    """The search's space offers tiles as ranks; `benchmarks/search/ordered_tiles.py` compares it with categories.
     Both name every grid point by their own parameters, and a grid walk either way ends at the best."""
-    spec = importlib.util.spec_from_file_location("ordered_tiles", ROOT / "benchmarks" / "ordered_tiles.py")
+    spec = importlib.util.spec_from_file_location("ordered_tiles", ROOT / "benchmarks" / "search" / "ordered_tiles.py")
     ordered_tiles = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ordered_tiles)
     recorded, _, _, space, default = replay.load(landscapes[0])
@@ -137,7 +137,7 @@ def test_tiles_as_ranks_and_as_categories_walk_the_same_points(landscapes):
 
 
 def _landscape_script():
-    spec = importlib.util.spec_from_file_location("landscape", ROOT / "benchmarks" / "landscape.py")
+    spec = importlib.util.spec_from_file_location("landscape", ROOT / "benchmarks" / "search" / "landscape.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -1,7 +1,7 @@
 """Issue 17: the strategy model's bytes per collective are what the production TPU compiler's programs move.
 
 Each strategy's training step (forward and backward) on a 4-chip v5e topology, compiled on this CPU host,
-its collectives read from the scheduled HLO (`benchmarks/strategy_bytes.py`, which does the same for 8
+its collectives read from the scheduled HLO (`benchmarks/strategies/strategy_bytes.py`, which does the same for 8
 chips, larger problems and the forward alone); per kind, the model's bytes (`strategy_model.predict`) are
 within 10% of the program's. Kinds under 1% of a program's bytes are not compared (the ring's position
 bounds, which XLA:TPU builds as an all-reduce). The all_gather's backward reduce-scatter is the
@@ -24,8 +24,8 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes may 
 from tuner.models import hlo  # noqa: E402
 from tuner.semantics.problem import Problem  # noqa: E402
 
-_SPEC = importlib.util.spec_from_file_location("strategy_bytes",
-                                               Path(__file__).parent.parent / "benchmarks" / "strategy_bytes.py")
+_SPEC = importlib.util.spec_from_file_location(
+    "strategy_bytes", Path(__file__).parent.parent / "benchmarks" / "strategies" / "strategy_bytes.py")
 bench = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(bench)
 

@@ -177,8 +177,8 @@ def test_the_largest_tiles_the_vmem_constraint_admits_compile_within_the_estimat
     (`compiled.compile_step`: a kernel's VMEM is its own, whatever program it sits in), compile and use no
     more than the estimate, which stays within what the kernels ask for. Before the estimate was fitted to
     the compiler, it admitted a v4 forward the compiler rejected (256x1024: estimated 7.6 MiB of 8).
-    (`python benchmarks/tpu_vmem.py` compiles them in the whole ring on every generation;
-    `benchmarks/tpu_vmem_kernels.py` the whole tile space.)"""
+    (`python benchmarks/tpu/tpu_vmem.py` compiles them in the whole ring on every generation;
+    `benchmarks/tpu/tpu_vmem_kernels.py` the whole tile space.)"""
     from tuner.tuning import compiled
     from tuner.semantics.problem import Problem
 

@@ -69,19 +69,19 @@ def test_a_kernels_vmem_is_read_from_its_scoped_region_not_from_the_start_of_vme
 
 
 def test_the_vmem_estimate_admits_no_kernel_the_compiler_rejects_and_bounds_every_use():
-    """Over the kernel compile results of every generation (`benchmarks/tpu_vmem_kernels.py`: each tile
+    """Over the kernel compile results of every generation (`benchmarks/tpu/tpu_vmem_kernels.py`: each tile
     point of each kernel compiled alone by the production TPU compiler, failures included), the VMEM
     estimate the constraint rules by is at least the use the compiler reports wherever it compiled, and
     over the chip's limit wherever it did not: the constraint never admits a variant the compiler
-    rejects; likewise for the kernels `benchmarks/tpu_vmem.py` compiled inside the whole ring. (How much it
-    over-estimates is `python benchmarks/tpu_vmem_fit.py`'s report.)"""
+    rejects; likewise for the kernels `benchmarks/tpu/tpu_vmem.py` compiled inside the whole ring. (How much it
+    over-estimates is `python benchmarks/tpu/tpu_vmem_fit.py`'s report.)"""
     import json
     import re
     from pathlib import Path
 
     from tuner.kernels import tpu_memory
 
-    results = Path(__file__).parent.parent / "benchmarks" / "results"
+    results = Path(__file__).parent.parent / "benchmarks" / "tpu" / "results"
     records = [json.loads(line) for line in (results / "tpu_vmem_kernels.jsonl").read_text().splitlines()]
     for r in json.loads((results / "tpu_vmem.json").read_text()):  # inside the whole ring (tpu_vmem.py)
         block_q, block_kv, *compute = (int(n) for n in re.findall(r"\d+", r["tiles"]))
@@ -100,8 +100,8 @@ def test_the_vmem_estimate_admits_no_kernel_the_compiler_rejects_and_bounds_ever
 
 
 def test_each_generations_default_tiles_are_the_ones_chosen_from_its_compile_results():
-    """`tpu_memory.GENERATION_TILES` is what `python benchmarks/tpu_defaults.py` chose from the compile
-    results (benchmarks/results/tpu_defaults.json), for every generation; each default compiled there and
+    """`tpu_memory.GENERATION_TILES` is what `python benchmarks/tpu/tpu_defaults.py` chose from the compile
+    results (benchmarks/tpu/results/tpu_defaults.json), for every generation; each default compiled there and
     the VMEM estimate admits it for float32 at D=128, so the defaults of a chip never wait for its
     constraint to cut them."""
     import json
@@ -109,7 +109,8 @@ def test_each_generations_default_tiles_are_the_ones_chosen_from_its_compile_res
 
     from tuner.kernels import tpu_memory
 
-    chosen = json.loads((Path(__file__).parent.parent / "benchmarks" / "results" / "tpu_defaults.json").read_text())
+    results = Path(__file__).parent.parent / "benchmarks" / "tpu" / "results"
+    chosen = json.loads((results / "tpu_defaults.json").read_text())
     by_chip = {c["chip"]: (FwdParams(**c["fwd"]), BwdParams(**c["bwd"])) for c in chosen["chips"]}
     assert by_chip == tpu_memory.GENERATION_TILES and set(by_chip) == {"v4", "v5e", "v5p", "v6e"}
     for name, (fwd, bwd) in tpu_memory.GENERATION_TILES.items():

@@ -118,8 +118,8 @@ def test_features_are_compiled_in_or_out():
 # the causal bf16 D=128 set for sm_100 (B200: tcgen05 MMAs), and the causal bf16 variant of multi-head latent
 # attention (D=192 padded to 256, Dv=128) for sm_90 (each of the three kernels takes ptxas a few seconds;
 # float32 variants, exact `ieee` products on FMA units, about a minute). `tuner generate --compile
-# sm_80,sm_90,sm_100` compiles the whole standard set, `benchmarks/triton_resources.py` the search space;
-# their reports are in benchmarks/results/.
+# sm_80,sm_90,sm_100` compiles the whole standard set, `benchmarks/gpu/triton_resources.py` the search space;
+# their reports are in benchmarks/gpu/results/.
 MMA = {80: "HMMA", 90: "HGMMA", 100: "UTCHMMA"}
 
 

@@ -25,7 +25,7 @@ class ScanBackend:
     name = "scan"
     # Where positions mask tiles out, the kernel loops over the tiles it visits only, and square tiles of
     # 128 skip most of the masked ones: within 3.5% of the best on 7 of the 8 recorded landscapes with a
-    # position mask (benchmarks/NOTES.md, "A default tile for masked problems").
+    # position mask (benchmarks/cpu_ring/README.md, "A default tile for masked problems").
     masked_tile = 128
 
     def unavailable_reason(self, interpret: bool = False, platform: str | None = None) -> str | None:
@@ -45,7 +45,7 @@ class ScanBackend:
         128, which took 0.81 to 0.95 of the tall ones' time up to 1024 tokens and 1.03 to 1.08 from 2048
         on the 7 unmasked forward landscapes. The backward: short query tiles (64) and long key tiles
         (512), dq fused, which took 0.80 to 1.04 of 512 x 256's time on the same 7 problems (0.92 in
-        geometric mean; `benchmarks/unmasked_tile.py`). These are the unmasked defaults: under a mask
+        geometric mean; `benchmarks/cpu_ring/unmasked_tile.py`). These are the unmasked defaults: under a mask
         every tile is `masked_tile` (128). Tiles are cut to the local lengths (the same computation,
         named as the search space names it)."""
         fwd_q = min(128, q_len) if q_len <= SHORT_SHARD else min(512, q_len)

@@ -20,8 +20,8 @@ DEFAULT_CHIP = "v5e"  # what the constraints assume without a TPU; TUNER_TPU_CHI
 # time, 512x512 backward tiles -- the range TPU flash kernels use.
 FALLBACK_TILES = (FwdParams(block_q=512, block_kv=1024, block_kv_compute=512),
                   BwdParams(block_q_dkv=512, block_kv_dkv=512, block_q_dq=512, block_kv_dq=512))
-# Per generation, chosen from compile results by `python benchmarks/tpu_defaults.py`
-# (benchmarks/results/tpu_defaults.json): among the tiles the production compiler accepted for bf16 at
+# Per generation, chosen from compile results by `python benchmarks/tpu/tpu_defaults.py`
+# (benchmarks/tpu/results/tpu_defaults.json): among the tiles the production compiler accepted for bf16 at
 # D=128 and the VMEM estimate admits for float32, the analytic model's fastest on a causal 32k ring of 4.
 # Not measured on a TPU.
 GENERATION_TILES: dict[str, tuple[FwdParams, BwdParams]] = {
@@ -32,9 +32,9 @@ GENERATION_TILES: dict[str, tuple[FwdParams, BwdParams]] = {
        for generation in ("v5e", "v5p", "v6e")},
 }
 # Each kernel's VMEM estimate as multiples of the terms of `vmem_terms` (held blocks, float32 tile, row
-# block, column block), fitted by `python benchmarks/tpu_vmem_fit.py` so that it bounds what the
+# block, column block), fitted by `python benchmarks/tpu/tpu_vmem_fit.py` so that it bounds what the
 # production compiler reports over the tile space of v4, v5e, v5p and v6e, kernels alone and inside the
-# ring (benchmarks/results/tpu_vmem_kernels.jsonl, tpu_vmem.json).
+# ring (benchmarks/tpu/results/tpu_vmem_kernels.jsonl, tpu_vmem.json).
 VMEM_MULTIPLES: dict[tuple[str, str], tuple[float, float, float, float]] = {
     ("fwd", "bfloat16"): (0.95, 1.0, 4.5, 1.0), ("fwd", "float32"): (1.0, 4.0, 2.25, 2.75),
     ("dkv", "bfloat16"): (0.0, 1.5, 9.25, 6.0), ("dkv", "float32"): (0.0, 4.5, 13.75, 10.0),

@@ -56,8 +56,8 @@ def _bwd(dkv: tuple[int, int], dq: tuple[int, int], warps: int, stages: int) -> 
 # The default tiles per (architecture, head-dim class): among the launches of the whole search space that the
 # compiler builds without spilling, within shared memory and on the architecture's tensor-core path, the best by
 # the roofline model (`tuner.models.gpu_model`) for a causal bf16 problem of 4096 tokens a device and 16 heads
-# on the A100 (80), H100 (90) and B200 (100): `benchmarks/triton_defaults.py` over the sweeps of
-# `benchmarks/triton_resources.py` (Triton 3.9), written to `benchmarks/results/triton_defaults.json`;
+# on the A100 (80), H100 (90) and B200 (100): `benchmarks/gpu/triton_defaults.py` over the sweeps of
+# `benchmarks/gpu/triton_resources.py` (Triton 3.9), written to `benchmarks/gpu/results/triton_defaults.json`;
 # `tests/test_gpu_model.py` derives them again. Over 128 the sweep (D=256) is whole for the forward and dK/dV
 # kernels only: their tiles are the model's best there; dQ's 64x32 (with dK/dV's warps and stages) was
 # compiled apart, spill-free on the tensor-core path at 256/256 and 192/128. Modelled, not timed.

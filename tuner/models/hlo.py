@@ -255,7 +255,7 @@ def unordered_collectives(hlo: str, kind: str = "collective-permute") -> list[tu
     computation, two that are such a collective or run one (a loop, a call, a conditional), with no data
     path from either to the other. jax 0.10.2 gives every collective the same channel id, and XLA:CPU
     then joins two collectives of one kind in flight at once into one rendezvous: it aborts, hangs or
-    corrupts its heap (benchmarks/NOTES.md). An empty list means the module cannot do that. `hlo` is a
+    corrupts its heap (benchmarks/cpu_ring/README.md). An empty list means the module cannot do that. `hlo` is a
     compiled module's text (`compiled.as_text()`: scheduled, each operand defined before its use)."""
     computations = _computations(hlo)
     carries = _carrier(computations, (kind, kind + "-start"))

@@ -21,7 +21,7 @@ heads, D head size, `item` bytes per element; T = S / P tokens per device):
   dtype); K, V are not gathered again: autodiff keeps the gathered copies from the forward, so they stay in
   memory until the backward (`gathered_bytes`). Refused, as the implementation does, when they would take
   over half the device's memory. XLA:TPU builds every reduce-scatter as an all-reduce of the whole buffer
-  and keeps its slice (`benchmarks/results/strategy_bytes.md`): on a TPU (`Platform.scatter_as_all_reduce`)
+  and keeps its slice (`benchmarks/strategies/results/strategy_bytes.md`): on a TPU (`Platform.scatter_as_all_reduce`)
   it is timed as that, twice a reduce-scatter's link bytes; `bytes` still counts the reduce-scatter asked.
 - "hybrid" (USP, `tuner.strategies.hybrid`): P = Pr x Pa; an all-to-all among Pa devices to H / Pa heads of
   S / Pr tokens, then a ring of Pr steps over those, then the all-to-all back. `axes=(Pr, Pa)`, or the

@@ -134,7 +134,7 @@ class TileSpace:
     A field with two or more sizes (tiles, warps, stages) is offered to the sampler as its rank among
     the sorted sizes (parameter `fwd.block_q_rank`, an int), so that TPE models 128 as lying between 64
     and 256; as categories the backward's 4 or 5 tile fields took it several times the trials
-    (`benchmarks/NOTES.md`, "Tiles as ranks for TPE"). Other fields stay categories."""
+    (`benchmarks/search/README.md`, "Tiles as ranks for TPE"). Other fields stay categories."""
 
     candidates: SearchSpace
 

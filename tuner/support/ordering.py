@@ -2,7 +2,7 @@
 
 jax 0.10.2 gives every collective of a program the same channel id, and XLA:CPU then joins two
 collectives of one kind that are in flight at once into one rendezvous: it aborts, hangs or corrupts
-its heap (benchmarks/NOTES.md). XLA only orders when collectives start, not when the one before ends.
+its heap (benchmarks/cpu_ring/README.md). XLA only orders when collectives start, not when the one before ends.
 So on the CPU each collective of the ring and the strategies takes an input that waits for the result
 of the one before it: `after` in code that runs forward only (the ring's own passes), `ordered` where
 jax differentiates through the collectives, so that their transposes run one at a time too.

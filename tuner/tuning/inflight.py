@@ -5,7 +5,7 @@ and trials compile side by side. What runs on the device, the reference check an
 the `DeviceGate` alone. A timed run also waits for the compiles in flight to end, and no compile starts
 while one runs or waits, so a trial is timed as it would be with nothing else in flight. On a GPU too:
 there the same default kernel was timed at 1.2 to 5.8 ms beside compiles and 1.1 ms alone (an H100,
-`benchmarks/NOTES.md`), most likely as a compile's Python held the interpreter lock and the timed
+`benchmarks/gpu/README.md`), most likely as a compile's Python held the interpreter lock and the timed
 calls waited to be dispatched. On the CPU the device is the host: there a check waits for the compiles
 too.
 

@@ -6,7 +6,7 @@ layout, plus head dim and features; packed neighbours first for a packed problem
 nearest votes for its near-best configs (its winner and the configs its trials timed within 5% of its best,
 `tuner.cache.rows`), weighed 1 / (1 + distance); the configs with the most weight come first. A timing
 is noisy and tiles near the best are near-ties, so a config near-best on several neighbours is a surer
-bet than one neighbour's winner (`docs/tuning.md`, "How good the search is"). Where the votes give fewer
+bet than one neighbour's winner (`docs/search-quality.md`). Where the votes give fewer
 than `NEIGHBOURS` configs, the winners of the next nearest problems follow. Each is queued with `source`
 "nearest <key> (distance d)", naming every neighbour that voted for it. Where an analytic model times the
 implementation on this device (`tuner.models.tpu_model`: the pallas_tpu ring on a TPU), its `MODEL_PICKS`
