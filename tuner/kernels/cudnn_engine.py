@@ -1,7 +1,7 @@
 """The engines of the cudnn block kernel: cuDNN's fused attention, and its XLA twin.
 
-Both compute attention of a query chunk against a key chunk of equal positions' kind, under one of the
-masks cuDNN's flash attention expresses, with one contract:
+Both compute attention of a query chunk against a key chunk under one of the masks cuDNN's flash
+attention expresses, with one contract:
 
     forward(q, k, v, *, scale, causal, window) -> o [B, Tq, H, Dv] (q's dtype), lse [B, H, Tq] (float32)
     backward(q, k, v, o, lse, do, *, scale, causal, window) -> dq, dk, dv (their inputs' dtypes)
@@ -11,8 +11,9 @@ the keys j >= i - window as well. `lse` is the natural-log logsumexp of the scal
 takes the final `o` and `lse` of the whole softmax, not this chunk's, and computes `delta = rowsum(do * o)`
 itself, as cuDNN does.
 
-`CudnnEngine` binds the primitives of `jax._src.cudnn.fused_attention_stablehlo`, a private module, read
-and tested on jax 0.10.2 (`TESTED_JAX`). It does not differentiate through that module's
+`CudnnEngine` binds the primitives of `jax._src.cudnn.fused_attention_stablehlo`, a private module that
+stayed the same from jax 0.10.0 to 0.11.x (`TESTED_JAX`: other versions are refused with that reason); it
+was read, and its CUDA lowering tested, on jax 0.10.2. It does not differentiate through that module's
 `return_residual` path (whose backward drops the lse cotangent) nor use `jax.nn.dot_product_attention`'s
 residual (the lse cast to the input dtype): the cudnn kernel's ring has its own `custom_vjp`.
 `XlaEngine` computes the same contract with XLA in float32 (the output rounded to the input dtype, as
@@ -32,7 +33,7 @@ F32 = jnp.float32
 PRIVATE_MODULE = "jax._src.cudnn.fused_attention_stablehlo"
 NAMES = ("_dot_product_attention_fwd_p_wrapper", "_dot_product_attention_bwd_p_wrapper", "MaskType",
          "AttentionLayout")
-TESTED_JAX = ("0.10.0", "0.11.2")  # the jax versions whose private module this binding was read against
+TESTED_JAX = ("0.10.0", "0.11.2")  # the jax versions whose private module this binding was written for
 
 
 class Engine(Protocol):
@@ -45,7 +46,12 @@ class Engine(Protocol):
 
 @functools.lru_cache(maxsize=1)
 def private_module() -> tuple[Any, str | None]:
-    """(jax's cuDNN attention module, None), or (None, why it cannot be bound)."""
+    """(jax's cuDNN attention module, None), or (None, why it cannot be bound): a jax outside `TESTED_JAX`,
+    or a module without the names bound here."""
+    release = tuple(int(part) for part in jax.__version__.split(".")[:2])
+    if not (0, 10) <= release <= (0, 11):
+        return None, (f"jax {jax.__version__}: the cudnn kernel binds the private {PRIVATE_MODULE} of jax "
+                      f"{TESTED_JAX[0]} to {TESTED_JAX[1]}, and another jax's may differ")
     try:
         module = importlib.import_module(PRIVATE_MODULE)
     except ImportError as error:
