@@ -6,7 +6,7 @@
 
 - Triton (`triton.compile` for sm_XX, no GPU needed): per kernel (forward, dK/dV, dQ) of the causal bf16
   variant at `TritonBackend.default_params`, the shared memory, registers per thread, stack bytes (spills)
-  and the matrix-multiply instructions in the SASS (`tuner.kernels.triton.resources`).
+  and the matrix-multiply instructions in the SASS (`tuner.kernels.triton_compile.resources`).
 - Pallas TPU (the production TPU compiler, through libtpu): per kernel of the causal bf16 variant at the
   target chip's default tiles, the VMEM the compiler says it uses beside the constraint's estimate
   (`tuner.tuning.compiled.compile_step`, `tuner.kernels.tpu_memory.vmem_bytes`).
@@ -27,7 +27,7 @@ os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
 import jax  # noqa: E402
 
-from tuner.kernels import pallas_tpu, triton  # noqa: E402
+from tuner.kernels import pallas_tpu, triton, triton_launch  # noqa: E402
 from tuner.semantics.spec import AttentionSpec, LocalShapes  # noqa: E402
 from tuner.support.tables import table  # noqa: E402
 from tuner.tuning import compiled  # noqa: E402
@@ -36,7 +36,8 @@ HEADS, KV_HEADS = 8, 2
 
 
 def triton_rows(head_dim: int, value_head_dim: int, local: int, capability: int) -> list[dict]:
-    source = triton.variant(AttentionSpec(scale=head_dim**-0.5, causal=True), "bfloat16", head_dim, value_head_dim)
+    spec = AttentionSpec(scale=head_dim**-0.5, causal=True)
+    source = triton_launch.variant(spec, "bfloat16", head_dim, value_head_dim)
     return [{"dims": f"{head_dim}/{value_head_dim}", **row}
             for row in triton.standard_resources(source, capability, local, HEADS, KV_HEADS)]
 

@@ -3,7 +3,7 @@
     python benchmarks/gpu/triton_defaults.py [--sweeps FILE,...] [--out FILE]
 
 Reads the sweeps of `benchmarks/gpu/triton_resources.py` (every launch of the search space compiled for
-sm_80, sm_90 and sm_100), rules out what `tuner.kernels.triton.ruled_out` rules out (spills, shared
+sm_80, sm_90 and sm_100), rules out what `tuner.kernels.triton_compile.ruled_out` rules out (spills, shared
 memory, no block per SM), and ranks the rest by the roofline model of `tuner.models.gpu_model` on the
 reference problem of each sweep variant: batch 4, the sweep's local length and heads, ring of one, on
 the A100 (sm_80), H100 (sm_90) and B200 (sm_100). The chosen forward and backward are those of
@@ -21,7 +21,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from tuner.kernels import triton
+from tuner.kernels import triton_launch
 from tuner.models import gpu_model
 from tuner.semantics.problem import Problem
 from tuner.strategies.implementations import TileConfig
@@ -72,7 +72,7 @@ def choose_defaults(records: list[dict]) -> dict[tuple[str, int], dict]:
                                        "whole": False}
             continue
         config = compiled_gpu.config_of(*picked)
-        counts = {kernel: sum(r["kernel"] == kernel for r in group) for kernel in triton.KERNEL_ARGS}
+        counts = {kernel: sum(r["kernel"] == kernel for r in group) for kernel in triton_launch.KERNEL_ARGS}
         chosen[(variant, arch)] = {
             "variant": variant, "arch": arch, "gpu": gpu.name, "problem": problem.describe(),
             "whole": len(set(counts.values())) == 1,
@@ -83,9 +83,9 @@ def choose_defaults(records: list[dict]) -> dict[tuple[str, int], dict]:
                                     "model_ms": round(x.predicted.seconds * 1e3, 4),
                                     "model_tflops": round(x.predicted.tflops, 1)} for x in picked},
             "admitted": {kernel: sum(x.kernel == kernel and x.ruled_out is None for x in launches)
-                         for kernel in triton.KERNEL_ARGS},
+                         for kernel in triton_launch.KERNEL_ARGS},
             "on_path": {kernel: sum(x.kernel == kernel and x.predicted is not None for x in on_path)
-                        for kernel in triton.KERNEL_ARGS}}
+                        for kernel in triton_launch.KERNEL_ARGS}}
     return chosen
 
 

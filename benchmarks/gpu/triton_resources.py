@@ -8,7 +8,7 @@ For each variant (`features/dtype/head_dim[/value_head_dim]`, features `full` or
 window, chunk, segments, softcap), each kernel and each point of `TritonBackend().search_space` for
 `--local-len` tokens a device -- the forward points, the dK/dV kernel at the backward points, the dQ kernel
 at the dq tiles with the backward's warps and stages; each distinct launch once -- and each target, compiles
-the kernel as jax_triton does (16-byte aligned pointers; `tuner.kernels.triton.resources`) and appends one
+the kernel as jax_triton does (16-byte aligned pointers; `tuner.kernels.triton_compile.resources`) and appends one
 JSON line: the point, shared memory, registers, spill (stack) bytes, the MMA instruction family, whether it
 is the architecture's tensor-core path, sm_100's tensor-memory columns, the occupancy those imply (blocks
 and warps per SM, the binding limit), whether it fits the target's shared memory per block, and the seconds
@@ -20,7 +20,7 @@ summary of the whole file (`--summary`: only that; and `size_rule`, what a pruni
 sizes would cost instead of the compiler's verdict): per target and kernel, the points, how many spill, how
 many lack the tensor-core path, how many exceed the shared memory of a block, how many cannot run at
 all (zero blocks per SM: shared memory, registers or sm_100's tensor memory), and how many the search's
-pruning rule (`tuner.kernels.triton.ruled_out`) rules out.
+pruning rule (`tuner.kernels.triton_compile.ruled_out`) rules out.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from tuner.kernels import triton
+from tuner.kernels import triton, triton_compile, triton_launch
 from tuner.semantics.spec import AttentionSpec, LocalShapes
 from tuner.support.tables import error_line, table
 
@@ -67,19 +67,19 @@ def parse_variant(text: str) -> tuple[AttentionSpec, str, int, int]:
 def measure(task: dict) -> dict:
     """Compile one launch for one target (in a worker process) and return its record."""
     spec, dtype, head_dim, value_head_dim = parse_variant(task["variant"])
-    source = triton.variant(spec, jnp.dtype(dtype), head_dim, value_head_dim)
-    constants = triton._constants(spec, task["local_len"], task["local_len"], task["heads"], task["kv_heads"],
+    source = triton_launch.variant(spec, jnp.dtype(dtype), head_dim, value_head_dim)
+    constants = triton_launch._constants(spec, task["local_len"], task["local_len"], task["heads"], task["kv_heads"],
                                   head_dim, task["block_q"], task["block_kv"], value_head_dim=value_head_dim)
     capability = int(task["target"][3:])
     start = time.perf_counter()
     try:
-        report = triton.resources(source, task["kernel"], constants, num_warps=task["num_warps"],
+        report = triton_compile.resources(source, task["kernel"], constants, num_warps=task["num_warps"],
                                   num_stages=task["num_stages"], capability=capability)
     except Exception as error:  # noqa: BLE001 - the compiler's refusal is the record
         report = {"error": error_line(error, limit=300)}
     report["compile_s"] = round(time.perf_counter() - start, 2)
     if "shared" in report:
-        report["fits_shared"] = report["shared"] <= triton.SHARED_MEMORY_BYTES[capability]
+        report["fits_shared"] = report["shared"] <= triton_compile.SHARED_MEMORY_BYTES[capability]
     return {**task, "file": source.filename, "triton": importlib.metadata.version("triton"), **report}
 
 
@@ -97,13 +97,13 @@ def summary(records: list[dict]) -> str:
         groups[(record["variant"], int(record["target"][3:]), record["kernel"])].append(record)
     rows = []
     for (variant, capability, kernel), group in sorted(groups.items(), key=lambda item: (
-            item[0][:2], list(triton.KERNEL_ARGS).index(item[0][2]))):
+            item[0][:2], list(triton_launch.KERNEL_ARGS).index(item[0][2]))):
         ok = [r for r in group if "error" not in r]
         rows.append([variant, f"sm_{capability}", kernel, len(group), len(group) - len(ok),
                      sum(r["spill_bytes"] > 0 for r in ok), sum(not r["tensor_core"] for r in ok),
                      sum(not r["fits_shared"] for r in ok), sum(r.get("blocks_per_sm", 1) == 0 for r in ok),
-                     sum(r.get("tmem", 0) > triton.TMEM_COLUMNS for r in ok),
-                     sum(triton.ruled_out(r, capability) is not None for r in group)])
+                     sum(r.get("tmem", 0) > triton_compile.TMEM_COLUMNS for r in ok),
+                     sum(triton_compile.ruled_out(r, capability) is not None for r in group)])
     return table(["variant", "target", "kernel", "points", "errors", "spill", "no tensor core", "over shared",
                   "0 blocks/SM", "tmem > 512", "ruled out"], rows)
 
@@ -154,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     targets = args.targets.split(",")
     for target in targets:
-        if not re.fullmatch(r"sm_\d{2,3}", target) or int(target[3:]) not in triton.SHARED_MEMORY_BYTES:
-            raise SystemExit(f"--targets takes sm_XX of {sorted(triton.SHARED_MEMORY_BYTES)}, got {target!r}")
+        if not re.fullmatch(r"sm_\d{2,3}", target) or int(target[3:]) not in triton_compile.SHARED_MEMORY_BYTES:
+            raise SystemExit(f"--targets takes sm_XX of {sorted(triton_compile.SHARED_MEMORY_BYTES)}, got {target!r}")
     out = Path(args.out or RESULTS / f"triton_resources-{'-'.join(targets)}-{datetime.date.today()}.jsonl")
     records = [json.loads(line) for line in out.read_text().splitlines() if line.strip()] if out.exists() else []
     if args.summary:

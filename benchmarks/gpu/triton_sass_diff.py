@@ -5,7 +5,7 @@ revision and from the working tree, side by side (issue 31: each kernel change's
                                               [--tiles fwd=128x64,dkv=64x64,dq=64x64] [--warps 8] [--stages 2]
                                               [--target sm_90] [--local-len 4096] [--heads 16]
 
-For each kernel, prints the resources of `tuner.kernels.triton.resources` (registers, stack bytes, shared
+For each kernel, prints the resources of `tuner.kernels.triton_compile.resources` (registers, stack bytes, shared
 memory, MMA family) and the count of a few SASS opcodes in the whole kernel: the float32 multiplies and
 fused multiply-adds (FMUL, FFMA), the special-function unit's exponentials (MUFU.EX2) and the matrix
 instructions, for both templates.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from tuner.kernels import codegen, triton
+from tuner.kernels import codegen, triton_compile, triton_launch
 from tuner.semantics.spec import LocalShapes
 from tuner.support.tables import table
 
@@ -37,11 +37,11 @@ OPCODES = ("FMUL", "FFMA", "FADD", "MUFU.EX2", "HMMA", "HGMMA", "UTCHMMA")
 def sass_counts(source: codegen.Variant, kernel: str, constants: dict, warps: int, stages: int,
                 capability: int) -> Counter:
     """Opcode counts (the mnemonic with its first modifier) of the kernel's SASS."""
-    compiled = triton._compiled(source, kernel, tuple(sorted(constants.items())), warps, stages, capability)
+    compiled = triton_compile._compiled(source, kernel, tuple(sorted(constants.items())), warps, stages, capability)
     with tempfile.TemporaryDirectory() as folder:
         cubin = Path(folder) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
-        sass = subprocess.run([triton._tool("cuobjdump"), "-sass", str(cubin)], capture_output=True,
+        sass = subprocess.run([triton_compile._tool("cuobjdump"), "-sass", str(cubin)], capture_output=True,
                               text=True).stdout
     counts = Counter()
     for opcode in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+(?:\.[A-Z0-9]+)?)", sass):
@@ -67,20 +67,20 @@ def main(argv: list[str] | None = None) -> int:
     capability = int(args.target[3:])
     tiles = {part: tuple(int(t) for t in size.split("x")) for part, size in
              (item.split("=") for item in args.tiles.split(","))}
-    old = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.rev}:templates/triton/{triton.TEMPLATE}"],
+    old = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.rev}:templates/triton/{triton_launch.TEMPLATE}"],
                          capture_output=True, text=True, check=True).stdout
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / "triton").mkdir()
-        (Path(folder) / "triton" / triton.TEMPLATE).write_text(old)
+        (Path(folder) / "triton" / triton_launch.TEMPLATE).write_text(old)
         for label, templates in ((args.rev, Path(folder)), ("working tree", codegen.TEMPLATES)):
             codegen.TEMPLATES = templates
-            triton._compiled.cache_clear()  # its key is the variant's features, the same for both templates
-            source = triton.variant(spec, jnp.dtype(dtype), head_dim, value_head_dim)
+            triton_compile._compiled.cache_clear()  # its key is the variant's features, the same for both templates
+            source = triton_launch.variant(spec, jnp.dtype(dtype), head_dim, value_head_dim)
             for part, (block_q, block_kv) in tiles.items():
                 kernel = f"attention_{part}"
-                constants = triton.launch_constants(shapes, spec, block_q, block_kv)
-                report = triton.resources(source, kernel, constants, num_warps=args.warps,
+                constants = triton_launch.launch_constants(shapes, spec, block_q, block_kv)
+                report = triton_compile.resources(source, kernel, constants, num_warps=args.warps,
                                           num_stages=args.stages, capability=capability)
                 counts = sass_counts(source, kernel, constants, args.warps, args.stages, capability)
                 rows.append([label, kernel, f"{block_q}x{block_kv}", report["registers"], report["spill_bytes"],

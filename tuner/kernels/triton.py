@@ -35,10 +35,6 @@ from tuner.semantics.spec import AttentionSpec, LocalShapes
 from tuner.support.targets import compile_target
 from tuner.support.tables import error_line
 
-# The GPU scripts under benchmarks/ still read these here; they live in `triton_compile` and `triton_launch`.
-from tuner.kernels.triton_compile import SHARED_MEMORY_BYTES, TMEM_COLUMNS, _compiled, _tool  # noqa: F401
-from tuner.kernels.triton_launch import KERNEL_ARGS  # noqa: F401
-
 TILES = (16, 32, 64, 128)
 WARPS = (1, 2, 4, 8, 16)
 WIDTHS = (64, 128, 256)  # the head-dim classes of `DEFAULTS`: up to 64, up to 128, over 128
