@@ -83,7 +83,7 @@ def test_harness_checks_and_times_every_objective_on_the_cpu(tmp_path, capsys):
     assert result["unavailable"] == {"cudnn": "cuDNN needs a CUDA GPU"}
     assert len(result["checks"]) == 2
     for check in result["checks"]:
-        assert set(check["errors"]) == {"ring", "xla"}
+        assert set(check["errors"]) == {"ring", "ring_cudnn", "ring_cudnn_shard", "xla"}  # cudnn: the XLA twin
         for errors in check["errors"].values():
             assert set(errors) == {"out", "dq", "dk", "dv"} and max(errors.values()) < 2e-2
     rows = result["rows"]
@@ -92,7 +92,7 @@ def test_harness_checks_and_times_every_objective_on_the_cpu(tmp_path, capsys):
     for row in rows:
         assert (row["batch"], row["seq_len"], row["heads"], row["head_dim"]) == (2, 32, 2, 16)
         assert row["flops"] == attention_flops(2, 2, 32, 32, 16, causal=row["causal"], objective=row["objective"])
-        for name in ("ring", "xla"):
+        for name in ("ring", "ring_cudnn", "ring_cudnn_shard", "xla"):
             assert row[name]["median_s"] > 0 and row[name]["runs"] == 1
             assert row[name]["tflops"] == pytest.approx(row["flops"] / row[name]["median_s"] / 1e12)
         assert "cudnn" not in row and "ratio_vs_cudnn" not in row
@@ -147,6 +147,17 @@ def test_targets_are_checked_at_d128_from_4k_tokens():
     checks = bench.target_checks(rows)
     assert [(c["objective"], c["seq_len"], c["target"], c["met"]) for c in checks] == [
         ("fwd", 4096, 0.6, True), ("bwd", 8192, 0.5, False)]
+
+
+def test_the_cudnn_engine_s_targets_take_the_faster_of_its_two_chunkings():
+    bench = load_benchmark()
+    base = {"batch": 4, "heads": 16, "head_dim": 128, "causal": True, "seq_len": 4096}
+    rows = [{**base, "objective": "fwd", "ring_cudnn_vs_cudnn": 0.7, "ring_cudnn_shard_vs_cudnn": 0.95},
+            {**base, "objective": "bwd", "ring_cudnn_vs_cudnn": 0.8},
+            {**base, "seq_len": 2048, "objective": "bwd", "ring_cudnn_vs_cudnn": 0.1}]
+    checks = bench.target_checks(rows)
+    assert [(c["objective"], c["of"], c["target"], c["met"]) for c in checks] == [
+        ("fwd", "ring_cudnn_shard", 0.9, True), ("bwd", "ring_cudnn", 0.85, False)]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -19,6 +19,8 @@ dims 64 and 128, S from 1k to 16k, causal and not, bfloat16. For each point it
 
 Implementations: `ring` is `tuner.ring_attention(backend="triton")` with `axis_name=None` (a ring of
 one device: the generated kernels plus the driver's float32 bookkeeping) at the backend's default tiles;
+`ring_cudnn` the same ring with the cudnn engine (`backend="cudnn"`, its default chunks: half the shard
+under a mask), `ring_cudnn_shard` with the whole shard as one chunk (one cuDNN call a block);
 with `--tuned DB`, `tuned` is the same ring at the tiles that `tuner search --device gpu` stored in DB for
 the point on this device (a point without such a row is said so and times `ring` alone); `cudnn` and `xla`
 are `jax.nn.dot_product_attention` with that implementation. An implementation that cannot run a point
@@ -26,7 +28,10 @@ are `jax.nn.dot_product_attention` with that implementation. An implementation t
 
 TFLOP/s count forward 4*B*H*S^2*D, half when causal, backward 2.5x that (`tuner.tuning.timing.attention_flops`).
 The targets of issue 3 are checked and printed: at D=128 and S >= 4k, forward >= 0.6x and backward
->= 0.5x cuDNN's time-based throughput (of `tuned` where it ran, else of `ring`). JSON goes to `--out` (default
+>= 0.5x cuDNN's time-based throughput (of `tuned` where it ran, else of `ring`); and issue 57's, of the
+faster of the two cudnn-engine rings: forward >= 0.9x and backward >= 0.85x. `--implementations` picks
+some, `--dtype float32` checks in float32 (cuDNN refuses it: recorded), `--group G` gives the keys and
+values H/G heads (grouped-query attention), `--check-only` checks without timing. JSON goes to `--out` (default
 benchmarks/gpu/results/gpu_attention-<device>-<date>.json).
 """
 
@@ -56,8 +61,10 @@ from tuner.support.tables import error_line
 from tuner.tuning.timing import Timing, attention_flops, compile_timed, run_interleaved, warmup_seconds_on
 
 OBJECTIVES = ("fwd", "bwd", "fwd+bwd")
-IMPLEMENTATIONS = ("tuned", "ring", "cudnn", "xla")
+IMPLEMENTATIONS = ("tuned", "ring", "ring_cudnn", "ring_cudnn_shard", "cudnn", "xla")
+ENGINES = ("ring_cudnn", "ring_cudnn_shard")  # the ring over the cudnn engine, two chunkings
 TARGETS = {"fwd": 0.6, "bwd": 0.5}  # of cuDNN's throughput, at D=128 and S >= TARGET_MIN_SEQ
+ENGINE_TARGETS = {"fwd": 0.9, "bwd": 0.85}  # of cuDNN's, for the faster of the ENGINES
 TARGET_MIN_SEQ = 4096
 CHECK_HEADS = 2  # heads of the first batch row that the correctness check compares
 
@@ -70,6 +77,14 @@ def attention_fn(implementation: str, causal: bool, interpret: bool,
         fwd, bwd = params if implementation == "tuned" else (None, None)
         return lambda q, k, v: ring_attention(q, k, v, causal=causal, backend="triton", interpret=interpret,
                                               fwd_params=fwd, bwd_params=bwd)
+    if implementation in ENGINES:
+        def engine(q, k, v):
+            shard = q.shape[1]
+            whole = implementation == "ring_cudnn_shard"
+            return ring_attention(q, k, v, causal=causal, backend="cudnn", interpret=interpret,
+                                  fwd_params=FwdParams(shard, shard) if whole else None,
+                                  bwd_params=BwdParams(shard, shard) if whole else None)
+        return engine
     return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
 
 
@@ -96,10 +111,13 @@ def bwd_inputs(fn: Callable, sets: list[tuple]) -> list[tuple]:
     return [(forward(q, k, v)[1], g) for q, k, v, g in sets]
 
 
-def draw_sets(shape: tuple[int, ...], count: int, seed: int, dtype) -> list[tuple]:
-    """`count` sets of (q, k, v, cotangent), standard normal (never zeros), on the default device."""
+def draw_sets(shape: tuple[int, ...], count: int, seed: int, dtype, group: int = 1) -> list[tuple]:
+    """`count` sets of (q, k, v, cotangent), standard normal (never zeros), on the default device; keys and
+    values with a `group`-th of the heads."""
     rng = np.random.default_rng(seed)
-    return [tuple(jnp.asarray(rng.standard_normal(shape, dtype=np.float32), dtype) for _ in range(4))
+    b, s, h, d = shape
+    shapes = (shape, (b, s, h // group, d), (b, s, h // group, d), shape)
+    return [tuple(jnp.asarray(rng.standard_normal(each, dtype=np.float32), dtype) for each in shapes)
             for _ in range(count)]
 
 
@@ -157,6 +175,8 @@ def unavailable(implementation: str, interpret: bool) -> str | None:
         return "cuDNN needs a CUDA GPU"
     if implementation == "ring":
         return BACKENDS["triton"].unavailable_reason(interpret)
+    if implementation in ENGINES:
+        return BACKENDS["cudnn"].unavailable_reason(interpret)
     return None
 
 
@@ -213,6 +233,14 @@ def target_checks(rows: list[dict]) -> list[dict]:
             continue
         checks.append({"objective": row["objective"], "seq_len": row["seq_len"], "causal": row["causal"],
                        "of": of, "ratio_vs_cudnn": ratio, "target": want, "met": ratio >= want})
+    for row in rows:
+        want = ENGINE_TARGETS.get(row["objective"])
+        ratios = {name: row[f"{name}_vs_cudnn"] for name in ENGINES if f"{name}_vs_cudnn" in row}
+        if want is None or row["head_dim"] != 128 or row["seq_len"] < TARGET_MIN_SEQ or not ratios:
+            continue
+        of = max(ratios, key=ratios.get)
+        checks.append({"objective": row["objective"], "seq_len": row["seq_len"], "causal": row["causal"],
+                       "of": of, "ratio_vs_cudnn": ratios[of], "target": want, "met": ratios[of] >= want})
     return checks
 
 
@@ -234,6 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tuned", metavar="DB",
                         help="cache file of a `tuner search --device gpu` run: also time its tiles per point")
     parser.add_argument("--out", help="JSON path (default benchmarks/gpu/results/gpu_attention-<device>-<date>.json)")
+    parser.add_argument("--implementations", default=",".join(IMPLEMENTATIONS),
+                        help=f"which of {', '.join(IMPLEMENTATIONS)} (default all that run here)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--group", type=int, default=1, help="query heads per key/value head (default 1)")
+    parser.add_argument("--check-only", action="store_true", help="check every implementation, time none")
     args = parser.parse_args(argv)
 
     objectives = [o.strip() for o in args.objectives.split(",") if o.strip()]
@@ -244,6 +277,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    wanted = [n.strip() for n in args.implementations.split(",") if n.strip()]
+    if bad := [n for n in wanted if n not in IMPLEMENTATIONS]:
+        parser.error(f"--implementations: unknown {', '.join(bad)} (choose from {', '.join(IMPLEMENTATIONS)})")
+    if "ring" not in wanted:
+        parser.error("--implementations must include ring: the Triton ring is what every row is checked beside")
+    if args.group < 1 or any((args.hidden // d) % args.group for d in parse_ints(args.head_dims, "--head-dims")):
+        parser.error(f"--group {args.group} must divide the heads of every point (--hidden / head dim)")
     gpu = any(d.platform == "gpu" for d in jax.devices())
     if not gpu and not args.interpret:
         print(f"error: no CUDA GPU visible to jax (platforms: {sorted({d.platform for d in jax.devices()})}); run "
@@ -253,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     points = grid(args.tokens, args.hidden, parse_ints(args.head_dims, "--head-dims"),
                   parse_ints(args.seq_lens, "--seq-lens"))
     causals = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
-    skipped = {name: why for name in IMPLEMENTATIONS if (why := unavailable(name, args.interpret))}
+    skipped = {name: why for name in wanted if (why := unavailable(name, args.interpret))}
     if args.tuned is not None and not Path(args.tuned).is_file():
         parser.error(f"--tuned: no cache file at {args.tuned}")
     cache = Cache(args.tuned) if args.tuned else None
@@ -269,18 +309,19 @@ def main(argv: list[str] | None = None) -> int:
               "triton": _version("triton"),
               "command": " ".join(["python", "benchmarks/gpu/gpu_attention.py",
                                    *(sys.argv[1:] if argv is None else argv)]),
-              "dtype": "bfloat16", "interpret": args.interpret, "runs": args.runs, "calls": args.calls,
+              "dtype": args.dtype, "group": args.group, "interpret": args.interpret, "runs": args.runs,
+              "calls": args.calls,
               "unavailable": skipped, "tuned_from": args.tuned, "tuned": [], "rows": [], "checks": []}
-    names = [name for name in IMPLEMENTATIONS if name not in skipped and (name != "tuned" or cache is not None)]
+    names = [name for name in wanted if name not in skipped and (name != "tuned" or cache is not None)]
     header = (f"{'D':>4} {'S':>6} {'B':>3} {'H':>3} {'causal':>6} {'objective':>8} "
-              + "".join(f"{name + ' ms':>11} {'TFLOP/s':>8}" for name in names) + f" {'ring/cudnn':>10}"
-              + (f" {'tuned/cudnn':>11} {'tuned/ring':>10}" if "tuned" in names else ""))
-    print(f"device: {device}; bfloat16; {args.runs} runs x {args.calls} calls, medians")
+              + "".join(f" {name + ' ms':>{_width(name)}} {'TFLOP/s':>8}" for name in names)
+              + "".join(f" {label:>{width}}" for _, label, width in _ratios(names)))
+    print(f"device: {device}; {args.dtype}; {args.runs} runs x {args.calls} calls, medians")
     print(header)
     failed = False
     for point in points:
         b, s, h, d = point["batch"], point["seq_len"], point["heads"], point["head_dim"]
-        sets = draw_sets((b, s, h, d), 3, seed=s * d, dtype=jnp.bfloat16)
+        sets = draw_sets((b, s, h, d), 3, seed=s * d, dtype=jnp.dtype(args.dtype), group=args.group)
         for causal in causals:
             params = tuned_params(cache, point, causal) if cache is not None else None
             if cache is not None and params is None:
@@ -291,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
             if params is not None:
                 result["tuned"].append({**point, "causal": causal, "fwd": params[0].to_dict(),
                                         "bwd": params[1].to_dict()})
-            errors = check(fns, causal, *[x[:1, :, :CHECK_HEADS] for x in sets[0]])
+            heads = [CHECK_HEADS * args.group, CHECK_HEADS, CHECK_HEADS, CHECK_HEADS * args.group]  # GQA kept
+            errors = check(fns, causal, *[x[:1, :, :n] for x, n in zip(sets[0], heads)])
             result["checks"].append({**point, "causal": causal, "errors": errors})
             # An implementation that cannot run the point is left out of its timings; one that runs
             # and is wrong fails the point, and the ring raising fails it too.
@@ -303,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr)
                 continue
             fns = {name: fn for name, fn in fns.items() if isinstance(errors[name], dict)}
-            for objective in objectives:
+            for objective in [] if args.check_only else objectives:
                 timings, run_errors = time_point(fns, sets, objective, runs=args.runs, calls=args.calls,
                                                  warmup=args.warmup)
                 flops = attention_flops(b, h, s, s, d, causal=causal, objective=objective)
@@ -315,22 +357,43 @@ def main(argv: list[str] | None = None) -> int:
                         row[name] = {"error": run_errors.get(name) or errors[name]}
                 if "median_s" in row.get("ring", {}) and "median_s" in row.get("cudnn", {}):
                     row["ratio_vs_cudnn"] = row["cudnn"]["median_s"] / row["ring"]["median_s"]
+                for name in ENGINES:
+                    if "median_s" in row.get(name, {}) and "median_s" in row.get("cudnn", {}):
+                        row[f"{name}_vs_cudnn"] = row["cudnn"]["median_s"] / row[name]["median_s"]
                 if "median_s" in row.get("tuned", {}):
                     for other, field in (("cudnn", "tuned_vs_cudnn"), ("ring", "tuned_vs_ring")):
                         if "median_s" in row.get(other, {}):
                             row[field] = row[other]["median_s"] / row["tuned"]["median_s"]
                 result["rows"].append(row)
                 print(_table_row(row, names), flush=True)
+                _write(out_path, result)  # so far: a run stopped by a time limit keeps its rows
+        _write(out_path, result)
     result["targets"] = target_checks(result["rows"])
     for target in result["targets"]:
         print(f"target {target['objective']:>3} D=128 S={target['seq_len']:>5} causal={target['causal']!s:5} "
               f"({target['of']}): "
               f"{target['ratio_vs_cudnn']:.2f}x cuDNN (target {target['target']}x) "
               f"{'met' if target['met'] else 'NOT met'}")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=2) + "\n")
+    _write(out_path, result)
     print(f"wrote {out_path}")
     return 1 if failed else 0
+
+
+def _write(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _width(name: str) -> int:
+    return max(10, len(name) + 3)
+
+
+def _ratios(names: list[str]) -> list[tuple[str, str, int]]:
+    """(row field, column label, width) of the ratio columns for these implementations."""
+    ratios = [("ratio_vs_cudnn", "ring/cudnn")]
+    ratios += [(f"{name}_vs_cudnn", f"{name}/cudnn") for name in ENGINES if name in names]
+    ratios += [("tuned_vs_cudnn", "tuned/cudnn"), ("tuned_vs_ring", "tuned/ring")] if "tuned" in names else []
+    return [(field, label, len(label) + 1) for field, label in ratios]
 
 
 def _table_row(row: dict, names: list[str]) -> str:
@@ -338,11 +401,11 @@ def _table_row(row: dict, names: list[str]) -> str:
     for name in names:
         entry = row.get(name)
         if entry is None or "error" in entry:
-            cells.append(f"{'-':>11} {'-':>8}")
+            cells.append(f" {'-':>{_width(name)}} {'-':>8}")
         else:
-            cells.append(f"{entry['median_s'] * 1e3:>11.3f} {entry['tflops']:>8.1f}")
-    ratios = [("ratio_vs_cudnn", 10)] + ([("tuned_vs_cudnn", 11), ("tuned_vs_ring", 10)] if "tuned" in names else [])
-    text = "".join(f" {(f'{row[field]:.2f}x' if field in row else '-'):>{width}}" for field, width in ratios)
+            cells.append(f" {entry['median_s'] * 1e3:>{_width(name)}.3f} {entry['tflops']:>8.1f}")
+    text = "".join(f" {(f'{row[field]:.2f}x' if field in row else '-'):>{width}}"
+                   for field, _, width in _ratios(names))
     return (f"{row['head_dim']:>4} {row['seq_len']:>6} {row['batch']:>3} {row['heads']:>3} {row['causal']!s:>6} "
             f"{row['objective']:>8} " + "".join(cells) + text)
 

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# One GPU session in one command: everything it measures goes under OUT (docs/cudnn.md, "On a GPU").
+#
+#   bash benchmarks/gpu/gpu_session.sh OUT              # on an H100 or H200: within 8 minutes
+#   bash benchmarks/gpu/gpu_session.sh OUT --dry-run    # on a CPU: the same steps, interpreters and the
+#                                                       # cudnn kernel's XLA twin, small sizes
+#
+# What it writes:
+#   OUT/environment.json     GPU, jax, jaxlib and its extension version, cuDNN, triton, the cudnn binding
+#   OUT/check-float32.json   the Triton ring and the cudnn-engine ring against XLA, forward and gradients,
+#   OUT/check-bfloat16.json  causal and not, grouped-query heads (cuDNN refuses float32: recorded)
+#   OUT/timings.json         a ring of one device with each engine against
+#                            jax.nn.dot_product_attention(implementation="cudnn"), head dim 128, 4k and
+#                            16k tokens, causal and not, forward and backward, interleaved, medians
+#   OUT/session.log          what each step printed; OUT/steps.txt each step's exit status
+#
+# Each step has its own time limit (they add up to 8 minutes), so a stuck step leaves the others'
+# results; timings.json is written row by row. The exit status is that of the first step that failed.
+set -uo pipefail
+
+usage() {
+    echo "usage: bash benchmarks/gpu/gpu_session.sh OUT [--dry-run]" >&2
+    exit 2
+}
+[ $# -ge 1 ] || usage
+OUT=$1
+shift
+DRY=0
+for arg in "$@"; do
+    case $arg in
+        --dry-run) DRY=1 ;;
+        *) usage ;;
+    esac
+done
+cd "$(dirname "$0")/../.."
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+: > "$OUT/session.log"
+: > "$OUT/steps.txt"
+
+BENCH=(python benchmarks/gpu/gpu_attention.py)
+if [ "$DRY" = 1 ]; then
+    export JAX_PLATFORMS=cpu
+    CHECK=(--interpret --tokens 64 --hidden 64 --head-dims 16 --seq-lens 64 --group 2)
+    TIME=(--interpret --tokens 64 --hidden 64 --head-dims 16 --seq-lens 64 --runs 2 --calls 1 --warmup 0)
+    LIMITS=(60 120 120 180)
+else
+    CHECK=(--tokens 2048 --hidden 2048 --head-dims 128 --seq-lens 1024 --group 4)
+    TIME=(--tokens 16384 --hidden 2048 --head-dims 128 --seq-lens 4096,16384 --runs 7 --calls 3)
+    LIMITS=(30 90 90 270)
+fi
+
+status=0
+step() {  # step NAME LIMIT COMMAND...: run it under its time limit, log it, keep its exit status
+    local name=$1 limit=$2 start rc
+    shift 2
+    echo "== $name (limit ${limit}s): $*" >> "$OUT/session.log"
+    start=$(date +%s)
+    timeout "$limit" "$@" >> "$OUT/session.log" 2>&1
+    rc=$?
+    echo "== $name: exit $rc after $(( $(date +%s) - start ))s" >> "$OUT/session.log"
+    echo "$name $rc" >> "$OUT/steps.txt"
+    if [ "$rc" != 0 ] && [ "$status" = 0 ]; then
+        status=$rc
+    fi
+}
+
+step environment "${LIMITS[0]}" sh -c "python benchmarks/gpu/environment.py > '$OUT/environment.json'"
+for dtype in float32 bfloat16; do
+    step "check-$dtype" "${LIMITS[1]}" "${BENCH[@]}" "${CHECK[@]}" --dtype "$dtype" --check-only \
+        --implementations ring,ring_cudnn,cudnn,xla --out "$OUT/check-$dtype.json"
+done
+step timings "${LIMITS[3]}" "${BENCH[@]}" "${TIME[@]}" --objectives fwd,bwd \
+    --implementations ring,ring_cudnn,ring_cudnn_shard,cudnn --out "$OUT/timings.json"
+
+cat "$OUT/steps.txt"
+exit "$status"

@@ -1,0 +1,50 @@
+"""The GPU session's one command, rehearsed on the CPU (`--dry-run`): every step runs and writes what a
+GPU session writes, with the Triton kernels in their interpreter and the cudnn kernel on its XLA twin."""
+
+import importlib.util
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SESSION = ROOT / "benchmarks" / "gpu" / "gpu_session.sh"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None,
+                    reason="the dry run interprets the Triton kernels: pip install -e '.[test]'")
+def test_the_dry_run_writes_every_file_a_gpu_session_writes(tmp_path):
+    out = tmp_path / "session"
+    run = subprocess.run(["bash", str(SESSION), str(out), "--dry-run"], capture_output=True, text=True, timeout=600)
+    log = (out / "session.log").read_text() if (out / "session.log").exists() else ""
+    assert run.returncode == 0, f"{run.stdout}\n{run.stderr}\n{log[-3000:]}"
+    steps = dict(line.split() for line in (out / "steps.txt").read_text().splitlines())
+    assert steps == {"environment": "0", "check-float32": "0", "check-bfloat16": "0", "timings": "0"}, steps
+
+    environment = json.loads((out / "environment.json").read_text())
+    assert environment["jax"] and environment["jaxlib_extension_version"] and environment["cudnn_binding"] == "bound"
+
+    for dtype, bound in (("float32", 1e-5), ("bfloat16", 2e-2)):
+        checked = json.loads((out / f"check-{dtype}.json").read_text())
+        assert checked["dtype"] == dtype and checked["group"] == 2 and checked["rows"] == []
+        assert {c["causal"] for c in checked["checks"]} == {False, True}
+        for point in checked["checks"]:
+            errors = point["errors"]
+            assert max(errors["ring"].values()) <= bound, errors
+            if dtype == "float32":
+                assert "does not support dtype float32" in errors["ring_cudnn"], errors
+            else:
+                assert max(errors["ring_cudnn"].values()) <= bound, errors
+        assert "cudnn" in checked["unavailable"]  # jax.nn's cuDNN: no GPU here
+
+    timings = json.loads((out / "timings.json").read_text())
+    assert {(r["causal"], r["objective"]) for r in timings["rows"]} == {
+        (causal, objective) for causal in (False, True) for objective in ("fwd", "bwd")}
+    for row in timings["rows"]:
+        assert all(row[name]["median_s"] > 0 for name in ("ring", "ring_cudnn", "ring_cudnn_shard")), row
+
+
+def test_without_an_output_folder_it_says_how_to_call_it():
+    run = subprocess.run(["bash", str(SESSION)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "usage: bash benchmarks/gpu/gpu_session.sh OUT [--dry-run]" in run.stderr
