@@ -31,6 +31,7 @@ def test_the_dry_run_writes_every_file_a_gpu_session_writes(tmp_path):
         assert {c["causal"] for c in checked["checks"]} == {False, True}
         for point in checked["checks"]:
             errors = point["errors"]
+            assert all(point["same_bits_twice"].values()) and "ring" in point["same_bits_twice"], point
             assert max(errors["ring"].values()) <= bound, errors
             if dtype == "float32":
                 assert "does not support dtype float32" in errors["ring_cudnn"], errors

@@ -11,7 +11,8 @@ dims 64 and 128, S from 1k to 16k, causal and not, bfloat16. For each point it
 
 1. checks every implementation on two heads of the first batch row against XLA attention on float32
    copies of the same inputs (output and dq/dk/dv of a random projection; relative Frobenius error), and stops with
-   exit status 1 if one is off by more than `--max-error`;
+   exit status 1 if one is off by more than `--max-error`; it records whether a second run of the same
+   compiled check gave the same bits (`same_bits_twice`: determinism, docs/determinism.md);
 2. times forward, backward alone (the vjp of saved residuals, applied to a fixed cotangent) and both
    (value and gradient), each implementation interleaved with the others in the same runs, each call
    on one of three rotating input sets (together larger than the GPU's L2), `--calls` calls per run
@@ -128,10 +129,11 @@ def rel_err(got, want) -> float:
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
-def check(fns: dict[str, Callable], causal: bool, q, k, v, g) -> dict[str, dict[str, float] | str]:
+def check(fns: dict[str, Callable], causal: bool, q, k, v, g
+          ) -> tuple[dict[str, dict[str, float] | str], dict[str, bool]]:
     """Per implementation, the errors of its output and gradients against XLA on float32 copies of
     the same inputs (pass a slice: the float32 reference materializes the [B, H, S, S] logits), or
-    the error it raised."""
+    the error it raised; and whether a second run of the same compiled function gave the same bits."""
     def value_and_grads(fn, *args):
         out, vjp = jax.vjp(fn, *args[:3])
         return (out, *vjp(args[3]))
@@ -139,14 +141,17 @@ def check(fns: dict[str, Callable], causal: bool, q, k, v, g) -> dict[str, dict[
     f32 = [x.astype(jnp.float32) for x in (q, k, v, g)]
     want = jax.jit(lambda *a: value_and_grads(attention_fn("xla", causal, False), *a))(*f32)
     errors: dict[str, dict[str, float] | str] = {}
+    repeats: dict[str, bool] = {}
     for name, fn in fns.items():
         try:
-            got = jax.jit(lambda *a, fn=fn: value_and_grads(fn, *a))(q, k, v, g)
+            run = jax.jit(lambda *a, fn=fn: value_and_grads(fn, *a))
+            got, again = run(q, k, v, g), run(q, k, v, g)
         except Exception as error:  # noqa: BLE001 - recorded; the caller decides what it means
             errors[name] = error_line(error)
             continue
         errors[name] = {label: rel_err(x, w) for label, x, w in zip(("out", "dq", "dk", "dv"), got, want)}
-    return errors
+        repeats[name] = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, again))
+    return errors, repeats
 
 
 def time_point(fns: dict[str, Callable], sets: list[tuple], objective: str, *, runs: int, calls: int,
@@ -333,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
                 result["tuned"].append({**point, "causal": causal, "fwd": params[0].to_dict(),
                                         "bwd": params[1].to_dict()})
             heads = [CHECK_HEADS * args.group, CHECK_HEADS, CHECK_HEADS, CHECK_HEADS * args.group]  # GQA kept
-            errors = check(fns, causal, *[x[:1, :, :n] for x, n in zip(sets[0], heads)])
-            result["checks"].append({**point, "causal": causal, "errors": errors})
+            errors, repeats = check(fns, causal, *[x[:1, :, :n] for x, n in zip(sets[0], heads)])
+            result["checks"].append({**point, "causal": causal, "errors": errors, "same_bits_twice": repeats})
             # An implementation that cannot run the point is left out of its timings; one that runs
             # and is wrong fails the point, and the ring raising fails it too.
             wrong = {name: e for name, e in errors.items()
