@@ -41,8 +41,8 @@ OUT=$(cd "$OUT" && pwd)
 BENCH=(python benchmarks/gpu/gpu_attention.py)
 if [ "$DRY" = 1 ]; then
     export JAX_PLATFORMS=cpu
-    CHECK=(--interpret --tokens 64 --hidden 64 --head-dims 16 --seq-lens 64 --group 2)
-    TIME=(--interpret --tokens 64 --hidden 64 --head-dims 16 --seq-lens 64 --runs 2 --calls 1 --warmup 0)
+    CHECK=(--interpret --tokens 32 --hidden 64 --head-dims 16 --seq-lens 32 --group 2)
+    TIME=(--interpret --tokens 32 --hidden 64 --head-dims 16 --seq-lens 32 --runs 1 --calls 1 --warmup 0)
     LIMITS=(60 120 120 180)
 else
     CHECK=(--tokens 2048 --hidden 2048 --head-dims 128 --seq-lens 1024 --group 4)

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import jax.numpy as jnp
+
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.semantics.spec import AttentionSpec, LocalShapes
 
@@ -125,3 +127,15 @@ def reject_settings(backend: str, fwd: FwdParams, bwd: BwdParams, *, launch: boo
     if not compute_slice and fwd.block_kv_compute is not None:
         raise ValueError(f"fwd_params.block_kv_compute is a TPU kernel setting that the {backend} backend "
                          f"cannot honour; leave it None")
+
+
+def merge(out, lse, block_out, block_lse):
+    """Two partial softmaxes of the same queries combined exactly, in float32: normalized outputs
+    `[B, T, H, Dv]` and their lse `[B, H, T]` (what `block_fwd` returns; -inf for rows that read nothing)."""
+    new_lse = jnp.logaddexp(lse, block_lse)
+    safe = jnp.where(new_lse == -jnp.inf, 0.0, new_lse)
+
+    def weight(x):
+        return jnp.swapaxes(jnp.exp(x - safe), 1, 2)[..., None]  # [B,H,Tq] -> [B,Tq,H,1]
+
+    return weight(lse) * out + weight(block_lse) * block_out, new_lse

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from tuner.kernels import cudnn_engine, scan_kernel
-from tuner.kernels.base import SearchSpace, reject_settings, source_hash
+from tuner.kernels.base import SearchSpace, merge, reject_settings, source_hash
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.semantics import masks
 from tuner.semantics.spec import AttentionSpec, LocalShapes
@@ -89,17 +89,6 @@ def _chunks(x, size: int, axis: int = 1) -> list:
     return [lax.slice_in_dim(x, start, start + size, axis=axis) for start in range(0, x.shape[axis], size)]
 
 
-def _merge(out, lse, block_out, block_lse):
-    """Two partial softmaxes (normalized outputs `[B, T, H, D]`, lse `[B, H, T]`) combined, in float32."""
-    new = jnp.logaddexp(lse, block_lse)
-    safe = jnp.where(new == -jnp.inf, 0.0, new)
-
-    def weight(x):
-        return jnp.swapaxes(jnp.exp(x - safe), 1, 2)[..., None]
-
-    return weight(lse) * out + weight(block_lse) * block_out, new
-
-
 def forward(q, k, v, q_pos, kv_pos, *, spec: AttentionSpec, params: FwdParams, interpret: bool):
     """`(o, lse)` in float32 of one query block against one key block (the kernel contract)."""
     engine = cudnn_engine.engine(interpret)
@@ -128,7 +117,7 @@ def forward(q, k, v, q_pos, kv_pos, *, spec: AttentionSpec, params: FwdParams, i
     for q_, qp in zip(_chunks(q, size_q), _chunks(q_pos, size_q)):
         o, lse = (vma.like(x, q) for x in skip(q_, k, v, qp, kv_pos))
         for k_, v_, kp in zip(_chunks(k, size_kv), _chunks(v, size_kv), _chunks(kv_pos, size_kv)):
-            o, lse = _merge(o, lse, *_switch(_kind(spec, qp, kp), branches, q, q_, k_, v_, qp, kp))
+            o, lse = merge(o, lse, *_switch(_kind(spec, qp, kp), branches, q, q_, k_, v_, qp, kp))
         outs.append(o)
         lses.append(lse)
     return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=2)

@@ -33,7 +33,7 @@ from tuner.semantics import layouts, masks
 from tuner.support import ordering
 from tuner import registry
 from tuner.support import vma, work
-from tuner.kernels.base import Backend
+from tuner.kernels.base import Backend, merge
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.semantics.spec import AttentionSpec
 from tuner.support.targets import compile_target
@@ -111,17 +111,6 @@ def _add_bias_columns(dbias, block_dbias, source, kv_len: int):
     return lax.dynamic_update_slice_in_dim(dbias, current + block_dbias, source * kv_len, axis=-1)
 
 
-def _merge(out, lse, block_out, block_lse):
-    """Combine two partial softmaxes (normalized outputs and their lse) exactly, in float32."""
-    new_lse = jnp.logaddexp(lse, block_lse)
-    safe = jnp.where(new_lse == -jnp.inf, 0.0, new_lse)
-
-    def weight(x):
-        return jnp.swapaxes(jnp.exp(x - safe), 1, 2)[..., None]  # [B,H,Tq] -> [B,Tq,H,1]
-
-    return weight(lse) * out + weight(block_lse) * block_out, new_lse
-
-
 def _sink_lse(sinks):
     """logsumexp of each head's sinks, `[H]`, float32."""
     sinks = sinks.astype(F32)
@@ -156,7 +145,7 @@ def _forward(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks
             block_out, block_lse = backend.block_fwd(
                 q, k_, v_, q_pos, kv_pos_, q_seg, kv_seg_, _bias_columns(bias, source, kv_len),
                 spec=cfg.spec, params=cfg.fwd_params, interpret=cfg.interpret)
-            return _merge(*carry, block_out, block_lse)
+            return merge(*carry, block_out, block_lse)
 
         visits = _visits(cfg, ring_mask, step, size)
         if visits is None:
