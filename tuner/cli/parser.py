@@ -239,6 +239,17 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--db", default=None, help="cache file")
     info.set_defaults(run=verbs.run_info)
 
+    memory = commands.add_parser("memory", help="what one device holds for a problem: the compiler's count, the "
+                                                "ring's floor, the longest sequence a chip holds")
+    _add_problem(memory)
+    memory.add_argument("--target", default=None, metavar="TOPOLOGY",
+                        help="--device tpu without a TPU: compile for this topology (v5e:2x2, v6e:2x2, v5p:2x2x1, "
+                             "v4:2x2x1; needs libtpu)")
+    memory.add_argument("--objective", choices=("fwd", "fwd+bwd", "both"), default="both")
+    memory.add_argument("--headroom", type=float, default=0.2,
+                        help="the fraction of a chip's memory left for the rest of the model (default 0.2)")
+    memory.set_defaults(run=verbs.run_memory)
+
     demo = commands.add_parser("demo", help="run a ring on simulated CPU devices, check it, time it")
     demo.add_argument("--devices", type=int, default=4, help="ring size (simulated CPU devices)")
     demo.add_argument("--batch", type=int, default=1)

@@ -310,6 +310,49 @@ def run_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_memory(args: argparse.Namespace) -> int:
+    """`tuner memory`: one device's memory for a problem, compiled on the spot, beside the ring's floor."""
+    import dataclasses
+
+    from tuner.tuning import compiled, memory
+
+    if not 0 <= args.headroom < 1:
+        raise UsageError(f"--headroom must be a fraction from 0 to below 1, got {args.headroom}")
+    prepare_device(args)
+    if args.device == "tpu" and args.target is not None:
+        missing = compiled.libtpu_missing()
+        if missing:
+            raise UsageError(missing)
+        try:
+            devices = list(compiled.topology_mesh(args.target).devices.flat)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+        target = args.target
+    else:
+        import jax
+
+        if args.target is not None:
+            raise UsageError("--target compiles for a TPU topology: pass it with --device tpu")
+        devices = [d for d in jax.devices() if d.platform == args.device]
+        if not devices:
+            raise UsageError(f"no {args.device} device visible to jax: run this where one is, or, for a TPU, pass "
+                             f"--target TOPOLOGY (e.g. v5e:2x2) to compile for it here")
+        target = devices[0].device_kind
+    problem = problem_of(args)
+    if args.ring_size is None:
+        problem = dataclasses.replace(problem, ring_size=len(devices))
+    if problem.ring_size > len(devices):
+        raise UsageError(f"--ring-size {problem.ring_size}: {target} has {len(devices)} devices")
+    objectives = memory.OBJECTIVES if args.objective == "both" else (args.objective,)
+    try:
+        reports = [memory.compiled_memory(problem, devices[:problem.ring_size], target, objective, args.backend)
+                   for objective in objectives]
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    print(memory.render(reports, args.headroom))
+    return 0
+
+
 def run_demo(args: argparse.Namespace) -> int:
     """`tuner demo`: a ring on simulated CPU devices, checked and timed."""
     from tuner.cli.demo import demo
