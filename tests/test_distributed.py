@@ -169,10 +169,23 @@ def test_a_worker_killed_mid_trial_costs_that_trial_only(url, tmp_path):
         return next((t for t in trials if t.number >= 2 and t.state == optuna.trial.TrialState.RUNNING
                      and (config_digest(t.params), t.number) in claims), None)
 
-    killed = postgres.wait_for(victim, TIMEOUT_S)
+    def stopped_while_running() -> tuple[optuna.trial.FrozenTrial, int] | None:
+        """A victim's worker stopped (SIGSTOP) while the storage still shows its trial running, so that the
+        trial cannot finish between being seen and the kill; else the worker resumed, and None."""
+        trial = victim()
+        if trial is None:
+            return None
+        pid = int(trial.user_attrs["worker"].split(":")[1])
+        os.kill(pid, signal.SIGSTOP)
+        if the_study(url).get_trials()[trial.number].state == optuna.trial.TrialState.RUNNING:
+            return trial, pid
+        os.kill(pid, signal.SIGCONT)
+        return None
+
+    found = postgres.wait_for(stopped_while_running, TIMEOUT_S)
     engine.dispose()
-    assert killed is not None, "no trial was seen running"
-    pid = int(killed.user_attrs["worker"].split(":")[1])
+    assert found is not None, "no trial was seen running"
+    killed, pid = found
     os.kill(pid, signal.SIGKILL)
     survivors = [w for w in workers if w.pid != pid]
     outcomes = finish(survivors)
