@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import jax
 import pytest
@@ -30,7 +31,7 @@ def test_the_floor_counts_what_the_ring_holds():
 
 def test_the_bytes_a_token_hold_at_twice_the_length_and_the_longest_sequence_fits():
     devices = jax.devices()[:4]
-    reports = {t: memory.compiled_memory(memory.at_length(PROBLEM, t), devices, "cpu", "fwd+bwd")
+    reports = {t: memory.compiled_memory(replace(PROBLEM, seq_len=t), devices, "cpu", "fwd+bwd")
                for t in (4096, 8192)}
     short, long = reports[4096], reports[8192]
     assert short.implementation == "scan" and short.temp > short.floor_bytes > 0
@@ -38,7 +39,7 @@ def test_the_bytes_a_token_hold_at_twice_the_length_and_the_longest_sequence_fit
     budget, headroom = 64 * MIB, 0.25
     longest = short.longest(budget, headroom)
     assert longest % (4 * memory.TOKEN_MULTIPLE) == 0 and longest > 8192
-    at_longest = memory.compiled_memory(memory.at_length(PROBLEM, longest), devices, "cpu", "fwd+bwd")
+    at_longest = memory.compiled_memory(replace(PROBLEM, seq_len=longest), devices, "cpu", "fwd+bwd")
     held = at_longest.temp + at_longest.arguments + at_longest.outputs
     assert held <= budget * (1 - headroom) * 1.02, f"{held / MIB:.1f} MiB over the {budget * 0.75 / MIB:.0f} MiB"
     assert held >= budget * (1 - headroom) * 0.9, "the longest sequence should nearly fill the budget"
@@ -47,7 +48,7 @@ def test_the_bytes_a_token_hold_at_twice_the_length_and_the_longest_sequence_fit
 @pytest.mark.skipif(compiled.libtpu_missing() is not None, reason=str(compiled.libtpu_missing()))
 def test_the_tpu_compiler_s_count_for_the_pallas_ring():
     devices = list(compiled.topology_mesh("v5e:2x2").devices.flat)
-    problem = memory.at_length(PROBLEM, 32768)
+    problem = replace(PROBLEM, seq_len=32768)
     forward = memory.compiled_memory(problem, devices, "v5e:2x2", "fwd")
     assert forward.implementation == "pallas_tpu"
     assert forward.temp >= forward.floor_bytes  # the floor is a floor

@@ -37,8 +37,6 @@ TESTED_JAX = ("0.10.0", "0.11.2")  # the jax versions whose private module this 
 
 
 class Engine(Protocol):
-    name: str
-
     def forward(self, q, k, v, *, scale: float, causal: bool, window: int | None): ...
 
     def backward(self, q, k, v, o, lse, do, *, scale: float, causal: bool, window: int | None): ...
@@ -66,9 +64,8 @@ def private_module() -> tuple[Any, str | None]:
 class CudnnEngine:
     """cuDNN's flash attention through jax's primitives, layout `[B, T, N, H]`."""
 
-    name = "cudnn"
-
-    def _common(self, q, scale: float, causal: bool, window: int | None) -> tuple[Any, dict[str, Any]]:
+    def _common(self, q, scale: float, causal: bool, window: int | None) -> tuple[Any, tuple, dict[str, Any]]:
+        """(the bound module, the unused operands, the primitives' parameters)."""
         fa, reason = private_module()
         if fa is None:
             raise RuntimeError(reason)
@@ -76,27 +73,23 @@ class CudnnEngine:
         mask = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
         # cuDNN's window keeps the keys (i - length, i]: `window` keys back and the query's own
         length = None if window is None else window + 1
-        return (unused,) * 7, dict(scale=float(scale), seed=0, dropout_rate=0.0, variadic_args=(False, False),
-                                   mask_type=mask, layout=fa.AttentionLayout.BTNH.value,
-                                   sliding_window_length=length)
+        return fa, (unused,) * 7, dict(scale=float(scale), seed=0, dropout_rate=0.0,
+                                       variadic_args=(False, False), mask_type=mask,
+                                       layout=fa.AttentionLayout.BTNH.value, sliding_window_length=length)
 
     def forward(self, q, k, v, *, scale: float, causal: bool, window: int | None):
-        unused, params = self._common(q, scale, causal, window)
-        fa = private_module()[0]
+        fa, unused, params = self._common(q, scale, causal, window)
         o, lse = fa._dot_product_attention_fwd_p_wrapper.bind(q, k, v, *unused, **params, is_training=True)
         return o, lse
 
     def backward(self, q, k, v, o, lse, do, *, scale: float, causal: bool, window: int | None):
-        unused, params = self._common(q, scale, causal, window)
-        fa = private_module()[0]
+        fa, unused, params = self._common(q, scale, causal, window)
         dq, dk, dv = fa._dot_product_attention_bwd_p_wrapper.bind(q, k, v, *unused, lse, o, do, **params)
         return dq, dk, dv
 
 
 class XlaEngine:
     """The same contract in XLA, float32 inside: the twin the CPU runs the cudnn kernel with."""
-
-    name = "xla"
 
     @staticmethod
     def _logits(q, k, *, scale: float, causal: bool, window: int | None):

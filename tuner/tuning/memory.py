@@ -19,7 +19,7 @@ which `tests/test_memory.py` checks against the compiler at a second length.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -116,11 +116,6 @@ def compiled_memory(problem: Problem, devices: list, target: str, objective: str
                   memory.argument_size_in_bytes, memory.output_size_in_bytes, floor(problem.shapes, objective))
 
 
-def at_length(problem: Problem, seq_len: int) -> Problem:
-    """The same problem at another global length."""
-    return replace(problem, seq_len=seq_len)
-
-
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.0f} MiB"
 
@@ -145,4 +140,4 @@ def render(reports: list[Report], headroom: float) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["GIB", "HBM_BYTES", "OBJECTIVES", "Report", "at_length", "compiled_memory", "floor", "render"]
+__all__ = ["GIB", "HBM_BYTES", "OBJECTIVES", "Report", "compiled_memory", "floor", "render"]
