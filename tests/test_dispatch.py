@@ -16,6 +16,7 @@ from tuner.runtime import dispatch as dispatch_module
 from tuner.strategies import implementations
 from tuner import registry
 from tuner.kernels import BACKENDS
+from tuner.kernels.base import MergedBlocks
 from tuner.kernels.scan import ScanBackend
 from tuner.cache import Cache, current_versions, make_row
 from tuner.semantics.problem import Problem
@@ -206,7 +207,7 @@ def test_auto_on_a_gpu_without_triton_falls_back_to_scan_with_the_reason(tmp_pat
 
 @pytest.fixture
 def unbuildable():
-    class Unbuildable(ScanBackend):
+    class Unbuildable(MergedBlocks, ScanBackend):
         name = "unbuildable"
 
         def block_fwd(self, *args, **kwargs):

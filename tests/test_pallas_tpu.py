@@ -197,13 +197,14 @@ def test_the_lowering_rejects_what_a_tpu_cannot_tile():
     module = codegen.load(pallas_tpu.standard_variants()[0])
     s = jax.ShapeDtypeStruct
 
-    def forward(schedule, count, unmasked, q, k, q_ids, kv_ids):
-        return module.attention_fwd(schedule, count, unmasked, q, k, k, q_ids, kv_ids, kv_len=128, block_q=12,
+    def forward(schedule, count, unmasked, q, k, q_ids, kv_ids, out, lse):
+        return module.attention_fwd(schedule, count, unmasked, q, k, k, q_ids, kv_ids, out, lse, kv_len=128, block_q=12,
                                     block_kv=128, block_kv_compute=128, scale=0.1, softcap=1.0, window_left=0,
                                     window_right=0, vmem_limit_bytes=2**24)
 
     args = (s((2,), jnp.int32), s((2,), jnp.int32), s((2,), jnp.int32), s((1, 1, 24, 64), jnp.bfloat16),
-            s((1, 1, 128, 64), jnp.bfloat16), s((1, 24, 1), jnp.int32), s((1, 1, 128), jnp.int32))
+            s((1, 1, 128, 64), jnp.bfloat16), s((1, 24, 1), jnp.int32), s((1, 1, 128), jnp.int32),
+            s((1, 1, 24, 64), jnp.float32), s((1, 1, 1, 24), jnp.float32))
     with pytest.raises(Exception, match="divisible by 8 and 128"):
         jax.export.export(jax.jit(forward), platforms=["tpu"])(*args)
 

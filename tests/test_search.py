@@ -14,6 +14,7 @@ import pytest
 
 from tuner import BwdParams, FwdParams, registry
 from tuner.kernels.base import SearchSpace
+from tuner.kernels.base import MergedBlocks
 from tuner.kernels.scan import ScanBackend
 from tuner.cache import Cache, make_row, near_configs, row_config
 from tuner.cli.usage import search_summary
@@ -26,7 +27,7 @@ TINY = Problem(batch=1, seq_len=64, heads=2, kv_heads=1, head_dim=16, causal=Tru
                layout="zigzag")
 
 
-class Faulty(ScanBackend):
+class Faulty(MergedBlocks, ScanBackend):
     """Scan, except: fwd (8, 8) is wrong, fwd (8, 16) fails to build, (16, 16) breaks a constraint."""
 
     name = "faulty"
@@ -107,7 +108,7 @@ def test_trials_over_the_time_limit_fail_as_timeouts(tmp_path):
 
 
 def test_backward_objective_checks_gradients(tmp_path):
-    class WrongSeparateDq(ScanBackend):
+    class WrongSeparateDq(MergedBlocks, ScanBackend):
         name = "wrong_dq"
 
         def block_bwd(self, *args, params, **kwargs):
@@ -122,7 +123,7 @@ def test_backward_objective_checks_gradients(tmp_path):
 
 
 def test_a_failing_default_stops_the_search_with_a_reason(tmp_path):
-    class AlwaysWrong(ScanBackend):
+    class AlwaysWrong(MergedBlocks, ScanBackend):
         name = "always_wrong"
 
         def block_fwd(self, *args, **kwargs):

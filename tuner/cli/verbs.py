@@ -345,8 +345,8 @@ def run_memory(args: argparse.Namespace) -> int:
         raise UsageError(f"--ring-size {problem.ring_size}: {target} has {len(devices)} devices")
     objectives = memory.OBJECTIVES if args.objective == "both" else (args.objective,)
     try:
-        reports = [memory.compiled_memory(problem, devices[:problem.ring_size], target, objective, args.backend)
-                   for objective in objectives]
+        reports = [memory.compiled_memory(problem, devices[:problem.ring_size], target, objective, args.backend,
+                                          args.db) for objective in objectives]
     except ValueError as error:
         raise UsageError(str(error)) from None
     print(memory.render(reports, args.headroom))

@@ -8,6 +8,19 @@ about rings. The ring driver (`tuner.strategies.ring`) calls it once per ring st
     block_bwd(q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec, params, interpret)
         -> dq, dk, dv (float32), dbias (bias's shape and float32, or None without bias)
 
+The ring runs through four more, so that a kernel can merge each block into the running softmax, and
+add each block's dq into the running dq, where it keeps them, instead of returning a block's results:
+
+    fwd_start(q, k, v, *, params) -> state          nothing read yet, for keys shaped as k and v
+    fwd_step(state, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec, params, interpret) -> state
+    fwd_finish(state, q) -> o_f32 [B,Tq,H,Dv], lse_f32 [B,H,Tq]
+    bwd_start(q, do) -> rows                          q and do as every step reads them, made once
+    bwd_step(dq, rows, k, v, o, lse, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec, params, interpret)
+        -> dq (the running float32 dq [B,Tq,H,D] with this block's added), dk, dv, dbias (the block's)
+
+The block's dk and dv are returned, not added: the ring adds them to accumulators that travel while the
+kernel runs. `MergedBlocks` gives the six from `block_fwd`, `merge` and `block_bwd`.
+
 `q` is `[B,Tq,H,D]`, `k` `[B,Tk,Hkv,D]`, `v` `[B,Tk,Hkv,Dv]`: the value head dim Dv may differ from the
 query/key head dim D (multi-head latent attention); `o` and `do` have Dv, each gradient its input's shape.
 
@@ -29,6 +42,7 @@ import jax.numpy as jnp
 
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.semantics.spec import AttentionSpec, LocalShapes
+from tuner.support import vma
 
 
 @dataclass(frozen=True)
@@ -112,6 +126,47 @@ class Backend(Protocol):
 
     def block_bwd(self, q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *,
                   spec: AttentionSpec, params: BwdParams, interpret: bool): ...
+
+    def fwd_start(self, q, k, v, *, params: FwdParams) -> Any: ...
+
+    def fwd_step(self, state: Any, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec,
+                 params: FwdParams, interpret: bool) -> Any: ...
+
+    def fwd_finish(self, state: Any, q) -> tuple: ...
+
+    def bwd_start(self, q, do) -> Any: ...
+
+    def bwd_step(self, dq, rows: Any, k, v, o, lse, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *,
+                 spec: AttentionSpec, params: BwdParams, interpret: bool) -> tuple: ...
+
+
+class MergedBlocks:
+    """The ring's steps of a kernel that returns each block's results: the forward's state is the running
+    float32 output `[B, Tq, H, Dv]` and lse `[B, H, Tq]`, into which each block's is merged (`merge`); each
+    block's dq is added to the running dq."""
+
+    def fwd_start(self, q, k, v, *, params: FwdParams) -> tuple:
+        b, t, h = q.shape[:3]
+        return (vma.like(jnp.zeros((b, t, h, v.shape[3]), jnp.float32), q),
+                vma.like(jnp.full((b, h, t), -jnp.inf, jnp.float32), q))
+
+    def fwd_step(self, state: tuple, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec,
+                 params: FwdParams, interpret: bool) -> tuple:
+        return merge(*state, *self.block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, spec=spec, params=params,
+                                             interpret=interpret))
+
+    def fwd_finish(self, state: tuple, q) -> tuple:
+        return state
+
+    def bwd_start(self, q, do) -> tuple:
+        return q, do
+
+    def bwd_step(self, dq, rows: tuple, k, v, o, lse, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *,
+                 spec: AttentionSpec, params: BwdParams, interpret: bool) -> tuple:
+        q, do = rows
+        block_dq, dk, dv, dbias = self.block_bwd(q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias,
+                                                 spec=spec, params=params, interpret=interpret)
+        return dq + block_dq, dk, dv, dbias
 
 
 def reject_settings(backend: str, fwd: FwdParams, bwd: BwdParams, *, launch: bool, compute_slice: bool) -> None:

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from tuner.kernels import cudnn_engine, scan_kernel
-from tuner.kernels.base import SearchSpace, merge, reject_settings, source_hash
+from tuner.kernels.base import MergedBlocks, SearchSpace, merge, reject_settings, source_hash
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.semantics import masks
 from tuner.semantics.spec import AttentionSpec, LocalShapes
@@ -183,7 +183,7 @@ def backward(q, k, v, o, lse, do, delta, q_pos, kv_pos, *, spec: AttentionSpec, 
     return jnp.concatenate(dqs, axis=1), jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1)
 
 
-class CudnnBackend:
+class CudnnBackend(MergedBlocks):
     """cuDNN's flash attention per chunk pair of a ring step (module docstring)."""
 
     name = "cudnn"

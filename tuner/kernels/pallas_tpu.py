@@ -8,9 +8,12 @@ libtpu only happens on a TPU. (Pallas's more faithful TPU interpret mode, `pltpu
 simulates each device's memories; under `shard_map` on simulated CPU devices it did not finish a
 2-device ring in 300 s, so the plain interpreter is used.)
 
-Layout: TPU blocks need their last two dims to be multiples of (8, 128) or whole, so the block
-functions here transpose q/k/v to heads-major `[B, H, T, D]` (a copy in HBM, in the input dtype) and
-pad local lengths to whole tiles when a tile does not divide them. Values, the output and its gradient
+Layout: TPU blocks need their last two dims to be multiples of (8, 128) or whole, so the kernels work
+on heads-major `[B, H, T, D]` arrays, which is how XLA lays out a `[B, T, H, D]` array on a TPU anyway
+(the transposes here move nothing there; elsewhere, they copy), and on lane-dense rows `[B, H, 1, T]` of
+the lse and delta. Local lengths are padded to whole tiles when a tile does not divide them.
+The ring's forward keeps its running output and lse in the kernels' layout, and the forward kernel
+merges each block into them in place (`fwd_start`, `fwd_step`, `fwd_finish`). Values, the output and its gradient
 may have a head dim of their own (multi-head latent attention: 192 for queries and keys, 128 for
 values). dq is a kernel of its own (a fused dq would need atomics), and bias and float16 are not
 supported (`backend="auto"` takes scan for them).
@@ -134,9 +137,21 @@ def _interpret_mode(interpret: bool, q) -> bool:
 
 
 def _heads_major(x, length: int):
-    """`[B, T, H, D]` -> `[B, H, length, D]`, zero-padded along T."""
-    x = jnp.swapaxes(x, 1, 2)
+    """`[B, T, H, D]` -> `[B, H, length, D]`, zero-padded along T (XLA's TPU layout of `[B, T, H, D]` is
+    heads-major already: the transpose moves nothing)."""
+    return _padded_rows(jnp.swapaxes(x, 1, 2), length)
+
+
+def _padded_rows(x, length: int):
+    """A heads-major `[B, H, T, D]` array zero-padded along T to `length`."""
+    if length == x.shape[2]:
+        return x
     return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, 0)))
+
+
+def _tokens_major(x, length: int):
+    """`[B, H, T, D]` -> `[B, length, H, D]`, the padding dropped."""
+    return jnp.swapaxes(x[:, :, :length], 1, 2)
 
 
 def _padded(length: int, tile: int) -> int:
@@ -157,8 +172,8 @@ def _ids(spec: AttentionSpec, pos, seg, length: int, *, keys: bool):
 
 
 def _row_stats(x, length: int, fill: float):
-    """`[B, H, Tq]` lse or delta -> `[B, H, length, 1]`, padded with `fill`."""
-    return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2])), constant_values=fill)[..., None]
+    """`[B, H, Tq]` lse or delta -> lane-dense rows `[B, H, 1, length]`, padded with `fill`."""
+    return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2])), constant_values=fill)[:, :, None]
 
 
 def _flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec: AttentionSpec, block_q: int, block_kv: int, by_key=False):
@@ -278,23 +293,53 @@ class PallasTpuBackend:
     def code_hash(self) -> str:
         return source_hash(codegen.template_path("pallas_tpu", TEMPLATE), Path(__file__))
 
-    def block_fwd(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec,
-                  params: FwdParams, interpret: bool = False):
+    def fwd_start(self, q, k, v, *, params: FwdParams) -> tuple:
+        """The running output, float32 in the kernels' layout, and lse as rows `[B, H, 1, Tq]`, for the
+        local length padded to whole query tiles: what `attention_fwd` merges each block into, in place."""
+        (b, tq, h, _), dv = q.shape, v.shape[3]
+        q_len = _padded(tq, fwd_tiles(params, tq, k.shape[1])[0])
+        return (vma.like(jnp.zeros((b, h, q_len, dv), jnp.float32), q),
+                vma.like(jnp.full((b, h, 1, q_len), -jnp.inf, jnp.float32), q))
+
+    def fwd_step(self, state: tuple, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec,
+                 params: FwdParams, interpret: bool = False) -> tuple:
         tq, tk = q.shape[1], k.shape[1]
         block_q, block_kv, compute = fwd_tiles(params, tq, tk)
         q_len, kv_len = _padded(tq, block_q), _padded(tk, block_kv)
         module = codegen.load(variant(spec, q.dtype, q.shape[3], v.shape[3]))
-        out, lse = module.attention_fwd(
+        return tuple(module.attention_fwd(
             *_flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, block_q, block_kv),
             _heads_major(q, q_len), _heads_major(k, kv_len), _heads_major(v, kv_len),
-            _ids(spec, q_pos, q_seg, q_len, keys=False), _ids(spec, kv_pos, kv_seg, kv_len, keys=True),
-            kv_len=tk, block_q=block_q, block_kv=block_kv, block_kv_compute=compute, **_mask_values(spec),
-            vmem_limit_bytes=vmem_limit_bytes(), interpret=_interpret_mode(interpret, q))
-        return jnp.swapaxes(out[:, :, :tq], 1, 2), lse[:, :, :tq, 0]
+            _ids(spec, q_pos, q_seg, q_len, keys=False), _ids(spec, kv_pos, kv_seg, kv_len, keys=True), *state,
+            kv_len=tk, block_q=block_q, block_kv=block_kv, block_kv_compute=compute,
+            **_mask_values(spec), vmem_limit_bytes=vmem_limit_bytes(), interpret=_interpret_mode(interpret, q)))
+
+    def fwd_finish(self, state: tuple, q) -> tuple:
+        out, lse = state
+        tq = q.shape[1]
+        return _tokens_major(out, tq), lse[:, :, 0, :tq]
+
+    def block_fwd(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec,
+                  params: FwdParams, interpret: bool = False):
+        state = self.fwd_step(self.fwd_start(q, k, v, params=params), q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias,
+                              spec=spec, params=params, interpret=interpret)
+        return self.fwd_finish(state, q)
 
     def block_bwd(self, q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *,
                   spec: AttentionSpec, params: BwdParams, interpret: bool = False):
-        tq, tk = q.shape[1], k.shape[1]
+        dq = vma.like(jnp.zeros(q.shape, jnp.float32), q)
+        return self.bwd_step(dq, self.bwd_start(q, do), k, v, o, lse, delta, q_pos, kv_pos, q_seg, kv_seg, bias,
+                             spec=spec, params=params, interpret=interpret)
+
+    def bwd_start(self, q, do) -> tuple:
+        """q and do heads-major, once for the whole ring (a step made its own copies beside the loop's)."""
+        return _heads_major(q, q.shape[1]), _heads_major(do.astype(q.dtype), q.shape[1])
+
+    def bwd_step(self, dq, rows: tuple, k, v, o, lse, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *,
+                 spec: AttentionSpec, params: BwdParams, interpret: bool = False) -> tuple:
+        """The dq kernel adds the block's dq into the running `dq` in place."""
+        q, do = rows  # heads-major
+        tq, tk = q.shape[2], k.shape[1]
         module = codegen.load(variant(spec, q.dtype, q.shape[3], v.shape[3]))
         lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # a row that read nothing: p = exp(s - inf) = 0
         common = dict(kv_len=tk, **_mask_values(spec), vmem_limit_bytes=vmem_limit_bytes(),
@@ -302,8 +347,8 @@ class PallasTpuBackend:
 
         def operands(block_q: int, block_kv: int):
             q_len, kv_len = _padded(tq, block_q), _padded(tk, block_kv)
-            return (_heads_major(q, q_len), _heads_major(k, kv_len), _heads_major(v, kv_len),
-                    _heads_major(do.astype(q.dtype), q_len), _row_stats(lse, q_len, jnp.inf),
+            return (_padded_rows(q, q_len), _heads_major(k, kv_len), _heads_major(v, kv_len),
+                    _padded_rows(do, q_len), _row_stats(lse, q_len, jnp.inf),
                     _row_stats(delta, q_len, 0.0), _ids(spec, q_pos, q_seg, q_len, keys=False),
                     _ids(spec, kv_pos, kv_seg, kv_len, keys=True))
 
@@ -312,9 +357,9 @@ class PallasTpuBackend:
             *_flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, dkv_q, dkv_kv, by_key=True),
             *operands(dkv_q, dkv_kv), block_q=dkv_q, block_kv=dkv_kv, **common)
         dq = module.attention_dq(*_flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, dq_q, dq_kv),
-                                 *operands(dq_q, dq_kv), block_q=dq_q, block_kv=dq_kv, **common)
-        return (jnp.swapaxes(dq[:, :, :tq], 1, 2), jnp.swapaxes(dk[:, :, :tk], 1, 2),
-                jnp.swapaxes(dv[:, :, :tk], 1, 2), None)
+                                 *operands(dq_q, dq_kv), _heads_major(dq, _padded(tq, dq_q)), block_q=dq_q,
+                                 block_kv=dq_kv, **common)
+        return _tokens_major(dq, tq), _tokens_major(dk, tk), _tokens_major(dv, tk), None
 
 
 # --------------------------------------------------------------------------------------------------

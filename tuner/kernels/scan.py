@@ -88,8 +88,33 @@ class ScanBackend:
         return scan_kernel.forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, spec=spec, block_q=params.block_q,
                                    block_kv=params.block_kv)
 
+    def fwd_start(self, q, k, v, *, params: FwdParams) -> tuple:
+        return scan_kernel.empty_state(q, k, v, block_q=params.block_q, block_kv=params.block_kv)
+
+    def fwd_step(self, state: tuple, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec,
+                 params: FwdParams, interpret: bool = False) -> tuple:
+        """Merged into the running state in place (`scan_kernel.accumulate`): no block output is made."""
+        return scan_kernel.accumulate(state, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, spec=spec,
+                                      block_q=params.block_q, block_kv=params.block_kv)
+
+    def fwd_finish(self, state: tuple, q) -> tuple:
+        return scan_kernel.result(state, q.shape[1])
+
     def block_bwd(self, q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *,
                   spec: AttentionSpec, params: BwdParams, interpret: bool = False):
-        dq_tiles = None if params.fused_dq else (params.block_q_dq, params.block_kv_dq)
-        return scan_kernel.backward(q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, spec=spec,
-                                    dkv_tiles=(params.block_q_dkv, params.block_kv_dkv), dq_tiles=dq_tiles)
+        return _backward(None, q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, spec, params)
+
+    def bwd_start(self, q, do) -> tuple:
+        return q, do  # tiled by reshaping in each step: nothing to make once
+
+    def bwd_step(self, dq, rows: tuple, k, v, o, lse, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *,
+                 spec: AttentionSpec, params: BwdParams, interpret: bool = False) -> tuple:
+        """The block's dq added into the running `dq` in place."""
+        q, do = rows
+        return _backward(dq, q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, spec, params)
+
+
+def _backward(dq, q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, spec: AttentionSpec, params: BwdParams):
+    dq_tiles = None if params.fused_dq else (params.block_q_dq, params.block_kv_dq)
+    return scan_kernel.backward(q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, spec=spec,
+                                dkv_tiles=(params.block_q_dkv, params.block_kv_dkv), dq_tiles=dq_tiles, dq=dq)

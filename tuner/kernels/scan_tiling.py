@@ -1,15 +1,22 @@
-"""The scan kernel's operands, tiled: heads moved in front, the sequence padded to whole tiles, the
-tile index first.
+"""The scan kernel's operands, tiled: the sequence padded to whole tiles and cut into them in place.
 
-`Operands` holds the inputs of one block call so tiled (query-side arrays `[nq, ...]`, key-side
-`[nk, ...]`, queries grouped by kv head), answers the mask questions of a tile pair, and turns tiled
-results back into the caller's shapes. `tuner.kernels.scan_kernel` runs its tile loops over them.
+`Operands` holds the inputs of one block call so tiled, answers the mask questions of a tile pair, and
+turns tiled results back into the caller's shapes. `tuner.kernels.scan_kernel` runs its tile loops over
+them.
+
+The tiles of q, k, v, the output and the gradients are a reshape of the caller's layout, `[B, n, blk, ...]`
+(tile index second, the caller's token-major order kept, queries grouped by kv head): cutting an array
+into tiles and joining them back copies nothing (only a length that is not a multiple of the tile pads),
+so no array of a shard's size is made beside the caller's. A tile is a strided slice of one of them.
+Positions, segment ids and row statistics (a few bytes a token) are tiled with the tile index first.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -30,6 +37,74 @@ def _merge(x, axis: int):
     """Inverse of `_split`: `[n, ..., block, ...]` -> `[..., n*block, ...]`."""
     x = jnp.moveaxis(x, 0, axis)
     return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
+
+
+def _cut(x, block: int):
+    """`[B, n*block, ...]` -> `[B, n, block, ...]`: tiles along the sequence, a reshape."""
+    return x.reshape((x.shape[0], x.shape[1] // block, block) + x.shape[2:])
+
+
+def _join(x, length: int):
+    """Inverse of `_cut`, the padding dropped: `[B, n, block, ...]` -> `[B, length, ...]`."""
+    x = x.reshape((x.shape[0], x.shape[1] * x.shape[2]) + x.shape[3:])
+    return x if x.shape[1] == length else x[:, :length]
+
+
+def untile_query(x, q_len: int):
+    """`[B, nq, bq, Hkv, G, D]` query-side tiles -> `[B, q_len, H, D]`."""
+    b, _, _, hkv, g, d = x.shape
+    return _join(x, q_len).reshape(b, q_len, hkv * g, d)
+
+
+def untile_row_stat(x, q_len: int):
+    """`[nq, B, Hkv, G, bq]` row-statistic tiles -> `[B, H, q_len]`."""
+    x = _merge(x, 3)[..., :q_len]
+    b, hkv, g, t = x.shape
+    return x.reshape(b, hkv * g, t)
+
+
+def tile(x, index):
+    """Tile `index` of a `[B, n, block, ...]` array: `[B, block, ...]`."""
+    return lax.dynamic_index_in_dim(x, index, axis=1, keepdims=False)
+
+
+def widened() -> bool:
+    """On the CPU, matmuls of 16-bit operands run in float32: XLA:CPU cannot execute some
+    bf16 x bf16 -> f32 dots ("Unsupported element type for DotThunk"), and there is no 16-bit matmul
+    unit to gain speed from. Elsewhere they run in the input dtype, accumulating in float32."""
+    return jax.default_backend() == "cpu"
+
+
+@dataclass(frozen=True)
+class Tiled:
+    """A tiled input (q, k, v or the output's cotangent), `[B, n, blk, ...]`; `self[i]` is tile i in the
+    input's dtype.
+
+    Where matmuls are widened (the CPU), a 16-bit float array is kept viewed as uint16: XLA:CPU takes
+    a 16-bit float slice in float32 and hoists the widening of the whole array out of the tile loop, a
+    float32 copy of the array beside it; an integer slice it takes as it is, and only the tile widens."""
+
+    data: Any
+    dtype: Any
+
+    @classmethod
+    def of(cls, x) -> Tiled:
+        if widened() and jnp.dtype(x.dtype).itemsize == 2:
+            return cls(lax.bitcast_convert_type(x, jnp.uint16), x.dtype)
+        return cls(x, x.dtype)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.data.shape
+
+    def __getitem__(self, index):
+        x = tile(self.data, index)
+        return x if x.dtype == self.dtype else lax.bitcast_convert_type(x, self.dtype)
+
+
+def set_tile(x, value, index):
+    """`x` with tile `index` (`[B, block, ...]`) replaced by `value`, in place."""
+    return lax.dynamic_update_index_in_dim(x, value.astype(x.dtype), index, axis=1)
 
 
 @dataclass(frozen=True)
@@ -59,7 +134,8 @@ class Tiling:
 
 
 class Operands:
-    """The inputs of one block call, tiled. Query-side arrays are `[nq, ...]`, key-side `[nk, ...]`."""
+    """The inputs of one block call, tiled: q `[B, nq, bq, Hkv, G, D]`, k and v `[B, nk, bk, Hkv, D]`;
+    positions, segment ids and row statistics `[nq|nk, B, ...]`."""
 
     def __init__(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, tiling: Tiling, num_heads: int):
         h, hkv = q.shape[2], k.shape[2]
@@ -69,8 +145,8 @@ class Operands:
 
         self.positions_and_segments = (q_pos, kv_pos, q_seg, kv_seg)
         self.q = self.query_side(q)
-        self.k = _split(pad_to(jnp.moveaxis(k, 1, 2), 2, tk), 2, tiling.block_kv)  # [nk,B,Hkv,bk,D]
-        self.v = _split(pad_to(jnp.moveaxis(v, 1, 2), 2, tk), 2, tiling.block_kv)
+        self.k = Tiled.of(_cut(pad_to(k, 1, tk), tiling.block_kv))  # [B,nk,bk,Hkv,D]
+        self.v = Tiled.of(_cut(pad_to(v, 1, tk), tiling.block_kv))
         self.q_pos = _split(pad_to(q_pos, 1, tq, "edge"), 1, tiling.block_q)  # [nq,B,bq]
         self.kv_pos = _split(pad_to(kv_pos, 1, tk, "edge"), 1, tiling.block_kv)  # [nk,B,bk]
         self.q_seg = None if q_seg is None else _split(pad_to(q_seg, 1, tq, "edge"), 1, tiling.block_q)
@@ -95,11 +171,15 @@ class Operands:
                 grouped = grouped[None]
             self.bias = grouped  # [nq|1, nk|1, Bb, Hkv|1, G|1, bq|1, bk|1]
 
-    def query_side(self, x):
-        """`[B, T, H, D]` -> `[nq, B, Hkv, G, bq, D]` tiles (pads with zeros)."""
+    def tile_query(self, x):
+        """`[B, T, H, D]` -> `[B, nq, bq, Hkv, G, D]` tiles (pads with zeros)."""
         b, t, h, d = x.shape
-        x = jnp.moveaxis(x.reshape(b, t, h // self.group, self.group, d), 1, 3)
-        return _split(pad_to(x, 3, self.tiling.num_q * self.tiling.block_q), 3, self.tiling.block_q)
+        x = pad_to(x, 1, self.tiling.num_q * self.tiling.block_q)
+        return _cut(x.reshape(b, x.shape[1], h // self.group, self.group, d), self.tiling.block_q)
+
+    def query_side(self, x) -> Tiled:
+        """A query-side input (q, the output's cotangent) as `tile_query` tiles it."""
+        return Tiled.of(self.tile_query(x))
 
     def row_stat(self, x, pad_value: float):
         """`[B, H, T]` row statistic -> `[nq, B, Hkv, G, bq]` tiles."""
@@ -109,20 +189,16 @@ class Operands:
                       self.tiling.block_q)
 
     def untile_query(self, x):
-        """Inverse of `query_side`: `[nq, B, Hkv, G, bq, D]` tiles -> `[B, Tq, H, D]`."""
-        x = _merge(x, 3)[:, :, :, :self.tiling.q_len]
-        b, hkv, g, t, d = x.shape
-        return jnp.moveaxis(x, 3, 1).reshape(b, t, hkv * g, d)
+        """Inverse of `query_side`: `[B, nq, bq, Hkv, G, D]` tiles -> `[B, Tq, H, D]`."""
+        return untile_query(x, self.tiling.q_len)
 
     def untile_row_stat(self, x):
         """Inverse of `row_stat`: `[nq, B, Hkv, G, bq]` tiles -> `[B, H, Tq]`."""
-        x = _merge(x, 3)[..., :self.tiling.q_len]
-        b, hkv, g, t = x.shape
-        return x.reshape(b, hkv * g, t)
+        return untile_row_stat(x, self.tiling.q_len)
 
     def untile_key(self, x):
-        """`[nk, B, Hkv, bk, D]` tiles (a key-side gradient) -> `[B, Tk, Hkv, D]`."""
-        return jnp.moveaxis(_merge(x, 2)[:, :, :self.tiling.kv_len], 2, 1)
+        """`[B, nk, bk, Hkv, D]` tiles (a key-side gradient) -> `[B, Tk, Hkv, D]`."""
+        return _join(x, self.tiling.kv_len)
 
     def untile_bias(self, x):
         """Inverse of the bias tiling: `[nq|1, nk|1, Bb, Hkv|1, G|1, bq|1, bk|1]` -> the bias's own shape."""

@@ -36,9 +36,9 @@ GENERATION_TILES: dict[str, tuple[FwdParams, BwdParams]] = {
 # production compiler reports over the tile space of v4, v5e, v5p and v6e, kernels alone and inside the
 # ring (benchmarks/tpu/results/tpu_vmem_kernels.jsonl, tpu_vmem.json).
 VMEM_MULTIPLES: dict[tuple[str, str], tuple[float, float, float, float]] = {
-    ("fwd", "bfloat16"): (0.95, 1.0, 4.5, 1.0), ("fwd", "float32"): (1.0, 4.0, 2.25, 2.75),
-    ("dkv", "bfloat16"): (0.0, 1.5, 9.25, 6.0), ("dkv", "float32"): (0.0, 4.5, 13.75, 10.0),
-    ("dq", "bfloat16"): (0.0, 1.25, 11.75, 2.0), ("dq", "float32"): (0.0, 3.75, 10.75, 7.25),
+    ("fwd", "bfloat16"): (0.95, 1.25, 4.25, 0.25), ("fwd", "float32"): (1.0, 3.75, 2.25, 3.0),
+    ("dkv", "bfloat16"): (0.0, 1.25, 9.0, 5.25), ("dkv", "float32"): (0.0, 4.25, 11.5, 8.25),
+    ("dq", "bfloat16"): (0.0, 0.0, 13.25, 5.75), ("dq", "float32"): (0.0, 3.75, 10.75, 7.25),
 }
 
 
@@ -90,7 +90,8 @@ def _rows(n: int, width: int, itemsize: int) -> int:
 def vmem_terms(kernel: str, block_q: int, block_kv: int, head_dim: int, dtype: Any, ids: int,
                block_kv_compute: int | None = None, *, value_head_dim: int | None = None) -> tuple[int, int, int, int]:
     """The VMEM bytes one kernel's estimate is a combination of (`VMEM_MULTIPLES`): its input and output
-    blocks double-buffered with its scratch ("held"); a float32 `[block_q, block_kv]` tile (the
+    blocks double-buffered with its scratch ("held"; the forward reads and writes the running output and
+    lse); a float32 `[block_q, block_kv]` tile (the
     forward's `[block_q, block_kv_compute]` key slice); a float32 `[block_q, head_dim]` row block; a
     float32 `[block_kv, head_dim]` (the forward: slice) column block.
 
@@ -104,17 +105,18 @@ def vmem_terms(kernel: str, block_q: int, block_kv: int, head_dim: int, dtype: A
     q_rows, kv_rows = _rows(block_q, head_dim, item), _rows(block_kv, head_dim, item)
     do_rows, v_rows = _rows(block_q, value_head_dim, item), _rows(block_kv, value_head_dim, item)
     ids_bytes = _rows(block_q, ids, 4) + _rows(ids, block_kv, 4)
-    stats = _rows(block_q, 1, 4)
+    stats = _rows(1, block_q, 4)  # a row statistic's block, a lane-dense row
     if kernel == "fwd":
-        inputs = q_rows + kv_rows + v_rows + ids_bytes
-        outputs = _rows(block_q, value_head_dim, 4) + stats
-        held = 2 * (inputs + outputs) + _rows(block_q, value_head_dim, 4) + 2 * stats
+        running = _rows(block_q, value_head_dim, 4) + stats  # the running output and lse, in and out
+        inputs = q_rows + kv_rows + v_rows + ids_bytes + running
+        held = 2 * (inputs + running) + 2 * _rows(block_q, 1, 4)  # and the m and l columns
     else:
         inputs = q_rows + do_rows + kv_rows + v_rows + 2 * stats + ids_bytes
         if kernel == "dkv":
             outputs = _rows(block_kv, head_dim, 4) + _rows(block_kv, value_head_dim, 4)
         else:
             outputs = _rows(block_q, head_dim, 4)
+            inputs += outputs  # the running dq, read and written
         held = 2 * (inputs + outputs)
     cols = (block_kv_compute or block_kv) if kernel == "fwd" else block_kv
     wide = max(head_dim, value_head_dim)

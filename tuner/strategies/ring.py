@@ -4,17 +4,20 @@ The driver (DESIGN section 3) owns everything ring-specific; backends only compu
 
 Forward, on each of the P devices of `axis_name`: P steps. At every step the visiting key/value shard
 (with its positions and segment ids, stacked into one int32 array) is first sent on to the next device,
-so the transfer can overlap the compute, then this device's queries attend to it and the block result
-is merged into the running `(out, lse)` by `logaddexp` in float32. There is no send after the last
-step. A step whose visiting shard is wholly excluded by the masks is skipped: which ones,
-`masks.ring_mask` resolves once before the ring turns, from every shard's position bounds. Sinks join
-the softmax once, at the end.
+so the transfer can overlap the compute, then this device's queries attend to it and the block is
+merged into the running `(out, lse)` in float32. The kernel keeps that state in its own layout
+(`fwd_start`, `fwd_step`, `fwd_finish` of the contract, `tuner.kernels.base`): the scan and Pallas
+kernels merge each block into it in place; the others return a block output, merged by `logaddexp`.
+There is no send after the last step. A step whose visiting shard is wholly excluded by the masks is
+skipped: which ones, `masks.ring_mask` resolves once before the ring turns, from every shard's
+position bounds. Sinks join the softmax once, at the end.
 
 Backward replays the same steps with the final (sink-inclusive) lse and `delta = rowsum(dout * out)`:
-dq accumulates here, while dk/dv accumulators travel with the keys and, after one last hop, arrive
-back at the device that owns those keys. Each step's kernel computes its block's dk/dv afresh, and
-they are added to the accumulator after it arrives, so that neither transfer of a step (the next keys,
-the accumulator of the keys at hand) depends on the step's kernel and both can overlap it.
+dq accumulates here (the kernel adds each block's into it, `bwd_step`), while dk/dv accumulators
+travel with the keys and, after one last hop, arrive back at the device that owns those keys. Each
+step's kernel computes its block's dk/dv afresh, and they are added to the accumulator after it
+arrives, so that neither transfer of a step (the next keys, the accumulator of the keys at hand)
+depends on the step's kernel and both can overlap it.
 `d softmax_aux` is computed once, from lse and delta.
 """
 
@@ -33,7 +36,7 @@ from tuner.semantics import layouts, masks
 from tuner.support import ordering
 from tuner import registry
 from tuner.support import vma, work
-from tuner.kernels.base import Backend, merge
+from tuner.kernels.base import Backend
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.semantics.spec import AttentionSpec
 from tuner.support.targets import compile_target
@@ -133,38 +136,35 @@ def _visits(cfg: RingConfig, ring_mask: masks.RingMask, step, size: int):
 def _forward(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks):
     backend = block_kernel(cfg.backend)
     size, rank = ring_geometry(cfg.axis_name)
-    b, tq, h, _ = q.shape
-    kv_len, value_dim = k.shape[1], v.shape[3]
+    kv_len = k.shape[1]
 
-    def block(visiting, step, out, lse):
+    def block(visiting, step, state):
         k_, v_, kv_pos_, kv_seg_ = _arrived(visiting)
         source = (rank - step) % size
 
-        def compute(carry):
+        def compute(state):
             work.record("blocks", 1)
-            block_out, block_lse = backend.block_fwd(
-                q, k_, v_, q_pos, kv_pos_, q_seg, kv_seg_, _bias_columns(bias, source, kv_len),
-                spec=cfg.spec, params=cfg.fwd_params, interpret=cfg.interpret)
-            return merge(*carry, block_out, block_lse)
+            return backend.fwd_step(state, q, k_, v_, q_pos, kv_pos_, q_seg, kv_seg_,
+                                    _bias_columns(bias, source, kv_len), spec=cfg.spec, params=cfg.fwd_params,
+                                    interpret=cfg.interpret)
 
         visits = _visits(cfg, ring_mask, step, size)
         if visits is None:
-            return compute((out, lse))
-        return lax.cond(visits, compute, lambda carry: carry, (out, lse))
+            return compute(state)
+        return lax.cond(visits, compute, lambda state: state, state)
 
     ring_mask = masks.ring_mask(q_pos, kv_pos, q_seg, kv_seg, cfg.spec, cfg.axis_name, size, rank)
     with work.on_device(rank):
-        out = vma.like(jnp.zeros((b, tq, h, value_dim), F32), q)
-        lse = vma.like(jnp.full((b, h, tq), -jnp.inf, F32), q)
+        state = backend.fwd_start(q, k, v, params=cfg.fwd_params)
         visiting = _travelling(k, v, kv_pos, kv_seg)
         if size > 1:
             def step(i, carry):
-                visiting, out, lse = carry
+                visiting, state = carry
                 arriving = _send_to_next(visiting, cfg.axis_name, size)
-                return (arriving, *block(visiting, i, out, lse))
+                return arriving, block(visiting, i, state)
 
-            visiting, out, lse = lax.fori_loop(0, size - 1, step, (visiting, out, lse))
-        out, lse = block(visiting, size - 1, out, lse)
+            visiting, state = lax.fori_loop(0, size - 1, step, (visiting, state))
+        out, lse = backend.fwd_finish(block(visiting, size - 1, state), q)
 
     if sinks is not None:
         final_lse = jnp.logaddexp(lse, _sink_lse(sinks)[None, :, None])
@@ -184,6 +184,7 @@ def _backward(cfg: RingConfig, residuals, cotangents):
     dout = dout.astype(q.dtype)
 
     zero_grads = (vma.like(jnp.zeros(k.shape, F32), q), vma.like(jnp.zeros(v.shape, F32), q))
+    rows = backend.bwd_start(q, dout)  # q and dout as the kernel reads them, made once for every step
 
     def block(visiting, step, dq, dbias):
         """One step: dq (and dbias) accumulate here; the block's own dk, dv are returned (zeros for a
@@ -194,13 +195,13 @@ def _backward(cfg: RingConfig, residuals, cotangents):
         def compute(carry):
             dq, dbias = carry
             work.record("blocks", 1)
-            dq_b, dk_b, dv_b, dbias_b = backend.block_bwd(
-                q, k_, v_, out, lse, dout, delta, q_pos, kv_pos_, q_seg, kv_seg_,
+            dq, dk_b, dv_b, dbias_b = backend.bwd_step(
+                dq, rows, k_, v_, out, lse, delta, q_pos, kv_pos_, q_seg, kv_seg_,
                 _bias_columns(bias, source, kv_len), spec=cfg.spec, params=cfg.bwd_params,
                 interpret=cfg.interpret)
             if dbias is not None:
                 dbias = _add_bias_columns(dbias, dbias_b, source, kv_len)
-            return dq + dq_b, (vma.like(dk_b, q), vma.like(dv_b, q)), dbias
+            return dq, (vma.like(dk_b, q), vma.like(dv_b, q)), dbias
 
         visits = _visits(cfg, ring_mask, step, size)
         if visits is None:
@@ -262,8 +263,11 @@ def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sink
     out, lse, ring_mask = _forward(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks)
     # With sinks the residual output stays float32: d sinks sums p_sink * rowsum(dout * out) over every
     # row, and a bf16/fp16-rounded out would put that dtype's rounding error into the sum.
-    saved = out if sinks is not None else out.astype(q.dtype)
-    return (out.astype(q.dtype), lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks, saved, lse, ring_mask)
+    # The output in the inputs' dtype is made here, before the backward: left to the scheduler, its cast
+    # from the float32 state could run at the program's end and keep that state alive through the backward.
+    primal = lax.optimization_barrier(out.astype(q.dtype))
+    saved = out if sinks is not None else primal
+    return (primal, lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks, saved, lse, ring_mask)
 
 
 _ring.defvjp(_ring_fwd, _backward)

@@ -21,13 +21,13 @@ import jax
 from tuner.support.version import __version__
 from tuner import registry
 from tuner.cache import Cache, make_row
-from tuner.runtime.dispatch import get_tuned_ring_attention
 from tuner.semantics.problem import Problem
+from tuner.tuning.decision import loader_plan
 from tuner.tuning.search import resolve_backend
 from tuner.tuning.verify import ReferenceCheck, TrialFailed
 from tuner.support.tables import describe_config, table
 from tuner.tuning.timing import attention_flops, run_interleaved, warmup_seconds_on
-from tuner.tuning.workload import AXIS, PAIR_AXES, Compiled, Workload
+from tuner.tuning.workload import Compiled, Workload
 
 
 def bench(problem: Problem, *, device: str, backend: str = "auto", objective: str = "fwd+bwd",
@@ -35,7 +35,7 @@ def bench(problem: Problem, *, device: str, backend: str = "auto", objective: st
     """Time the candidates of the module docstring on `problem`; returns the printed table."""
     workload = Workload(problem)
     chosen = resolve_backend(backend, problem, device)
-    explained = _explain(problem, chosen.name, db)
+    explained = loader_plan(problem, chosen.name, db)
     scan = registry.get(registry.FALLBACK)
     rings = {
         f"tuned ({explained.source})": (explained.backend, explained.config),
@@ -89,15 +89,6 @@ def bench(problem: Problem, *, device: str, backend: str = "auto", objective: st
     return f"{header}\n{text}\n{note}"
 
 
-def _explain(problem: Problem, backend: str, db: str | None):
-    pair = problem.group is not None
-    return get_tuned_ring_attention(
-        axis_name=PAIR_AXES if pair else AXIS, causal=problem.causal, sliding_window=problem.window,
-        chunk_size=problem.chunk_size, logits_soft_cap=problem.softcap, layout=problem.layout, backend=backend, db=db,
-    ).explain(*_local_structs(problem), ring_size=(problem.ring_positions, problem.a2a_size) if pair
-              else problem.ring_size, **_call_structs(problem))
-
-
 def bench_mechanisms(problem: Problem, *, device: str, objective: str = "fwd+bwd", runs: int = 5,
                      calls: int = 1, db: str | None = None) -> tuple[str, dict[str, Any]]:
     """Time every implementation that can run `problem` here (module docstring), each checked against
@@ -120,7 +111,7 @@ def bench_mechanisms(problem: Problem, *, device: str, objective: str = "fwd+bwd
         if reason is not None:
             skipped.append(f"{label} {reason}")
             continue
-        decision = _explain(problem, name, db)
+        decision = loader_plan(problem, name, db)
         candidates[label] = workload.attend(name, decision.config)
         chosen[label] = (implementation, decision.config)
         labels[label] = f"{implementation.summary}: {describe_config(decision.config)} [{decision.source}]"
@@ -175,22 +166,3 @@ def bench_mechanisms(problem: Problem, *, device: str, objective: str = "fwd+bwd
                  f"time{'' if len(recorded) == 2 else 's'} of this run): get_tuned_ring_attention(backend='auto') "
                  f"now runs it for this problem")
     return "\n".join(lines), winning
-
-
-def _local_structs(problem: Problem):
-    local = problem.local_len
-    q = jax.ShapeDtypeStruct((problem.batch, local, problem.heads, problem.head_dim), problem.dtype)
-    k = jax.ShapeDtypeStruct((problem.batch, local, problem.kv_heads, problem.head_dim), problem.dtype)
-    v = jax.ShapeDtypeStruct((problem.batch, local, problem.kv_heads, problem.value_dim), problem.dtype)
-    return q, k, v
-
-
-def _call_structs(problem: Problem) -> dict:
-    options = {}
-    if problem.segments:
-        seg = jax.ShapeDtypeStruct((problem.batch, problem.local_len), "int32")
-        options.update(q_segment_ids=seg, kv_segment_ids=seg)
-    if problem.sinks:
-        shape = (problem.heads,) if problem.sinks == 1 else (problem.heads, problem.sinks)
-        options["softmax_aux"] = jax.ShapeDtypeStruct(shape, problem.dtype)
-    return options

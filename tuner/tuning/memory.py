@@ -3,31 +3,39 @@
 The compiler's count: the problem's ring compiled for a target (the CPU's simulated devices, or a TPU
 topology through libtpu, no TPU needed), forward or forward and backward, and its `memory_analysis()`
 read per device: the temporaries, the arguments (the q, k, v shards; and the output's cotangent) and the
-outputs. Beside it, the analytic floor: what a ring cannot do without beyond the caller's arrays.
+outputs. Beside it, the analytic floor: the temporaries a ring cannot do without, beyond the program's
+arguments and outputs.
 
     forward    the float32 output accumulator [B, T, H, Dv], the lse [B, H, T] (float32), and the key and
-               value shard arriving while the one at hand is computed (with its positions)
+               value shards at hand and arriving (with their positions)
     backward   the float32 dq accumulator [B, T, H, D], the float32 dk and dv accumulators at hand and
-               arriving, the arriving key and value shard, the lse and delta, and the saved output
+               arriving, the key and value shards at hand and arriving, and the lse and delta
 
-(T is the shard's length.) A forward and backward program needs the larger of the two.
+(T is the shard's length.) A forward and backward program needs the larger of the two. With float32
+inputs the output and dq accumulators are not counted: they can be the program's output and dq. The
+output saved for the backward is the program's output here (in a training step it is a residual). The shards at
+hand and arriving are two from the second step on, on a ring of 3 or more: the one being computed
+arrived at the step before and, not being the caller's array, cannot be sent into; one on a ring of 2
+(the shard at hand first is the caller's), none on a ring of 1.
 
-Everything a device holds grows with its shard, so the compiled bytes per token of the shard give the
-longest sequence a chip's memory holds at a headroom (`Report.longest`): linear in the shard's length,
-which `tests/test_memory.py` checks against the compiler at a second length.
+What a device holds is affine in its shard's length (the tiles' working set is fixed), so two compiles,
+at the shard and at twice it, give the bytes each further token costs and the longest sequence a chip's
+memory holds at a headroom (`Report.longest`); `tests/test_memory.py` compiles at that length and finds
+the budget filled.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 
-from tuner import registry
 from tuner.semantics.problem import Problem
 from tuner.semantics.spec import LocalShapes
-from tuner.support.tables import table
+from tuner.support.tables import describe_config, table
+from tuner.tuning.decision import loader_plan
 from tuner.tuning.workload import Workload, vjp_of
 
 GIB = 2**30
@@ -37,35 +45,40 @@ OBJECTIVES = ("fwd", "fwd+bwd")
 TOKEN_MULTIPLE = 128  # the longest shard is rounded down to this (a TPU lane's width)
 
 
-def floor(shapes: LocalShapes, objective: str) -> dict[str, int]:
-    """The analytic floor of one device (module docstring), term by term, in bytes."""
+def floor(shapes: LocalShapes, objective: str, ring_size: int) -> dict[str, int]:
+    """The analytic floor of one device on a ring of `ring_size` (module docstring), term by term, in bytes."""
     b, t, h, hkv, d = shapes.batch, shapes.q_len, shapes.heads, shapes.kv_heads, shapes.head_dim
     dv = shapes.value_dim
     item = jnp.dtype(shapes.dtype).itemsize
-    arriving = b * shapes.kv_len * hkv * (d + dv) * item + 4 * b * shapes.kv_len
-    forward = {"float32 output accumulator": 4 * b * t * h * dv, "lse": 4 * b * h * t,
-               "key and value shard arriving": arriving}
+    wide = item == 4  # float32 inputs: the output and dq accumulators can be the program's outputs
+    shards = min(2, ring_size - 1) * (b * shapes.kv_len * hkv * (d + dv) * item + 4 * b * shapes.kv_len)
+    forward = {"float32 output accumulator": 0 if wide else 4 * b * t * h * dv, "lse": 4 * b * h * t,
+               "key and value shards at hand and arriving": shards}
     if objective == "fwd":
-        return forward
-    backward = {"float32 dq accumulator": 4 * b * t * h * d,
+        return {name: n for name, n in forward.items() if n}
+    backward = {"float32 dq accumulator": 0 if wide else 4 * b * t * h * d,
                 "float32 dk and dv accumulators, at hand and arriving": 2 * 4 * b * shapes.kv_len * hkv * (d + dv),
-                "key and value shard arriving": arriving, "lse and delta": 8 * b * h * t,
-                "saved output": b * t * h * dv * item}
-    return backward if sum(backward.values()) >= sum(forward.values()) else forward
+                "key and value shards at hand and arriving": shards, "lse and delta": 8 * b * h * t}
+    larger = backward if sum(backward.values()) >= sum(forward.values()) else forward
+    return {name: n for name, n in larger.items() if n}
 
 
 @dataclass(frozen=True)
 class Report:
-    """One compiled program's memory on one device, and the floor beside it."""
+    """One compiled program's memory on one device, and the floor beside it. `growth` is what each
+    further token of the shard adds (from a second compile at twice the shard)."""
 
     problem: Problem
     target: str
     objective: str
     implementation: str
+    config: str  # the plan's config, described
+    source: str  # where the loader took it from (tuner.runtime.dispatch.SOURCES)
     temp: int
     arguments: int
     outputs: int
     floor: dict[str, int]
+    growth: float
 
     @property
     def floor_bytes(self) -> int:
@@ -77,32 +90,25 @@ class Report:
         return self.temp / self.floor_bytes
 
     @property
-    def per_token(self) -> float:
-        """Bytes a device holds per token of its shard: temporaries, arguments and outputs."""
-        return (self.temp + self.arguments + self.outputs) / self.problem.local_len
+    def held(self) -> int:
+        """Everything the device holds: temporaries, arguments and outputs."""
+        return self.temp + self.arguments + self.outputs
 
     def longest(self, hbm_bytes: int, headroom: float) -> int:
         """The longest global sequence whose shards fit `hbm_bytes` with `headroom` (a fraction) left for
         the rest of the model, on this ring; a multiple of `TOKEN_MULTIPLE` tokens a shard."""
-        local = int(hbm_bytes * (1 - headroom) / self.per_token) // TOKEN_MULTIPLE * TOKEN_MULTIPLE
-        return local * self.problem.ring_size
+        room = hbm_bytes * (1 - headroom) - self.held
+        local = int(self.problem.local_len + room / self.growth) // TOKEN_MULTIPLE * TOKEN_MULTIPLE
+        return max(local, 0) * self.problem.ring_size
 
 
-def compiled_memory(problem: Problem, devices: list, target: str, objective: str,
-                    implementation: str = "auto") -> Report:
-    """Compile the problem's ring on `devices` (as many as its ring size; a TPU topology's devices compile
-    for that chip) with `implementation`'s default config ("auto": the platform's preference), and read
-    what one device holds."""
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
-    platform = devices[0].platform
+def _compiled(problem: Problem, devices: list, objective: str, implementation: str, db: str | None):
+    """The loader's plan for the problem on `devices` (`implementation`, "auto" for its own choice; the
+    cache `db`), and the memory analysis of that plan compiled there."""
     workload = Workload(problem, devices=devices)
-    dtype = jnp.dtype(problem.dtype)
-    chosen = registry.choose(implementation, problem.spec, dtype, problem.head_dim, registry.Target(platform),
-                             shapes=problem.shapes, ring_size=problem.ring_size)
-    with jax.sharding.use_abstract_mesh(workload.mesh.abstract_mesh):  # the target chip's default tiles
-        config = registry.default_config(chosen, problem.shapes, problem.spec, None)
-    fn = workload.attend(chosen.name, config)
+    with jax.sharding.use_abstract_mesh(workload.mesh.abstract_mesh):  # the target chip's plan and tiles
+        plan = loader_plan(problem, implementation, db)
+    fn = workload.attend(plan.backend, plan.config)
     inputs, dout = workload.structs()
     if objective == "fwd":
         lowered = jax.jit(fn).lower(inputs)
@@ -111,13 +117,33 @@ def compiled_memory(problem: Problem, devices: list, target: str, objective: str
             out, vjp = vjp_of(fn, x)
             return out, vjp(cotangent)
         lowered = jax.jit(forward_and_backward).lower(inputs, dout)
-    memory = lowered.compile().memory_analysis()
-    return Report(problem, target, objective, chosen.name, memory.temp_size_in_bytes,
-                  memory.argument_size_in_bytes, memory.output_size_in_bytes, floor(problem.shapes, objective))
+    return plan, lowered.compile().memory_analysis()
+
+
+def _held(memory) -> int:
+    return memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes
+
+
+def compiled_memory(problem: Problem, devices: list, target: str, objective: str, implementation: str = "auto",
+                    db: str | None = None) -> Report:
+    """Compile what the loader runs for the problem (`implementation`, "auto" for its own choice; its
+    config from the cache `db`, None for the default file, else the default tiles) on `devices` (as many as
+    its ring size; a TPU topology's devices compile for that chip), and read what one device holds; and
+    again at twice the length, for what a token more costs."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    plan, memory = _compiled(problem, devices, objective, implementation, db)
+    _, doubled = _compiled(dataclasses.replace(problem, seq_len=2 * problem.seq_len), devices, objective,
+                           plan.backend, db)
+    growth = (_held(doubled) - _held(memory)) / problem.local_len
+    return Report(problem, target, objective, plan.backend, describe_config(plan.config), plan.source,
+                  memory.temp_size_in_bytes, memory.argument_size_in_bytes, memory.output_size_in_bytes,
+                  floor(problem.shapes, objective, problem.ring_positions), growth)
 
 
 def _mib(n: float) -> str:
-    return f"{n / 2**20:,.0f} MiB"
+    mib = n / 2**20
+    return f"{mib:,.1f} MiB" if mib < 100 else f"{mib:,.0f} MiB"
 
 
 def render(reports: list[Report], headroom: float) -> str:
@@ -126,14 +152,15 @@ def render(reports: list[Report], headroom: float) -> str:
     first, last = reports[0], reports[-1]
     p = first.problem
     lines = [f"memory   {p.describe()}",
-             f"         one device, compiled for {first.target} ({first.implementation}, default config)", "",
-             table(["objective", "temp", "floor", "temp/floor", "arguments", "outputs", "bytes a token"],
+             f"         one device, compiled for {first.target}: what the loader runs, {first.implementation} "
+             f"{first.config} ({first.source})", "",
+             table(["objective", "temp", "floor", "temp/floor", "arguments", "outputs", "bytes a token more"],
                    [[r.objective, _mib(r.temp), _mib(r.floor_bytes), f"{r.ratio:.2f}x", _mib(r.arguments),
-                     _mib(r.outputs), f"{r.per_token:,.0f}"] for r in reports]), ""]
+                     _mib(r.outputs), f"{r.growth:,.0f}"] for r in reports]), ""]
     lines.append(f"floor ({last.objective}): " + ", ".join(f"{name} {_mib(n)}" for name, n in last.floor.items()))
     lines += ["", f"longest sequence with {headroom:.0%} of each chip left for the rest of the model "
-                  f"({last.objective}, these heads, a ring of {p.ring_size}; the bytes a token {first.target}'s "
-                  f"compiler counts, which another chip's compiler may lay out otherwise):",
+                  f"({last.objective}, these heads, a ring of {p.ring_size}; from what {first.target}'s compiler "
+                  f"counts, which another chip's compiler may lay out otherwise):",
               table(["chip", "memory", "tokens a device", "tokens on the ring"],
                     [[chip, f"{hbm // GIB} GiB", f"{last.longest(hbm, headroom) // p.ring_size:,}",
                       f"{last.longest(hbm, headroom):,}"] for chip, hbm in HBM_BYTES.items()])]
