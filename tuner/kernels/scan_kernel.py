@@ -55,9 +55,9 @@ def _logits(ops: Operands, spec: AttentionSpec, q_tile, i, j, masked, transposed
     """
     k_tile = ops.k[j]
     if transposed:
-        s = _einsum("bkhd,bqhgd->bhkgq", k_tile, q_tile)
+        s = _einsum("bhkd,bhgqd->bhkgq", k_tile, q_tile)
     else:
-        s = _einsum("bqhgd,bkhd->bhgqk", q_tile, k_tile)
+        s = _einsum("bhgqd,bhkd->bhgqk", q_tile, k_tile)
     s = s * spec.scale
     orient = (lambda x: jnp.moveaxis(x, -1, 2)) if transposed else (lambda x: x)
     tanh = None
@@ -97,14 +97,14 @@ def _visit(ops: Operands, spec: AttentionSpec, codes, compute, carry):
 # --------------------------------------------------------------------------------------------------
 
 
-def _rows(stat):
-    """A row statistic `[B, Hkv, G, bq]` against an output tile `[B, bq, Hkv, G, Dv]`."""
-    return jnp.moveaxis(stat, 3, 1)[..., None]
+def _rows_first(x):
+    """A query tile `[B, Hkv, G, bq, D]` as computed -> `[B, bq, Hkv, G, D]`, as a dq tile is kept."""
+    return jnp.moveaxis(x, 3, 1)
 
 
 def _accumulate(ops: Operands, spec: AttentionSpec, out, lse):
     """`(out, lse)` with every visited pair of this block merged in: `out` the normalized output tiles
-    `[B, nq, bq, Hkv, G, Dv]`, `lse` `[nq, B, Hkv, G, bq]` (0 and -inf where nothing was read yet).
+    `[B, nq, Hkv, G, bq, Dv]`, `lse` `[nq, B, Hkv, G, bq]` (0 and -inf where nothing was read yet).
 
     A query tile's running state is an online softmax already: its max is the lse, its sum 1 (0 where
     nothing was read) and its accumulator the normalized output. So each query tile resumes from it and
@@ -126,18 +126,18 @@ def _accumulate(ops: Operands, spec: AttentionSpec, out, lse):
         p = jnp.exp(s - safe_max[..., None])
         rescale = jnp.exp(row_max - safe_max)
         row_sum = rescale * row_sum + p.sum(axis=-1)
-        pv = _einsum("bhgqk,bkhd->bqhgd", _operand(p, ops.v.dtype), ops.v[j])
-        acc = _rows(rescale) * acc + pv
+        pv = _einsum("bhgqk,bhkd->bhgqd", _operand(p, ops.v.dtype), ops.v[j])
+        acc = rescale[..., None] * acc + pv
 
         has_mass = row_sum > 0
         safe_sum = jnp.where(has_mass, row_sum, 1.0)
-        out = set_tile(out, acc / _rows(safe_sum), i)  # the query tile so far: its last visit leaves it whole
+        out = set_tile(out, acc / safe_sum[..., None], i)  # the query tile so far: its last visit leaves it whole
         lse = lse.at[i].set(jnp.where(has_mass, new_max + jnp.log(safe_sum), -jnp.inf))
         return vma.like(i, ops.q.data), new_max, row_sum, acc, out, lse
 
-    b, _, bq, hkv, g, dv = out.shape
+    b, _, hkv, g, bq, dv = out.shape
     stat = (b, hkv, g, bq)
-    init = (jnp.int32(-1), jnp.full(stat, -jnp.inf, F32), jnp.zeros(stat, F32), jnp.zeros((b, bq, hkv, g, dv), F32))
+    init = (jnp.int32(-1), jnp.full(stat, -jnp.inf, F32), jnp.zeros(stat, F32), jnp.zeros((*stat, dv), F32))
     init = tuple(vma.like(x, ops.q.data) for x in init) + (out, lse)
     *_, out, lse = _visit(ops, spec, ops.visits(spec).reshape(-1), pair, init)
     return out, lse
@@ -169,9 +169,9 @@ class _Grads:
         p = jnp.exp(s - row(lse[i]))
         v_tile = ops.v[j]
         if transposed:
-            dp = _einsum("bkhd,bqhgd->bhkgq", v_tile, do_tile)
+            dp = _einsum("bhkd,bhgqd->bhkgq", v_tile, do_tile)
         else:
-            dp = _einsum("bqhgd,bkhd->bhgqk", do_tile, v_tile)
+            dp = _einsum("bhgqd,bhkd->bhgqk", do_tile, v_tile)
         self.dlogits = p * (dp - row(delta[i]))
         ds = self.dlogits if tanh is None else self.dlogits * (1.0 - tanh * tanh)
         self.ds = ds * spec.scale
@@ -179,17 +179,19 @@ class _Grads:
         self.q_tile, self.do_tile = q_tile, do_tile
 
     def dk(self, ops: Operands):
-        """`[B, bk, Hkv, D]` (transposed only)."""
-        return _einsum("bhkgq,bqhgd->bkhd", _operand(self.ds, ops.q.dtype), self.q_tile)
+        """`[B, bk, Hkv, D]`, a key tile of dk (transposed only)."""
+        return jnp.moveaxis(_einsum("bhkgq,bhgqd->bhkd", _operand(self.ds, ops.q.dtype), self.q_tile), 2, 1)
 
     def dv(self, ops: Operands):
-        """`[B, bk, Hkv, Dv]` (transposed only)."""
-        return _einsum("bhkgq,bqhgd->bkhd", _operand(self.p, self.do_tile.dtype), self.do_tile)
+        """`[B, bk, Hkv, Dv]`, a key tile of dv (transposed only)."""
+        return jnp.moveaxis(_einsum("bhkgq,bhgqd->bhkd", _operand(self.p, self.do_tile.dtype), self.do_tile), 2, 1)
 
     def dq(self, ops: Operands, j):
         """`[B, bq, Hkv, G, D]`, a query tile of dq."""
-        subscripts = "bhkgq,bkhd->bqhgd" if self.transposed else "bhgqk,bkhd->bqhgd"
-        return _einsum(subscripts, _operand(self.ds, ops.k.dtype), ops.k[j])
+        if self.transposed:  # a plain matmul by k^T
+            dq = _einsum("bhdk,bhkgq->bhdgq", jnp.swapaxes(ops.k[j], -1, -2), _operand(self.ds, ops.k.dtype))
+            return jnp.transpose(dq, (0, 4, 1, 3, 2))  # [B, Hkv, D, G, bq] -> [B, bq, Hkv, G, D]
+        return _rows_first(_einsum("bhgqk,bhkd->bhgqd", _operand(self.ds, ops.k.dtype), ops.k[j]))
 
     def dbias(self, ops: Operands, i, j):
         dlogits = jnp.moveaxis(self.dlogits, 2, -1) if self.transposed else self.dlogits
@@ -244,7 +246,7 @@ def empty_state(q, k, v, *, block_q: int, block_kv: int) -> tuple:
     them for keys and values shaped as `k` and `v`: zeros and -inf."""
     tiling = Tiling.make(q.shape[1], k.shape[1], block_q, block_kv)
     b, h, (hkv, dv) = q.shape[0], q.shape[2], v.shape[2:]
-    out = jnp.zeros((b, tiling.num_q, tiling.block_q, hkv, h // hkv, dv), F32)
+    out = jnp.zeros((b, tiling.num_q, hkv, h // hkv, tiling.block_q, dv), F32)
     lse = jnp.full((tiling.num_q, b, hkv, h // hkv, tiling.block_q), -jnp.inf, F32)
     return vma.like(out, q), vma.like(lse, q)
 
@@ -259,7 +261,7 @@ def accumulate(state: tuple, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spe
 def result(state: tuple, q_len: int) -> tuple:
     """The running state as `(o [B, Tq, H, Dv], lse [B, H, Tq])` in float32."""
     out, lse = state
-    return untile_query(out, q_len), untile_row_stat(lse, q_len)
+    return untile_query(jnp.moveaxis(out, 4, 2), q_len), untile_row_stat(lse, q_len)
 
 
 def forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec, block_q: int, block_kv: int):

@@ -78,7 +78,7 @@ def widened() -> bool:
 @dataclass(frozen=True)
 class Tiled:
     """A tiled input (q, k, v or the output's cotangent), `[B, n, blk, ...]`; `self[i]` is tile i in the
-    input's dtype.
+    input's dtype, rows after the heads.
 
     Where matmuls are widened (the CPU), a 16-bit float array is kept viewed as uint16: XLA:CPU takes
     a 16-bit float slice in float32 and hoists the widening of the whole array out of the tile loop, a
@@ -98,7 +98,9 @@ class Tiled:
         return self.data.shape
 
     def __getitem__(self, index):
-        x = tile(self.data, index)
+        """Tile `index` with its rows after the heads, `[B, Hkv, (G,) blk, D]`, the layout XLA:CPU's matmuls
+        take as they are (a tile's copy, against a slow path for rows before the heads)."""
+        x = jnp.moveaxis(tile(self.data, index), 1, -2)
         return x if x.dtype == self.dtype else lax.bitcast_convert_type(x, self.dtype)
 
 
