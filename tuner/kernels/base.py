@@ -8,7 +8,7 @@ about rings. The ring driver (`tuner.strategies.ring`) calls it once per ring st
     block_bwd(q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec, params, interpret)
         -> dq, dk, dv (float32), dbias (bias's shape and float32, or None without bias)
 
-The ring runs through four more, so that a kernel can merge each block into the running softmax, and
+The ring runs through five more, so that a kernel can merge each block into the running softmax, and
 add each block's dq into the running dq, where it keeps them, instead of returning a block's results:
 
     fwd_start(q, k, v, *, params) -> state          nothing read yet, for keys shaped as k and v
@@ -19,7 +19,7 @@ add each block's dq into the running dq, where it keeps them, instead of returni
         -> dq (the running float32 dq [B,Tq,H,D] with this block's added), dk, dv, dbias (the block's)
 
 The block's dk and dv are returned, not added: the ring adds them to accumulators that travel while the
-kernel runs. `MergedBlocks` gives the six from `block_fwd`, `merge` and `block_bwd`.
+kernel runs. `MergedBlocks` gives the five from `block_fwd`, `merge` and `block_bwd`.
 
 `q` is `[B,Tq,H,D]`, `k` `[B,Tk,Hkv,D]`, `v` `[B,Tk,Hkv,Dv]`: the value head dim Dv may differ from the
 query/key head dim D (multi-head latent attention); `o` and `do` have Dv, each gradient its input's shape.

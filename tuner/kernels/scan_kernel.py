@@ -5,9 +5,10 @@ the (query tile, key tile) pairs the masks let through (`Operands.visits`), so a
 segment ranges exclude every pair (`masks.tile_pairs`) costs no iteration at all. The forward runs one
 loop over the visited pairs, query tile by query tile, with the online softmax of the current query
 tile in the loop's carry, resuming from that tile's running output and lse and writing them back as it
-goes: merged in place into the ring's running state, with no block output beside it. The backward runs one loop over all
-the visited pairs, adding each pair's gradients in place into buffers of all tiles. With no loop per
-tile, a block whose pairs are mostly skipped costs little more than its tiling.
+goes: merged in place into the ring's running state, with no block output beside it. The backward runs
+one loop over all the visited pairs, adding each pair's gradients in place into buffers of all tiles
+(dq into the ring's running dq). With no loop per tile, a block whose pairs are mostly skipped costs
+little more than its tiling.
 
 Heads stay grouped: queries are viewed as `[B, T, Hkv, G, D]` (G = H // Hkv query heads per kv head),
 so grouped-query attention never repeats keys or values. Lengths that are not a multiple of the tile

@@ -4,11 +4,12 @@
 turns tiled results back into the caller's shapes. `tuner.kernels.scan_kernel` runs its tile loops over
 them.
 
-The tiles of q, k, v, the output and the gradients are a reshape of the caller's layout, `[B, n, blk, ...]`
-(tile index second, the caller's token-major order kept, queries grouped by kv head): cutting an array
-into tiles and joining them back copies nothing (only a length that is not a multiple of the tile pads),
-so no array of a shard's size is made beside the caller's. A tile is a strided slice of one of them.
-Positions, segment ids and row statistics (a few bytes a token) are tiled with the tile index first.
+The tiles of q, k, v, the output's cotangent and the gradients are a reshape of the caller's layout,
+`[B, n, blk, ...]` (tile index second, the caller's token-major order kept, queries grouped by kv
+head): cutting an array into tiles and joining them back copies nothing (only a length that is not a
+multiple of the tile pads), so no array of a shard's size is made beside the caller's. A tile read for
+a matmul is moved to `[B, Hkv, (G,) blk, D]` (`Tiled`), a tile's copy in each visit. Positions, segment
+ids and row statistics (a few bytes a token) are tiled with the tile index first.
 """
 
 from __future__ import annotations
