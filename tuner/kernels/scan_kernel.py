@@ -48,13 +48,13 @@ def _einsum(subscripts: str, a, b):
     return jnp.einsum(subscripts, a, b, preferred_element_type=F32)
 
 
-def _logits(ops: Operands, spec: AttentionSpec, q_tile, i, j, masked, transposed: bool = False):
-    """Logits of tile (i, j), masked to -inf, and the softcap's tanh (or None).
+def _logits(ops: Operands, spec: AttentionSpec, q_tile, k_tile, i, j, masked, transposed: bool = False):
+    """Logits of tile (i, j) from its query and key tiles (`Tiled` reads), masked to -inf, and the
+    softcap's tanh (or None).
 
     `[B, Hkv, G, bq, bk]` (query rows), or with `transposed` `[B, Hkv, bk, G, bq]` (key rows), which
     lets the dk/dv matmuls contract over the trailing (G, bq) axes without transposing the tile.
     """
-    k_tile = ops.k[j]
     if transposed:
         s = _einsum("bhkd,bhgqd->bhkgq", k_tile, q_tile)
     else:
@@ -113,15 +113,16 @@ def _accumulate(ops: Operands, spec: AttentionSpec, out, lse):
     nk = ops.tiling.num_kv
 
     def pair(carry, n, masked):
-        row, row_max, row_sum, acc, out, lse = carry
+        row, q_tile, row_max, row_sum, acc, out, lse = carry
         i, j = n // nk, n % nk
-        fresh = i != row  # a new query tile: resume from its running state
+        fresh = i != row  # a new query tile: read it once, and resume from its running state
+        q_tile = lax.cond(fresh, lambda: ops.q[i], lambda: q_tile)
         running = lse[i]
         row_max = jnp.where(fresh, running, row_max)
         row_sum = jnp.where(fresh, jnp.where(running == -jnp.inf, 0.0, 1.0), row_sum)
         acc = jnp.where(fresh, tile(out, i), acc)
 
-        s, _ = _logits(ops, spec, ops.q[i], i, j, masked)
+        s, _ = _logits(ops, spec, q_tile, ops.k[j], i, j, masked)
         new_max = jnp.maximum(row_max, s.max(axis=-1))
         safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
         p = jnp.exp(s - safe_max[..., None])
@@ -134,11 +135,12 @@ def _accumulate(ops: Operands, spec: AttentionSpec, out, lse):
         safe_sum = jnp.where(has_mass, row_sum, 1.0)
         out = set_tile(out, acc / safe_sum[..., None], i)  # the query tile so far: its last visit leaves it whole
         lse = lse.at[i].set(jnp.where(has_mass, new_max + jnp.log(safe_sum), -jnp.inf))
-        return vma.like(i, ops.q.data), new_max, row_sum, acc, out, lse
+        return vma.like(i, ops.q.data), q_tile, new_max, row_sum, acc, out, lse
 
     b, _, hkv, g, bq, dv = out.shape
     stat = (b, hkv, g, bq)
-    init = (jnp.int32(-1), jnp.full(stat, -jnp.inf, F32), jnp.zeros(stat, F32), jnp.zeros((*stat, dv), F32))
+    init = (jnp.int32(-1), jnp.zeros_like(ops.q[0]), jnp.full(stat, -jnp.inf, F32), jnp.zeros(stat, F32),
+            jnp.zeros((*stat, dv), F32))
     init = tuple(vma.like(x, ops.q.data) for x in init) + (out, lse)
     *_, out, lse = _visit(ops, spec, ops.visits(spec).reshape(-1), pair, init)
     return out, lse
@@ -162,13 +164,12 @@ class _Grads:
     """
 
     def __init__(self, ops: Operands, spec: AttentionSpec, do, lse, delta, i, j, masked,
-                 transposed: bool):
+                 transposed: bool, k_tile, v_tile):
         self.transposed = transposed
         q_tile, do_tile = ops.q[i], do[i]
-        s, tanh = _logits(ops, spec, q_tile, i, j, masked, transposed)
+        s, tanh = _logits(ops, spec, q_tile, k_tile, i, j, masked, transposed)
         row = (lambda x: x[:, :, None]) if transposed else (lambda x: x[..., None])
         p = jnp.exp(s - row(lse[i]))
-        v_tile = ops.v[j]
         if transposed:
             dp = _einsum("bhkd,bhgqd->bhkgq", v_tile, do_tile)
         else:
@@ -177,7 +178,7 @@ class _Grads:
         ds = self.dlogits if tanh is None else self.dlogits * (1.0 - tanh * tanh)
         self.ds = ds * spec.scale
         self.p = p
-        self.q_tile, self.do_tile = q_tile, do_tile
+        self.q_tile, self.do_tile, self.k_tile = q_tile, do_tile, k_tile
 
     def dk(self, ops: Operands):
         """`[B, bk, Hkv, D]`, a key tile of dk (transposed only)."""
@@ -187,12 +188,12 @@ class _Grads:
         """`[B, bk, Hkv, Dv]`, a key tile of dv (transposed only)."""
         return jnp.moveaxis(_einsum("bhkgq,bhgqd->bhkd", _operand(self.p, self.do_tile.dtype), self.do_tile), 2, 1)
 
-    def dq(self, ops: Operands, j):
+    def dq(self, ops: Operands):
         """`[B, bq, Hkv, G, D]`, a query tile of dq."""
         if self.transposed:  # a plain matmul by k^T
-            dq = _einsum("bhdk,bhkgq->bhdgq", jnp.swapaxes(ops.k[j], -1, -2), _operand(self.ds, ops.k.dtype))
+            dq = _einsum("bhdk,bhkgq->bhdgq", jnp.swapaxes(self.k_tile, -1, -2), _operand(self.ds, ops.k.dtype))
             return jnp.transpose(dq, (0, 4, 1, 3, 2))  # [B, Hkv, D, G, bq] -> [B, bq, Hkv, G, D]
-        return _rows_first(_einsum("bhgqk,bhkd->bhgqd", _operand(self.ds, ops.k.dtype), ops.k[j]))
+        return _rows_first(_einsum("bhgqk,bhkd->bhgqd", _operand(self.ds, ops.k.dtype), self.k_tile))
 
     def dbias(self, ops: Operands, i, j):
         dlogits = jnp.moveaxis(self.dlogits, 2, -1) if self.transposed else self.dlogits
@@ -207,21 +208,24 @@ def _backward(ops: Operands, spec: AttentionSpec, do, lse, delta, dq0, dq_pass: 
     fused = dq_pass is None
     nq = ops.tiling.num_q
 
-    def pair(grads_so_far, n, masked):
+    def pair(carry, n, masked):
         j, i = n // nq, n % nq
-        dk, dv, dq, dbias = grads_so_far
-        grads = _Grads(ops, spec, do, lse, delta, i, j, masked, transposed=True)
+        column, k_tile, v_tile, dk, dv, dq, dbias = carry
+        # key tile by key tile: read a key tile's k and v once, not in every pair of it
+        k_tile, v_tile = lax.cond(j != column, lambda: (ops.k[j], ops.v[j]), lambda: (k_tile, v_tile))
+        grads = _Grads(ops, spec, do, lse, delta, i, j, masked, True, k_tile, v_tile)
         dk, dv = _add_tile(dk, grads.dk(ops), j), _add_tile(dv, grads.dv(ops), j)
         if fused:
-            dq = _add_tile(dq, grads.dq(ops, j), i)
+            dq = _add_tile(dq, grads.dq(ops), i)
         if dbias is not None:
             dbias = dbias.at[ops.bias_index(i, j)].add(grads.dbias(ops, i, j))
-        return dk, dv, dq, dbias
+        return vma.like(j, ops.q.data), k_tile, v_tile, dk, dv, dq, dbias
 
     dk0, dv0 = (vma.like(jnp.zeros(x.shape, F32), ops.q.data) for x in (ops.k, ops.v))
     dbias0 = None if ops.bias is None else vma.like(jnp.zeros(ops.bias.shape, F32), ops.q.data)
+    tiles = tuple(vma.like(x, ops.q.data) for x in (jnp.int32(-1), jnp.zeros_like(ops.k[0]), jnp.zeros_like(ops.v[0])))
     codes = ops.visits(spec).T.reshape(-1)  # key tile by key tile
-    dk, dv, dq, dbias = _visit(ops, spec, codes, pair, (dk0, dv0, dq0 if fused else None, dbias0))
+    *_, dk, dv, dq, dbias = _visit(ops, spec, codes, pair, (*tiles, dk0, dv0, dq0 if fused else None, dbias0))
     if not fused:
         dq_ops, dq_do, dq_lse, dq_delta = dq_pass
         dq = _dq_pass(dq_ops, spec, dq_do, dq_lse, dq_delta, dq0)
@@ -231,8 +235,8 @@ def _backward(ops: Operands, spec: AttentionSpec, do, lse, delta, dq0, dq_pass: 
 def _dq_pass(ops: Operands, spec: AttentionSpec, do, lse, delta, dq0):
     def pair(dq, n, masked):
         i, j = n // ops.tiling.num_kv, n % ops.tiling.num_kv
-        grads = _Grads(ops, spec, do, lse, delta, i, j, masked, transposed=False)
-        return _add_tile(dq, grads.dq(ops, j), i)
+        grads = _Grads(ops, spec, do, lse, delta, i, j, masked, False, ops.k[j], ops.v[j])
+        return _add_tile(dq, grads.dq(ops), i)
 
     return _visit(ops, spec, ops.visits(spec).reshape(-1), pair, dq0)
 
