@@ -1,10 +1,10 @@
 """What one device holds for a ring, known before it runs (`tuner memory`).
 
-The compiler's count: the problem's ring compiled for a target (the CPU's simulated devices, or a TPU
-topology through libtpu, no TPU needed), forward or forward and backward, and its `memory_analysis()`
-read per device: the temporaries, the arguments (the q, k, v shards; and the output's cotangent) and the
-outputs. Beside it, the analytic floor: the temporaries a ring cannot do without, beyond the program's
-arguments and outputs.
+The compiler's count: what the loader runs for the problem (its plan, `tuner.tuning.decision`) compiled
+for a target (the CPU's simulated devices, or a TPU topology through libtpu, no TPU needed), forward or
+forward and backward, and its `memory_analysis()` read per device: the temporaries, the arguments (the
+q, k, v shards; and the output's cotangent) and the outputs. Beside it, the analytic floor: the
+temporaries a ring cannot do without, beyond the program's arguments and outputs.
 
     forward    the float32 output accumulator [B, T, H, Dv], the lse [B, H, T] (float32), and the key and
                value shards at hand and arriving (with their positions)
@@ -13,10 +13,10 @@ arguments and outputs.
 
 (T is the shard's length.) A forward and backward program needs the larger of the two. With float32
 inputs the output and dq accumulators are not counted: they can be the program's output and dq. The
-output saved for the backward is the program's output here (in a training step it is a residual). The shards at
-hand and arriving are two from the second step on, on a ring of 3 or more: the one being computed
-arrived at the step before and, not being the caller's array, cannot be sent into; one on a ring of 2
-(the shard at hand first is the caller's), none on a ring of 1.
+output saved for the backward is the program's output here (in a training step it is a residual). The
+shards at hand and arriving are two from the second step on, on a ring of 3 or more: the one being
+computed arrived at the step before and, not being the caller's array, cannot be sent into; one on a
+ring of 2 (the shard at hand first is the caller's), none on a ring of 1.
 
 What a device holds is affine in its shard's length (the tiles' working set is fixed), so two compiles,
 at the shard and at twice it, give the bytes each further token costs and the longest sequence a chip's
