@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from revisions import ROOT, check_tree, checkout, environment  # noqa: E402
+
 PROGRAMS = ("fwd", "fwd+bwd")
 
 
@@ -40,12 +39,8 @@ def worker(args: argparse.Namespace) -> None:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    import tuner
+    check_tree()
     from tuner import ring_attention
-
-    tree = os.environ["RING_AGAINST_TREE"]
-    if not os.path.abspath(tuner.__file__).startswith(tree + os.sep):
-        raise SystemExit(f"the worker for {tree} imported tuner from {tuner.__file__}")
     mesh = Mesh(np.array(jax.devices()[:args.ring]), ("sp",))
     seq = P(None, "sp")
 
@@ -93,18 +88,13 @@ def main(argv: list[str] | None = None) -> int:
         worker(args)
         return 0
 
-    folder = tempfile.mkdtemp()
-    checkout = os.path.join(folder, "against")
-    subprocess.run(["git", "worktree", "add", "--detach", checkout, args.against], cwd=ROOT, check=True,
-                   capture_output=True)
     forwarded = list(argv if argv is not None else sys.argv[1:])
-    try:
+    with checkout(args.against) as other:
         workers = {}
-        for side, tree in (("this", ROOT), ("that", checkout)):
-            env = {**os.environ, "PYTHONPATH": tree, "RING_AGAINST_TREE": tree}
+        for side, tree in (("this", ROOT), ("that", other)):
             workers[side] = subprocess.Popen([sys.executable, os.path.abspath(__file__), *forwarded, "--worker"],
-                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-                                             cwd=tree)
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                             env=environment(tree), cwd=tree)
         temps = {side: json.loads(w.stdout.readline()) for side, w in workers.items()}
         times = {(side, name): [] for side in workers for name in PROGRAMS}
         for run in range(args.warmup + args.runs):
@@ -118,9 +108,6 @@ def main(argv: list[str] | None = None) -> int:
         for w in workers.values():
             w.stdin.close()
             w.wait()
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", checkout], cwd=ROOT, capture_output=True)
-        shutil.rmtree(folder, ignore_errors=True)
 
     rows = []
     print(f"ring of {args.ring}, T={args.seq_len}, H={args.heads}, D={args.head_dim}, {args.dtype}, "

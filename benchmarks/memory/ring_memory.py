@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from revisions import ROOT, check_tree, checkout, environment  # noqa: E402
+
 OBJECTIVES = ("fwd", "fwd+bwd")
 
 
@@ -35,6 +35,7 @@ def worker(args: argparse.Namespace) -> None:
     else:
         os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    check_tree()
     import jax
     import jax.numpy as jnp
 
@@ -71,9 +72,8 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def measure(tree: str, argv: list[str]) -> dict[tuple, dict]:
-    env = {**os.environ, "PYTHONPATH": tree}
-    run = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--worker"], env=env, cwd=tree,
-                         capture_output=True, text=True, check=False)
+    run = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--worker"], env=environment(tree),
+                         cwd=tree, capture_output=True, text=True, check=False)
     if run.returncode:
         raise SystemExit(f"the worker for {tree} failed:\n{run.stderr[-3000:]}")
     rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
@@ -109,15 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     this = measure(ROOT, forwarded)
     that = {}
     if args.against:
-        folder = tempfile.mkdtemp()
-        checkout = os.path.join(folder, "against")
-        subprocess.run(["git", "worktree", "add", "--detach", checkout, args.against], cwd=ROOT, check=True,
-                       capture_output=True)
-        try:
-            that = measure(checkout, forwarded)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", checkout], cwd=ROOT, capture_output=True)
-            shutil.rmtree(folder, ignore_errors=True)
+        with checkout(args.against) as other:
+            that = measure(other, forwarded)
 
     rows = []
     print(f"H={args.heads}/{args.kv_heads}, D={args.head_dim}, causal, zigzag, ring of 4, batch 1; "
