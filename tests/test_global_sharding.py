@@ -36,22 +36,13 @@ Case = global_memory.Case
 TOKENS = 4096  # q, k, v large enough against the fixed cost of the documents plan; compiles in about a second
 
 
-def moved_bytes(case) -> int:
-    """Bytes a device holds of the arrays the layout moves: q, k, v and the output, and in the backward as
-    many again (the output's cotangent, dq, dk and dv)."""
-    devices = int(np.prod([int(n) for n in case.mesh.split("x")]))
-    tokens = case.batch * case.tokens // devices
-    arrays = tokens * case.dim * (2 * case.heads + 2 * case.kv_heads) * jnp.dtype(case.dtype).itemsize
-    return arrays * (2 if case.backward else 1)
-
-
 def check(result) -> None:
     case = result.case
     allowed = max(8.0, result.shard_map_gather_per_token)  # ids and positions, and what the strategy gathers
     assert result.largest_gather_per_token <= allowed, (case, result.largest_gather_per_token)
     assert result.out_spec == result.in_spec, (case, result.out_spec)
     extra = result.mesh_bytes - result.shard_map_bytes
-    assert extra <= moved_bytes(case), (case, result.mesh_bytes, result.shard_map_bytes, moved_bytes(case))
+    assert extra <= case.moved_bytes(), (case, result.mesh_bytes, result.shard_map_bytes, case.moved_bytes())
     assert result.unordered == 0, case
 
 

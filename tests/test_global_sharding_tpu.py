@@ -35,7 +35,7 @@ def test_on_the_tpu_compiler_at_131072_tokens(layout, backward):
     result = global_memory.compile_case(case, devices)
     assert result.largest_gather_per_token <= 8.0, result
     assert result.out_spec == result.in_spec, result
-    assert result.ratio <= 1.25, result
+    assert result.mesh_bytes - result.shard_map_bytes <= case.moved_bytes(), result  # its laid-out copies
     if layout == "documents":  # the TPU has a ragged all-to-all: each token moves once, in one collective
         assert result.collectives.get("ragged-all-to-all", 0) >= 8, result.collectives
     else:

@@ -2,12 +2,12 @@
 a TPU topology (`jax.experimental.topologies`) without a TPU. Checked here:
 
 - the loader and `ring_attention` pick the TPU kernel for a TPU mesh (the mesh decides, not the host);
-- in the scheduled program, every ring step's transfers overlap its kernel: in the loop body of the
-  forward and of the backward, each collective-permute starts before the step's kernel (or the branch
-  that skips it) and completes after it, on v5e, v6e, v5p and v4. The backward used to wait for its kernel
-  before sending the dK/dV accumulators (`tuner.strategies.ring` now adds a step's block gradients after the
-  accumulator arrives). Without a mask the kernel runs in a branch too, under an always-true predicate
-  the compiler cannot fold: a bare kernel was scheduled before its transfers on v6e;
+- in the scheduled program, every ring step's transfers overlap its kernels: in the loop body of the
+  forward and of the backward, a kernel (or the branch that skips it) runs between each
+  collective-permute's start and its completion, on v5e, v6e, v5p and v4. In the backward the dK/dV
+  accumulators of the keys at hand arrive while the step's dQ kernel runs, and its dK/dV kernel then adds
+  into them (`tuner.strategies.ring`). Without a mask the forward's kernel runs in a branch, under an
+  always-true predicate the compiler cannot fold: a bare kernel was scheduled before its transfers on v6e;
 - each kernel asks Mosaic for half the VMEM of the chip the mesh is made of (not a fallback chip's),
   and the compiler reports it uses no more.
 

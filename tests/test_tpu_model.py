@@ -68,6 +68,35 @@ def test_a_kernels_vmem_is_read_from_its_scoped_region_not_from_the_start_of_vme
                                      "ring_attention_dq.2": (64 << 20, 3 << 20)}
 
 
+def test_a_transfer_overlaps_only_a_kernel_scheduled_between_its_start_and_its_completion():
+    """The reader of a scheduled loop body pairs each collective-permute's completion with its start: a
+    transfer started and completed on the same side of every kernel is reported, one started in an
+    earlier iteration (a rotated loop) counts as in flight from the body's start."""
+    from tuner.models import hlo
+
+    def body(*ops):
+        lines = []
+        for op in ops:
+            kind, _, name = op.partition(":")
+            if kind == "start":
+                lines.append(f"  %cp.{name} = (f32[8]) collective-permute-start(%x), channel_id=1")
+            elif kind == "done":
+                lines.append(f"  %d.{name} = f32[8] collective-permute-done(%cp.{name})")
+            else:
+                lines.append("  %k = f32[8] custom-call(), custom_call_target=\"tpu_custom_call\"")
+        text = "\n".join(["%body (p: f32[8]) -> f32[8] {", *lines, "}", "ENTRY %main {",
+                          "  %w = f32[8] while(%p), condition=%cond, body=%body", "}"])
+        (parsed,) = hlo.loop_bodies(text)
+        return parsed
+
+    assert hlo.overlap_problem(body("start:a", "start:b", "kernel", "done:a", "kernel", "done:b")) is None
+    assert hlo.overlap_problem(body("done:a", "kernel")) == "1 of 1 transfers overlap no kernel: cp.a"
+    assert hlo.overlap_problem(body("start:a", "done:a")) == "no kernel in the loop body"
+    assert hlo.overlap_problem(body("kernel", "done:a", "start:b", "kernel", "done:b")) is None
+    assert hlo.overlap_problem(body("start:a", "kernel", "start:b", "done:b", "kernel", "done:a")) == \
+        "1 of 2 transfers overlap no kernel: cp.b"
+
+
 def test_the_vmem_estimate_admits_no_kernel_the_compiler_rejects_and_bounds_every_use():
     """Over the kernel compile results of every generation (`benchmarks/tpu/tpu_vmem_kernels.py`: each tile
     point of each kernel compiled alone by the production TPU compiler, failures included), the VMEM

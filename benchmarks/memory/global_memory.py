@@ -58,6 +58,15 @@ class Case:
     dim: int = 64
     dtype: str = "bfloat16"
 
+    def moved_bytes(self) -> int:
+        """Bytes a device holds of the arrays the layout moves: q, k, v and the output, and in the backward
+        as many again (the output's cotangent, dq, dk and dv): what the mesh= program may hold above the
+        shard_map one, its laid-out copies."""
+        devices = int(np.prod([int(n) for n in self.mesh.split("x")]))
+        tokens = self.batch * self.tokens // devices
+        arrays = tokens * self.dim * (2 * self.heads + 2 * self.kv_heads) * jnp.dtype(self.dtype).itemsize
+        return arrays * (2 if self.backward else 1)
+
 
 @dataclass(frozen=True)
 class Result:

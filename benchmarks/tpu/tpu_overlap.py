@@ -50,7 +50,7 @@ def main() -> None:
     for name, body in zip(("forward", "backward"), hlo.loop_bodies(compiled.as_text())):
         short = " ".join({"collective-permute-start": "start", "collective-permute-done": "done",
                           "conditional": "[kernel?]", "kernel": "[kernel]"}[op] for op in body)
-        print(f"{name:9s} {short}\n          {hlo.overlap_problem(body) or 'every transfer overlaps the kernel'}")
+        print(f"{name:9s} {short}\n          {hlo.overlap_problem(body) or 'every transfer overlaps a kernel'}")
     for kernel, (asked, used) in sorted(hlo.kernel_vmem(compiled.as_text()).items()):
         print(f"{kernel:24s} VMEM asked {asked / 2**20:5.1f} MiB, used {used / 2**20:5.1f} MiB")
 

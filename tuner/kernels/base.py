@@ -8,18 +8,27 @@ about rings. The ring driver (`tuner.strategies.ring`) calls it once per ring st
     block_bwd(q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec, params, interpret)
         -> dq, dk, dv (float32), dbias (bias's shape and float32, or None without bias)
 
-The ring runs through five more, so that a kernel can merge each block into the running softmax, and
-add each block's dq into the running dq, where it keeps them, instead of returning a block's results:
+The ring runs through more, so that a kernel can merge each block into the running softmax, and add
+each block's gradients into the running ones, where it keeps them, instead of returning a block's results:
 
     fwd_start(q, k, v, *, params) -> state          nothing read yet, for keys shaped as k and v
     fwd_step(state, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec, params, interpret) -> state
     fwd_finish(state, q) -> o_f32 [B,Tq,H,Dv], lse_f32 [B,H,Tq]
     bwd_start(q, do) -> rows                          q and do as every step reads them, made once
+    grads_start(k, v, *, params) -> grads             zero dk, dv accumulators (float32), as they travel
     bwd_step(dq, rows, k, v, o, lse, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec, params, interpret)
-        -> dq (the running float32 dq [B,Tq,H,D] with this block's added), dk, dv, dbias (the block's)
+        -> dq (the running float32 dq [B,Tq,H,D] with this block's added), dbias (the block's), pending
+    bwd_idle(k, v) -> pending                         what `bwd_step` leaves for a step that reads nothing
+    bwd_accumulate(grads, pending, rows, k, v, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, params,
+                   interpret) -> grads                the block's dk, dv added into the accumulators
+    grads_finish(grads, k, v) -> dk, dv               in k's and v's shape and dtype
 
-The block's dk and dv are returned, not added: the ring adds them to accumulators that travel while the
-kernel runs. `MergedBlocks` gives the five from `block_fwd`, `merge` and `block_bwd`.
+A backward step has two parts because the dk/dv accumulators travel while the step runs: `bwd_step`
+must not read them, so that their transfer can overlap it; `bwd_accumulate` runs once they have
+arrived, with whatever `bwd_step` left it (`pending`: the block's dk, dv for a kernel that computes
+them with dq, nothing for one that computes them in a kernel of their own). `AddedGrads` gives the
+accumulators of a kernel that leaves the block's dk, dv; `BlockGrads` adds `bwd_step` from `block_bwd`;
+`MergedBlocks` adds the forward's from `block_fwd` and `merge`.
 
 `q` is `[B,Tq,H,D]`, `k` `[B,Tk,Hkv,D]`, `v` `[B,Tk,Hkv,Dv]`: the value head dim Dv may differ from the
 query/key head dim D (multi-head latent attention); `o` and `do` have Dv, each gradient its input's shape.
@@ -136,14 +145,57 @@ class Backend(Protocol):
 
     def bwd_start(self, q, do) -> Any: ...
 
+    def grads_start(self, k, v, *, params: BwdParams) -> Any: ...
+
     def bwd_step(self, dq, rows: Any, k, v, o, lse, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *,
                  spec: AttentionSpec, params: BwdParams, interpret: bool) -> tuple: ...
 
+    def bwd_idle(self, k, v) -> Any: ...
 
-class MergedBlocks:
+    def bwd_accumulate(self, grads: Any, pending: Any, rows: Any, k, v, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *,
+                       spec: AttentionSpec, params: BwdParams, interpret: bool) -> Any: ...
+
+    def grads_finish(self, grads: Any, k, v) -> tuple: ...
+
+
+class AddedGrads:
+    """The dk/dv accumulators of a kernel whose `bwd_step` leaves the block's dk and dv (float32, k's and v's
+    shapes): the accumulators are float32 arrays of those shapes, and the block's are added to them."""
+
+    def grads_start(self, k, v, *, params: BwdParams | None = None) -> tuple:
+        return jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+
+    def bwd_idle(self, k, v) -> tuple:
+        return self.grads_start(k, v)
+
+    def bwd_accumulate(self, grads: tuple, pending: tuple, rows: Any, k, v, lse, delta, q_pos, kv_pos, q_seg,
+                       kv_seg, *, spec: AttentionSpec, params: BwdParams, interpret: bool) -> tuple:
+        return tuple(g + p for g, p in zip(grads, pending))
+
+    def grads_finish(self, grads: tuple, k, v) -> tuple:
+        return tuple(g.astype(x.dtype) for g, x in zip(grads, (k, v)))
+
+
+class BlockGrads(AddedGrads):
+    """The backward's steps of a kernel that computes a block's dq, dk and dv together (`block_bwd`):
+    `bwd_step` adds the block's dq to the running dq and leaves its dk and dv to be added to the
+    travelling accumulators once they arrive."""
+
+    def bwd_start(self, q, do) -> tuple:
+        return q, do
+
+    def bwd_step(self, dq, rows: tuple, k, v, o, lse, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *,
+                 spec: AttentionSpec, params: BwdParams, interpret: bool) -> tuple:
+        q, do = rows
+        block_dq, dk, dv, dbias = self.block_bwd(q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias,
+                                                 spec=spec, params=params, interpret=interpret)
+        return dq + block_dq, dbias, (dk, dv)
+
+
+class MergedBlocks(BlockGrads):
     """The ring's steps of a kernel that returns each block's results: the forward's state is the running
-    float32 output `[B, Tq, H, Dv]` and lse `[B, H, Tq]`, into which each block's is merged (`merge`); each
-    block's dq is added to the running dq."""
+    float32 output `[B, Tq, H, Dv]` and lse `[B, H, Tq]`, into which each block's is merged (`merge`); the
+    backward's are `BlockGrads`'."""
 
     def fwd_start(self, q, k, v, *, params: FwdParams) -> tuple:
         b, t, h = q.shape[:3]
@@ -157,16 +209,6 @@ class MergedBlocks:
 
     def fwd_finish(self, state: tuple, q) -> tuple:
         return state
-
-    def bwd_start(self, q, do) -> tuple:
-        return q, do
-
-    def bwd_step(self, dq, rows: tuple, k, v, o, lse, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *,
-                 spec: AttentionSpec, params: BwdParams, interpret: bool) -> tuple:
-        q, do = rows
-        block_dq, dk, dv, dbias = self.block_bwd(q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias,
-                                                 spec=spec, params=params, interpret=interpret)
-        return dq + block_dq, dk, dv, dbias
 
 
 def reject_settings(backend: str, fwd: FwdParams, bwd: BwdParams, *, launch: bool, compute_slice: bool) -> None:

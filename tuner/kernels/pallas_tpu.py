@@ -12,8 +12,10 @@ Layout: TPU blocks need their last two dims to be multiples of (8, 128) or whole
 on heads-major `[B, H, T, D]` arrays, which is how XLA lays out a `[B, T, H, D]` array on a TPU anyway
 (the transposes here move nothing there; elsewhere, they copy), and on lane-dense rows `[B, H, 1, T]` of
 the lse and delta. Local lengths are padded to whole tiles when a tile does not divide them.
-The ring's forward keeps its running output and lse in the kernels' layout, and the forward kernel
-merges each block into them in place (`fwd_start`, `fwd_step`, `fwd_finish`). Values, the output and its gradient
+The ring keeps its running state in the kernels' layout, and the kernels add each block into it in
+place: the forward kernel into the output and lse (`fwd_start`, `fwd_step`, `fwd_finish`), the dq
+kernel into dq (`bwd_step`), the dk/dv kernel into the travelling dk/dv accumulators once they have
+arrived (`grads_start`, `bwd_accumulate`, `grads_finish`). Values, the output and its gradient
 may have a head dim of their own (multi-head latent attention: 192 for queries and keys, 128 for
 values). dq is a kernel of its own (a fused dq would need atomics), and bias and float16 are not
 supported (`backend="auto"` takes scan for them).
@@ -328,38 +330,74 @@ class PallasTpuBackend:
     def block_bwd(self, q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *,
                   spec: AttentionSpec, params: BwdParams, interpret: bool = False):
         dq = vma.like(jnp.zeros(q.shape, jnp.float32), q)
-        return self.bwd_step(dq, self.bwd_start(q, do), k, v, o, lse, delta, q_pos, kv_pos, q_seg, kv_seg, bias,
-                             spec=spec, params=params, interpret=interpret)
+        rows = self.bwd_start(q, do)
+        grads = tuple(vma.like(x, q) for x in self.grads_start(k, v, params=params))
+        dq, dbias, pending = self.bwd_step(dq, rows, k, v, o, lse, delta, q_pos, kv_pos, q_seg, kv_seg, bias,
+                                           spec=spec, params=params, interpret=interpret)
+        grads = self.bwd_accumulate(grads, pending, rows, k, v, lse, delta, q_pos, kv_pos, q_seg, kv_seg, spec=spec,
+                                    params=params, interpret=interpret)
+        return (dq, *self.grads_finish(grads, k, v), dbias)
 
     def bwd_start(self, q, do) -> tuple:
         """q and do heads-major, once for the whole ring (a step made its own copies beside the loop's)."""
         return _heads_major(q, q.shape[1]), _heads_major(do.astype(q.dtype), q.shape[1])
 
+    def grads_start(self, k, v, *, params: BwdParams) -> tuple:
+        """The dk and dv accumulators in the dk/dv kernel's layout, float32 `[B, Hkv, Tk, D]` heads-major and
+        padded to whole key tiles: they travel the ring in it, and the kernel adds each block into them."""
+        (b, tk, hkv, d), dv = k.shape, v.shape[3]
+        kv_len = _padded(tk, _tile("bwd_params.block_kv_dkv", params.block_kv_dkv, tk, KV_ALIGN))
+        return jnp.zeros((b, hkv, kv_len, d), jnp.float32), jnp.zeros((b, hkv, kv_len, dv), jnp.float32)
+
     def bwd_step(self, dq, rows: tuple, k, v, o, lse, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *,
                  spec: AttentionSpec, params: BwdParams, interpret: bool = False) -> tuple:
-        """The dq kernel adds the block's dq into the running `dq` in place."""
-        q, do = rows  # heads-major
-        tq, tk = q.shape[2], k.shape[1]
-        module = codegen.load(variant(spec, q.dtype, q.shape[3], v.shape[3]))
-        lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # a row that read nothing: p = exp(s - inf) = 0
-        common = dict(kv_len=tk, **_mask_values(spec), vmem_limit_bytes=vmem_limit_bytes(),
-                      interpret=_interpret_mode(interpret, q))
+        """The dq kernel adds the block's dq into the running `dq` in place; dk and dv are left to the
+        dk/dv kernel (`bwd_accumulate`), which needs the accumulators."""
+        tq, tk = rows[0].shape[2], k.shape[1]
+        _, (block_q, block_kv) = bwd_tiles(params, tq, tk)
+        module = codegen.load(variant(spec, k.dtype, k.shape[3], v.shape[3]))
+        dq = module.attention_dq(*_flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, block_q, block_kv),
+                                 *_bwd_operands(spec, rows, k, v, lse, delta, q_pos, kv_pos, q_seg, kv_seg, block_q,
+                                                block_kv),
+                                 _heads_major(dq, _padded(tq, block_q)), block_q=block_q, block_kv=block_kv,
+                                 **_bwd_settings(spec, tk, interpret, k))
+        return _tokens_major(dq, tq), None, ()
 
-        def operands(block_q: int, block_kv: int):
-            q_len, kv_len = _padded(tq, block_q), _padded(tk, block_kv)
-            return (_padded_rows(q, q_len), _heads_major(k, kv_len), _heads_major(v, kv_len),
-                    _padded_rows(do, q_len), _row_stats(lse, q_len, jnp.inf),
-                    _row_stats(delta, q_len, 0.0), _ids(spec, q_pos, q_seg, q_len, keys=False),
-                    _ids(spec, kv_pos, kv_seg, kv_len, keys=True))
+    def bwd_idle(self, k, v) -> tuple:
+        return ()
 
-        (dkv_q, dkv_kv), (dq_q, dq_kv) = bwd_tiles(params, tq, tk)
-        dk, dv = module.attention_dkv(
-            *_flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, dkv_q, dkv_kv, by_key=True),
-            *operands(dkv_q, dkv_kv), block_q=dkv_q, block_kv=dkv_kv, **common)
-        dq = module.attention_dq(*_flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, dq_q, dq_kv),
-                                 *operands(dq_q, dq_kv), _heads_major(dq, _padded(tq, dq_q)), block_q=dq_q,
-                                 block_kv=dq_kv, **common)
-        return _tokens_major(dq, tq), _tokens_major(dk, tk), _tokens_major(dv, tk), None
+    def bwd_accumulate(self, grads: tuple, pending: tuple, rows: tuple, k, v, lse, delta, q_pos, kv_pos, q_seg,
+                       kv_seg, *, spec: AttentionSpec, params: BwdParams, interpret: bool = False) -> tuple:
+        """The dk/dv kernel adds the block's dk and dv into the accumulators in place."""
+        tq, tk = rows[0].shape[2], k.shape[1]
+        (block_q, block_kv), _ = bwd_tiles(params, tq, tk)
+        module = codegen.load(variant(spec, k.dtype, k.shape[3], v.shape[3]))
+        return tuple(module.attention_dkv(
+            *_flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, block_q, block_kv, by_key=True),
+            *_bwd_operands(spec, rows, k, v, lse, delta, q_pos, kv_pos, q_seg, kv_seg, block_q, block_kv), *grads,
+            block_q=block_q, block_kv=block_kv, **_bwd_settings(spec, tk, interpret, k)))
+
+    def grads_finish(self, grads: tuple, k, v) -> tuple:
+        return tuple(_tokens_major(g.astype(x.dtype), x.shape[1]) for g, x in zip(grads, (k, v)))
+
+
+def _bwd_operands(spec: AttentionSpec, rows: tuple, k, v, lse, delta, q_pos, kv_pos, q_seg, kv_seg, block_q: int,
+                  block_kv: int) -> tuple:
+    """What both backward kernels read, padded to their tiles: q, k, v, do heads-major, the lse and delta
+    rows (a row that read nothing gets lse +inf: p = exp(s - inf) = 0), the query and key ids."""
+    q, do = rows  # heads-major
+    tq, tk = q.shape[2], k.shape[1]
+    q_len, kv_len = _padded(tq, block_q), _padded(tk, block_kv)
+    lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
+    return (_padded_rows(q, q_len), _heads_major(k, kv_len), _heads_major(v, kv_len), _padded_rows(do, q_len),
+            _row_stats(lse, q_len, jnp.inf), _row_stats(delta, q_len, 0.0),
+            _ids(spec, q_pos, q_seg, q_len, keys=False), _ids(spec, kv_pos, kv_seg, kv_len, keys=True))
+
+
+def _bwd_settings(spec: AttentionSpec, kv_len: int, interpret: bool, reference) -> dict[str, Any]:
+    """The keyword arguments both backward kernels take besides their tiles."""
+    return dict(kv_len=kv_len, **_mask_values(spec), vmem_limit_bytes=vmem_limit_bytes(),
+                interpret=_interpret_mode(interpret, reference))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tuner.kernels import scan_kernel, scan_tiling
-from tuner.kernels.base import SearchSpace, reject_settings, source_hash
+from tuner.kernels.base import AddedGrads, SearchSpace, reject_settings, source_hash
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.semantics.spec import AttentionSpec, LocalShapes
 
@@ -19,7 +19,7 @@ TILE_BYTES_LIMIT = 256 * 2**20
 SHORT_SHARD = 1024  # up to this local length the default forward takes query tiles of 128 (default_params)
 
 
-class ScanBackend:
+class ScanBackend(AddedGrads):
     """Pure-JAX blockwise attention; honours every feature on every platform."""
 
     name = "scan"
@@ -109,9 +109,10 @@ class ScanBackend:
 
     def bwd_step(self, dq, rows: tuple, k, v, o, lse, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *,
                  spec: AttentionSpec, params: BwdParams, interpret: bool = False) -> tuple:
-        """The block's dq added into the running `dq` in place."""
+        """The block's dq added into the running `dq` in place; its dk and dv left for `bwd_accumulate`."""
         q, do = rows
-        return _backward(dq, q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, spec, params)
+        dq, dk, dv, dbias = _backward(dq, q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, spec, params)
+        return dq, dbias, (dk, dv)
 
 
 def _backward(dq, q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, spec: AttentionSpec, params: BwdParams):

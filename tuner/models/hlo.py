@@ -12,7 +12,23 @@ RING_OPS = ("collective-permute-start", "collective-permute-done", "conditional"
 KERNEL_TARGETS = ("tpu_custom_call",)  # Mosaic kernels
 
 
-def loop_bodies(hlo: str) -> list[list[str]]:
+class Op(str):
+    """One ring-relevant instruction of a loop body: its kind (the string itself), its `name`, and for a
+    collective-permute-done the name of the start it completes (`completes`)."""
+
+    name: str
+    completes: str | None
+
+
+def _op(kind: str, line: str) -> Op:
+    op = Op(kind)
+    op.name = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+) =", line).group(1)
+    completes = re.search(r"collective-permute-done\(%?([\w.\-]+)", line) if kind == "collective-permute-done" else None
+    op.completes = completes.group(1) if completes else None
+    return op
+
+
+def loop_bodies(hlo: str) -> list[list[Op]]:
     """For each while loop of the module, in the order the loops appear, the ring-relevant instructions
     of its body in scheduled order: "collective-permute-start", "collective-permute-done",
     "conditional" (a step's skippable kernel) and "kernel" (a Mosaic custom call)."""
@@ -21,14 +37,30 @@ def loop_bodies(hlo: str) -> list[list[str]]:
         name = re.match(r"%?(\S+)", block.split("\n", 1)[0])
         ops = []
         for line in block.split("\n")[1:]:
-            op = next((op for op in RING_OPS if f" {op}(" in line), None)
-            if op is None and any(target in line for target in KERNEL_TARGETS):
-                op = "kernel"
-            if op is not None:
-                ops.append(op)
+            kind = next((op for op in RING_OPS if f" {op}(" in line), None)
+            if kind is None and any(target in line for target in KERNEL_TARGETS):
+                kind = "kernel"
+            if kind is not None:
+                ops.append(_op(kind, line))
         computations[name.group(1) if name else ""] = ops
     bodies = re.findall(r"\swhile\(.*?body=%?([\w.\-]+)", hlo)
     return [computations[body] for body in bodies if body in computations]
+
+
+def overlap_problem(body: list[Op]) -> str | None:
+    """Why the transfers of a loop body (from `loop_bodies`) do not all overlap its compute -- some
+    collective-permute with no kernel (or branch) scheduled between its start and its completion -- or
+    None."""
+    compute = [i for i, op in enumerate(body) if op in ("conditional", "kernel")]
+    starts = {op.name: i for i, op in enumerate(body) if op == "collective-permute-start"}
+    dones = [(i, op.completes) for i, op in enumerate(body) if op == "collective-permute-done"]
+    if not compute or not dones:
+        return f"no {'kernel' if not compute else 'transfer'} in the loop body"
+    # a transfer started in an earlier iteration (the loop rotated) is in flight from the body's start
+    bare = [name for i, name in dones if not any(starts.get(name, -1) < c < i for c in compute)]
+    if bare:
+        return f"{len(bare)} of {len(dones)} transfers overlap no kernel: {', '.join(bare)}"
+    return None
 
 
 def kernel_vmem(hlo: str) -> dict[str, tuple[int, int]]:
@@ -48,21 +80,6 @@ def kernel_vmem(hlo: str) -> dict[str, tuple[int, int]]:
             offset, size = int(region.group(1)), int(region.group(2))
             kernels[name.group(1)] = (size, int(reach.group(1)) + int(reach.group(2)) - offset)
     return kernels
-
-
-def overlap_problem(body: list[str]) -> str | None:
-    """Why the transfers of a loop body (from `loop_bodies`) do not all overlap its compute -- some
-    collective-permute starting after the kernel (or its branch) or completing before it -- or None."""
-    compute = [i for i, op in enumerate(body) if op in ("conditional", "kernel")]
-    starts = [i for i, op in enumerate(body) if op == "collective-permute-start"]
-    dones = [i for i, op in enumerate(body) if op == "collective-permute-done"]
-    if not compute or not starts:
-        return f"no {'kernel' if not compute else 'transfer'} in the loop body"
-    late = sum(i > min(compute) for i in starts)
-    early = sum(i < max(compute) for i in dones)
-    if late or early:
-        return f"{late} of {len(starts)} transfers start after the kernel, {early} complete before it"
-    return None
 
 
 COLLECTIVE_KINDS = ("collective-permute", "all-to-all", "all-gather", "reduce-scatter")

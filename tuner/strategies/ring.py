@@ -13,11 +13,13 @@ skipped: which ones, `masks.ring_mask` resolves once before the ring turns, from
 position bounds. Sinks join the softmax once, at the end.
 
 Backward replays the same steps with the final (sink-inclusive) lse and `delta = rowsum(dout * out)`:
-dq accumulates here (the kernel adds each block's into it, `bwd_step`), while dk/dv accumulators
-travel with the keys and, after one last hop, arrive back at the device that owns those keys. Each
-step's kernel computes its block's dk/dv afresh, and they are added to the accumulator after it
-arrives, so that neither transfer of a step (the next keys, the accumulator of the keys at hand)
-depends on the step's kernel and both can overlap it.
+dq accumulates here (the kernel adds each block's into it, `bwd_step`), while dk/dv accumulators, in
+the kernel's layout (`grads_start`, `grads_finish`), travel with the keys and, after one last hop,
+arrive back at the device that owns those keys. A step has two parts: `bwd_step` reads nothing that
+travels during the step, so the accumulators of the keys at hand arrive while it runs; then
+`bwd_accumulate` adds the block's dk/dv into them (the Pallas kernel in place, the others by adding
+what `bwd_step` left). An `optimization_barrier` on (accumulators, dq) keeps that order: otherwise the
+TPU scheduler may run the second part first and wait for the transfer.
 `d softmax_aux` is computed once, from lse and delta.
 """
 
@@ -133,6 +135,16 @@ def _visits(cfg: RingConfig, ring_mask: masks.RingMask, step, size: int):
     return None
 
 
+def _idle_together(spec: AttentionSpec) -> bool:
+    """Whether every device of the ring can skip the same step: with a window, chunks or segments.
+    Without them a step is skipped on a device only while another runs a whole block (causal, contiguous
+    layout), so the backward runs a skipped step's second part (`bwd_accumulate`, with `bwd_idle`'s
+    pending) instead of branching around it: it costs no wall time there, while the branch costs memory
+    (on the TPU, XLA keeps copies of the dk/dv accumulators that a kernel in a branch adds into in place:
+    514 against 433 MiB a chip at 131072 tokens, v5e, tests/test_memory.py)."""
+    return spec.window is not None or spec.chunk_size is not None or spec.has_segments
+
+
 def _forward(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks):
     backend = block_kernel(cfg.backend)
     size, rank = ring_geometry(cfg.axis_name)
@@ -183,65 +195,81 @@ def _backward(cfg: RingConfig, residuals, cotangents):
     delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(F32), out.astype(F32)) - dlse
     dout = dout.astype(q.dtype)
 
-    zero_grads = (vma.like(jnp.zeros(k.shape, F32), q), vma.like(jnp.zeros(v.shape, F32), q))
     rows = backend.bwd_start(q, dout)  # q and dout as the kernel reads them, made once for every step
+    kernel_args = dict(spec=cfg.spec, params=cfg.bwd_params, interpret=cfg.interpret)
+
+    def varying(tree):
+        return jax.tree.map(lambda x: vma.like(x, q), tree)
 
     def block(visiting, step, dq, dbias):
-        """One step: dq (and dbias) accumulate here; the block's own dk, dv are returned (zeros for a
-        skipped step), to be added to the accumulators travelling with those keys."""
+        """A step's first part, which does not read the dk/dv accumulators: dq (and dbias) accumulate here;
+        what the kernel leaves for `accumulate` is returned."""
         k_, v_, kv_pos_, kv_seg_ = _arrived(visiting)
         source = (rank - step) % size
 
         def compute(carry):
             dq, dbias = carry
             work.record("blocks", 1)
-            dq, dk_b, dv_b, dbias_b = backend.bwd_step(
-                dq, rows, k_, v_, out, lse, delta, q_pos, kv_pos_, q_seg, kv_seg_,
-                _bias_columns(bias, source, kv_len), spec=cfg.spec, params=cfg.bwd_params,
-                interpret=cfg.interpret)
+            dq, dbias_b, pending = backend.bwd_step(dq, rows, k_, v_, out, lse, delta, q_pos, kv_pos_, q_seg,
+                                                    kv_seg_, _bias_columns(bias, source, kv_len), **kernel_args)
             if dbias is not None:
                 dbias = _add_bias_columns(dbias, dbias_b, source, kv_len)
-            return dq, (vma.like(dk_b, q), vma.like(dv_b, q)), dbias
+            return dq, dbias, varying(pending)
 
         visits = _visits(cfg, ring_mask, step, size)
         if visits is None:
             return compute((dq, dbias))
-        return lax.cond(visits, compute, lambda c: (c[0], zero_grads, c[1]), (dq, dbias))
+        return lax.cond(visits, compute, lambda c: (*c, varying(backend.bwd_idle(k_, v_))), (dq, dbias))
+
+    def accumulate(visiting, step, grads, pending):
+        """A step's second part: the block's dk, dv added into the accumulators of the keys at hand."""
+        k_, v_, kv_pos_, kv_seg_ = _arrived(visiting)
+
+        def compute(grads, pending):
+            return backend.bwd_accumulate(grads, pending, rows, k_, v_, lse, delta, q_pos, kv_pos_, q_seg, kv_seg_,
+                                          **kernel_args)
+
+        visits = _visits(cfg, ring_mask, step, size) if _idle_together(cfg.spec) else None
+        if visits is None:
+            return compute(grads, pending)
+        return lax.cond(visits, compute, lambda grads, pending: grads, grads, pending)
 
     def send(tree, after: tuple = ()):
         return _send_to_next(tree, cfg.axis_name, size, after)
-
-    def add(accumulated, grads):
-        return jax.tree.map(jnp.add, accumulated, grads)
 
     with work.on_device(rank):
         dq = vma.like(jnp.zeros(q.shape, F32), q)
         dbias = None if bias is None else vma.like(jnp.zeros(bias.shape, F32), q)
         visiting = _travelling(k, v, kv_pos, kv_seg)
         # Step 0, this device's own keys; from step 1 on, the next keys and the accumulators of the keys
-        # at hand (from the device that had them a step ago) travel while the kernel runs: neither
-        # transfer waits for this step's result, so the scheduler can overlap both with the kernel.
+        # at hand (from the device that had them a step ago) travel while the step's first part runs:
+        # neither transfer waits for this step's kernels, so the scheduler can overlap both with them.
         # On the CPU the first send waits for lse and dout, as the kernel does, so that it cannot meet
         # the forward ring's sends or a later layer's in flight (`tuner.support.ordering`).
         arriving = send(visiting, after=(lse, dout)) if size > 1 else visiting
-        dq, outgoing, dbias = block(visiting, 0, dq, dbias)
+        dq, dbias, pending = block(visiting, 0, dq, dbias)
+        outgoing = accumulate(visiting, 0, varying(backend.grads_start(k, v, params=cfg.bwd_params)), pending)
         if size > 1:
             def step(i, carry):
                 visiting, outgoing, dq, dbias = carry
                 arriving = send(visiting)
                 incoming = send(outgoing, after=jax.tree.leaves(arriving)[-1:])
-                dq, grads, dbias = block(visiting, i, dq, dbias)
-                return arriving, add(incoming, grads), dq, dbias
+                dq, dbias, pending = block(visiting, i, dq, dbias)
+                incoming, dq = lax.optimization_barrier((incoming, dq))
+                return arriving, accumulate(visiting, i, incoming, pending), dq, dbias
 
             visiting, outgoing, dq, dbias = lax.fori_loop(1, size - 1, step, (arriving, outgoing, dq, dbias))
             incoming = send(outgoing, after=jax.tree.leaves(visiting)[-1:])  # a ring of 2 has no loop
-            dq, grads, dbias = block(visiting, size - 1, dq, dbias)
+            dq, dbias, pending = block(visiting, size - 1, dq, dbias)
+            incoming, dq = lax.optimization_barrier((incoming, dq))
             # One last hop brings the finished accumulators home, already in the gradients' dtype.
-            dk, dv = send(tuple(g.astype(x.dtype) for g, x in zip(add(incoming, grads), (k, v))),
-                          after=jax.tree.leaves(incoming)[-1:])
+            finished = backend.grads_finish(accumulate(visiting, size - 1, incoming, pending), k, v)
+            dk, dv = send(finished, after=jax.tree.leaves(incoming)[-1:])
             # On the CPU dq and dk wait for dv, the last send, so that the ring of an earlier layer,
             # which needs them, cannot start sending while it is in flight (`tuner.support.ordering`).
             dq, outgoing = ordering.after(dq, dv), (ordering.after(dk, dv), dv)
+        else:
+            outgoing = backend.grads_finish(outgoing, k, v)
     dk, dv = outgoing
 
     dsinks = None
