@@ -141,7 +141,7 @@ def _idle_together(spec: AttentionSpec) -> bool:
     layout), so the backward runs a skipped step's second part (`bwd_accumulate`, with `bwd_idle`'s
     pending) instead of branching around it: it costs no wall time there, while the branch costs memory
     (on the TPU, XLA keeps copies of the dk/dv accumulators that a kernel in a branch adds into in place:
-    514 against 433 MiB a chip at 131072 tokens, v5e, tests/test_memory.py)."""
+    514 against 433 MiB a chip at 131072 tokens on v5e, docs/memory.md)."""
     return spec.window is not None or spec.chunk_size is not None or spec.has_segments
 
 
@@ -255,6 +255,7 @@ def _backward(cfg: RingConfig, residuals, cotangents):
                 arriving = send(visiting)
                 incoming = send(outgoing, after=jax.tree.leaves(arriving)[-1:])
                 dq, dbias, pending = block(visiting, i, dq, dbias)
+                # the second part after the first, so that the accumulators arrive while the first runs
                 incoming, dq = lax.optimization_barrier((incoming, dq))
                 return arriving, accumulate(visiting, i, incoming, pending), dq, dbias
 
