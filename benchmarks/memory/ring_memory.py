@@ -10,7 +10,10 @@ Each side (this tree, and a `git worktree` of `--against`) runs in its own proce
 compiles the ring of the default implementation at its default tiles (TPU: the Pallas kernels through
 libtpu for the topology, nothing runs; CPU: the scan ring on simulated devices) and reads
 `memory_analysis()` of one device. Causal, zigzag, a ring of 4, batch 1. Prints a table and writes JSON
-with `--out`.
+with `--out`. The program's arguments have the default row-major layouts; with `--argument-layouts
+compiler` the compiler chooses them, as it does where the attention's inputs are made inside the same
+program (a model's projections): on a TPU the kernels' heads-major layout, without copies of q and the
+output's cotangent.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ def worker(args: argparse.Namespace) -> None:
     check_tree()
     import jax
     import jax.numpy as jnp
+    from jax.experimental.layout import Format, Layout
 
     from tuner import registry
     from tuner.semantics.problem import Problem
@@ -63,9 +67,14 @@ def worker(args: argparse.Namespace) -> None:
                     out, vjp = vjp_of(fn, x)
                     return out, vjp(cotangent)
 
+                def placed(*structs) -> dict:
+                    if args.argument_layouts == "fixed":
+                        return {}
+                    return {"in_shardings": jax.tree.map(lambda s: Format(Layout.AUTO, s.sharding), structs)}
+
                 for objective in OBJECTIVES:
-                    lowered = (jax.jit(fn).lower(inputs) if objective == "fwd"
-                               else jax.jit(forward_and_backward).lower(inputs, dout))
+                    lowered = (jax.jit(fn, **placed(inputs)).lower(inputs) if objective == "fwd"
+                               else jax.jit(forward_and_backward, **placed(inputs, dout)).lower(inputs, dout))
                     memory = lowered.compile().memory_analysis()
                     print(json.dumps({"target": target, "tokens": tokens, "dtype": dtype, "objective": objective,
                                       "implementation": chosen.name, "temp": memory.temp_size_in_bytes}), flush=True)
@@ -94,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=("float32", "bfloat16"))
+    parser.add_argument("--argument-layouts", choices=("fixed", "compiler"), default="fixed",
+                        help="the program's arguments row-major (default), or laid out by the compiler")
     parser.add_argument("--against", help="a git revision to compare with")
     parser.add_argument("--out", help="write the results here as JSON")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -113,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             that = measure(other, forwarded)
 
     rows = []
-    print(f"H={args.heads}/{args.kv_heads}, D={args.head_dim}, causal, zigzag, ring of 4, batch 1; "
+    print(f"H={args.heads}/{args.kv_heads}, D={args.head_dim}, causal, zigzag, ring of 4, batch 1, "
+          f"argument layouts {args.argument_layouts}; "
           f"temp MiB a device (ratio to the floor)" + (f"; before: {args.against}" if args.against else ""))
     print(f"{'target':<9} {'tokens':>8} {'dtype':<9} {'objective':<8} {'floor':>8} "
           f"{'before':>16} {'after':>16}")
