@@ -93,6 +93,11 @@ def test_the_tpu_compiler_s_count_for_the_pallas_ring():
     assert forward.implementation == "pallas_tpu"
     assert forward.temp >= forward.floor_bytes  # the floor is a floor
     assert forward.arguments == (32768 // 4) * (8 + 2 + 2) * 64 * 2  # the q, k, v shards in bfloat16
+    # laid out by the compiler, as inside a model, q needs no copy into the kernels' heads-major layout (the
+    # arguments may grow: a head dim of 64 pads to the TPU's 128 lanes there)
+    in_a_model = memory.compiled_memory(problem, devices, "v5e:2x2", "fwd", argument_layouts="compiler")
+    assert in_a_model.temp < forward.temp and in_a_model.held < forward.held, (in_a_model, forward)
+    assert "as inside a model" in memory.render([in_a_model], 0.2)
 
 
 def test_the_verb_prints_the_table_and_names_a_bad_flag(tmp_path):

@@ -248,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--objective", choices=("fwd", "fwd+bwd", "both"), default="both")
     memory.add_argument("--headroom", type=float, default=0.2,
                         help="the fraction of a chip's memory left for the rest of the model (default 0.2)")
+    memory.add_argument("--argument-layouts", choices=("fixed", "compiler"), default="fixed",
+                        help="fixed: q, k, v row-major, as arrays given to a jitted function (default); compiler: "
+                             "laid out by the compiler, as where a model makes them in the same program")
     memory.set_defaults(run=verbs.run_memory)
 
     demo = commands.add_parser("demo", help="run a ring on simulated CPU devices, check it, time it")

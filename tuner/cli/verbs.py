@@ -346,7 +346,7 @@ def run_memory(args: argparse.Namespace) -> int:
     objectives = memory.OBJECTIVES if args.objective == "both" else (args.objective,)
     try:
         reports = [memory.compiled_memory(problem, devices[:problem.ring_size], target, objective, args.backend,
-                                          args.db) for objective in objectives]
+                                          args.db, args.argument_layouts) for objective in objectives]
     except ValueError as error:
         raise UsageError(str(error)) from None
     print(memory.render(reports, args.headroom))

@@ -18,6 +18,11 @@ shards at hand and arriving are two from the second step on, on a ring of 3 or m
 computed arrived at the step before and, not being the caller's array, cannot be sent into; one on a
 ring of 2 (the shard at hand first is the caller's), none on a ring of 1.
 
+The program's arguments are row-major, as a caller's arrays given to a jitted function are
+(`argument_layouts="fixed"`), or laid out by the compiler (`"compiler"`), as where a model makes the
+attention's inputs in the same program: on a TPU the kernels' heads-major layout, with no copy of q and
+the output's cotangent into it.
+
 What a device holds is affine in its shard's length (the tiles' working set is fixed), so two compiles,
 at the shard and at twice it, give the bytes each further token costs and the longest sequence a chip's
 memory holds at a headroom (`Report.longest`); `tests/test_memory.py` compiles at that length and finds
@@ -42,6 +47,7 @@ GIB = 2**30
 # Memory a chip offers the program: HBM per chip of the TPU generations and of an H100.
 HBM_BYTES = {"v5e": 16 * GIB, "v6e": 32 * GIB, "v5p": 95 * GIB, "H100": 80 * GIB}
 OBJECTIVES = ("fwd", "fwd+bwd")
+ARGUMENT_LAYOUTS = {"fixed": "row-major arguments", "compiler": "arguments laid out by the compiler, as inside a model"}
 TOKEN_MULTIPLE = 128  # the longest shard is rounded down to this (a TPU lane's width)
 
 
@@ -79,6 +85,7 @@ class Report:
     outputs: int
     floor: dict[str, int]
     growth: float
+    argument_layouts: str = "fixed"  # a key of ARGUMENT_LAYOUTS
 
     @property
     def floor_bytes(self) -> int:
@@ -102,21 +109,31 @@ class Report:
         return max(local, 0) * self.problem.ring_size
 
 
-def _compiled(problem: Problem, devices: list, objective: str, implementation: str, db: str | None):
+def _compiled(problem: Problem, devices: list, objective: str, implementation: str, db: str | None,
+              argument_layouts: str):
     """The loader's plan for the problem on `devices` (`implementation`, "auto" for its own choice; the
-    cache `db`), and the memory analysis of that plan compiled there."""
+    cache `db`), and the memory analysis of that plan compiled there, its arguments laid out as
+    `argument_layouts` says."""
+    from jax.experimental.layout import Format, Layout
+
     workload = Workload(problem, devices=devices)
     with jax.sharding.use_abstract_mesh(workload.mesh.abstract_mesh):  # the target chip's plan and tiles
         plan = loader_plan(problem, implementation, db)
     fn = workload.attend(plan.backend, plan.config)
     inputs, dout = workload.structs()
+
+    def jit(f, *structs):
+        if argument_layouts == "fixed":
+            return jax.jit(f)
+        return jax.jit(f, in_shardings=jax.tree.map(lambda s: Format(Layout.AUTO, s.sharding), structs))
+
     if objective == "fwd":
-        lowered = jax.jit(fn).lower(inputs)
+        lowered = jit(fn, inputs).lower(inputs)
     else:
         def forward_and_backward(x, cotangent):
             out, vjp = vjp_of(fn, x)
             return out, vjp(cotangent)
-        lowered = jax.jit(forward_and_backward).lower(inputs, dout)
+        lowered = jit(forward_and_backward, inputs, dout).lower(inputs, dout)
     return plan, lowered.compile().memory_analysis()
 
 
@@ -125,20 +142,23 @@ def _held(memory) -> int:
 
 
 def compiled_memory(problem: Problem, devices: list, target: str, objective: str, implementation: str = "auto",
-                    db: str | None = None) -> Report:
+                    db: str | None = None, argument_layouts: str = "fixed") -> Report:
     """Compile what the loader runs for the problem (`implementation`, "auto" for its own choice; its
     config from the cache `db`, None for the default file, else the default tiles) on `devices` (as many as
-    its ring size; a TPU topology's devices compile for that chip), and read what one device holds; and
-    again at twice the length, for what a token more costs."""
+    its ring size; a TPU topology's devices compile for that chip), its arguments laid out as
+    `argument_layouts` says (module docstring), and read what one device holds; and again at twice the
+    length, for what a token more costs."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
-    plan, memory = _compiled(problem, devices, objective, implementation, db)
+    if argument_layouts not in ARGUMENT_LAYOUTS:
+        raise ValueError(f"argument_layouts must be one of {', '.join(ARGUMENT_LAYOUTS)}, got {argument_layouts!r}")
+    plan, memory = _compiled(problem, devices, objective, implementation, db, argument_layouts)
     _, doubled = _compiled(dataclasses.replace(problem, seq_len=2 * problem.seq_len), devices, objective,
-                           plan.backend, db)
+                           plan.backend, db, argument_layouts)
     growth = (_held(doubled) - _held(memory)) / problem.local_len
     return Report(problem, target, objective, plan.backend, describe_config(plan.config), plan.source,
                   memory.temp_size_in_bytes, memory.argument_size_in_bytes, memory.output_size_in_bytes,
-                  floor(problem.shapes, objective, problem.ring_positions), growth)
+                  floor(problem.shapes, objective, problem.ring_positions), growth, argument_layouts)
 
 
 def _mib(n: float) -> str:
@@ -153,7 +173,7 @@ def render(reports: list[Report], headroom: float) -> str:
     p = first.problem
     lines = [f"memory   {p.describe()}",
              f"         one device, compiled for {first.target}: what the loader runs, {first.implementation} "
-             f"{first.config} ({first.source})", "",
+             f"{first.config} ({first.source}); {ARGUMENT_LAYOUTS[first.argument_layouts]}", "",
              table(["objective", "temp", "floor", "temp/floor", "arguments", "outputs", "bytes a token more"],
                    [[r.objective, _mib(r.temp), _mib(r.floor_bytes), f"{r.ratio:.2f}x", _mib(r.arguments),
                      _mib(r.outputs), f"{r.growth:,.0f}"] for r in reports]), ""]
@@ -167,4 +187,4 @@ def render(reports: list[Report], headroom: float) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["GIB", "HBM_BYTES", "OBJECTIVES", "Report", "compiled_memory", "floor", "render"]
+__all__ = ["ARGUMENT_LAYOUTS", "GIB", "HBM_BYTES", "OBJECTIVES", "Report", "compiled_memory", "floor", "render"]
