@@ -37,8 +37,8 @@ GENERATION_TILES: dict[str, tuple[FwdParams, BwdParams]] = {
 # ring (benchmarks/tpu/results/tpu_vmem_kernels.jsonl, tpu_vmem.json).
 VMEM_MULTIPLES: dict[tuple[str, str], tuple[float, float, float, float]] = {
     ("fwd", "bfloat16"): (0.95, 1.25, 4.25, 0.25), ("fwd", "float32"): (1.0, 3.75, 2.25, 3.0),
-    ("dkv", "bfloat16"): (0.0, 1.25, 9.0, 5.25), ("dkv", "float32"): (0.0, 4.25, 11.5, 8.25),
-    ("dq", "bfloat16"): (0.0, 0.0, 13.25, 5.75), ("dq", "float32"): (0.0, 3.75, 10.75, 7.25),
+    ("dkv", "bfloat16"): (0.0, 1.25, 7.75, 8.5), ("dkv", "float32"): (0.0, 4.25, 12.5, 9.75),
+    ("dq", "bfloat16"): (0.0, 0.5, 11.5, 5.75), ("dq", "float32"): (0.0, 3.75, 10.75, 7.25),
 }
 
 
@@ -91,7 +91,7 @@ def vmem_terms(kernel: str, block_q: int, block_kv: int, head_dim: int, dtype: A
                block_kv_compute: int | None = None, *, value_head_dim: int | None = None) -> tuple[int, int, int, int]:
     """The VMEM bytes one kernel's estimate is a combination of (`VMEM_MULTIPLES`): its input and output
     blocks double-buffered with its scratch ("held"; the forward reads and writes the running output and
-    lse); a float32 `[block_q, block_kv]` tile (the
+    lse, the dk/dv kernel reads the running dk and dv in one buffer each); a float32 `[block_q, block_kv]` tile (the
     forward's `[block_q, block_kv_compute]` key slice); a float32 `[block_q, head_dim]` row block; a
     float32 `[block_kv, head_dim]` (the forward: slice) column block.
 
@@ -114,10 +114,11 @@ def vmem_terms(kernel: str, block_q: int, block_kv: int, head_dim: int, dtype: A
         inputs = q_rows + do_rows + kv_rows + v_rows + 2 * stats + ids_bytes
         if kernel == "dkv":
             outputs = _rows(block_kv, head_dim, 4) + _rows(block_kv, value_head_dim, 4)
+            held = 2 * (inputs + outputs) + outputs  # the running dk and dv read, one buffer each
         else:
             outputs = _rows(block_q, head_dim, 4)
             inputs += outputs  # the running dq, read and written
-        held = 2 * (inputs + outputs)
+            held = 2 * (inputs + outputs)
     cols = (block_kv_compute or block_kv) if kernel == "fwd" else block_kv
     wide = max(head_dim, value_head_dim)
     return held, _rows(block_q, cols, 4), _rows(block_q, wide, 4), _rows(cols, wide, 4)
