@@ -75,17 +75,22 @@ def other_generation(*values) -> pytest.param:
     return pytest.param(*values, marks=pytest.mark.slow)
 
 
-@pytest.mark.parametrize("topology, causal", [
-    ("v5e:2x2", True), ("v5e:2x2", False), other_generation("v6e:2x2", True), other_generation("v5p:2x2x1", True),
-    other_generation("v4:2x2x1", True)],
-    ids=["v5e-causal", "v5e-full", "v6e-causal", "v5p-causal", "v4-causal"])  # without a mask: v5e only
-def test_every_ring_step_overlaps_its_transfers_forward_and_backward(topology, causal):
-    text = compiled_ring(topology, causal)
+@pytest.mark.parametrize("topology, causal, window", [
+    ("v5e:2x2", True, None), ("v5e:2x2", False, None), ("v5e:2x2", True, 256),
+    other_generation("v6e:2x2", True, None), other_generation("v5p:2x2x1", True, None),
+    other_generation("v4:2x2x1", True, None)],
+    ids=["v5e-causal", "v5e-full", "v5e-window", "v6e-causal", "v5p-causal", "v4-causal"])  # no mask: v5e only
+def test_every_ring_step_overlaps_its_transfers_forward_and_backward(topology, causal, window):
+    """With a window every device can skip the same step, so the backward's dK/dV kernel runs in a branch
+    too (`ring._idle_together`); with a causal mask alone, or none, it does not."""
+    text = compiled_ring(topology, causal, window)
     forward, backward = hlo.loop_bodies(text)
     # forward: k, v and their positions travel; backward: those and the dK, dV accumulators
     for body, transfers in ((forward, 3), (backward, 5)):
         assert body.count("collective-permute-start") == body.count("collective-permute-done") == transfers, body
         assert hlo.overlap_problem(body) is None, (hlo.overlap_problem(body), body)
+    branches = 2 if window is not None else 1  # the dK/dV kernel in a branch only where steps idle together
+    assert backward.count("conditional") == branches and backward.count("kernel") == 2 - branches, backward
 
 
 @pytest.mark.parametrize("topology, vmem_mib", [("v5e:2x2", 128), other_generation("v5p:2x2x1", 64),
@@ -122,11 +127,14 @@ def test_kernels_with_values_of_another_head_dim_use_no_more_vmem_than_estimated
 
 
 @functools.cache
-def compiled_ring(topology: str, causal: bool) -> str:
-    """The scheduled HLO of the gradient of a ring over `topology` (pallas_tpu kernels, zigzag)."""
+def compiled_ring(topology: str, causal: bool, window: int | None = None) -> str:
+    """The scheduled HLO of the gradient of a ring over `topology` (pallas_tpu kernels, zigzag; with a
+    `window`, a sliding window of that many keys before each query, contiguous)."""
     mesh = topology_mesh(topology)
 
     def local(q, k, v):
+        if window is not None:
+            return ring_attention(q, k, v, axis_name="sp", causal=causal, sliding_window=(window, 0))
         return ring_attention(q, k, v, axis_name="sp", layout="zigzag", causal=causal)
 
     ring = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"))
