@@ -11,17 +11,24 @@ about rings. The ring driver (`tuner.strategies.ring`) calls it once per ring st
 The ring runs through more, so that a kernel can merge each block into the running softmax, and add
 each block's gradients into the running ones, where it keeps them, instead of returning a block's results:
 
+    keys_start(k, v) -> (k, v)                      k and v as they travel the ring, made once a ring
     fwd_start(q, k, v, *, params) -> state          nothing read yet, for keys shaped as k and v
     fwd_step(state, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec, params, interpret) -> state
     fwd_finish(state, q) -> o_f32 [B,Tq,H,Dv], lse_f32 [B,H,Tq]
     bwd_start(q, do) -> rows                          q and do as every step reads them, made once
+    dq_start(q, k, *, params) -> dq                   the running dq, zero, as the kernel keeps it
     grads_start(k, v, *, params) -> grads             zero dk, dv accumulators (float32), as they travel
     bwd_step(dq, rows, k, v, o, lse, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec, params, interpret)
-        -> dq (the running float32 dq [B,Tq,H,D] with this block's added), dbias (the block's), pending
+        -> dq (the running dq with this block's added), dbias (the block's), pending
     bwd_idle(k, v) -> pending                         what `bwd_step` leaves for a step that reads nothing
     bwd_accumulate(grads, pending, rows, k, v, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, params,
                    interpret) -> grads                the block's dk, dv added into the accumulators
     grads_finish(grads, k, v) -> dk, dv               in k's and v's shape and dtype
+    dq_finish(dq, q, *, params) -> dq_f32 [B,Tq,H,D]
+
+The steps' `k` and `v` are `keys_start`'s (`fwd_start`, `grads_start` and the `*_finish` methods get
+the caller's). `CallerLayout` gives the three layout methods of a kernel that reads keys and keeps dq
+in the caller's layout.
 
 A backward step has two parts because the dk/dv accumulators travel while the step runs: `bwd_step`
 must not read them, so that their transfer can overlap it; `bwd_accumulate` runs once they have
@@ -143,7 +150,13 @@ class Backend(Protocol):
 
     def fwd_finish(self, state: Any, q) -> tuple: ...
 
+    def keys_start(self, k, v) -> tuple: ...
+
     def bwd_start(self, q, do) -> Any: ...
+
+    def dq_start(self, q, k, *, params: BwdParams) -> Any: ...
+
+    def dq_finish(self, dq: Any, q, *, params: BwdParams) -> Any: ...
 
     def grads_start(self, k, v, *, params: BwdParams) -> Any: ...
 
@@ -156,6 +169,20 @@ class Backend(Protocol):
                        spec: AttentionSpec, params: BwdParams, interpret: bool) -> Any: ...
 
     def grads_finish(self, grads: Any, k, v) -> tuple: ...
+
+
+class CallerLayout:
+    """The ring's layouts of a kernel that reads keys and values, and keeps the running dq, in the caller's
+    layout: k and v travel as they are, dq is float32 `[B, Tq, H, D]`."""
+
+    def keys_start(self, k, v) -> tuple:
+        return k, v
+
+    def dq_start(self, q, k, *, params: BwdParams) -> Any:
+        return vma.like(jnp.zeros(q.shape, jnp.float32), q)
+
+    def dq_finish(self, dq: Any, q, *, params: BwdParams) -> Any:
+        return dq
 
 
 class AddedGrads:
@@ -176,7 +203,7 @@ class AddedGrads:
         return tuple(g.astype(x.dtype) for g, x in zip(grads, (k, v)))
 
 
-class BlockGrads(AddedGrads):
+class BlockGrads(CallerLayout, AddedGrads):
     """The backward's steps of a kernel that computes a block's dq, dk and dv together (`block_bwd`):
     `bwd_step` adds the block's dq to the running dq and leaves its dk and dv to be added to the
     travelling accumulators once they arrive."""

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from tuner.kernels import codegen
 from tuner.semantics import masks
 from tuner.support import vma
-from tuner.kernels.base import SearchSpace, reject_settings, source_hash
+from tuner.kernels.base import CallerLayout, SearchSpace, reject_settings, source_hash
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.semantics.spec import AttentionSpec, LocalShapes
 from tuner.kernels.tpu_memory import FALLBACK_TILES, GENERATION_TILES, LANES, chip, fitted_tiles, vmem_bytes
@@ -202,7 +202,7 @@ def _mask_values(spec: AttentionSpec) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 
 
-class PallasTpuBackend:
+class PallasTpuBackend(CallerLayout):
     """Generated Pallas kernels for TPUs (or Pallas's TPU interpret mode on the CPU for checks)."""
 
     name = "pallas_tpu"

@@ -10,10 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
+
 from tuner.kernels import scan_kernel, scan_tiling
 from tuner.kernels.base import AddedGrads, SearchSpace, reject_settings, source_hash
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.semantics.spec import AttentionSpec, LocalShapes
+from tuner.support import vma
 
 TILE_BYTES_LIMIT = 256 * 2**20
 SHORT_SHARD = 1024  # up to this local length the default forward takes query tiles of 128 (default_params)
@@ -100,22 +103,46 @@ class ScanBackend(AddedGrads):
     def fwd_finish(self, state: tuple, q) -> tuple:
         return scan_kernel.result(state, q.shape[1])
 
+    def keys_start(self, k, v) -> tuple:
+        """Heads-major (`scan_tiling.heads_major`), once a ring: a key tile is then a slice of whole rows,
+        however often the loops read it."""
+        return scan_tiling.heads_major(k), scan_tiling.heads_major(v)
+
     def block_bwd(self, q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *,
                   spec: AttentionSpec, params: BwdParams, interpret: bool = False):
-        return _backward(None, q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, spec, params)
+        return scan_kernel.backward(q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, spec=spec,
+                                    **_tiles(params))
 
     def bwd_start(self, q, do) -> tuple:
         return q, do  # tiled by reshaping in each step: nothing to make once
 
+    def dq_start(self, q, k, *, params: BwdParams):
+        """Query tiles as the pass that computes dq keeps them (`scan_kernel.dq_state`)."""
+        return scan_kernel.dq_state(q, k, **_tiles(params))
+
+    def dq_finish(self, dq, q, *, params: BwdParams):
+        return scan_kernel.dq_result(dq, q.shape[1], _tiles(params)["dq_tiles"])
+
+    def grads_start(self, k, v, *, params: BwdParams | None = None) -> tuple:
+        """Heads-major, as the keys travel."""
+        return tuple(vma.like(jnp.zeros(scan_tiling.heads_major(x).shape, jnp.float32), x) for x in (k, v))
+
+    def bwd_idle(self, k, v) -> tuple:
+        return tuple(jnp.zeros(x.shape, jnp.float32) for x in (k, v))
+
+    def grads_finish(self, grads: tuple, k, v) -> tuple:
+        return tuple(scan_tiling.caller_major(g).astype(x.dtype) for g, x in zip(grads, (k, v)))
+
     def bwd_step(self, dq, rows: tuple, k, v, o, lse, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *,
                  spec: AttentionSpec, params: BwdParams, interpret: bool = False) -> tuple:
-        """The block's dq added into the running `dq` in place; its dk and dv left for `bwd_accumulate`."""
+        """The block's dq added into the running `dq` in place; its dk and dv, heads-major, left for
+        `bwd_accumulate`."""
         q, do = rows
-        dq, dk, dv, dbias = _backward(dq, q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, spec, params)
+        dq, dk, dv, dbias = scan_kernel.step_backward(dq, q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias,
+                                                      spec=spec, **_tiles(params))
         return dq, dbias, (dk, dv)
 
 
-def _backward(dq, q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, spec: AttentionSpec, params: BwdParams):
-    dq_tiles = None if params.fused_dq else (params.block_q_dq, params.block_kv_dq)
-    return scan_kernel.backward(q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, spec=spec,
-                                dkv_tiles=(params.block_q_dkv, params.block_kv_dkv), dq_tiles=dq_tiles, dq=dq)
+def _tiles(params: BwdParams) -> dict:
+    return {"dkv_tiles": (params.block_q_dkv, params.block_kv_dkv),
+            "dq_tiles": None if params.fused_dq else (params.block_q_dq, params.block_kv_dq)}

@@ -1,25 +1,26 @@
 """The scan backend's kernel: blockwise flash attention in pure JAX, with loops over tile pairs.
 
 Queries are cut into `block_q` tiles and keys into `block_kv` tiles. The loops run over the list of
-the (query tile, key tile) pairs the masks let through (`Operands.visits`), so a pair whose position /
-segment ranges exclude every pair (`masks.tile_pairs`) costs no iteration at all. The forward runs one
-loop over the visited pairs, query tile by query tile, with the online softmax of the current query
-tile in the loop's carry, resuming from that tile's running output and lse and writing them back as it
-goes: merged in place into the ring's running state, with no block output beside it. The backward runs
-one loop over all the visited pairs, adding each pair's gradients in place into buffers of all tiles
-(dq into the ring's running dq). With no loop per tile, a block whose pairs are mostly skipped costs
-little more than its tiling.
+the (query tile, key tile) pairs the masks let through (`Operands.visits`), query tile by query tile,
+so a pair whose position / segment ranges exclude every pair (`masks.tile_pairs`) costs no iteration at
+all, and a query tile is read once. The forward keeps the online softmax of the current query tile in
+the loop's carry, resuming from that tile's running output and lse and writing them back as it goes:
+merged in place into the ring's running state, with no block output beside it. The backward adds each
+pair's dk and dv in place into buffers of all key tiles, and its dq into the running dq, which it
+keeps in query tiles of its own layout (`dq_state`). With no loop per tile, a block whose pairs are
+mostly skipped costs little more than its tiling.
 
 Heads stay grouped: queries are viewed as `[B, T, Hkv, G, D]` (G = H // Hkv query heads per kv head),
-so grouped-query attention never repeats keys or values. Lengths that are not a multiple of the tile
-are padded; padded keys are masked out and padded query rows are dropped. The values' head dim may
-differ from the queries' and keys' (multi-head latent attention): the output, its accumulator and dv
-take the values' one. The tiled operands are `tuner.kernels.scan_tiling`'s; this module holds the tile
-loops.
+so grouped-query attention never repeats keys or values; keys and values are read heads-major (the
+ring passes them so, `heads_major`). Lengths that are not a multiple of the tile are padded; padded
+keys are masked out and padded query rows are dropped. The values' head dim may differ from the
+queries' and keys' (multi-head latent attention): the output, its accumulator and dv take the values'
+one. The tiled operands are `tuner.kernels.scan_tiling`'s; this module holds the tile loops.
 
-`forward` and `backward` are the entry points, and `empty_state`, `accumulate` and `result` the forward
-that merges into the ring's running state in place; `tuner.kernels.scan` wraps them in the backend
-contract. The arguments are those of `block_fwd` / `block_bwd` (`tuner.kernels.base`).
+`forward` and `backward` are the entry points in the caller's layout (`block_fwd` / `block_bwd` of
+`tuner.kernels.base`); `empty_state`, `accumulate` and `result` the forward that merges into the ring's
+running state in place, `dq_state`, `step_backward` and `dq_result` the backward's. `tuner.kernels.scan`
+wraps them in the backend contract.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from tuner.support import vma, work
-from tuner.kernels.scan_tiling import Operands, Tiling, set_tile, tile, untile_query, untile_row_stat, widened
+from tuner.kernels.scan_tiling import (Operands, Tiling, add_key_tile, caller_major, heads_major, set_tile, tile,
+                                       untile_query, untile_row_stat, widened)
 from tuner.semantics.spec import AttentionSpec
 
 F32 = jnp.float32
@@ -98,11 +100,6 @@ def _visit(ops: Operands, spec: AttentionSpec, codes, compute, carry):
 # --------------------------------------------------------------------------------------------------
 
 
-def _rows_first(x):
-    """A query tile `[B, Hkv, G, bq, D]` as computed -> `[B, bq, Hkv, G, D]`, as a dq tile is kept."""
-    return jnp.moveaxis(x, 3, 1)
-
-
 def _accumulate(ops: Operands, spec: AttentionSpec, out, lse):
     """`(out, lse)` with every visited pair of this block merged in: `out` the normalized output tiles
     `[B, nq, Hkv, G, bq, Dv]`, `lse` `[nq, B, Hkv, G, bq]` (0 and -inf where nothing was read yet).
@@ -147,53 +144,49 @@ def _accumulate(ops: Operands, spec: AttentionSpec, out, lse):
 
 
 # --------------------------------------------------------------------------------------------------
-# Backward: one loop over the visited pairs, key tile by key tile, adding each pair's dk, dv (and dq,
-# when fused) in place into buffers of all tiles; or a separate dq pass, query tile by query tile.
+# Backward: one loop over the visited pairs, query tile by query tile, adding each pair's dk, dv in
+# place into buffers of all key tiles, and its dq into the running dq of the query tile; or a separate
+# dq pass, in tiles of its own.
 # --------------------------------------------------------------------------------------------------
-
-
-def _add_tile(x, value, index):
-    """`x` with `value` added to its tile `index`, in place."""
-    return set_tile(x, tile(x, index) + value, index)
 
 
 class _Grads:
     """Gradient pieces of tile (i, j), from the final-softmax statistics.
 
-    The dk/dv pass works `transposed` (key rows, see `_logits`); the separate dq pass does not.
+    The dk/dv pass works `transposed` (key rows, see `_logits`), which gives dk and dv as plain matmuls
+    and dq as `[B, Hkv, D, G, bq]`; the separate dq pass does not, and gives dq as `[B, Hkv, G, bq, D]`.
     """
 
-    def __init__(self, ops: Operands, spec: AttentionSpec, do, lse, delta, i, j, masked,
-                 transposed: bool, k_tile, v_tile):
+    def __init__(self, ops: Operands, spec: AttentionSpec, q_tile, do_tile, lse_tile, delta_tile, i, j, masked,
+                 transposed: bool):
         self.transposed = transposed
-        q_tile, do_tile = ops.q[i], do[i]
+        k_tile, v_tile = ops.k[j], ops.v[j]
         s, tanh = _logits(ops, spec, q_tile, k_tile, i, j, masked, transposed)
         row = (lambda x: x[:, :, None]) if transposed else (lambda x: x[..., None])
-        p = jnp.exp(s - row(lse[i]))
+        p = jnp.exp(s - row(lse_tile))
         if transposed:
             dp = _einsum("bhkd,bhgqd->bhkgq", v_tile, do_tile)
         else:
             dp = _einsum("bhgqd,bhkd->bhgqk", do_tile, v_tile)
-        self.dlogits = p * (dp - row(delta[i]))
+        self.dlogits = p * (dp - row(delta_tile))
         ds = self.dlogits if tanh is None else self.dlogits * (1.0 - tanh * tanh)
         self.ds = ds * spec.scale
         self.p = p
         self.q_tile, self.do_tile, self.k_tile = q_tile, do_tile, k_tile
 
     def dk(self, ops: Operands):
-        """`[B, bk, Hkv, D]`, a key tile of dk (transposed only)."""
-        return jnp.moveaxis(_einsum("bhkgq,bhgqd->bhkd", _operand(self.ds, ops.q.dtype), self.q_tile), 2, 1)
+        """`[B, Hkv, bk, D]`, a key tile of dk (transposed only)."""
+        return _einsum("bhkgq,bhgqd->bhkd", _operand(self.ds, ops.q.dtype), self.q_tile)
 
     def dv(self, ops: Operands):
-        """`[B, bk, Hkv, Dv]`, a key tile of dv (transposed only)."""
-        return jnp.moveaxis(_einsum("bhkgq,bhgqd->bhkd", _operand(self.p, self.do_tile.dtype), self.do_tile), 2, 1)
+        """`[B, Hkv, bk, Dv]`, a key tile of dv (transposed only)."""
+        return _einsum("bhkgq,bhgqd->bhkd", _operand(self.p, self.do_tile.dtype), self.do_tile)
 
     def dq(self, ops: Operands):
-        """`[B, bq, Hkv, G, D]`, a query tile of dq."""
-        if self.transposed:  # a plain matmul by k^T
-            dq = _einsum("bhdk,bhkgq->bhdgq", jnp.swapaxes(self.k_tile, -1, -2), _operand(self.ds, ops.k.dtype))
-            return jnp.transpose(dq, (0, 4, 1, 3, 2))  # [B, Hkv, D, G, bq] -> [B, bq, Hkv, G, D]
-        return _rows_first(_einsum("bhgqk,bhkd->bhgqd", _operand(self.ds, ops.k.dtype), self.k_tile))
+        """A query tile of dq: `[B, Hkv, D, G, bq]` transposed (a plain matmul by k^T), else `[B, Hkv, G, bq, D]`."""
+        if self.transposed:
+            return _einsum("bhdk,bhkgq->bhdgq", jnp.swapaxes(self.k_tile, -1, -2), _operand(self.ds, ops.k.dtype))
+        return _einsum("bhgqk,bhkd->bhgqd", _operand(self.ds, ops.k.dtype), self.k_tile)
 
     def dbias(self, ops: Operands, i, j):
         dlogits = jnp.moveaxis(self.dlogits, 2, -1) if self.transposed else self.dlogits
@@ -202,43 +195,43 @@ class _Grads:
         return dlogits.sum(axis=axes, keepdims=True)
 
 
-def _backward(ops: Operands, spec: AttentionSpec, do, lse, delta, dq0, dq_pass: tuple | None):
-    """dq (tiled as `dq0`, the dq so far, which it adds to), dk, dv and dbias, all tiled. dq in the dk/dv
-    pass, or with `dq_pass`, `(operands, do, lse, delta)` tiled for it, in a pass of its own."""
-    fused = dq_pass is None
-    nq = ops.tiling.num_q
+def _grads_pass(ops: Operands, spec: AttentionSpec, do, lse, delta, dq, keys: bool):
+    """One loop over the visited pairs, query tile by query tile: `(dq, dk, dv, dbias)`.
+
+    With `keys` (the dk/dv pass) each pair's dk and dv (and dbias) are added in place into buffers of all
+    key tiles, and its dq into `dq` unless `dq` is None (a separate pass computes it). Without `keys` (the
+    separate dq pass) only dq. A query tile's q, the output's cotangent and its statistics are read once,
+    when the loop reaches it; its dq resumes from the running one (`dq`, kept as `dq_state` keeps it) and
+    is written back at every pair, so that its last pair leaves it whole."""
+    nk = ops.tiling.num_kv
+    transposed = keys
 
     def pair(carry, n, masked):
-        j, i = n // nq, n % nq
-        column, k_tile, v_tile, dk, dv, dq, dbias = carry
-        # key tile by key tile: read a key tile's k and v once, not in every pair of it
-        k_tile, v_tile = lax.cond(j != column, lambda: (ops.k[j], ops.v[j]), lambda: (k_tile, v_tile))
-        grads = _Grads(ops, spec, do, lse, delta, i, j, masked, True, k_tile, v_tile)
-        dk, dv = _add_tile(dk, grads.dk(ops), j), _add_tile(dv, grads.dv(ops), j)
-        if fused:
-            dq = _add_tile(dq, grads.dq(ops), i)
+        row, q_tile, do_tile, dq_row, dk, dv, dq, dbias = carry
+        i, j = n // nk, n % nk
+        fresh = i != row  # a new query tile: read it once, and resume from its running dq
+        q_tile, do_tile = lax.cond(fresh, lambda: (ops.q[i], do[i]), lambda: (q_tile, do_tile))
+        grads = _Grads(ops, spec, q_tile, do_tile, lse[i], delta[i], i, j, masked, transposed)
+        if keys:
+            block = ops.tiling.block_kv
+            dk, dv = add_key_tile(dk, grads.dk(ops), j, block), add_key_tile(dv, grads.dv(ops), j, block)
+        if dq is not None:
+            dq_row = jnp.where(fresh, tile(dq, i), dq_row) + grads.dq(ops)
+            dq = set_tile(dq, dq_row, i)
         if dbias is not None:
             dbias = dbias.at[ops.bias_index(i, j)].add(grads.dbias(ops, i, j))
-        return vma.like(j, ops.q.data), k_tile, v_tile, dk, dv, dq, dbias
+        return vma.like(i, ops.q.data), q_tile, do_tile, dq_row, dk, dv, dq, dbias
 
-    dk0, dv0 = (vma.like(jnp.zeros(x.shape, F32), ops.q.data) for x in (ops.k, ops.v))
-    dbias0 = None if ops.bias is None else vma.like(jnp.zeros(ops.bias.shape, F32), ops.q.data)
-    tiles = tuple(vma.like(x, ops.q.data) for x in (jnp.int32(-1), jnp.zeros_like(ops.k[0]), jnp.zeros_like(ops.v[0])))
-    codes = ops.visits(spec).T.reshape(-1)  # key tile by key tile
-    *_, dk, dv, dq, dbias = _visit(ops, spec, codes, pair, (*tiles, dk0, dv0, dq0 if fused else None, dbias0))
-    if not fused:
-        dq_ops, dq_do, dq_lse, dq_delta = dq_pass
-        dq = _dq_pass(dq_ops, spec, dq_do, dq_lse, dq_delta, dq0)
+    like = vma.like
+    dk0 = dv0 = dbias0 = None
+    if keys:
+        dk0, dv0 = (like(jnp.zeros(x.shape, F32), ops.q.data) for x in (ops.k, ops.v))
+        dbias0 = None if ops.bias is None else like(jnp.zeros(ops.bias.shape, F32), ops.q.data)
+    dq_row0 = None if dq is None else like(jnp.zeros(dq.shape[:1] + dq.shape[2:], F32), ops.q.data)
+    init = (like(jnp.int32(-1), ops.q.data), like(jnp.zeros_like(ops.q[0]), ops.q.data),
+            like(jnp.zeros_like(do[0]), ops.q.data), dq_row0, dk0, dv0, dq, dbias0)
+    *_, dk, dv, dq, dbias = _visit(ops, spec, ops.visits(spec).reshape(-1), pair, init)
     return dq, dk, dv, dbias
-
-
-def _dq_pass(ops: Operands, spec: AttentionSpec, do, lse, delta, dq0):
-    def pair(dq, n, masked):
-        i, j = n // ops.tiling.num_kv, n % ops.tiling.num_kv
-        grads = _Grads(ops, spec, do, lse, delta, i, j, masked, False, ops.k[j], ops.v[j])
-        return _add_tile(dq, grads.dq(ops), i)
-
-    return _visit(ops, spec, ops.visits(spec).reshape(-1), pair, dq0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -248,7 +241,7 @@ def _dq_pass(ops: Operands, spec: AttentionSpec, do, lse, delta, dq0):
 
 def empty_state(q, k, v, *, block_q: int, block_kv: int) -> tuple:
     """The running `(out, lse)` of queries `q` that have read nothing yet, tiled as `accumulate` keeps
-    them for keys and values shaped as `k` and `v`: zeros and -inf."""
+    them for keys and values shaped as `k` and `v` (the caller's layout): zeros and -inf."""
     tiling = Tiling.make(q.shape[1], k.shape[1], block_q, block_kv)
     b, h, (hkv, dv) = q.shape[0], q.shape[2], v.shape[2:]
     out = jnp.zeros((b, tiling.num_q, hkv, h // hkv, tiling.block_q, dv), F32)
@@ -258,8 +251,9 @@ def empty_state(q, k, v, *, block_q: int, block_kv: int) -> tuple:
 
 def accumulate(state: tuple, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec, block_q: int,
                block_kv: int) -> tuple:
-    """The running `(out, lse)` (`empty_state`'s tiling) with one key block's pairs merged in, in place."""
-    tiling = Tiling.make(q.shape[1], k.shape[1], block_q, block_kv)
+    """The running `(out, lse)` (`empty_state`'s tiling) with one key block's pairs merged in, in place; `k`
+    and `v` heads-major (`heads_major`)."""
+    tiling = Tiling.make(q.shape[1], k.shape[2], block_q, block_kv)
     return _accumulate(Operands(q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, tiling, q.shape[2]), spec, *state)
 
 
@@ -270,31 +264,58 @@ def result(state: tuple, q_len: int) -> tuple:
 
 
 def forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec, block_q: int, block_kv: int):
-    """`(o, lse)` in float32 of one query block against one key block, in `block_q` x `block_kv` tiles."""
+    """`(o, lse)` in float32 of one query block against one key block (the caller's layout), in `block_q` x
+    `block_kv` tiles."""
     tiles = {"block_q": block_q, "block_kv": block_kv}
-    state = accumulate(empty_state(q, k, v, **tiles), q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, spec=spec, **tiles)
+    state = accumulate(empty_state(q, k, v, **tiles), q, heads_major(k), heads_major(v), q_pos, kv_pos, q_seg, kv_seg,
+                       bias, spec=spec, **tiles)
     return result(state, q.shape[1])
 
 
-def backward(q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec,
-             dkv_tiles: tuple[int, int], dq_tiles: tuple[int, int] | None, dq=None):
-    """`(dq, dk, dv, dbias)` in float32: a dk/dv pass in `dkv_tiles` (query, key) tiles, which also
-    accumulates dq when `dq_tiles` is None, else a separate dq pass in `dq_tiles`. With `dq` (float32
-    `[B, Tq, H, D]`, the dq so far) the block's dq is added to it in place, else to zeros."""
+def dq_state(q, k, *, dkv_tiles: tuple[int, int], dq_tiles: tuple[int, int] | None):
+    """The running dq of queries `q` against keys shaped as `k` (the caller's layout), zero, in query tiles as
+    the pass that computes it keeps them: `[B, nq, Hkv, D, G, bq]` in the dk/dv pass (`dq_tiles` None),
+    `[B, nq, Hkv, G, bq, D]` in a dq pass of its own."""
+    b, t, h, d = q.shape
+    hkv = k.shape[2]
+    block_q = Tiling.make(t, k.shape[1], *(dkv_tiles if dq_tiles is None else dq_tiles)).block_q
+    rows = (d, h // hkv, block_q) if dq_tiles is None else (h // hkv, block_q, d)
+    return vma.like(jnp.zeros((b, -(-t // block_q), hkv, *rows), F32), q)
+
+
+def dq_result(dq, q_len: int, dq_tiles: tuple[int, int] | None):
+    """`dq_state`'s tiles as float32 `[B, Tq, H, D]`."""
+    rows = jnp.transpose(dq, (0, 1, 5, 2, 4, 3)) if dq_tiles is None else jnp.moveaxis(dq, 4, 2)
+    return untile_query(rows, q_len)
+
+
+def step_backward(dq, q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec,
+                  dkv_tiles: tuple[int, int], dq_tiles: tuple[int, int] | None):
+    """`(dq, dk, dv, dbias)` in float32 of one block, with `k` and `v` heads-major: the block's dq added into
+    the running `dq` (`dq_state`'s) in place, dk and dv heads-major. A dk/dv pass in `dkv_tiles` (query, key)
+    tiles, which also computes dq when `dq_tiles` is None, else a separate dq pass in `dq_tiles`."""
     def prepared(block_q, block_kv):
-        tiling = Tiling.make(q.shape[1], k.shape[1], block_q, block_kv)
+        tiling = Tiling.make(q.shape[1], k.shape[2], block_q, block_kv)
         ops = Operands(q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, tiling, q.shape[2])
         safe_lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # p = exp(-inf - inf) = 0, no NaN
-        return (ops, ops.query_side(do), ops.row_stat(safe_lse, jnp.inf),
-                ops.row_stat(delta, 0.0))
+        return ops, ops.query_side(do), ops.row_stat(safe_lse, jnp.inf), ops.row_stat(delta, 0.0)
 
     ops, do_t, lse_t, delta_t = prepared(*dkv_tiles)
-    dq_pass = None if dq_tiles is None else prepared(*dq_tiles)
-    dq_ops = ops if dq_pass is None else dq_pass[0]
-    dq0 = vma.like(jnp.zeros(q.shape, F32), q) if dq is None else dq
-    dq, dk, dv, dbias = _backward(ops, spec, do_t, lse_t, delta_t, dq_ops.tile_query(dq0), dq_pass)
-    dq = dq_ops.untile_query(dq)
-    dk, dv = ops.untile_key(dk), ops.untile_key(dv)
+    fused = dq_tiles is None
+    dq_block, dk, dv, dbias = _grads_pass(ops, spec, do_t, lse_t, delta_t, dq if fused else None, keys=True)
+    if not fused:
+        dq_ops, dq_do, dq_lse, dq_delta = prepared(*dq_tiles)
+        dq_block, *_ = _grads_pass(dq_ops, spec, dq_do, dq_lse, dq_delta, dq, keys=False)
     if dbias is not None:
         dbias = ops.untile_bias(dbias)
-    return dq, dk, dv, dbias
+    return dq_block, ops.untile_key(dk), ops.untile_key(dv), dbias
+
+
+def backward(q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec,
+             dkv_tiles: tuple[int, int], dq_tiles: tuple[int, int] | None):
+    """`(dq, dk, dv, dbias)` in float32 of one query block against one key block, all in the caller's
+    layout (`step_backward`'s tiles)."""
+    tiles = {"dkv_tiles": dkv_tiles, "dq_tiles": dq_tiles}
+    dq, dk, dv, dbias = step_backward(dq_state(q, k, **tiles), q, heads_major(k), heads_major(v), lse, do, delta,
+                                      q_pos, kv_pos, q_seg, kv_seg, bias, spec=spec, **tiles)
+    return dq_result(dq, q.shape[1], dq_tiles), caller_major(dk), caller_major(dv), dbias

@@ -4,12 +4,14 @@
 turns tiled results back into the caller's shapes. `tuner.kernels.scan_kernel` runs its tile loops over
 them.
 
-The tiles of q, k, v, the output's cotangent and the gradients are a reshape of the caller's layout,
-`[B, n, blk, ...]` (tile index second, the caller's token-major order kept, queries grouped by kv
-head): cutting an array into tiles and joining them back copies nothing (only a length that is not a
-multiple of the tile pads), so no array of a shard's size is made beside the caller's. A tile read for
-a matmul is moved to `[B, Hkv, (G,) blk, D]` (`Tiled`), a tile's copy in each visit. Positions, segment
-ids and row statistics (a few bytes a token) are tiled with the tile index first.
+Keys and values come heads-major, `[B, Hkv, T, D]` (`heads_major`): the layout in which they travel the
+ring, made once a ring (`ScanBackend.keys_start`), so that a key tile is a slice of whole rows, read as
+XLA:CPU's matmuls take it, however often the loops visit it. The query side (q, the output's cotangent)
+stays in the caller's layout and is cut by a reshape, `[B, n, blk, Hkv, G, D]` (tile index second,
+queries grouped by kv head): no array of a shard's size is made beside the caller's; a query tile is
+moved to `[B, Hkv, G, blk, D]` when read, once per query tile, since the loops run query tile by query
+tile. Positions, segment ids and row statistics (a few bytes a token) are tiled with the tile index
+first. Only a length that is not a multiple of the tile pads.
 """
 
 from __future__ import annotations
@@ -64,6 +66,16 @@ def untile_row_stat(x, q_len: int):
     return x.reshape(b, hkv * g, t)
 
 
+def heads_major(x):
+    """Keys or values `[B, T, Hkv, D]` -> `[B, Hkv, T, D]`, as the kernel reads them (and back, `caller_major`)."""
+    return jnp.moveaxis(x, 2, 1)
+
+
+def caller_major(x):
+    """`[B, Hkv, T, D]` -> `[B, T, Hkv, D]`: a key-side array back in the caller's layout."""
+    return jnp.moveaxis(x, 1, 2)
+
+
 def tile(x, index):
     """Tile `index` of a `[B, n, block, ...]` array: `[B, block, ...]`."""
     return lax.dynamic_index_in_dim(x, index, axis=1, keepdims=False)
@@ -77,9 +89,8 @@ def widened() -> bool:
 
 
 @dataclass(frozen=True)
-class Tiled:
-    """A tiled input (q, k, v or the output's cotangent), `[B, n, blk, ...]`; `self[i]` is tile i in the
-    input's dtype, rows after the heads.
+class Stored:
+    """An input as the tile loops read it, in its own dtype.
 
     Where matmuls are widened (the CPU), a 16-bit float array is kept viewed as uint16: XLA:CPU takes
     a 16-bit float slice in float32 and hoists the widening of the whole array out of the tile loop, a
@@ -89,20 +100,45 @@ class Tiled:
     dtype: Any
 
     @classmethod
-    def of(cls, x) -> Tiled:
+    def of(cls, x, *args):
         if widened() and jnp.dtype(x.dtype).itemsize == 2:
-            return cls(lax.bitcast_convert_type(x, jnp.uint16), x.dtype)
-        return cls(x, x.dtype)
+            return cls(lax.bitcast_convert_type(x, jnp.uint16), x.dtype, *args)
+        return cls(x, x.dtype, *args)
 
     @property
     def shape(self) -> tuple[int, ...]:
         return self.data.shape
 
-    def __getitem__(self, index):
-        """Tile `index` with its rows after the heads, `[B, Hkv, (G,) blk, D]`, the layout XLA:CPU's matmuls
-        take as they are (a tile's copy, against a slow path for rows before the heads)."""
-        x = jnp.moveaxis(tile(self.data, index), 1, -2)
+    def _typed(self, x):
         return x if x.dtype == self.dtype else lax.bitcast_convert_type(x, self.dtype)
+
+
+@dataclass(frozen=True)
+class QueryTiles(Stored):
+    """A query-side input (q, the output's cotangent) cut into tiles, `[B, n, blk, Hkv, G, D]`."""
+
+    def __getitem__(self, index):
+        """Tile `index` with its rows after the heads, `[B, Hkv, G, blk, D]`, the layout XLA:CPU's matmuls
+        take as they are (a tile's copy, against a slow path for rows before the heads)."""
+        return self._typed(jnp.moveaxis(tile(self.data, index), 1, -2))
+
+
+@dataclass(frozen=True)
+class KeyTiles(Stored):
+    """Keys or values heads-major, `[B, Hkv, n*blk, D]`, read `block` rows at a time."""
+
+    block: int
+
+    def __getitem__(self, index):
+        """Tile `index`, `[B, Hkv, blk, D]`: a slice of whole rows."""
+        return self._typed(lax.dynamic_slice_in_dim(self.data, index * self.block, self.block, axis=2))
+
+
+def add_key_tile(x, value, index, block: int):
+    """`x` (`[B, Hkv, n*block, D]`) with `value` added to its tile `index`, in place."""
+    start = index * block
+    return lax.dynamic_update_slice_in_dim(x, lax.dynamic_slice_in_dim(x, start, block, axis=2) + value, start,
+                                           axis=2)
 
 
 def set_tile(x, value, index):
@@ -137,19 +173,20 @@ class Tiling:
 
 
 class Operands:
-    """The inputs of one block call, tiled: q `[B, nq, bq, Hkv, G, D]`, k and v `[B, nk, bk, Hkv, D]`;
-    positions, segment ids and row statistics `[nq|nk, B, ...]`."""
+    """The inputs of one block call, tiled: q `[B, nq, bq, Hkv, G, D]`; k and v, which come heads-major
+    (`[B, Hkv, Tk, D]`), `[B, Hkv, nk*bk, D]`; positions, segment ids and row statistics
+    `[nq|nk, B, ...]`."""
 
     def __init__(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, tiling: Tiling, num_heads: int):
-        h, hkv = q.shape[2], k.shape[2]
+        h, hkv = q.shape[2], k.shape[1]
         self.tiling = tiling
         self.group = h // hkv
         tq, tk = tiling.num_q * tiling.block_q, tiling.num_kv * tiling.block_kv
 
         self.positions_and_segments = (q_pos, kv_pos, q_seg, kv_seg)
         self.q = self.query_side(q)
-        self.k = Tiled.of(_cut(pad_to(k, 1, tk), tiling.block_kv))  # [B,nk,bk,Hkv,D]
-        self.v = Tiled.of(_cut(pad_to(v, 1, tk), tiling.block_kv))
+        self.k = KeyTiles.of(pad_to(k, 2, tk), tiling.block_kv)  # [B,Hkv,nk*bk,D]
+        self.v = KeyTiles.of(pad_to(v, 2, tk), tiling.block_kv)
         self.q_pos = _split(pad_to(q_pos, 1, tq, "edge"), 1, tiling.block_q)  # [nq,B,bq]
         self.kv_pos = _split(pad_to(kv_pos, 1, tk, "edge"), 1, tiling.block_kv)  # [nk,B,bk]
         self.q_seg = None if q_seg is None else _split(pad_to(q_seg, 1, tq, "edge"), 1, tiling.block_q)
@@ -180,9 +217,9 @@ class Operands:
         x = pad_to(x, 1, self.tiling.num_q * self.tiling.block_q)
         return _cut(x.reshape(b, x.shape[1], h // self.group, self.group, d), self.tiling.block_q)
 
-    def query_side(self, x) -> Tiled:
+    def query_side(self, x) -> QueryTiles:
         """A query-side input (q, the output's cotangent) as `tile_query` tiles it."""
-        return Tiled.of(self.tile_query(x))
+        return QueryTiles.of(self.tile_query(x))
 
     def row_stat(self, x, pad_value: float):
         """`[B, H, T]` row statistic -> `[nq, B, Hkv, G, bq]` tiles."""
@@ -200,8 +237,8 @@ class Operands:
         return untile_row_stat(x, self.tiling.q_len)
 
     def untile_key(self, x):
-        """`[B, nk, bk, Hkv, D]` tiles (a key-side gradient) -> `[B, Tk, Hkv, D]`."""
-        return _join(x, self.tiling.kv_len)
+        """`[B, Hkv, nk*bk, D]` (a key-side gradient) -> `[B, Hkv, Tk, D]`, the padding dropped."""
+        return x if x.shape[2] == self.tiling.kv_len else x[:, :, :self.tiling.kv_len]
 
     def untile_bias(self, x):
         """Inverse of the bias tiling: `[nq|1, nk|1, Bb, Hkv|1, G|1, bq|1, bk|1]` -> the bias's own shape."""

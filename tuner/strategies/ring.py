@@ -3,23 +3,25 @@
 The driver (DESIGN section 3) owns everything ring-specific; backends only compute one block.
 
 Forward, on each of the P devices of `axis_name`: P steps. At every step the visiting key/value shard
-(with its positions and segment ids, stacked into one int32 array) is first sent on to the next device,
-so the transfer can overlap the compute, then this device's queries attend to it and the block is
-merged into the running `(out, lse)` in float32. The kernel keeps that state in its own layout
-(`fwd_start`, `fwd_step`, `fwd_finish` of the contract, `tuner.kernels.base`): the scan and Pallas
-kernels merge each block into it in place; the others return a block output, merged by `logaddexp`.
-There is no send after the last step. A step whose visiting shard is wholly excluded by the masks is
-skipped: which ones, `masks.ring_mask` resolves once before the ring turns, from every shard's
-position bounds. Sinks join the softmax once, at the end.
+(in the kernel's layout, `keys_start`, made once a ring; with its positions and segment ids, stacked
+into one int32 array) is first sent on to the next device, so the transfer can overlap the compute,
+then this device's queries attend to it and the block is merged into the running `(out, lse)` in
+float32. The kernel keeps that state in its own layout (`fwd_start`, `fwd_step`, `fwd_finish` of the
+contract, `tuner.kernels.base`): the scan and Pallas kernels merge each block into it in place; the
+others return a block output, merged by `logaddexp`. There is no send after the last step. A step
+whose visiting shard is wholly excluded by the masks is skipped: which ones, `masks.ring_mask`
+resolves once before the ring turns, from every shard's position bounds. Sinks join the softmax once,
+at the end.
 
 Backward replays the same steps with the final (sink-inclusive) lse and `delta = rowsum(dout * out)`:
-dq accumulates here (the kernel adds each block's into it, `bwd_step`), while dk/dv accumulators, in
-the kernel's layout (`grads_start`, `grads_finish`), travel with the keys and, after one last hop,
-arrive back at the device that owns those keys. A step has two parts: `bwd_step` reads nothing that
-travels during the step, so the accumulators of the keys at hand arrive while it runs; then
-`bwd_accumulate` adds the block's dk/dv into them (the Pallas kernel in place, the others by adding
-what `bwd_step` left). An `optimization_barrier` on (accumulators, dq) keeps that order: otherwise the
-TPU scheduler may run the second part first and wait for the transfer.
+dq accumulates here, in the kernel's layout (`dq_start`, `dq_finish`; the kernel adds each block's
+into it, `bwd_step`), while dk/dv accumulators, in the kernel's layout (`grads_start`,
+`grads_finish`), travel with the keys and, after one last hop, arrive back at the device that owns
+those keys. A step has two parts: `bwd_step` reads nothing that travels during the step, so the
+accumulators of the keys at hand arrive while it runs; then `bwd_accumulate` adds the block's dk/dv
+into them (the Pallas kernel in place, the others by adding what `bwd_step` left). An
+`optimization_barrier` on (accumulators, dq) keeps that order: otherwise the TPU scheduler may run the
+second part first and wait for the transfer.
 `d softmax_aux` is computed once, from lse and delta.
 """
 
@@ -168,7 +170,7 @@ def _forward(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks
     ring_mask = masks.ring_mask(q_pos, kv_pos, q_seg, kv_seg, cfg.spec, cfg.axis_name, size, rank)
     with work.on_device(rank):
         state = backend.fwd_start(q, k, v, params=cfg.fwd_params)
-        visiting = _travelling(k, v, kv_pos, kv_seg)
+        visiting = _travelling(*backend.keys_start(k, v), kv_pos, kv_seg)
         if size > 1:
             def step(i, carry):
                 visiting, state = carry
@@ -238,9 +240,9 @@ def _backward(cfg: RingConfig, residuals, cotangents):
         return _send_to_next(tree, cfg.axis_name, size, after)
 
     with work.on_device(rank):
-        dq = vma.like(jnp.zeros(q.shape, F32), q)
+        dq = backend.dq_start(q, k, params=cfg.bwd_params)
         dbias = None if bias is None else vma.like(jnp.zeros(bias.shape, F32), q)
-        visiting = _travelling(k, v, kv_pos, kv_seg)
+        visiting = _travelling(*backend.keys_start(k, v), kv_pos, kv_seg)
         # Step 0, this device's own keys; from step 1 on, the next keys and the accumulators of the keys
         # at hand (from the device that had them a step ago) travel while the step's first part runs:
         # neither transfer waits for this step's kernels, so the scheduler can overlap both with them.
@@ -272,6 +274,7 @@ def _backward(cfg: RingConfig, residuals, cotangents):
         else:
             outgoing = backend.grads_finish(outgoing, k, v)
     dk, dv = outgoing
+    dq = backend.dq_finish(dq, q, params=cfg.bwd_params)
 
     dsinks = None
     if sinks is not None:
