@@ -27,15 +27,15 @@ each block's gradients into the running ones, where it keeps them, instead of re
     dq_finish(dq, q, *, params) -> dq_f32 [B,Tq,H,D]
 
 The steps' `k` and `v` are `keys_start`'s (`fwd_start`, `grads_start` and the `*_finish` methods get
-the caller's). `CallerLayout` gives the three layout methods of a kernel that reads keys and keeps dq
-in the caller's layout.
+the caller's). `CallerLayout` gives the layout methods (`keys_start`, `dq_start`, `dq_finish`,
+`grads_start`, `bwd_idle`, `grads_finish`) of a kernel that works in the caller's layout.
 
 A backward step has two parts because the dk/dv accumulators travel while the step runs: `bwd_step`
 must not read them, so that their transfer can overlap it; `bwd_accumulate` runs once they have
 arrived, with whatever `bwd_step` left it (`pending`: the block's dk, dv for a kernel that computes
-them with dq, nothing for one that computes them in a kernel of their own). `AddedGrads` gives the
-accumulators of a kernel that leaves the block's dk, dv; `BlockGrads` adds `bwd_step` from `block_bwd`;
-`MergedBlocks` adds the forward's from `block_fwd` and `merge`.
+them with dq, nothing for one that computes them in a kernel of their own). `AddedGrads` adds the
+block's dk, dv that a kernel leaves; `BlockGrads` adds `bwd_step` from `block_bwd`; `MergedBlocks` adds
+the forward's from `block_fwd` and `merge`.
 
 `q` is `[B,Tq,H,D]`, `k` `[B,Tk,Hkv,D]`, `v` `[B,Tk,Hkv,Dv]`: the value head dim Dv may differ from the
 query/key head dim D (multi-head latent attention); `o` and `do` have Dv, each gradient its input's shape.
@@ -172,8 +172,8 @@ class Backend(Protocol):
 
 
 class CallerLayout:
-    """The ring's layouts of a kernel that reads keys and values, and keeps the running dq, in the caller's
-    layout: k and v travel as they are, dq is float32 `[B, Tq, H, D]`."""
+    """The ring's layouts of a kernel that works in the caller's: k and v travel as they are, the running
+    dq is float32 `[B, Tq, H, D]`, the dk/dv accumulators float32 arrays of k's and v's shapes."""
 
     def keys_start(self, k, v) -> tuple:
         return k, v
@@ -184,23 +184,23 @@ class CallerLayout:
     def dq_finish(self, dq: Any, q, *, params: BwdParams) -> Any:
         return dq
 
-
-class AddedGrads:
-    """The dk/dv accumulators of a kernel whose `bwd_step` leaves the block's dk and dv (float32, k's and v's
-    shapes): the accumulators are float32 arrays of those shapes, and the block's are added to them."""
-
     def grads_start(self, k, v, *, params: BwdParams | None = None) -> tuple:
         return jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
 
     def bwd_idle(self, k, v) -> tuple:
         return self.grads_start(k, v)
 
+    def grads_finish(self, grads: tuple, k, v) -> tuple:
+        return tuple(g.astype(x.dtype) for g, x in zip(grads, (k, v)))
+
+
+class AddedGrads:
+    """The second part of a backward step for a kernel whose `bwd_step` leaves the block's dk and dv, in the
+    accumulators' layout: they are added to the accumulators."""
+
     def bwd_accumulate(self, grads: tuple, pending: tuple, rows: Any, k, v, lse, delta, q_pos, kv_pos, q_seg,
                        kv_seg, *, spec: AttentionSpec, params: BwdParams, interpret: bool) -> tuple:
         return tuple(g + p for g, p in zip(grads, pending))
-
-    def grads_finish(self, grads: tuple, k, v) -> tuple:
-        return tuple(g.astype(x.dtype) for g, x in zip(grads, (k, v)))
 
 
 class BlockGrads(CallerLayout, AddedGrads):
