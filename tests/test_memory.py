@@ -54,7 +54,7 @@ def test_memory_is_affine_in_the_shard_and_the_longest_sequence_fits():
 def test_the_scan_ring_holds_no_output_sized_array_beyond_its_state():
     """The scan kernel merges each block into the running output in place and tiles by reshaping, so the
     forward holds the floor and the bytes XLA:CPU adds for 16-bit arrays (a uint16 view of each tiled
-    input, `scan_tiling.Tiled`; float32 transfers); before, it held 3 to 4 times the floor."""
+    input, `scan_tiling.Stored`; float32 transfers); before, it held 3 to 4 times the floor."""
     devices = jax.devices()[:4]
     problem = replace(PROBLEM, seq_len=32768, kv_heads=8)
     for dtype, bound in (("float32", 1.3), ("bfloat16", 1.4)):

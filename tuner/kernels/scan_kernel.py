@@ -51,7 +51,7 @@ def _einsum(subscripts: str, a, b):
 
 
 def _logits(ops: Operands, spec: AttentionSpec, q_tile, k_tile, i, j, masked, transposed: bool = False):
-    """Logits of tile (i, j) from its query and key tiles (`Tiled` reads), masked to -inf, and the
+    """Logits of tile (i, j) from its query and key tiles (`QueryTiles`, `KeyTiles` reads), masked to -inf, and the
     softcap's tanh (or None).
 
     `[B, Hkv, G, bq, bk]` (query rows), or with `transposed` `[B, Hkv, bk, G, bq]` (key rows), which
