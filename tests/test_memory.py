@@ -54,12 +54,17 @@ def test_memory_is_affine_in_the_shard_and_the_longest_sequence_fits():
 def test_the_scan_ring_holds_no_output_sized_array_beyond_its_state():
     """The scan kernel merges each block into the running output in place and tiles by reshaping, so the
     forward holds the floor and the bytes XLA:CPU adds for 16-bit arrays (a uint16 view of each tiled
-    input, `scan_tiling.Stored`; float32 transfers); before, it held 3 to 4 times the floor."""
+    input, `scan_tiling.Stored`; float32 transfers); before, it held 3 to 4 times the floor. The backward
+    keeps dq in the kernel's tiles and adds dk, dv heads-major, as the keys travel: no copy of q, dq or
+    the output's cotangent a step (1.14x and 1.23x the floor at 131072 tokens before, 1.01x and 1.09x
+    since)."""
     devices = jax.devices()[:4]
     problem = replace(PROBLEM, seq_len=32768, kv_heads=8)
-    for dtype, bound in (("float32", 1.3), ("bfloat16", 1.4)):
-        forward = memory.compiled_memory(replace(problem, dtype=dtype), devices, "cpu", "fwd", "scan")
-        assert forward.ratio <= bound, (dtype, forward.temp / MIB, forward.floor_bytes / MIB)
+    for dtype, bounds in (("float32", {"fwd": 1.3, "fwd+bwd": 1.1}), ("bfloat16", {"fwd": 1.4, "fwd+bwd": 1.2})):
+        for objective, bound in bounds.items():
+            report = memory.compiled_memory(replace(problem, dtype=dtype), devices, "cpu", objective, "scan")
+            assert report.ratio <= bound, (dtype, objective, report.temp / MIB, report.floor_bytes / MIB)
+            assert report.peak is None and report.held == report.temp + report.arguments + report.outputs
 
 
 def test_the_report_compiles_what_the_loader_runs_from_the_cache(tmp_path):
@@ -93,6 +98,10 @@ def test_the_tpu_compiler_s_count_for_the_pallas_ring():
     assert forward.implementation == "pallas_tpu"
     assert forward.temp >= forward.floor_bytes  # the floor is a floor
     assert forward.arguments == (32768 // 4) * (8 + 2 + 2) * 64 * 2  # the q, k, v shards in bfloat16
+    # a device holds the compiler's peak (HBM), arguments and outputs included, which is less than its
+    # temporaries, arguments and outputs together: it counts temporaries that its HBM assignment does not hold
+    assert forward.held == forward.peak
+    assert forward.arguments + forward.outputs < forward.held < forward.temp + forward.arguments + forward.outputs
     # laid out by the compiler, as inside a model, q needs no copy into the kernels' heads-major layout (the
     # arguments may grow: a head dim of 64 pads to the TPU's 128 lanes there)
     in_a_model = memory.compiled_memory(problem, devices, "v5e:2x2", "fwd", argument_layouts="compiler")
@@ -108,8 +117,8 @@ def test_the_verb_prints_the_table_and_names_a_bad_flag(tmp_path):
     run = subprocess.run([sys.executable, "-m", "tuner.cli", "memory", *args], capture_output=True, text=True,
                          timeout=300, env=env)
     assert run.returncode == 0, run.stderr
-    for words in ("temp/floor", "bytes a token more", "floor (fwd): float32 output accumulator", "v5e   16 GiB",
-                  "tokens on the ring"):
+    for words in ("temp/floor", "bytes a token more", "held: temp, arguments and outputs",
+                  "floor (fwd): float32 output accumulator", "v5e   16 GiB", "tokens on the ring"):
         assert words in run.stdout, run.stdout
     bad = subprocess.run([sys.executable, "-m", "tuner.cli", "memory", *args, "--headroom", "1.5"],
                          capture_output=True, text=True, timeout=300, env=env)

@@ -10,10 +10,13 @@ Each side (this tree, and a `git worktree` of `--against`) runs in its own proce
 compiles the ring of the default implementation at its default tiles (TPU: the Pallas kernels through
 libtpu for the topology, nothing runs; CPU: the scan ring on simulated devices) and reads
 `memory_analysis()` of one device. Causal, zigzag, a ring of 4, batch 1. Prints a table and writes JSON
-with `--out`. The program's arguments have the default row-major layouts; with `--argument-layouts
-compiler` the compiler chooses them, as it does where the attention's inputs are made inside the same
-program (a model's projections): on a TPU the kernels' heads-major layout, without copies of q and the
-output's cotangent.
+with `--out`. On a TPU a last column gives what the compiler's peak holds beyond the arguments and
+outputs (its HBM temporaries; `tuner.tuning.memory` says why they differ from its temp count).
+
+The program's arguments have the default row-major layouts; with `--argument-layouts compiler` the
+compiler chooses them, as it does where the attention's inputs are made inside the same program (a
+model's projections): on a TPU the kernels' heads-major layout, without copies of q and the output's
+cotangent.
 """
 
 from __future__ import annotations
@@ -77,7 +80,10 @@ def worker(args: argparse.Namespace) -> None:
                                else jax.jit(forward_and_backward, **placed(inputs, dout)).lower(inputs, dout))
                     memory = lowered.compile().memory_analysis()
                     print(json.dumps({"target": target, "tokens": tokens, "dtype": dtype, "objective": objective,
-                                      "implementation": chosen.name, "temp": memory.temp_size_in_bytes}), flush=True)
+                                      "implementation": chosen.name, "temp": memory.temp_size_in_bytes,
+                                      "arguments": memory.argument_size_in_bytes,
+                                      "outputs": memory.output_size_in_bytes,
+                                      "peak": memory.peak_memory_in_bytes}), flush=True)
 
 
 def measure(tree: str, argv: list[str]) -> dict[tuple, dict]:
@@ -128,16 +134,17 @@ def main(argv: list[str] | None = None) -> int:
           f"argument layouts {args.argument_layouts}; "
           f"temp MiB a device (ratio to the floor)" + (f"; before: {args.against}" if args.against else ""))
     print(f"{'target':<9} {'tokens':>8} {'dtype':<9} {'objective':<8} {'floor':>8} "
-          f"{'before':>16} {'after':>16}")
+          f"{'before':>16} {'after':>16}" + ("" if args.cpu else f" {'after, HBM':>16}"))
     for key, row in this.items():
         target, tokens, dtype, objective = key
         problem = Problem(seq_len=tokens, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                           dtype=dtype, causal=True, ring_size=4, layout="zigzag")
         low = sum(floor(problem.shapes, objective, 4).values())
         before = that.get(key, {}).get("temp")
-        rows.append({**row, "floor": low, "before": before})
+        hbm = None if args.cpu else row["peak"] - row["arguments"] - row["outputs"]
+        rows.append({**row, "floor": low, "before": before, "hbm_temp": hbm})
         print(f"{target:<9} {tokens:>8} {dtype:<9} {objective:<8} {low / 2**20:8.1f} {_cell(before, low):>16} "
-              f"{_cell(row['temp'], low):>16}")
+              f"{_cell(row['temp'], low):>16}" + ("" if args.cpu else f" {_cell(hbm, low):>16}"))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items() if k != "worker"}, "rows": rows}, f, indent=1)

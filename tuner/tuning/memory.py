@@ -23,6 +23,13 @@ The program's arguments are row-major, as a caller's arrays given to a jitted fu
 attention's inputs in the same program: on a TPU the kernels' heads-major layout, with no copy of q and
 the output's cotangent into it.
 
+What a device holds: on a TPU the compiler's peak (`peak_memory_in_bytes`), the high-water mark of its
+HBM buffer assignment, arguments and outputs included. The temporaries it counts (`temp_size_in_bytes`)
+are more than those that assignment places in HBM, and the compiler accepts a program whose peak fits a
+chip though its temporaries, arguments and outputs together do not (docs/memory.md). XLA:CPU counts no
+peak beyond the arguments and outputs, so on the CPU a device holds its temporaries, arguments and
+outputs.
+
 What a device holds is affine in its shard's length (the tiles' working set is fixed), so two compiles,
 at the shard and at twice it, give the bytes each further token costs and the longest sequence a chip's
 memory holds at a headroom (`Report.longest`); `tests/test_memory.py` compiles at that length and finds
@@ -86,6 +93,7 @@ class Report:
     floor: dict[str, int]
     growth: float
     argument_layouts: str = "fixed"  # a key of ARGUMENT_LAYOUTS
+    peak: int | None = None  # the compiler's peak, where it counts one (a TPU); None on the CPU
 
     @property
     def floor_bytes(self) -> int:
@@ -98,8 +106,9 @@ class Report:
 
     @property
     def held(self) -> int:
-        """Everything the device holds: temporaries, arguments and outputs."""
-        return self.temp + self.arguments + self.outputs
+        """Everything the device holds (module docstring): the compiler's peak where it counts one, else the
+        temporaries, arguments and outputs."""
+        return _held(self.temp, self.arguments, self.outputs, self.peak)
 
     def longest(self, hbm_bytes: int, headroom: float) -> int:
         """The longest global sequence whose shards fit `hbm_bytes` with `headroom` (a fraction) left for
@@ -137,8 +146,19 @@ def _compiled(problem: Problem, devices: list, objective: str, implementation: s
     return plan, lowered.compile().memory_analysis()
 
 
-def _held(memory) -> int:
-    return memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes
+def _peak(memory, platform: str) -> int | None:
+    """The compiler's peak, on the platforms whose compiler counts one over the whole program (module
+    docstring)."""
+    return memory.peak_memory_in_bytes if platform == "tpu" else None
+
+
+def _held(temp: int, arguments: int, outputs: int, peak: int | None) -> int:
+    return temp + arguments + outputs if peak is None else peak
+
+
+def _held_of(memory, platform: str) -> int:
+    return _held(memory.temp_size_in_bytes, memory.argument_size_in_bytes, memory.output_size_in_bytes,
+                 _peak(memory, platform))
 
 
 def compiled_memory(problem: Problem, devices: list, target: str, objective: str, implementation: str = "auto",
@@ -155,10 +175,12 @@ def compiled_memory(problem: Problem, devices: list, target: str, objective: str
     plan, memory = _compiled(problem, devices, objective, implementation, db, argument_layouts)
     _, doubled = _compiled(dataclasses.replace(problem, seq_len=2 * problem.seq_len), devices, objective,
                            plan.backend, db, argument_layouts)
-    growth = (_held(doubled) - _held(memory)) / problem.local_len
+    platform = devices[0].platform
+    growth = (_held_of(doubled, platform) - _held_of(memory, platform)) / problem.local_len
     return Report(problem, target, objective, plan.backend, describe_config(plan.config), plan.source,
                   memory.temp_size_in_bytes, memory.argument_size_in_bytes, memory.output_size_in_bytes,
-                  floor(problem.shapes, objective, problem.ring_positions), growth, argument_layouts)
+                  floor(problem.shapes, objective, problem.ring_positions), growth, argument_layouts,
+                  _peak(memory, platform))
 
 
 def _mib(n: float) -> str:
@@ -174,9 +196,11 @@ def render(reports: list[Report], headroom: float) -> str:
     lines = [f"memory   {p.describe()}",
              f"         one device, compiled for {first.target}: what the loader runs, {first.implementation} "
              f"{first.config} ({first.source}); {ARGUMENT_LAYOUTS[first.argument_layouts]}", "",
-             table(["objective", "temp", "floor", "temp/floor", "arguments", "outputs", "bytes a token more"],
+             table(["objective", "temp", "floor", "temp/floor", "arguments", "outputs", "held", "bytes a token more"],
                    [[r.objective, _mib(r.temp), _mib(r.floor_bytes), f"{r.ratio:.2f}x", _mib(r.arguments),
-                     _mib(r.outputs), f"{r.growth:,.0f}"] for r in reports]), ""]
+                     _mib(r.outputs), _mib(r.held), f"{r.growth:,.0f}"] for r in reports]),
+             "held: " + ("the compiler's peak (HBM), arguments and outputs included" if first.peak is not None
+                         else "temp, arguments and outputs"), ""]
     lines.append(f"floor ({last.objective}): " + ", ".join(f"{name} {_mib(n)}" for name, n in last.floor.items()))
     lines += ["", f"longest sequence with {headroom:.0%} of each chip left for the rest of the model "
                   f"({last.objective}, these heads, a ring of {p.ring_size}; from what {first.target}'s compiler "
