@@ -39,6 +39,7 @@ the budget filled.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import jax
@@ -94,6 +95,7 @@ class Report:
     growth: float
     argument_layouts: str = "fixed"  # a key of ARGUMENT_LAYOUTS
     peak: int | None = None  # the compiler's peak, where it counts one (a TPU); None on the CPU
+    multiple: int = TOKEN_MULTIPLE  # a shard length the plan's tiles divide is a multiple of this (`tile_multiple`)
 
     @property
     def floor_bytes(self) -> int:
@@ -112,9 +114,9 @@ class Report:
 
     def longest(self, hbm_bytes: int, headroom: float) -> int:
         """The longest global sequence whose shards fit `hbm_bytes` with `headroom` (a fraction) left for
-        the rest of the model, on this ring; a multiple of `TOKEN_MULTIPLE` tokens a shard."""
+        the rest of the model, on this ring; a multiple of `multiple` tokens a shard."""
         room = hbm_bytes * (1 - headroom) - self.held
-        local = int(self.problem.local_len + room / self.growth) // TOKEN_MULTIPLE * TOKEN_MULTIPLE
+        local = int(self.problem.local_len + room / self.growth) // self.multiple * self.multiple
         return max(local, 0) * self.problem.ring_size
 
 
@@ -144,6 +146,15 @@ def _compiled(problem: Problem, devices: list, objective: str, implementation: s
             return out, vjp(cotangent)
         lowered = jit(forward_and_backward, inputs, dout).lower(inputs, dout)
     return plan, lowered.compile().memory_analysis()
+
+
+def tile_multiple(config) -> int:
+    """The shard lengths the tiles of `config` (any implementation's, through `to_dict`) divide, in multiples
+    of `TOKEN_MULTIPLE`: a shard of another length is padded to whole tiles, and on a TPU the padded copies
+    cost more than the padding (docs/memory.md)."""
+    tiles = [value for part in config.to_dict().values() for name, value in part.items()
+             if name.startswith("block_") and isinstance(value, int)]
+    return math.lcm(TOKEN_MULTIPLE, *tiles)
 
 
 def _peak(memory, platform: str) -> int | None:
@@ -180,7 +191,7 @@ def compiled_memory(problem: Problem, devices: list, target: str, objective: str
     return Report(problem, target, objective, plan.backend, describe_config(plan.config), plan.source,
                   memory.temp_size_in_bytes, memory.argument_size_in_bytes, memory.output_size_in_bytes,
                   floor(problem.shapes, objective, problem.ring_positions), growth, argument_layouts,
-                  _peak(memory, platform))
+                  _peak(memory, platform), tile_multiple(plan.config))
 
 
 def _mib(n: float) -> str:
@@ -205,10 +216,12 @@ def render(reports: list[Report], headroom: float) -> str:
     lines += ["", f"longest sequence with {headroom:.0%} of each chip left for the rest of the model "
                   f"({last.objective}, these heads, a ring of {p.ring_size}; from what {first.target}'s compiler "
                   f"counts, which another chip's compiler may lay out otherwise):",
+              f"(a multiple of {last.multiple} tokens a device, which the plan's tiles divide)",
               table(["chip", "memory", "tokens a device", "tokens on the ring"],
                     [[chip, f"{hbm // GIB} GiB", f"{last.longest(hbm, headroom) // p.ring_size:,}",
                       f"{last.longest(hbm, headroom):,}"] for chip, hbm in HBM_BYTES.items()])]
     return "\n".join(lines)
 
 
-__all__ = ["ARGUMENT_LAYOUTS", "GIB", "HBM_BYTES", "OBJECTIVES", "Report", "compiled_memory", "floor", "render"]
+__all__ = ["ARGUMENT_LAYOUTS", "GIB", "HBM_BYTES", "OBJECTIVES", "Report", "compiled_memory", "floor", "render",
+           "tile_multiple"]
