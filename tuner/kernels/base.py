@@ -15,7 +15,7 @@ each block's gradients into the running ones, where it keeps them, instead of re
     fwd_start(q, k, v, *, params) -> state          nothing read yet, for keys shaped as k and v
     fwd_step(state, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec, params, interpret) -> state
     fwd_finish(state, q) -> o_f32 [B,Tq,H,Dv], lse_f32 [B,H,Tq]
-    bwd_start(q, do) -> rows                          q and do as every step reads them, made once
+    bwd_start(q, do, *, params) -> rows               q and do as every step reads them, made once
     dq_start(q, k, *, params) -> dq                   the running dq, zero, as the kernel keeps it
     grads_start(k, v, *, params) -> grads             zero dk, dv accumulators (float32), as they travel
     bwd_step(dq, rows, k, v, o, lse, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec, params, interpret)
@@ -152,7 +152,7 @@ class Backend(Protocol):
 
     def keys_start(self, k, v) -> tuple: ...
 
-    def bwd_start(self, q, do) -> Any: ...
+    def bwd_start(self, q, do, *, params: BwdParams) -> Any: ...
 
     def dq_start(self, q, k, *, params: BwdParams) -> Any: ...
 
@@ -208,7 +208,7 @@ class BlockGrads(CallerLayout, AddedGrads):
     `bwd_step` adds the block's dq to the running dq and leaves its dk and dv to be added to the
     travelling accumulators once they arrive."""
 
-    def bwd_start(self, q, do) -> tuple:
+    def bwd_start(self, q, do, *, params: BwdParams) -> tuple:
         return q, do
 
     def bwd_step(self, dq, rows: tuple, k, v, o, lse, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *,

@@ -297,27 +297,31 @@ class PallasTpuBackend(CallerLayout):
 
     def fwd_start(self, q, k, v, *, params: FwdParams) -> tuple:
         """The running output, float32 in the kernels' layout, and lse as rows `[B, H, 1, Tq]`, for the
-        local length padded to whole query tiles: what `attention_fwd` merges each block into, in place."""
+        local length padded to whole query tiles: what `attention_fwd` merges each block into, in place;
+        and q as the kernel reads it, heads-major and so padded, made once a ring (a step made its own
+        copy, and a padded one where the tiles do not divide the shard)."""
         (b, tq, h, _), dv = q.shape, v.shape[3]
         q_len = _padded(tq, fwd_tiles(params, tq, k.shape[1])[0])
         return (vma.like(jnp.zeros((b, h, q_len, dv), jnp.float32), q),
-                vma.like(jnp.full((b, h, 1, q_len), -jnp.inf, jnp.float32), q))
+                vma.like(jnp.full((b, h, 1, q_len), -jnp.inf, jnp.float32), q), _heads_major(q, q_len))
 
     def fwd_step(self, state: tuple, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec,
                  params: FwdParams, interpret: bool = False) -> tuple:
+        out, lse, rows = state
         tq, tk = q.shape[1], k.shape[1]
         block_q, block_kv, compute = fwd_tiles(params, tq, tk)
         q_len, kv_len = _padded(tq, block_q), _padded(tk, block_kv)
         module = codegen.load(variant(spec, q.dtype, q.shape[3], v.shape[3]))
-        return tuple(module.attention_fwd(
+        out, lse = module.attention_fwd(
             *_flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, block_q, block_kv),
-            _heads_major(q, q_len), _heads_major(k, kv_len), _heads_major(v, kv_len),
-            _ids(spec, q_pos, q_seg, q_len, keys=False), _ids(spec, kv_pos, kv_seg, kv_len, keys=True), *state,
+            rows, _heads_major(k, kv_len), _heads_major(v, kv_len),
+            _ids(spec, q_pos, q_seg, q_len, keys=False), _ids(spec, kv_pos, kv_seg, kv_len, keys=True), out, lse,
             kv_len=tk, block_q=block_q, block_kv=block_kv, block_kv_compute=compute,
-            **_mask_values(spec), vmem_limit_bytes=vmem_limit_bytes(), interpret=_interpret_mode(interpret, q)))
+            **_mask_values(spec), vmem_limit_bytes=vmem_limit_bytes(), interpret=_interpret_mode(interpret, q))
+        return out, lse, rows
 
     def fwd_finish(self, state: tuple, q) -> tuple:
-        out, lse = state
+        out, lse, _ = state
         tq = q.shape[1]
         return _tokens_major(out, tq), lse[:, :, 0, :tq]
 
@@ -329,18 +333,33 @@ class PallasTpuBackend(CallerLayout):
 
     def block_bwd(self, q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *,
                   spec: AttentionSpec, params: BwdParams, interpret: bool = False):
-        dq = vma.like(jnp.zeros(q.shape, jnp.float32), q)
-        rows = self.bwd_start(q, do)
+        dq = self.dq_start(q, k, params=params)
+        rows = self.bwd_start(q, do, params=params)
         grads = tuple(vma.like(x, q) for x in self.grads_start(k, v, params=params))
         dq, dbias, pending = self.bwd_step(dq, rows, k, v, o, lse, delta, q_pos, kv_pos, q_seg, kv_seg, bias,
                                            spec=spec, params=params, interpret=interpret)
         grads = self.bwd_accumulate(grads, pending, rows, k, v, lse, delta, q_pos, kv_pos, q_seg, kv_seg, spec=spec,
                                     params=params, interpret=interpret)
-        return (dq, *self.grads_finish(grads, k, v), dbias)
+        return (self.dq_finish(dq, q, params=params), *self.grads_finish(grads, k, v), dbias)
 
-    def bwd_start(self, q, do) -> tuple:
-        """q and do heads-major, once for the whole ring (a step made its own copies beside the loop's)."""
-        return _heads_major(q, q.shape[1]), _heads_major(do.astype(q.dtype), q.shape[1])
+    def bwd_start(self, q, do, *, params: BwdParams) -> tuple:
+        """q and do heads-major and padded to the dk/dv kernel's whole query tiles, once for the whole ring
+        (a step made its own copies beside the loop's: where the tiles do not divide the shard, a padded
+        copy of each for each kernel, a step)."""
+        (block_q, _), _ = bwd_tiles(params, q.shape[1], q.shape[1])
+        length = _padded(q.shape[1], block_q)
+        return _heads_major(q, length), _heads_major(do.astype(q.dtype), length)
+
+    def dq_start(self, q, k, *, params: BwdParams):
+        """The running dq in the dq kernel's layout, float32 `[B, H, Tq, D]` heads-major and padded to whole
+        query tiles: the kernel adds each block's into it in place, and no step pads it again (a padded
+        copy of a float32 dq a step, where the tiles do not divide the shard)."""
+        (b, tq, h, d), tk = q.shape, k.shape[1]
+        _, (block_q, _) = bwd_tiles(params, tq, tk)
+        return vma.like(jnp.zeros((b, h, _padded(tq, block_q), d), jnp.float32), q)
+
+    def dq_finish(self, dq, q, *, params: BwdParams):
+        return _tokens_major(dq, q.shape[1])
 
     def grads_start(self, k, v, *, params: BwdParams) -> tuple:
         """The dk and dv accumulators in the dk/dv kernel's layout, float32 `[B, Hkv, Tk, D]` heads-major and
@@ -351,17 +370,16 @@ class PallasTpuBackend(CallerLayout):
 
     def bwd_step(self, dq, rows: tuple, k, v, o, lse, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *,
                  spec: AttentionSpec, params: BwdParams, interpret: bool = False) -> tuple:
-        """The dq kernel adds the block's dq into the running `dq` in place; dk and dv are left to the
-        dk/dv kernel (`bwd_accumulate`), which needs the accumulators."""
-        tq, tk = rows[0].shape[2], k.shape[1]
+        """The dq kernel adds the block's dq into the running `dq` (`dq_start`'s) in place; dk and dv are
+        left to the dk/dv kernel (`bwd_accumulate`), which needs the accumulators."""
+        tq, tk = q_pos.shape[1], k.shape[1]
         _, (block_q, block_kv) = bwd_tiles(params, tq, tk)
         module = codegen.load(variant(spec, k.dtype, k.shape[3], v.shape[3]))
         dq = module.attention_dq(*_flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, block_q, block_kv),
                                  *_bwd_operands(spec, rows, k, v, lse, delta, q_pos, kv_pos, q_seg, kv_seg, block_q,
                                                 block_kv),
-                                 _heads_major(dq, _padded(tq, block_q)), block_q=block_q, block_kv=block_kv,
-                                 **_bwd_settings(spec, tk, interpret, k))
-        return _tokens_major(dq, tq), None, ()
+                                 dq, block_q=block_q, block_kv=block_kv, **_bwd_settings(spec, tk, interpret, k))
+        return dq, None, ()
 
     def bwd_idle(self, k, v) -> tuple:
         return ()
@@ -369,7 +387,7 @@ class PallasTpuBackend(CallerLayout):
     def bwd_accumulate(self, grads: tuple, pending: tuple, rows: tuple, k, v, lse, delta, q_pos, kv_pos, q_seg,
                        kv_seg, *, spec: AttentionSpec, params: BwdParams, interpret: bool = False) -> tuple:
         """The dk/dv kernel adds the block's dk and dv into the accumulators in place."""
-        tq, tk = rows[0].shape[2], k.shape[1]
+        tq, tk = q_pos.shape[1], k.shape[1]
         (block_q, block_kv), _ = bwd_tiles(params, tq, tk)
         module = codegen.load(variant(spec, k.dtype, k.shape[3], v.shape[3]))
         return tuple(module.attention_dkv(
@@ -385,11 +403,11 @@ def _bwd_operands(spec: AttentionSpec, rows: tuple, k, v, lse, delta, q_pos, kv_
                   block_kv: int) -> tuple:
     """What both backward kernels read, padded to their tiles: q, k, v, do heads-major, the lse and delta
     rows (a row that read nothing gets lse +inf: p = exp(s - inf) = 0), the query and key ids."""
-    q, do = rows  # heads-major
-    tq, tk = q.shape[2], k.shape[1]
+    tq, tk = q_pos.shape[1], k.shape[1]
     q_len, kv_len = _padded(tq, block_q), _padded(tk, block_kv)
+    q, do = (x if x.shape[2] == q_len else _padded_rows(x[:, :, :tq], q_len) for x in rows)  # bwd_start's
     lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
-    return (_padded_rows(q, q_len), _heads_major(k, kv_len), _heads_major(v, kv_len), _padded_rows(do, q_len),
+    return (q, _heads_major(k, kv_len), _heads_major(v, kv_len), do,
             _row_stats(lse, q_len, jnp.inf), _row_stats(delta, q_len, 0.0),
             _ids(spec, q_pos, q_seg, q_len, keys=False), _ids(spec, kv_pos, kv_seg, kv_len, keys=True))
 

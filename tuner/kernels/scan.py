@@ -113,7 +113,7 @@ class ScanBackend(AddedGrads):
         return scan_kernel.backward(q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, spec=spec,
                                     **_tiles(params))
 
-    def bwd_start(self, q, do) -> tuple:
+    def bwd_start(self, q, do, *, params: BwdParams) -> tuple:
         return q, do  # tiled by reshaping in each step: nothing to make once
 
     def dq_start(self, q, k, *, params: BwdParams):

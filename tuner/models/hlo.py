@@ -73,7 +73,7 @@ def kernel_vmem(hlo: str) -> dict[str, tuple[int, int]]:
     for line in hlo.split("\n"):
         if "tpu_custom_call" not in line:
             continue
-        name = re.match(r"\s*%?(\S+) =", line)
+        name = re.match(r"\s*(?:ROOT\s+)?%?(\S+) =", line)
         region = re.search(r'"scoped_memory_configs":\[\{[^]]*?"offset":"(\d+)","size":"(\d+)"', line)
         reach = re.search(r'"used_scoped_memory_configs":\[\{[^]]*?"offset":"(\d+)","size":"(\d+)"', line)
         if name and region and reach:

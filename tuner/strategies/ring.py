@@ -197,7 +197,7 @@ def _backward(cfg: RingConfig, residuals, cotangents):
     delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(F32), out.astype(F32)) - dlse
     dout = dout.astype(q.dtype)
 
-    rows = backend.bwd_start(q, dout)  # q and dout as the kernel reads them, made once for every step
+    rows = backend.bwd_start(q, dout, params=cfg.bwd_params)  # q and dout as the kernel reads them, made once
     kernel_args = dict(spec=cfg.spec, params=cfg.bwd_params, interpret=cfg.interpret)
 
     def varying(tree):
