@@ -51,8 +51,8 @@ def _einsum(subscripts: str, a, b):
 
 
 def _logits(ops: Operands, spec: AttentionSpec, q_tile, k_tile, i, j, masked, transposed: bool = False):
-    """Logits of tile (i, j) from its query and key tiles (`QueryTiles`, `KeyTiles` reads), masked to -inf, and the
-    softcap's tanh (or None).
+    """Logits of tile (i, j) from its query and key tiles (`QueryTiles`, `KeyTiles` reads), masked to -inf,
+    and the softcap's tanh (or None).
 
     `[B, Hkv, G, bq, bk]` (query rows), or with `transposed` `[B, Hkv, bk, G, bq]` (key rows), which
     lets the dk/dv matmuls contract over the trailing (G, bq) axes without transposing the tile.
@@ -222,14 +222,16 @@ def _grads_pass(ops: Operands, spec: AttentionSpec, do, lse, delta, dq, keys: bo
             dbias = dbias.at[ops.bias_index(i, j)].add(grads.dbias(ops, i, j))
         return vma.like(i, ops.q.data), q_tile, do_tile, dq_row, dk, dv, dq, dbias
 
-    like = vma.like
+    def varying(x):
+        return None if x is None else vma.like(x, ops.q.data)
+
     dk0 = dv0 = dbias0 = None
     if keys:
-        dk0, dv0 = (like(jnp.zeros(x.shape, F32), ops.q.data) for x in (ops.k, ops.v))
-        dbias0 = None if ops.bias is None else like(jnp.zeros(ops.bias.shape, F32), ops.q.data)
-    dq_row0 = None if dq is None else like(jnp.zeros(dq.shape[:1] + dq.shape[2:], F32), ops.q.data)
-    init = (like(jnp.int32(-1), ops.q.data), like(jnp.zeros_like(ops.q[0]), ops.q.data),
-            like(jnp.zeros_like(do[0]), ops.q.data), dq_row0, dk0, dv0, dq, dbias0)
+        dk0, dv0 = (varying(jnp.zeros(x.shape, F32)) for x in (ops.k, ops.v))
+        dbias0 = None if ops.bias is None else varying(jnp.zeros(ops.bias.shape, F32))
+    dq_row0 = None if dq is None else varying(jnp.zeros(dq.shape[:1] + dq.shape[2:], F32))
+    init = (varying(jnp.int32(-1)), varying(jnp.zeros_like(ops.q[0])), varying(jnp.zeros_like(do[0])), dq_row0,
+            dk0, dv0, dq, dbias0)
     *_, dk, dv, dq, dbias = _visit(ops, spec, ops.visits(spec).reshape(-1), pair, init)
     return dq, dk, dv, dbias
 
