@@ -310,18 +310,18 @@ class PallasTpuBackend(CallerLayout):
 
     def fwd_step(self, state: tuple, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec,
                  params: FwdParams, interpret: bool = False) -> tuple:
-        out, lse, rows = state
+        out, lse, padded_q = state
         tq, tk = q.shape[1], k.shape[1]
         block_q, block_kv, compute = fwd_tiles(params, tq, tk)
         q_len, kv_len = _padded(tq, block_q), _padded(tk, block_kv)
         module = codegen.load(variant(spec, q.dtype, q.shape[3], v.shape[3]))
         out, lse = module.attention_fwd(
             *_flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, block_q, block_kv),
-            _heads_major(q, q_len) if rows is None else rows, _heads_major(k, kv_len), _heads_major(v, kv_len),
+            _heads_major(q, q_len) if padded_q is None else padded_q, _heads_major(k, kv_len), _heads_major(v, kv_len),
             _ids(spec, q_pos, q_seg, q_len, keys=False), _ids(spec, kv_pos, kv_seg, kv_len, keys=True), out, lse,
             kv_len=tk, block_q=block_q, block_kv=block_kv, block_kv_compute=compute,
             **_mask_values(spec), vmem_limit_bytes=vmem_limit_bytes(), interpret=_interpret_mode(interpret, q))
-        return out, lse, rows
+        return out, lse, padded_q
 
     def fwd_finish(self, state: tuple, q) -> tuple:
         out, lse, _ = state
@@ -349,7 +349,7 @@ class PallasTpuBackend(CallerLayout):
         """q and do heads-major and padded to the dk/dv kernel's whole query tiles, once for the whole ring
         (a step made its own copies beside the loop's: where the tiles do not divide the shard, a padded
         copy of each for each kernel, a step)."""
-        (block_q, _), _ = bwd_tiles(params, q.shape[1], q.shape[1])
+        (block_q, _), _ = bwd_tiles(params, q.shape[1], q.shape[1])  # the query tile, whatever the keys' length
         length = _padded(q.shape[1], block_q)
         return _heads_major(q, length), _heads_major(do.astype(q.dtype), length)
 
@@ -408,7 +408,8 @@ def _bwd_operands(spec: AttentionSpec, rows: tuple, k, v, lse, delta, q_pos, kv_
     rows (a row that read nothing gets lse +inf: p = exp(s - inf) = 0), the query and key ids."""
     tq, tk = q_pos.shape[1], k.shape[1]
     q_len, kv_len = _padded(tq, block_q), _padded(tk, block_kv)
-    q, do = (x if x.shape[2] == q_len else _padded_rows(x[:, :, :tq], q_len) for x in rows)  # bwd_start's
+    # padded by bwd_start to the dk/dv kernel's tiles; padded again only for a dq kernel of other query tiles
+    q, do = (x if x.shape[2] == q_len else _padded_rows(x[:, :, :tq], q_len) for x in rows)
     lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
     return (q, _heads_major(k, kv_len), _heads_major(v, kv_len), do,
             _row_stats(lse, q_len, jnp.inf), _row_stats(delta, q_len, 0.0),
