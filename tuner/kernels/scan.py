@@ -16,7 +16,6 @@ from tuner.kernels import scan_kernel, scan_tiling
 from tuner.kernels.base import AddedGrads, SearchSpace, reject_settings, source_hash
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.semantics.spec import AttentionSpec, LocalShapes
-from tuner.support import vma
 
 TILE_BYTES_LIMIT = 256 * 2**20
 SHORT_SHARD = 1024  # up to this local length the default forward takes query tiles of 128 (default_params)
@@ -125,7 +124,7 @@ class ScanBackend(AddedGrads):
 
     def grads_start(self, k, v, *, params: BwdParams | None = None) -> tuple:
         """Heads-major, as the keys travel."""
-        return tuple(vma.like(jnp.zeros(scan_tiling.heads_major(x).shape, jnp.float32), x) for x in (k, v))
+        return tuple(jnp.zeros(scan_tiling.heads_major(x).shape, jnp.float32) for x in (k, v))
 
     def bwd_idle(self, k, v) -> tuple:
         return tuple(jnp.zeros(x.shape, jnp.float32) for x in (k, v))
