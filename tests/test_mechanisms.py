@@ -124,3 +124,18 @@ def test_bench_mechanisms_records_the_winner_and_the_loader_uses_it(tmp_path):
     assert decision.backend == winner.group(1).removeprefix("ring/")
     assert decision.key.digest == registry.problem_key(problem, decision.backend, jax.devices()[0].device_kind).digest
     assert decision.reason.startswith(f"tuner bench --mechanisms measured {winner.group(1)} fastest")
+
+
+def test_bench_mechanisms_names_the_implementations_it_times(tmp_path):
+    args = ["--device", "cpu", "--seq-len", "64", "--heads", "2", "--kv-heads", "2", "--head-dim", "8",
+            "--ring-size", "2"]
+    wrong = tuner("bench", "--mechanisms", "scan,tritn", *args, home=tmp_path)
+    assert wrong.returncode == 2, wrong.stderr
+    assert "--mechanisms: unknown tritn (registered: scan, triton" in wrong.stderr, wrong.stderr
+
+    proc = tuner("bench", "--mechanisms", "jax_nn,scan", "--runs", "1", *args, home=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    timed = {line.split()[0] for line in proc.stdout.splitlines()
+             if line.split() and line.split()[0] in ("ring/scan", "dense", "jax_nn", "all_to_all", "all_gather")}
+    assert timed == {"ring/scan", "jax_nn"}, proc.stdout
+    assert "skipped" not in proc.stdout, proc.stdout

@@ -12,10 +12,14 @@
 #   OUT/timings.json         a ring of one device with each engine against
 #                            jax.nn.dot_product_attention(implementation="cudnn"), head dim 128, 4k and
 #                            16k tokens, causal and not, forward and backward, interleaved, medians
+#   OUT/auto.json            on the same problems, `tuner bench --mechanisms triton,cudnn`, then which
+#                            engine backend="auto" runs: the one measured faster? (auto_pick.py)
 #   OUT/session.log          what each step printed; OUT/steps.txt each step's exit status
 #
-# Each step has its own time limit (they add up to 8 minutes), so a stuck step leaves the others'
-# results; timings.json is written row by row. The exit status is that of the first step that failed.
+# Each step has its own time limit, so a stuck step leaves the others' results; timings.json and
+# auto.json are written row by row. The last step, auto, gets what the others left of the session's 8
+# minutes (it is skipped, and steps.txt says so, with under 30 s left). The exit status is that of the
+# first step that failed.
 set -uo pipefail
 
 usage() {
@@ -44,11 +48,16 @@ if [ "$DRY" = 1 ]; then
     CHECK=(--interpret --tokens 32 --hidden 64 --head-dims 16 --seq-lens 32 --group 2)
     TIME=(--interpret --tokens 32 --hidden 64 --head-dims 16 --seq-lens 32 --runs 1 --calls 1 --warmup 0)
     LIMITS=(60 120 120 180)
+    AUTO=(--engines scan,all_to_all --tokens 32 --hidden 64 --head-dim 16 --seq-lens 32 --runs 1 --calls 1)
+    TOTAL=660
 else
     CHECK=(--tokens 2048 --hidden 2048 --head-dims 128 --seq-lens 1024 --group 4)
     TIME=(--tokens 16384 --hidden 2048 --head-dims 128 --seq-lens 4096,16384 --runs 7 --calls 3)
     LIMITS=(30 90 90 270)
+    AUTO=(--tokens 16384 --hidden 2048 --head-dim 128 --seq-lens 4096,16384 --runs 5 --calls 3)
+    TOTAL=480
 fi
+START=$(date +%s)
 
 status=0
 step() {  # step NAME LIMIT COMMAND...: run it under its time limit, log it, keep its exit status
@@ -72,6 +81,14 @@ for dtype in float32 bfloat16; do
 done
 step timings "${LIMITS[3]}" "${BENCH[@]}" "${TIME[@]}" --objectives fwd,bwd \
     --implementations ring,ring_cudnn,ring_cudnn_shard,cudnn --out "$OUT/timings.json"
+left=$(( TOTAL - ($(date +%s) - START) ))
+if [ "$left" -ge 30 ]; then
+    [ -f "$OUT/timings.json" ] && AUTO+=(--timings "$OUT/timings.json")
+    step auto "$left" python benchmarks/gpu/auto_pick.py "${AUTO[@]}" --out "$OUT/auto.json"
+else
+    echo "== auto: not run, ${left}s of the session's ${TOTAL}s left" >> "$OUT/session.log"
+    echo "auto skipped" >> "$OUT/steps.txt"
+fi
 
 cat "$OUT/steps.txt"
 exit "$status"

@@ -197,9 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--objective", choices=OBJECTIVES, default="fwd+bwd")
     bench.add_argument("--runs", type=int, default=7)
     bench.add_argument("--calls", type=int, default=None, help=CALLS_HELP)
-    bench.add_argument("--mechanisms", action="store_true",
+    bench.add_argument("--mechanisms", nargs="?", const="all", default=None, metavar="NAMES",
                        help="time the ring backends against gathered dense attention on this ring and record "
-                            "the fastest for the problem: get_tuned_ring_attention(backend='auto') follows it")
+                            "the fastest for the problem: get_tuned_ring_attention(backend='auto') follows it; "
+                            "NAMES (comma-separated, e.g. triton,cudnn): only those implementations")
     bench.set_defaults(run=verbs.run_bench)
 
     report = commands.add_parser("report", help="HTML report of the study behind a cache entry")

@@ -209,15 +209,17 @@ def run_bench(args: argparse.Namespace) -> int:
 
     prepare_device(args)
     problem = problem_of(args)
-    if args.mechanisms and args.backend != "auto":
-        raise UsageError("--mechanisms times every mechanism that runs here; leave --backend at auto")
+    if args.mechanisms is not None and args.backend != "auto":
+        raise UsageError("--mechanisms times the mechanisms that run here (or those it names); leave --backend "
+                         "at auto")
     try:
         from tuner.tuning.search import check_device
 
         check_device(args.device)
-        if args.mechanisms:
+        if args.mechanisms is not None:
+            names = None if args.mechanisms == "all" else [n.strip() for n in args.mechanisms.split(",") if n.strip()]
             report = bench_mechanisms(problem, device=args.device, objective=args.objective, runs=args.runs,
-                                      calls=calls_of(args), db=args.db)[0]
+                                      calls=calls_of(args), db=args.db, names=names)[0]
         else:
             report = bench(problem, device=args.device, backend=args.backend, objective=args.objective,
                            runs=args.runs, calls=calls_of(args), db=args.db)

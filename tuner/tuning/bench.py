@@ -9,11 +9,14 @@ decision). Dense attention is `jax.nn.dot_product_attention` on one device over 
 runs here -- each ring, gathered dense attention, any a user registered -- on the same ring and inputs,
 each checked against the scan ring first, and records the run in the cache: one bench row per
 implementation that ran correctly, in place of the problem's earlier run (`tuner.cache.rows`).
+`--mechanisms triton,cudnn` times only the implementations named: two engines compared alone, without
+gathered attention's memory at long sequences.
 """
 
 from __future__ import annotations
 
 import datetime
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -90,17 +93,25 @@ def bench(problem: Problem, *, device: str, backend: str = "auto", objective: st
 
 
 def bench_mechanisms(problem: Problem, *, device: str, objective: str = "fwd+bwd", runs: int = 5,
-                     calls: int = 1, db: str | None = None) -> tuple[str, dict[str, Any]]:
-    """Time every implementation that can run `problem` here (module docstring), each checked against
-    the scan ring first; record the run in the cache. Returns the printed report and the winner's row."""
+                     calls: int = 1, db: str | None = None,
+                     names: Sequence[str] | None = None) -> tuple[str, dict[str, Any]]:
+    """Time every implementation that can run `problem` here (module docstring), or those of `names`,
+    each checked against the scan ring first; record the run in the cache. Returns the printed report
+    and the winner's row."""
     if problem.a2a_size > 1:
         raise ValueError(f"a2a_size={problem.a2a_size}: --mechanisms compares the implementations over one mesh "
                          f"axis, this problem is over two; bench its implementation alone (without --mechanisms)")
+    registered = registry.names()
+    unknown = [name for name in names or () if name not in registered]
+    if unknown or names is not None and not names:
+        what = f"unknown {', '.join(unknown)}" if unknown else "no implementation named"
+        raise ValueError(f"--mechanisms: {what} (registered: {', '.join(registered)})")
+    wanted = registered if names is None else [name for name in registered if name in names]
     workload = Workload(problem)
     spec, dtype = problem.spec, jax.numpy.dtype(problem.dtype)
     backward = objective != "fwd"
     candidates, labels, chosen, skipped = {}, {}, {}, []
-    for name in registry.names():
+    for name in wanted:
         implementation = registry.get(name)
         label = registry.label(name)
         if registry.mesh_axes(implementation) != 1:
@@ -126,7 +137,8 @@ def bench_mechanisms(problem: Problem, *, device: str, objective: str = "fwd+bwd
         except TrialFailed as failure:  # a mechanism that cannot run is reported, not fatal
             failed[name] = str(failure)
     if not compiled:
-        raise RuntimeError(f"no mechanism ran correctly: {failed}")
+        reasons = [*skipped, *(f"{name} {why}" for name, why in failed.items())]
+        raise RuntimeError(f"no mechanism ran correctly: {'; '.join(reasons)}")
     thunks = {}
     for name, fn in compiled.items():
         thunks.update(fn.thunks(name, sets))
