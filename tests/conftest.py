@@ -15,6 +15,9 @@ import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# the TPU-compiler tests of several workers each load libtpu (to compile, never to run): without this the
+# second to load it is refused its lock file, whichever test files the workers happen to hold
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 _DROPPED_CACHE = os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)  # tuner subprocesses inherit the removal
 
 from hypothesis import HealthCheck, settings  # noqa: E402

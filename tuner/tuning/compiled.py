@@ -69,6 +69,9 @@ def topology_mesh(target: str) -> Mesh:
         with _TOPOLOGY_LOCK:
             devices = topologies.get_topology_desc(platform="tpu", topology_name=target).devices
     except Exception as error:  # noqa: BLE001 - libtpu's errors name no argument
+        if "lockfile" in str(error):
+            raise ValueError(f"--target {target}: another process holds libtpu ({error_line(error, 200)}); to "
+                             f"compile beside it, set ALLOW_MULTIPLE_LIBTPU_LOAD=1") from None
         raise ValueError(f"--target {target}: libtpu gives no such topology ({error_line(error, 200)}); known "
                          f"targets: {', '.join(TARGETS)}") from None
     return Mesh(np.array(devices), (AXIS,))
