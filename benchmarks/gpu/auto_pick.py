@@ -109,7 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.timings is not None and not Path(args.timings).is_file():
         parser.error(f"--timings: no file at {args.timings}")
     timings = json.loads(Path(args.timings).read_text()) if args.timings else None
+    for name in ("runs", "calls"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     engines = [name.strip() for name in args.engines.split(",") if name.strip()]
+    if len(engines) < 2:
+        parser.error(f"--engines: name two implementations or more to choose between, got {args.engines!r}")
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
