@@ -148,11 +148,11 @@ def test_without_the_private_names_or_on_another_jax_the_backend_says_why(monkey
     cudnn_engine.private_module.cache_clear()
     try:
         reason = KERNEL.unavailable_reason(platform="gpu")
-        assert "lacks _a_name_jax_never_had" in reason and "0.10.0 to 0.11.2" in reason
+        assert "lacks _a_name_jax_never_had" in reason and "0.10.0 to 0.12.0.1" in reason
         assert KERNEL.unavailable_reason(interpret=True) is None  # the twin needs none of it
-        monkeypatch.setattr(jax, "__version__", "0.12.0")
+        monkeypatch.setattr(jax, "__version__", "0.13.0")
         cudnn_engine.private_module.cache_clear()
-        assert "jax 0.12.0: the cudnn kernel binds" in KERNEL.unavailable_reason(platform="gpu")
+        assert "jax 0.13.0: the cudnn kernel binds" in KERNEL.unavailable_reason(platform="gpu")
     finally:
         monkeypatch.undo()
         cudnn_engine.private_module.cache_clear()

@@ -94,19 +94,20 @@ def check_loader(setting: Setting, layout: str, *, backend: str = "auto", dtype:
     q, k, v = (jax.device_put(jnp.asarray(x, dtype), sharding) for x in arrays[:3])
     w = jax.device_put(arrays[3], sharding)
     ids = None if segments is None else jax.device_put(segments, sharding)
-    options = {"q_segment_ids": ids, "kv_segment_ids": ids} if packed else {}
-    if backend != "auto":
-        options["interpret"] = True
+    per_call = {"q_segment_ids": ids, "kv_segment_ids": ids} if packed else {}
+    interpret = {"interpret": True} if backend != "auto" else {}
 
     with setting.context(mesh):
         attn = get_tuned_ring_attention(axis_name="sp", mesh=mesh, causal=True, sliding_window=WINDOW,
                                         layout=layout, backend=backend)
-        out = attn(q, k, v, **options)
+        out = attn(q, k, v, **per_call, **interpret)
 
-        def loss(q, k, v):
-            return jnp.sum(attn(q, k, v, **options).astype(jnp.float32) * w)
+        # arrays go in as arguments: jax 0.12 makes an array a jitted function closes over a constant of
+        # its program, fetched to the host, which transfer_guard("disallow") refuses
+        def loss(q, k, v, w, per_call):
+            return jnp.sum(attn(q, k, v, **per_call, **interpret).astype(jnp.float32) * w)
 
-        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, w, per_call)
         jax.block_until_ready((out, grads))
 
     assert out.dtype == dtype and tuple(out.sharding.spec)[:2] == (None, "sp")

@@ -11,11 +11,14 @@ the keys j >= i - window as well. `lse` is the natural-log logsumexp of the scal
 takes the final `o` and `lse` of the whole softmax, not this chunk's, and computes `delta = rowsum(do * o)`
 itself, as cuDNN does.
 
-`CudnnEngine` binds the primitives of `jax._src.cudnn.fused_attention_stablehlo`, a private module that
-stayed the same from jax 0.10.0 to 0.11.x (`TESTED_JAX`: other versions are refused with that reason); it
-was read, and its CUDA lowering tested, on jax 0.10.2. It does not differentiate through that module's
-`return_residual` path (whose backward drops the lse cotangent) nor use `jax.nn.dot_product_attention`'s
-residual (the lse cast to the input dtype): the cudnn kernel's ring has its own `custom_vjp`.
+`CudnnEngine` binds the primitives of `jax._src.cudnn.fused_attention_stablehlo`, a private module whose
+primitives took the same operands and parameters from jax 0.10.0 to 0.11.x; jax 0.12 added a `score_mod`
+parameter (flex attention's score function; None here) and variadic operands for it (none here). Each
+release's extra parameters are in `RELEASE_PARAMS`; other releases are refused with the reason. The
+module was read, and the CUDA lowering tested, on jax 0.10.2, 0.11.2 and 0.12.0.1. It does not
+differentiate through that module's `return_residual` path (whose backward drops the lse cotangent) nor
+use `jax.nn.dot_product_attention`'s residual (the lse cast to the input dtype): the cudnn kernel's ring
+has its own `custom_vjp`.
 `XlaEngine` computes the same contract with XLA in float32 (the output rounded to the input dtype, as
 cuDNN's is), so that the cudnn kernel's code runs, and is tested, on a CPU.
 """
@@ -33,7 +36,9 @@ F32 = jnp.float32
 PRIVATE_MODULE = "jax._src.cudnn.fused_attention_stablehlo"
 NAMES = ("_dot_product_attention_fwd_p_wrapper", "_dot_product_attention_bwd_p_wrapper", "MaskType",
          "AttentionLayout")
-TESTED_JAX = ("0.10.0", "0.11.2")  # the jax versions whose private module this binding was written for
+TESTED_JAX = ("0.10.0", "0.12.0.1")  # the jax versions whose private module this binding was written for
+# the primitives' parameters beyond those of jax 0.10, per (major, minor) release bound here
+RELEASE_PARAMS: dict[tuple[int, int], dict[str, Any]] = {(0, 10): {}, (0, 11): {}, (0, 12): {"score_mod": None}}
 
 
 class Engine(Protocol):
@@ -46,8 +51,7 @@ class Engine(Protocol):
 def private_module() -> tuple[Any, str | None]:
     """(jax's cuDNN attention module, None), or (None, why it cannot be bound): a jax outside `TESTED_JAX`,
     or a module without the names bound here."""
-    release = tuple(int(part) for part in jax.__version__.split(".")[:2])
-    if not (0, 10) <= release <= (0, 11):
+    if release() not in RELEASE_PARAMS:
         return None, (f"jax {jax.__version__}: the cudnn kernel binds the private {PRIVATE_MODULE} of jax "
                       f"{TESTED_JAX[0]} to {TESTED_JAX[1]}, and another jax's may differ")
     try:
@@ -59,6 +63,12 @@ def private_module() -> tuple[Any, str | None]:
         return None, (f"jax {jax.__version__}'s {PRIVATE_MODULE} lacks {', '.join(missing)}: the cudnn kernel binds "
                       f"the module of jax {TESTED_JAX[0]} to {TESTED_JAX[1]}")
     return module, None
+
+
+def release() -> tuple[int, int]:
+    """The installed jax's (major, minor)."""
+    major, minor = jax.__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 class CudnnEngine:
@@ -75,7 +85,8 @@ class CudnnEngine:
         length = None if window is None else window + 1
         return fa, (unused,) * 7, dict(scale=float(scale), seed=0, dropout_rate=0.0,
                                        variadic_args=(False, False), mask_type=mask,
-                                       layout=fa.AttentionLayout.BTNH.value, sliding_window_length=length)
+                                       layout=fa.AttentionLayout.BTNH.value, sliding_window_length=length,
+                                       **RELEASE_PARAMS[release()])
 
     def forward(self, q, k, v, *, scale: float, causal: bool, window: int | None):
         fa, unused, params = self._common(q, scale, causal, window)
@@ -134,4 +145,5 @@ def engine(interpret: bool) -> Engine:
     return ENGINES["xla" if interpret else "cudnn"]
 
 
-__all__ = ["ENGINES", "Engine", "CudnnEngine", "TESTED_JAX", "XlaEngine", "engine", "private_module"]
+__all__ = ["ENGINES", "Engine", "CudnnEngine", "RELEASE_PARAMS", "TESTED_JAX", "XlaEngine", "engine", "private_module",
+           "release"]
