@@ -132,6 +132,9 @@ def test_bench_mechanisms_names_the_implementations_it_times(tmp_path):
     wrong = tuner("bench", "--mechanisms", "scan,tritn", *args, home=tmp_path)
     assert wrong.returncode == 2, wrong.stderr
     assert "--mechanisms: unknown tritn (registered: scan, triton" in wrong.stderr, wrong.stderr
+    none = tuner("bench", "--mechanisms", "triton,cudnn", *args, home=tmp_path)
+    assert none.returncode == 1, none.stderr
+    assert "no mechanism can run here: ring/triton cannot run here: no CUDA GPU" in none.stderr, none.stderr
 
     proc = tuner("bench", "--mechanisms", "jax_nn,scan", "--runs", "1", *args, home=tmp_path)
     assert proc.returncode == 0, proc.stderr

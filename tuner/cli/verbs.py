@@ -225,7 +225,7 @@ def run_bench(args: argparse.Namespace) -> int:
                            runs=args.runs, calls=calls_of(args), db=args.db)
     except ValueError as error:
         raise UsageError(str(error)) from None
-    except RuntimeError as error:  # no mechanism ran correctly
+    except RuntimeError as error:  # no mechanism could run here, or none ran correctly
         return fail(str(error), status=1)
     print(report)
     return 0

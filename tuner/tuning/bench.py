@@ -127,6 +127,8 @@ def bench_mechanisms(problem: Problem, *, device: str, objective: str = "fwd+bwd
         chosen[label] = (implementation, decision.config)
         labels[label] = f"{implementation.summary}: {describe_config(decision.config)} [{decision.source}]"
 
+    if not candidates:  # before the reference, which costs a scan ring's forward and backward
+        raise RuntimeError(f"no mechanism can run here: {'; '.join(skipped)}")
     reference = ReferenceCheck(workload, seed=10_000, backward=backward)
     sets = [workload.draw(seed=i) for i in range(3)]
     compiled: dict[str, Compiled] = {}
