@@ -38,21 +38,16 @@ from tuner.semantics.problem import Problem
 from tuner.tuning.bench import bench_mechanisms
 from tuner.tuning.decision import local_structs
 
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_attention import grid, parse_ints  # noqa: E402 - the timing step's problems and its flag parsing
+
 HARNESS = {"triton": "ring", "cudnn": "ring_cudnn"}  # the engines' names in gpu_attention.py's rows
 
 
 def problems(tokens: int, hidden: int, head_dim: int, seq_lens: list[int]) -> list[Problem]:
-    """The session's timing problems, shortest first, not causal before causal."""
-    if hidden % head_dim:
-        raise SystemExit(f"error: --hidden {hidden} is not a multiple of --head-dim {head_dim}")
-    found = []
-    for seq_len in sorted(seq_lens):
-        if tokens % seq_len:
-            raise SystemExit(f"error: --tokens {tokens} is not a multiple of sequence length {seq_len}")
-        heads = hidden // head_dim
-        found += [Problem(batch=tokens // seq_len, seq_len=seq_len, heads=heads, kv_heads=heads, head_dim=head_dim,
-                          dtype="bfloat16", causal=causal, ring_size=1) for causal in (False, True)]
-    return found
+    """The timing step's problems (`gpu_attention.grid`), shortest first, not causal before causal."""
+    return [Problem(**point, kv_heads=point["heads"], dtype="bfloat16", causal=causal, ring_size=1)
+            for point in grid(tokens, hidden, [head_dim], sorted(seq_lens)) for causal in (False, True)]
 
 
 def harness_order(timings: dict | None, problem: Problem, engines: list[str]) -> dict | None:
@@ -102,10 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timings", help="the session's timings.json: also compare with its order of the engines")
     parser.add_argument("--out", required=True, help="JSON file to write")
     args = parser.parse_args(argv)
-    try:
-        seq_lens = [int(part) for part in args.seq_lens.split(",")]
-    except ValueError:
-        parser.error(f"--seq-lens: integers separated by commas, got {args.seq_lens!r}")
+    seq_lens = parse_ints(args.seq_lens, "--seq-lens")
     if args.timings is not None and not Path(args.timings).is_file():
         parser.error(f"--timings: no file at {args.timings}")
     timings = json.loads(Path(args.timings).read_text()) if args.timings else None
