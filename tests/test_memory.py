@@ -127,15 +127,18 @@ def test_the_tpu_compiler_s_count_for_the_pallas_ring():
 @pytest.mark.skipif(compiled.libtpu_missing() is not None, reason=str(compiled.libtpu_missing()))
 def test_a_shard_the_tiles_do_not_divide_is_padded_once_a_ring():
     """The Pallas ring pads q, the output's cotangent and dq to whole tiles once a ring (`fwd_start`,
-    `bwd_start`, `dq_start`), not in every step and kernel: a shard of 7.75 tiles of 1024 holds about
-    what a shard of 8 does (before: 252 against 110 MiB of temporaries; 1,296 against 663 MiB held at
-    32,256 and 32,768 tokens a chip, H=8/2, D=128)."""
+    `bwd_start`, `dq_start`), and the keys and values too, as they travel (`keys_start`), not in every
+    step and kernel: a shard of 7.75 tiles of 1024 holds about what a shard of 8 does (at 31,744 and
+    32,768 tokens on a ring of 4, H=8/2, D=128: 106.6 against 106.5 MiB of temporaries and a peak of
+    159.2 against 144.0; with the keys padded in each step, 114.2 against 102.3 and 169.8 against 148.5;
+    with everything padded in each step, 252 against 110 and 1,296 against 663)."""
     devices = list(compiled.topology_mesh("v5e:2x2").devices.flat)
     problem = replace(PROBLEM, seq_len=32768, head_dim=128)
     whole = memory.compiled_memory(problem, devices, "v5e:2x2", "fwd+bwd", "pallas_tpu")
     cut = memory.compiled_memory(replace(problem, seq_len=31744), devices, "v5e:2x2", "fwd+bwd", "pallas_tpu")
     assert "block_q=1024" in cut.config and cut.problem.local_len % 1024  # the tiles do not divide the shard
-    assert cut.held < 1.15 * whole.held and cut.temp < 1.25 * whole.temp, (cut.held / MIB, whole.held / MIB)
+    assert cut.held < 1.12 * whole.held and cut.temp < 1.05 * whole.temp, (cut.held / MIB, whole.held / MIB,
+                                                                            cut.temp / MIB, whole.temp / MIB)
 
 
 def test_the_verb_prints_the_table_and_names_a_bad_flag(tmp_path):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from tests.cases import check_case, check_low_precision, pallas_tpu_cases
+from tests.cases import Case, check_case, check_low_precision, pallas_tpu_cases
 from tests.test_cli import tuner
 from tuner import BwdParams, FwdParams, ring_attention
 from tuner.kernels import codegen
@@ -82,6 +82,20 @@ def test_masked_tiles_are_never_read():
     np.testing.assert_allclose(dk[:, :256], want_dk, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(dv[:, :256], want_dv, rtol=1e-4, atol=1e-5)
     assert np.all(dk[:, 256:] == 0) and np.all(dv[:, 256:] == 0)
+
+
+@pytest.mark.parametrize("local, padded", [(300, 512), (160, 256)])
+def test_keys_travel_padded_once_to_every_kernels_tiles(local, padded):
+    """Keys and values travel the ring padded to whole key tiles of each kernel that reads them
+    (`keys_start`), here 128 for dk/dv and 256 for dq. At 300 keys a shard that is 512 rows: the dk/dv
+    kernel reads its 3 tiles of 128 from them as they are. At 160 the dq kernel's tile is the whole shard,
+    which 256 rows do not divide: that kernel gets its own copy. Both match float64 on a ring of 2."""
+    fwd = FwdParams(block_q=32, block_kv=256)
+    bwd = BwdParams(block_q_dkv=32, block_kv_dkv=128, block_q_dq=32, block_kv_dq=256)
+    k = jnp.zeros((1, local, 1, 8), jnp.float32)
+    assert [x.shape for x in BACKEND.keys_start(k, k[..., :4], params=bwd)] == [(1, 1, padded, 8), (1, 1, padded, 4)]
+    check_case(Case(batch=1, length=2 * local, heads=2, kv_heads=1, head_dim=8, value_head_dim=4, ring=2,
+                    layout="zigzag", causal=True, fwd=fwd, bwd=bwd, backend="pallas_tpu"))
 
 
 def run_block(q, k, v, spec, do, kernels=(block_fwd, block_bwd)):

@@ -11,7 +11,8 @@ about rings. The ring driver (`tuner.strategies.ring`) calls it once per ring st
 The ring runs through more, so that a kernel can merge each block into the running softmax, and add
 each block's gradients into the running ones, where it keeps them, instead of returning a block's results:
 
-    keys_start(k, v) -> (k, v)                      k and v as they travel the ring, made once a ring
+    keys_start(k, v, *, params) -> (k, v)           k and v as they travel the ring, made once a ring for
+                                                    the tiles of the part that reads them (Fwd/BwdParams)
     fwd_start(q, k, v, *, params) -> state          nothing read yet, for keys shaped as k and v
     fwd_step(state, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec, params, interpret) -> state
     fwd_finish(state, q) -> o_f32 [B,Tq,H,Dv], lse_f32 [B,H,Tq]
@@ -150,7 +151,7 @@ class Backend(Protocol):
 
     def fwd_finish(self, state: Any, q) -> tuple: ...
 
-    def keys_start(self, k, v) -> tuple: ...
+    def keys_start(self, k, v, *, params: FwdParams | BwdParams) -> tuple: ...
 
     def bwd_start(self, q, do, *, params: BwdParams) -> Any: ...
 
@@ -175,7 +176,7 @@ class CallerLayout:
     """The ring's layouts of a kernel that works in the caller's: k and v travel as they are, the running
     dq is float32 `[B, Tq, H, D]`, the dk/dv accumulators float32 arrays of k's and v's shapes."""
 
-    def keys_start(self, k, v) -> tuple:
+    def keys_start(self, k, v, *, params: FwdParams | BwdParams) -> tuple:
         return k, v
 
     def dq_start(self, q, k, *, params: BwdParams) -> Any:

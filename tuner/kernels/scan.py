@@ -102,7 +102,7 @@ class ScanBackend(AddedGrads):
     def fwd_finish(self, state: tuple, q) -> tuple:
         return scan_kernel.result(state, q.shape[1])
 
-    def keys_start(self, k, v) -> tuple:
+    def keys_start(self, k, v, *, params: FwdParams | BwdParams) -> tuple:
         """Heads-major (`scan_tiling.heads_major`), once a ring: a key tile is then a slice of whole rows,
         however often the loops read it."""
         return scan_tiling.heads_major(k), scan_tiling.heads_major(v)

@@ -170,7 +170,7 @@ def _forward(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks
     ring_mask = masks.ring_mask(q_pos, kv_pos, q_seg, kv_seg, cfg.spec, cfg.axis_name, size, rank)
     with work.on_device(rank):
         state = backend.fwd_start(q, k, v, params=cfg.fwd_params)
-        visiting = _travelling(*backend.keys_start(k, v), kv_pos, kv_seg)
+        visiting = _travelling(*backend.keys_start(k, v, params=cfg.fwd_params), kv_pos, kv_seg)
         if size > 1:
             def step(i, carry):
                 visiting, state = carry
@@ -242,7 +242,7 @@ def _backward(cfg: RingConfig, residuals, cotangents):
     with work.on_device(rank):
         dq = backend.dq_start(q, k, params=cfg.bwd_params)
         dbias = None if bias is None else vma.like(jnp.zeros(bias.shape, F32), q)
-        visiting = _travelling(*backend.keys_start(k, v), kv_pos, kv_seg)
+        visiting = _travelling(*backend.keys_start(k, v, params=cfg.bwd_params), kv_pos, kv_seg)
         # Step 0, this device's own keys; from step 1 on, the next keys and the accumulators of the keys
         # at hand (from the device that had them a step ago) travel while the step's first part runs:
         # neither transfer waits for this step's kernels, so the scheduler can overlap both with them.
