@@ -351,6 +351,8 @@ def run_memory(args: argparse.Namespace) -> int:
                                           args.db, args.argument_layouts) for objective in objectives]
     except ValueError as error:
         raise UsageError(str(error)) from None
+    except memory.DoesNotFit as error:
+        return fail(f"{error}; try a shorter --seq-len or a larger --ring-size", status=1)
     print(memory.render(reports, args.headroom))
     return 0
 

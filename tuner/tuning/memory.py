@@ -31,7 +31,8 @@ peak beyond the arguments and outputs, so on the CPU a device holds its temporar
 outputs.
 
 What a device holds is affine in its shard's length (the tiles' working set is fixed), so two compiles,
-at the shard and at twice it, give the bytes each further token costs and the longest sequence a chip's
+at the shard and at twice it (at half it, where twice does not fit the device), give the bytes each
+further token costs and the longest sequence a chip's
 memory holds at a headroom (`Report.longest`); `tests/test_memory.py` compiles at that length and finds
 the budget filled.
 """
@@ -120,11 +121,15 @@ class Report:
         return max(local, 0) * self.problem.ring_size
 
 
+class DoesNotFit(RuntimeError):
+    """The compiler refused the program: one device's memory does not hold it."""
+
+
 def _compiled(problem: Problem, devices: list, objective: str, implementation: str, db: str | None,
               argument_layouts: str):
     """The loader's plan for the problem on `devices` (`implementation`, "auto" for its own choice; the
     cache `db`), and the memory analysis of that plan compiled there, its arguments laid out as
-    `argument_layouts` says."""
+    `argument_layouts` says; `DoesNotFit` where the compiler finds the device's memory too small."""
     from jax.experimental.layout import Format, Layout
 
     workload = Workload(problem, devices=devices)
@@ -145,7 +150,28 @@ def _compiled(problem: Problem, devices: list, objective: str, implementation: s
             out, vjp = vjp_of(fn, x)
             return out, vjp(cotangent)
         lowered = jit(forward_and_backward, inputs, dout).lower(inputs, dout)
-    return plan, lowered.compile().memory_analysis()
+    try:
+        return plan, lowered.compile().memory_analysis()
+    except jax.errors.JaxRuntimeError as error:
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        said = str(error).strip().splitlines()[0].removeprefix("RESOURCE_EXHAUSTED: ").rstrip(".")
+        raise DoesNotFit(f"{problem.describe()} does not fit one device: the compiler says {said!r}") from None
+
+
+
+def _halved(problem: Problem, doubled: DoesNotFit) -> Problem:
+    """The problem at about half its length, a length its layout splits, for what a token more costs
+    where twice the length does not fit (`doubled`, raised again where no shorter problem is valid)."""
+    unit = 2 * problem.ring_size  # zigzag halves on every device; a multiple of every layout's unit
+    try:
+        halved = dataclasses.replace(problem, seq_len=problem.seq_len // 2 // unit * unit)
+    except ValueError as error:
+        raise DoesNotFit(f"{doubled}; and half the length is no valid problem ({error}) to measure what a "
+                         f"token more costs") from None
+    if halved.seq_len == problem.seq_len:
+        raise doubled
+    return halved
 
 
 def tile_multiple(config) -> int:
@@ -178,16 +204,21 @@ def compiled_memory(problem: Problem, devices: list, target: str, objective: str
     config from the cache `db`, None for the default file, else the default tiles) on `devices` (as many as
     its ring size; a TPU topology's devices compile for that chip), its arguments laid out as
     `argument_layouts` says (module docstring), and read what one device holds; and again at twice the
-    length, for what a token more costs."""
+    length (at half, where twice does not fit), for what a token more costs. `DoesNotFit` where the
+    problem itself does not."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     if argument_layouts not in ARGUMENT_LAYOUTS:
         raise ValueError(f"argument_layouts must be one of {', '.join(ARGUMENT_LAYOUTS)}, got {argument_layouts!r}")
     plan, memory = _compiled(problem, devices, objective, implementation, db, argument_layouts)
-    _, doubled = _compiled(dataclasses.replace(problem, seq_len=2 * problem.seq_len), devices, objective,
-                           plan.backend, db, argument_layouts)
+    try:
+        other = dataclasses.replace(problem, seq_len=2 * problem.seq_len)
+        _, second = _compiled(other, devices, objective, plan.backend, db, argument_layouts)
+    except DoesNotFit as error:  # near the chip's limit: measured at half the length instead
+        other = _halved(problem, error)
+        _, second = _compiled(other, devices, objective, plan.backend, db, argument_layouts)
     platform = devices[0].platform
-    growth = (_held_of(doubled, platform) - _held_of(memory, platform)) / problem.local_len
+    growth = (_held_of(second, platform) - _held_of(memory, platform)) / (other.local_len - problem.local_len)
     return Report(problem, target, objective, plan.backend, describe_config(plan.config), plan.source,
                   memory.temp_size_in_bytes, memory.argument_size_in_bytes, memory.output_size_in_bytes,
                   floor(problem.shapes, objective, problem.ring_positions), growth, argument_layouts,
@@ -223,5 +254,5 @@ def render(reports: list[Report], headroom: float) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["ARGUMENT_LAYOUTS", "GIB", "HBM_BYTES", "OBJECTIVES", "Report", "compiled_memory", "floor", "render",
+__all__ = ["ARGUMENT_LAYOUTS", "GIB", "HBM_BYTES", "OBJECTIVES", "DoesNotFit", "Report", "compiled_memory", "floor", "render",
            "tile_multiple"]
