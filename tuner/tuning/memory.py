@@ -254,5 +254,5 @@ def render(reports: list[Report], headroom: float) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["ARGUMENT_LAYOUTS", "GIB", "HBM_BYTES", "OBJECTIVES", "DoesNotFit", "Report", "compiled_memory", "floor", "render",
-           "tile_multiple"]
+__all__ = ["ARGUMENT_LAYOUTS", "GIB", "HBM_BYTES", "OBJECTIVES", "DoesNotFit", "Report", "compiled_memory", "floor",
+           "render", "tile_multiple"]
