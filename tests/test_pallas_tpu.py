@@ -98,6 +98,26 @@ def test_keys_travel_padded_once_to_every_kernels_tiles(local, padded):
                     layout="zigzag", causal=True, fwd=fwd, bwd=bwd, backend="pallas_tpu"))
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_schedule_longer_than_smem_holds_runs_in_calls(monkeypatch, rows):
+    """A kernel whose tile schedule SMEM cannot hold at once (many tiles, a large batch) runs in calls of
+    `rows_per_call` schedule rows, each over its part of the grid. With 1 row a call every (batch row,
+    held tile) is a call of its own; with 3, the 4 query tiles of a batch row go in calls of 3 and 1, and
+    the 2 key tiles of the dk/dv kernel a batch row a call. Both match float64 on a ring of 2."""
+    made = []
+
+    def few(kernel, q_tiles, kv_tiles):
+        made.append(kernel)
+        return rows
+
+    monkeypatch.setattr(pallas_tpu, "rows_per_call", few)
+    check_case(Case(batch=2, length=400, heads=2, kv_heads=1, head_dim=8, ring=2, layout="zigzag", causal=True,
+                    segments="packed", fwd=FwdParams(block_q=64, block_kv=128),
+                    bwd=BwdParams(block_q_dkv=64, block_kv_dkv=128, block_q_dq=64, block_kv_dq=128),
+                    backend="pallas_tpu"))
+    assert {"fwd", "dkv", "dq"} <= set(made), made
+
+
 def run_block(q, k, v, spec, do, kernels=(block_fwd, block_bwd)):
     """Forward and gradients of one block through the interpreted kernels, at 64x128 tiles in all three."""
     block_fwd, block_bwd = kernels
@@ -214,7 +234,7 @@ def test_the_lowering_rejects_what_a_tpu_cannot_tile():
     def forward(schedule, count, unmasked, q, k, q_ids, kv_ids, out, lse):
         return module.attention_fwd(schedule, count, unmasked, q, k, k, q_ids, kv_ids, out, lse, kv_len=128, block_q=12,
                                     block_kv=128, block_kv_compute=128, scale=0.1, softcap=1.0, window_left=0,
-                                    window_right=0, vmem_limit_bytes=2**24)
+                                    window_right=0, rows_per_call=2, vmem_limit_bytes=2**24)
 
     args = (s((2,), jnp.int32), s((2,), jnp.int32), s((2,), jnp.int32), s((1, 1, 24, 64), jnp.bfloat16),
             s((1, 1, 128, 64), jnp.bfloat16), s((1, 24, 1), jnp.int32), s((1, 1, 128), jnp.int32),
@@ -305,13 +325,16 @@ def test_vmem_and_smem_constraints(monkeypatch):
     assert "dkv kernel needs about" in BACKEND.violation(wide_values, problem.spec, None, half)
     assert BACKEND.default_params(16384, 16384, 128)[1] == half
     assert BACKEND.default_params(16384, 16384, 128, 512)[1].block_kv_dkv < 512
-    monkeypatch.setenv("TUNER_TPU_CHIP", "v3")  # 16 KiB of SMEM: a 128x128-tile schedule of 16k tokens is 64 KiB
-    reason = BACKEND.violation(problem.shapes, problem.spec, FwdParams(block_q=128, block_kv=128, block_kv_compute=128),
-                               None)
-    assert "tile schedule needs" in reason and "SMEM" in reason, reason
+    monkeypatch.setenv("TUNER_TPU_CHIP", "v3")  # 16 KiB of SMEM: a 128x128-tile schedule of 16k tokens is 64 KiB,
+    small = FwdParams(block_q=128, block_kv=128, block_kv_compute=128)  # so it runs in calls of 15 rows (520 B each)
+    assert BACKEND.violation(problem.shapes, problem.spec, small, None) is None
+    assert pallas_tpu.rows_per_call("fwd", 128, 128) == 8192 // 520
+    long = dataclasses.replace(problem.shapes, q_len=2**19, kv_len=2**19)  # one row of 4096 key tiles: 16 KiB
+    reason = BACKEND.violation(long, problem.spec, small, None)
+    assert "tile schedule needs 16 KiB of SMEM for one row of 128x128 tiles" in reason, reason
     # int32 schedule [B, held, streamed], count and unmasked [B, held]; dk/dv holds key tiles
-    smem = pallas_tpu.schedule_smem_bytes
-    assert smem("fwd", 2, 3, 5) == smem("dq", 2, 3, 5) == 4 * 2 * 3 * 7 and smem("dkv", 2, 3, 5) == 4 * 2 * 5 * 5
+    row = pallas_tpu.schedule_row_bytes
+    assert row("fwd", 3, 5) == row("dq", 3, 5) == 4 * 7 and row("dkv", 3, 5) == 4 * 5
     monkeypatch.setenv("TUNER_TPU_CHIP", "v99")
     with pytest.raises(ValueError, match="TUNER_TPU_CHIP must be one of"):
         BACKEND.violation(problem.shapes, problem.spec, fwd, None)

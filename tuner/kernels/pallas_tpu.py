@@ -194,12 +194,19 @@ def _flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec: AttentionSpec, block_q: i
     return tuple(x.reshape(-1) for x in (schedule.order, schedule.count, schedule.unmasked))
 
 
-def schedule_smem_bytes(kernel: str, batch: int, q_tiles: int, kv_tiles: int) -> int:
-    """SMEM bytes of one kernel's scalar-prefetched schedule: int32 `schedule [B, held, streamed]`,
-    `count` and `unmasked [B, held]`, where the dk/dv kernel holds key tiles and streams query tiles,
-    the others the reverse."""
-    held, streamed = (kv_tiles, q_tiles) if kernel == "dkv" else (q_tiles, kv_tiles)
-    return 4 * batch * held * (streamed + 2)
+def schedule_row_bytes(kernel: str, q_tiles: int, kv_tiles: int) -> int:
+    """SMEM bytes of one row of a kernel's scalar-prefetched schedule (int32 `schedule [B, held, streamed]`,
+    `count` and `unmasked [B, held]`): one batch row's held tile, its streamed tiles and its two counts.
+    The dk/dv kernel holds key tiles and streams query tiles, the others the reverse."""
+    streamed = q_tiles if kernel == "dkv" else kv_tiles
+    return 4 * (streamed + 2)
+
+
+def rows_per_call(kernel: str, q_tiles: int, kv_tiles: int) -> int:
+    """The most schedule rows one call of `kernel` prefetches: what half the chip's SMEM holds. A longer
+    schedule (many tiles, a large batch) runs in several calls, each over its rows of the grid; at least
+    one row a call (`violation` checks that one fits)."""
+    return max(1, chip().smem_capacity_bytes // 2 // schedule_row_bytes(kernel, q_tiles, kv_tiles))
 
 
 def _mask_values(spec: AttentionSpec) -> dict[str, Any]:
@@ -296,10 +303,11 @@ class PallasTpuBackend(CallerLayout):
                 return (f"{kernel} kernel needs about {used / 2**20:.1f} MiB of VMEM with {block_q}x{block_kv} "
                         f"tiles, over the {limit / 2**20:.0f} MiB scoped limit on TPU {info.chip_version.value}")
             q_tiles, kv_tiles = _padded(q_len, block_q) // block_q, _padded(kv_len, block_kv) // block_kv
-            schedule = schedule_smem_bytes(kernel, shapes.batch, q_tiles, kv_tiles)
-            if schedule > info.smem_capacity_bytes // 2:
-                return (f"{kernel} kernel's tile schedule needs {schedule // 1024} KiB of SMEM, over half the "
-                        f"{info.smem_capacity_bytes // 1024} KiB of TPU {info.chip_version.value}")
+            one_row = schedule_row_bytes(kernel, q_tiles, kv_tiles)
+            if one_row > info.smem_capacity_bytes // 2:
+                return (f"{kernel} kernel's tile schedule needs {one_row // 1024} KiB of SMEM for one row of "
+                        f"{block_q}x{block_kv} tiles, over half the {info.smem_capacity_bytes // 1024} KiB of TPU "
+                        f"{info.chip_version.value}")
         return None
 
     def code_hash(self) -> str:
@@ -343,7 +351,8 @@ class PallasTpuBackend(CallerLayout):
             _key_rows(v, tk, block_kv),
             _ids(spec, q_pos, q_seg, q_len, keys=False), _ids(spec, kv_pos, kv_seg, kv_len, keys=True), out, lse,
             kv_len=tk, block_q=block_q, block_kv=block_kv, block_kv_compute=compute,
-            **_mask_values(spec), vmem_limit_bytes=vmem_limit_bytes(), interpret=_interpret_mode(interpret, q))
+            rows_per_call=rows_per_call("fwd", q_len // block_q, kv_len // block_kv), **_mask_values(spec),
+            vmem_limit_bytes=vmem_limit_bytes(), interpret=_interpret_mode(interpret, q))
         return out, lse, padded_q
 
     def fwd_finish(self, state: tuple, q) -> tuple:
@@ -405,7 +414,8 @@ class PallasTpuBackend(CallerLayout):
         dq = module.attention_dq(*_flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, block_q, block_kv),
                                  *_bwd_operands(spec, rows, k, v, lse, delta, q_pos, kv_pos, q_seg, kv_seg, block_q,
                                                 block_kv),
-                                 dq, block_q=block_q, block_kv=block_kv, **_bwd_settings(spec, tk, interpret, k))
+                                 dq, block_q=block_q, block_kv=block_kv,
+                                 **_bwd_settings("dq", spec, tq, tk, block_q, block_kv, interpret, k))
         return dq, None, ()
 
     def bwd_idle(self, k, v) -> tuple:
@@ -420,7 +430,7 @@ class PallasTpuBackend(CallerLayout):
         return tuple(module.attention_dkv(
             *_flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, block_q, block_kv, by_key=True),
             *_bwd_operands(spec, rows, k, v, lse, delta, q_pos, kv_pos, q_seg, kv_seg, block_q, block_kv), *grads,
-            block_q=block_q, block_kv=block_kv, **_bwd_settings(spec, tk, interpret, k)))
+            block_q=block_q, block_kv=block_kv, **_bwd_settings("dkv", spec, tq, tk, block_q, block_kv, interpret, k)))
 
     def grads_finish(self, grads: tuple, k, v) -> tuple:
         return tuple(_tokens_major(g.astype(x.dtype), x.shape[1]) for g, x in zip(grads, (k, v)))
@@ -440,10 +450,12 @@ def _bwd_operands(spec: AttentionSpec, rows: tuple, k, v, lse, delta, q_pos, kv_
             _ids(spec, q_pos, q_seg, q_len, keys=False), _ids(spec, kv_pos, kv_seg, kv_len, keys=True))
 
 
-def _bwd_settings(spec: AttentionSpec, kv_len: int, interpret: bool, reference) -> dict[str, Any]:
-    """The keyword arguments both backward kernels take besides their tiles."""
-    return dict(kv_len=kv_len, **_mask_values(spec), vmem_limit_bytes=vmem_limit_bytes(),
-                interpret=_interpret_mode(interpret, reference))
+def _bwd_settings(kernel: str, spec: AttentionSpec, tq: int, tk: int, block_q: int, block_kv: int,
+                  interpret: bool, reference) -> dict[str, Any]:
+    """The keyword arguments the backward `kernel` takes besides its tiles, for `tq` queries and `tk` keys."""
+    tiles = _padded(tq, block_q) // block_q, _padded(tk, block_kv) // block_kv
+    return dict(kv_len=tk, rows_per_call=rows_per_call(kernel, *tiles), **_mask_values(spec),
+                vmem_limit_bytes=vmem_limit_bytes(), interpret=_interpret_mode(interpret, reference))
 
 
 # --------------------------------------------------------------------------------------------------
