@@ -234,7 +234,7 @@ def test_the_lowering_rejects_what_a_tpu_cannot_tile():
     def forward(schedule, count, unmasked, q, k, q_ids, kv_ids, out, lse):
         return module.attention_fwd(schedule, count, unmasked, q, k, k, q_ids, kv_ids, out, lse, kv_len=128, block_q=12,
                                     block_kv=128, block_kv_compute=128, scale=0.1, softcap=1.0, window_left=0,
-                                    window_right=0, rows_per_call=2, vmem_limit_bytes=2**24)
+                                    window_right=0, calls=((0, 1, 0, 2),), vmem_limit_bytes=2**24)
 
     args = (s((2,), jnp.int32), s((2,), jnp.int32), s((2,), jnp.int32), s((1, 1, 24, 64), jnp.bfloat16),
             s((1, 1, 128, 64), jnp.bfloat16), s((1, 24, 1), jnp.int32), s((1, 1, 128), jnp.int32),
@@ -329,8 +329,13 @@ def test_vmem_and_smem_constraints(monkeypatch):
     small = FwdParams(block_q=128, block_kv=128, block_kv_compute=128)  # so it runs in calls of 15 rows (520 B each)
     assert BACKEND.violation(problem.shapes, problem.spec, small, None) is None
     assert pallas_tpu.rows_per_call("fwd", 128, 128) == 8192 // 520
-    long = dataclasses.replace(problem.shapes, q_len=2**19, kv_len=2**19)  # one row of 4096 key tiles: 16 KiB
-    reason = BACKEND.violation(long, problem.spec, small, None)
+    assert pallas_tpu.kernel_calls("fwd", 1, 128, 128) == tuple((0, 1, i, min(15, 128 - i)) for i in range(0, 128, 15))
+    assert pallas_tpu.kernel_calls("dkv", 2, 128, 2) == ((0, 2, 0, 2),)  # rows of 520 B: both batch rows in one call
+    longer = dataclasses.replace(problem.shapes, q_len=2**17, kv_len=2**17)  # rows of 4 KiB: one row a call, 1024 calls
+    reason = BACKEND.violation(longer, problem.spec, small, None)
+    assert "needs 1024 calls a step" in reason and "take longer tiles" in reason, reason
+    longest = dataclasses.replace(problem.shapes, q_len=2**19, kv_len=2**19)  # one row of 4096 key tiles: 16 KiB
+    reason = BACKEND.violation(longest, problem.spec, small, None)
     assert "tile schedule needs 16 KiB of SMEM for one row of 128x128 tiles" in reason, reason
     # int32 schedule [B, held, streamed], count and unmasked [B, held]; dk/dv holds key tiles
     row = pallas_tpu.schedule_row_bytes

@@ -46,6 +46,7 @@ Q_ALIGN, KV_ALIGN = 8, 128  # a tile shorter than the sequence: sublane multiple
 Q_TILES = (128, 256, 512, 1024)
 KV_TILES = (128, 256, 512, 1024, 2048)
 COMPUTE_TILES = (128, 256, 512)
+MAX_CALLS = 64  # kernel calls a step for a tile schedule SMEM cannot hold at once; past it, longer tiles
 def _dtype_name(dtype: Any) -> str:
     return jnp.dtype(dtype).name
 
@@ -204,9 +205,20 @@ def schedule_row_bytes(kernel: str, q_tiles: int, kv_tiles: int) -> int:
 
 def rows_per_call(kernel: str, q_tiles: int, kv_tiles: int) -> int:
     """The most schedule rows one call of `kernel` prefetches: what half the chip's SMEM holds. A longer
-    schedule (many tiles, a large batch) runs in several calls, each over its rows of the grid; at least
-    one row a call (`violation` checks that one fits)."""
+    schedule (many tiles, a large batch) runs in several calls (`kernel_calls`); at least one row a call
+    (`violation` checks that one fits)."""
     return max(1, chip().smem_capacity_bytes // 2 // schedule_row_bytes(kernel, q_tiles, kv_tiles))
+
+
+def kernel_calls(kernel: str, batch: int, q_tiles: int, kv_tiles: int) -> tuple[tuple[int, int, int, int], ...]:
+    """How `kernel`'s grid is cut into calls, each prefetching at most `rows_per_call` schedule rows:
+    `(first batch row, batch rows, first held tile, held tiles)` per call. Whole batch rows where one fits
+    a call, else each batch row's held tiles in runs. One call where the whole schedule fits."""
+    held, rows = (kv_tiles if kernel == "dkv" else q_tiles), rows_per_call(kernel, q_tiles, kv_tiles)
+    if held <= rows:
+        per_call = rows // held
+        return tuple((b0, min(per_call, batch - b0), 0, held) for b0 in range(0, batch, per_call))
+    return tuple((b0, 1, i0, min(rows, held - i0)) for b0 in range(batch) for i0 in range(0, held, rows))
 
 
 def _mask_values(spec: AttentionSpec) -> dict[str, Any]:
@@ -308,6 +320,11 @@ class PallasTpuBackend(CallerLayout):
                 return (f"{kernel} kernel's tile schedule needs {one_row // 1024} KiB of SMEM for one row of "
                         f"{block_q}x{block_kv} tiles, over half the {info.smem_capacity_bytes // 1024} KiB of TPU "
                         f"{info.chip_version.value}")
+            calls = len(kernel_calls(kernel, shapes.batch, q_tiles, kv_tiles))
+            if calls > MAX_CALLS:
+                return (f"{kernel} kernel's tile schedule of {block_q}x{block_kv} tiles needs {calls} calls a step "
+                        f"to fit half the {info.smem_capacity_bytes // 1024} KiB of SMEM of TPU "
+                        f"{info.chip_version.value}, over {MAX_CALLS}: take longer tiles")
         return None
 
     def code_hash(self) -> str:
@@ -351,7 +368,7 @@ class PallasTpuBackend(CallerLayout):
             _key_rows(v, tk, block_kv),
             _ids(spec, q_pos, q_seg, q_len, keys=False), _ids(spec, kv_pos, kv_seg, kv_len, keys=True), out, lse,
             kv_len=tk, block_q=block_q, block_kv=block_kv, block_kv_compute=compute,
-            rows_per_call=rows_per_call("fwd", q_len // block_q, kv_len // block_kv), **_mask_values(spec),
+            calls=kernel_calls("fwd", q.shape[0], q_len // block_q, kv_len // block_kv), **_mask_values(spec),
             vmem_limit_bytes=vmem_limit_bytes(), interpret=_interpret_mode(interpret, q))
         return out, lse, padded_q
 
@@ -452,9 +469,10 @@ def _bwd_operands(spec: AttentionSpec, rows: tuple, k, v, lse, delta, q_pos, kv_
 
 def _bwd_settings(kernel: str, spec: AttentionSpec, tq: int, tk: int, block_q: int, block_kv: int,
                   interpret: bool, reference) -> dict[str, Any]:
-    """The keyword arguments the backward `kernel` takes besides its tiles, for `tq` queries and `tk` keys."""
+    """The keyword arguments the backward `kernel` takes besides its tiles, for `tq` queries and `tk` keys;
+    `reference` is one of the call's arrays (its batch, and the axes it varies over)."""
     tiles = _padded(tq, block_q) // block_q, _padded(tk, block_kv) // block_kv
-    return dict(kv_len=tk, rows_per_call=rows_per_call(kernel, *tiles), **_mask_values(spec),
+    return dict(kv_len=tk, calls=kernel_calls(kernel, reference.shape[0], *tiles), **_mask_values(spec),
                 vmem_limit_bytes=vmem_limit_bytes(), interpret=_interpret_mode(interpret, reference))
 
 
