@@ -47,6 +47,8 @@ Q_TILES = (128, 256, 512, 1024)
 KV_TILES = (128, 256, 512, 1024, 2048)
 COMPUTE_TILES = (128, 256, 512)
 MAX_CALLS = 64  # kernel calls a step for a tile schedule SMEM cannot hold at once; past it, longer tiles
+
+
 def _dtype_name(dtype: Any) -> str:
     return jnp.dtype(dtype).name
 
@@ -154,9 +156,9 @@ def _padded_rows(x, length: int):
 
 def _key_rows(x, kv_len: int, block_kv: int):
     """Travelling keys or values (`keys_start`'s) as a kernel of `block_kv` key tiles reads them: as they
-    are where that tile divides their padded length, which covers the kernel's tiles of the `kv_len` real
-    keys; else cut to the real keys and padded to that kernel's own tiles (a copy, this step: the tile is
-    the whole shard, or no multiple of the other kernel's)."""
+    are where that tile divides their padded length (which then covers the kernel's tiles of the `kv_len`
+    real keys); else, where the tile is the whole shard or does not divide the other kernel's padding, cut
+    to the real keys and padded to this kernel's tiles: a copy, in this step."""
     if x.shape[2] % block_kv == 0:
         return x
     return _padded_rows(x[:, :, :kv_len], _padded(kv_len, block_kv))

@@ -32,9 +32,8 @@ outputs.
 
 What a device holds is affine in its shard's length (the tiles' working set is fixed), so two compiles,
 at the shard and at twice it (at half it, where twice does not fit the device), give the bytes each
-further token costs and the longest sequence a chip's
-memory holds at a headroom (`Report.longest`); `tests/test_memory.py` compiles at that length and finds
-the budget filled.
+further token costs and the longest sequence a chip's memory holds at a headroom (`Report.longest`);
+`tests/test_memory.py` compiles at that length and finds the budget filled.
 """
 
 from __future__ import annotations
@@ -157,7 +156,6 @@ def _compiled(problem: Problem, devices: list, objective: str, implementation: s
             raise
         said = str(error).strip().splitlines()[0].removeprefix("RESOURCE_EXHAUSTED: ").rstrip(".")
         raise DoesNotFit(f"{problem.describe()} does not fit one device: the compiler says {said!r}") from None
-
 
 
 def _halved(problem: Problem, doubled: DoesNotFit) -> Problem:
