@@ -128,15 +128,17 @@ def test_the_tpu_compiler_s_count_for_the_pallas_ring():
 def test_near_the_limit_a_token_more_is_measured_at_half_the_length_and_past_it_the_verb_says_so(capsys):
     """On v5e the Pallas forward at 4M tokens (1M a chip, H=8/2, D=128) compiles, its tile schedules run
     in calls that SMEM holds (one call overflowed it); at 8M it needs more HBM than the chip has. So what a
-    token more costs at 4M is measured at 2M, and is what the floor, the arguments and the output add a
-    token, and a little more. `tuner memory` at 8M says the problem does not fit, what the compiler said,
+    token more costs at 4M is measured at 2M: at least what the arguments and the output add a token, at
+    most a little more than that and the floor together (the compiler's peak can hold some temporaries in
+    the output's buffer: 11,816 bytes a token with jax 0.10.2's libtpu, 9,816 with 0.0.48 and 0.0.50,
+    against 5,120 and 11,304). `tuner memory` at 8M says the problem does not fit, what the compiler said,
     and what to try, in one line (exit 1), not a traceback."""
     devices = list(compiled.topology_mesh("v5e:2x2").devices.flat)
     problem = replace(PROBLEM, seq_len=2**22, head_dim=128)
     near = memory.compiled_memory(problem, devices, "v5e:2x2", "fwd", "pallas_tpu")
-    floor_and_io = sum(memory.floor(problem.shapes, "fwd", 4).values()) + near.arguments + near.outputs
-    per_token = floor_and_io / problem.local_len
-    assert per_token <= near.growth <= 1.2 * per_token, (near.growth, per_token)
+    io = (near.arguments + near.outputs) / problem.local_len
+    floor_and_io = io + sum(memory.floor(problem.shapes, "fwd", 4).values()) / problem.local_len
+    assert io <= near.growth <= 1.2 * floor_and_io, (near.growth, io, floor_and_io)
 
     from tuner.cli import main
     args = ["memory", "--device", "tpu", "--target", "v5e:2x2", "--seq-len", str(2**23), "--heads", "8",
