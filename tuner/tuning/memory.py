@@ -160,16 +160,13 @@ def _compiled(problem: Problem, devices: list, objective: str, implementation: s
 
 def _halved(problem: Problem, doubled: DoesNotFit) -> Problem:
     """The problem at about half its length, a length its layout splits, for what a token more costs
-    where twice the length does not fit (`doubled`, raised again where no shorter problem is valid)."""
+    where twice the length does not fit (`doubled`, said again where half is no valid problem)."""
     unit = 2 * problem.ring_size  # zigzag halves on every device; a multiple of every layout's unit
     try:
-        halved = dataclasses.replace(problem, seq_len=problem.seq_len // 2 // unit * unit)
+        return dataclasses.replace(problem, seq_len=problem.seq_len // 2 // unit * unit)
     except ValueError as error:
         raise DoesNotFit(f"{doubled}; and half the length is no valid problem ({error}) to measure what a "
                          f"token more costs") from None
-    if halved.seq_len == problem.seq_len:
-        raise doubled
-    return halved
 
 
 def tile_multiple(config) -> int:
