@@ -54,10 +54,9 @@ def test_memory_is_affine_in_the_shard_and_the_longest_sequence_fits():
 
 
 def test_the_longest_shard_is_a_length_the_tiles_divide():
-    """A shard the tiles do not divide is padded to whole tiles: on a TPU the padded copies cost more than
-    the padding (Llama-3-8B-sized attention on v5e: 14.0 GiB at 156,800 tokens a chip, 19.3 GiB before q,
-    the output's cotangent and dq were padded once a ring; 12.8 GiB at 157,696, a multiple of the tile of
-    1024), so the longest sequence is rounded down to the tiles."""
+    """A shard the tiles do not divide costs whole tiles: the scan kernel pads it to them, and the Pallas
+    kernels' last tile, running past its end, does a whole tile's work. So the longest sequence is
+    rounded down to a length the plan's tiles divide: the least common multiple of its tiles and 128."""
     from tuner.kernels.params import BwdParams, FwdParams
     from tuner.strategies.implementations import TileConfig
 
@@ -151,20 +150,20 @@ def test_near_the_limit_a_token_more_is_measured_at_half_the_length_and_past_it_
 
 
 @pytest.mark.skipif(compiled.libtpu_missing() is not None, reason=str(compiled.libtpu_missing()))
-def test_a_shard_the_tiles_do_not_divide_is_padded_once_a_ring():
-    """The Pallas ring pads q, the output's cotangent and dq to whole tiles once a ring (`fwd_start`,
-    `bwd_start`, `dq_start`), and the keys and values too, as they travel (`keys_start`), not in every
-    step and kernel: a shard of 7.75 tiles of 1024 holds about what a shard of 8 does (at 31,744 and
-    32,768 tokens on a ring of 4, H=8/2, D=128: 106.6 against 106.5 MiB of temporaries and a peak of
-    159.2 against 144.0; with the keys padded in each step, 114.2 against 102.3 and 169.8 against 148.5;
-    with everything padded in each step, 252 against 110 and 1,296 against 663)."""
+def test_a_shard_the_tiles_do_not_divide_holds_no_more_than_a_longer_one():
+    """The Pallas ring pads nothing to whole tiles (the last tile runs past the shard's end), so a shard
+    of 7.75 tiles of 1024 holds less than a shard of 8 (at 31,744 and 32,768 tokens on a ring of 4,
+    H=8/2, D=128: peak 139.5 against 144.0 MiB, temporaries 103.3 against 106.5). Padded once a ring, it
+    held more (159.2 against 144.0, and 106.6 against 106.5): XLA lays the kernels' heads-major copies of
+    q, the output's cotangent, k and v in the buffers of the program's outputs of the same size, and
+    padded copies did not fit them. Padded in every step and kernel: 1,296 against 663."""
     devices = list(compiled.topology_mesh("v5e:2x2").devices.flat)
     problem = replace(PROBLEM, seq_len=32768, head_dim=128)
     whole = memory.compiled_memory(problem, devices, "v5e:2x2", "fwd+bwd", "pallas_tpu")
     cut = memory.compiled_memory(replace(problem, seq_len=31744), devices, "v5e:2x2", "fwd+bwd", "pallas_tpu")
     assert "block_q=1024" in cut.config and cut.problem.local_len % 1024  # the tiles do not divide the shard
-    assert cut.held < 1.12 * whole.held and cut.temp < 1.05 * whole.temp, (cut.held / MIB, whole.held / MIB,
-                                                                            cut.temp / MIB, whole.temp / MIB)
+    assert cut.held <= whole.held and cut.temp <= whole.temp, (cut.held / MIB, whole.held / MIB, cut.temp / MIB,
+                                                               whole.temp / MIB)
 
 
 def test_the_verb_prints_the_table_and_names_a_bad_flag(tmp_path):

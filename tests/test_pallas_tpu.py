@@ -84,16 +84,21 @@ def test_masked_tiles_are_never_read():
     assert np.all(dk[:, 256:] == 0) and np.all(dv[:, 256:] == 0)
 
 
-@pytest.mark.parametrize("local, padded", [(300, 512), (160, 256)])
-def test_keys_travel_padded_once_to_every_kernels_tiles(local, padded):
-    """Keys and values travel the ring padded to whole key tiles of each kernel that reads them
-    (`keys_start`), here 128 for dk/dv and 256 for dq. At 300 keys a shard that is 512 rows: the dk/dv
-    kernel reads its 3 tiles of 128 from them as they are. At 160 the dq kernel's tile is the whole shard,
-    which 256 rows do not divide: that kernel gets its own copy. Both match float64 on a ring of 2."""
-    fwd = FwdParams(block_q=32, block_kv=256)
-    bwd = BwdParams(block_q_dkv=32, block_kv_dkv=128, block_q_dq=32, block_kv_dq=256)
-    k = jnp.zeros((1, local, 1, 8), jnp.float32)
-    assert [x.shape for x in BACKEND.keys_start(k, k[..., :4], params=bwd)] == [(1, 1, padded, 8), (1, 1, padded, 4)]
+@pytest.mark.parametrize("local", [300, 160])
+def test_tiles_that_do_not_divide_the_shard_run_past_its_end(local):
+    """Nothing is padded to whole tiles: the running output and lse, the running dq, the travelling keys
+    and the dk/dv accumulators keep the shard's length, and the last query and key tiles run past its end.
+    The interpreter reads NaN there, so a garbage row that reached a sum would show: tiles of 64 queries
+    and of 128 and 256 keys, on shards of 300 and 160 (where the dq kernel's key tile is the whole
+    shard), match float64 on a ring of 2."""
+    fwd = FwdParams(block_q=64, block_kv=256)
+    bwd = BwdParams(block_q_dkv=64, block_kv_dkv=128, block_q_dq=64, block_kv_dq=256)
+    q, k = jnp.zeros((1, local, 2, 8), jnp.float32), jnp.zeros((1, local, 1, 8), jnp.float32)
+    v = k[..., :4]
+    assert [x.shape for x in BACKEND.keys_start(k, v, params=bwd)] == [(1, 1, local, 8), (1, 1, local, 4)]
+    assert [x.shape for x in BACKEND.fwd_start(q, k, v, params=fwd)] == [(1, 2, local, 4), (1, 2, 1, local)]
+    assert BACKEND.dq_start(q, k, params=bwd).shape == (1, 2, local, 8)
+    assert [x.shape for x in BACKEND.grads_start(k, v, params=bwd)] == [(1, 1, local, 8), (1, 1, local, 4)]
     check_case(Case(batch=1, length=2 * local, heads=2, kv_heads=1, head_dim=8, value_head_dim=4, ring=2,
                     layout="zigzag", causal=True, fwd=fwd, bwd=bwd, backend="pallas_tpu"))
 
@@ -140,27 +145,29 @@ def dense_block(q, k, v, allowed, do):
 
 
 def test_the_mask_free_interior(monkeypatch):
-    """192 queries and keys at positions 0..191 in 64x128 tiles (the last key tile padded): schedule rows
-    list tiles that need no mask first, then tiles that need one -- for the causal diagonal, or, without a
-    causal mask, only for the padding -- and the kernels match dense attention, forward and both
-    gradients. Then every visited tile is claimed mask-free (`unmasked = count`): the kernels must now
-    compute those tiles whole, future keys and zero padding included, which shows that the first
-    `unmasked` steps of a row take the path without a mask, in all three kernels."""
+    """192 queries and keys at positions 0..191 in 64x128 tiles (the last key tile runs past the end):
+    schedule rows list tiles that need no mask first, then tiles that need one -- for the causal diagonal,
+    or, without a causal mask, only for the tile past the end -- and the kernels match dense attention,
+    forward and both gradients. Then, at 256 tokens (whole tiles), every visited tile is claimed mask-free
+    (`unmasked = count`): the kernels must now compute those tiles whole, future keys included, which
+    shows that the first `unmasked` steps of a row take the path without a mask, in all three kernels."""
     rng = np.random.default_rng(1)
-    q = jnp.asarray(rng.standard_normal((1, 192, 2, 16)), jnp.float32)
-    k, v = (jnp.asarray(rng.standard_normal((1, 192, 1, 16)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((1, 256, 2, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((1, 256, 1, 16)), jnp.float32) for _ in range(2))
     do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
-    tokens = np.arange(192)
 
-    def mixed_rows(spec, by_key):
+    def mixed_rows(tokens, spec, by_key):
         s = masks.tile_schedule(tokens[None], tokens[None], None, None, spec, 64, 128, by_key=by_key)
         return np.sum((s.unmasked > 0) & (s.count > s.unmasked))
 
-    causal, padding = AttentionSpec(scale=0.25, causal=True), AttentionSpec(scale=0.25)
-    assert mixed_rows(causal, by_key=False) and mixed_rows(causal, by_key=True) and mixed_rows(padding, False)
-    for spec, allowed in ((causal, tokens[None, :] <= tokens[:, None]), (padding, np.ones((192, 192), bool))):
-        for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), run_block(q, k, v, spec, do),
-                                   dense_block(q, k, v, allowed, do)):
+    causal, unmasked = AttentionSpec(scale=0.25, causal=True), AttentionSpec(scale=0.25)
+    tokens = np.arange(192)
+    assert mixed_rows(tokens, causal, by_key=False) and mixed_rows(tokens, causal, by_key=True)
+    assert mixed_rows(tokens, unmasked, by_key=False)
+    for spec, allowed in ((causal, tokens[None, :] <= tokens[:, None]), (unmasked, np.ones((192, 192), bool))):
+        cut = [x[:, :192] for x in (q, k, v, do)]
+        for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), run_block(*cut[:3], spec, cut[3]),
+                                   dense_block(*cut[:3], allowed, cut[3])):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"{name}, causal={spec.causal}")
 
     def all_unmasked(*args, **kwargs):
@@ -169,14 +176,13 @@ def test_the_mask_free_interior(monkeypatch):
 
     flat_schedule = pallas_tpu._flat_schedule
     monkeypatch.setattr(pallas_tpu, "_flat_schedule", all_unmasked)
-    # Whole visited tiles: keys padded with zeros to 256, and a query tile reads a key tile when the key
-    # tile's first key is not after the query tile's last query.
-    padded = [jnp.pad(x, ((0, 0), (0, 64), (0, 0), (0, 0))) for x in (k, v)]
-    allowed = np.arange(256)[None, :] // 128 * 128 <= tokens[:, None] // 64 * 64 + 63
-    dense = dense_block(q, *padded, allowed, do)
-    dense = (*dense[:3], dense[3][:, :192], dense[4][:, :192])
+    # Whole visited tiles: a query tile reads a key tile when the key tile's first key is not after the
+    # query tile's last query.
+    tokens = np.arange(256)
+    allowed = tokens[None, :] // 128 * 128 <= tokens[:, None] // 64 * 64 + 63
     patched = (jitted(BACKEND.block_fwd), jitted(BACKEND.block_bwd))
-    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), run_block(q, k, v, causal, do, patched), dense):
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), run_block(q, k, v, causal, do, patched),
+                               dense_block(q, k, v, allowed, do)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"{name}, every tile unmasked")
 
 
@@ -184,8 +190,8 @@ def test_the_mask_free_interior(monkeypatch):
 def test_values_of_another_head_dim_than_queries_and_keys(head_dim, value_head_dim):
     """Multi-head latent attention's dims -- queries and keys `head_dim` wide, values, output and its
     gradient `value_head_dim` -- with 4 query heads on 2 kv heads, causal, 192 tokens in 64x128 tiles
-    (the last key tile padded): out, lse, dq, dk and dv match the float64 dense reference in value and
-    shape. The backward is given the reference's lse and output, so it is checked on its own."""
+    (the last key tile runs past the end): out, lse, dq, dk and dv match the float64 dense reference in
+    value and shape. The backward is given the reference's lse and output, so it is checked on its own."""
     rng = np.random.default_rng(2)
     q, k = rng.standard_normal((1, 192, 4, head_dim)), rng.standard_normal((1, 192, 2, head_dim))
     v, do = rng.standard_normal((1, 192, 2, value_head_dim)), rng.standard_normal((1, 192, 4, value_head_dim))
@@ -340,6 +346,17 @@ def test_vmem_and_smem_constraints(monkeypatch):
     # int32 schedule [B, held, streamed], count and unmasked [B, held]; dk/dv holds key tiles
     row = pallas_tpu.schedule_row_bytes
     assert row("fwd", 3, 5) == row("dq", 3, 5) == 4 * 7 and row("dkv", 3, 5) == 4 * 5
+    # the lse and delta rows hold a query tile on lanes: shorter than the shard, a multiple of 128 on a TPU
+    reason = BACKEND.violation(problem.shapes, problem.spec, None, BwdParams(128, 128, 136, 128))
+    assert reason.startswith("bwd_params.block_q_dq=136 must be a multiple of 128 on a TPU"), reason
+    assert "block_q=64 must be a multiple of 128" in BACKEND.violation(problem.shapes, problem.spec,
+                                                                       FwdParams(block_q=64, block_kv=128), None)
+    q = jnp.zeros((1, 192, 2, 16), jnp.float32)
+    k = jnp.zeros((1, 192, 1, 16), jnp.float32)
+    pos = jnp.arange(192, dtype=jnp.int32)[None]
+    with pytest.raises(ValueError, match="fwd_params.block_q=64 must be a multiple of 128 on a TPU"):
+        block_fwd(q, k, k, pos, pos, None, None, None, spec=AttentionSpec(scale=0.25),
+                  params=FwdParams(block_q=64, block_kv=128))
     monkeypatch.setenv("TUNER_TPU_CHIP", "v99")
     with pytest.raises(ValueError, match="TUNER_TPU_CHIP must be one of"):
         BACKEND.violation(problem.shapes, problem.spec, fwd, None)

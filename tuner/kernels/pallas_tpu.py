@@ -11,7 +11,10 @@ simulates each device's memories; under `shard_map` on simulated CPU devices it 
 Layout: TPU blocks need their last two dims to be multiples of (8, 128) or whole, so the kernels work
 on heads-major `[B, H, T, D]` arrays, which is how XLA lays out a `[B, T, H, D]` array on a TPU anyway
 (the transposes here move nothing there; elsewhere, they copy), and on lane-dense rows `[B, H, 1, T]` of
-the lse and delta. Local lengths are padded to whole tiles when a tile does not divide them.
+the lse and delta. Where a tile does not divide the shard, nothing is padded: the last tile runs past
+the shard's end, which Pallas allows (reads there are garbage, writes dropped), and the kernels keep
+those rows out of every sum. Padded arrays no longer fit the buffers of the program's outputs, which
+XLA reuses for the kernels' copies of q, the output's cotangent, k and v otherwise (docs/memory.md).
 The ring keeps its running state in the kernels' layout, and the kernels add each block into it in
 place: the forward kernel into the output and lse (`fwd_start`, `fwd_step`, `fwd_finish`), the dq
 kernel into dq (`bwd_step`), the dk/dv kernel into the travelling dk/dv accumulators once they have
@@ -43,6 +46,7 @@ from tuner.support.targets import compile_target
 TEMPLATE = "attention.py.j2"
 DTYPES = ("bfloat16", "float32")
 Q_ALIGN, KV_ALIGN = 8, 128  # a tile shorter than the sequence: sublane multiple (queries), lane multiple (keys)
+QUERY_TILE_FIELDS = {"fwd": "fwd_params.block_q", "dkv": "bwd_params.block_q_dkv", "dq": "bwd_params.block_q_dq"}
 Q_TILES = (128, 256, 512, 1024)
 KV_TILES = (128, 256, 512, 1024, 2048)
 COMPUTE_TILES = (128, 256, 512)
@@ -75,7 +79,7 @@ def standard_variants() -> list[codegen.Variant]:
 
 def _tile(name: str, requested: int, length: int, align: int) -> int:
     """The tile used for a sequence of `length`: the request, cut to the length. A tile shorter than
-    the sequence must be a multiple of `align` (TPU tiling); the sequence is padded to whole tiles."""
+    the sequence must be a multiple of `align` (TPU tiling); it need not divide the length."""
     tile = min(requested, length)
     if tile < length and tile % align:
         raise ValueError(f"{name}={requested} must be a multiple of {align} (TPU tiling) or at least the "
@@ -110,6 +114,23 @@ def kernel_tiles(fwd: FwdParams | None, bwd: BwdParams | None, q_len: int, kv_le
     return tiles
 
 
+def lane_violation(kernel: str, block_q: int, q_len: int) -> str | None:
+    """Why `kernel`'s query tile `block_q` (as run, for `q_len` queries) cannot compile for a TPU, or None:
+    its lse and delta rows hold the query tile on lanes, so a tile shorter than the shard must be a
+    multiple of `LANES` there (the interpreter takes any multiple of `Q_ALIGN`)."""
+    if block_q < q_len and block_q % LANES:
+        return (f"{QUERY_TILE_FIELDS[kernel]}={block_q} must be a multiple of {LANES} on a TPU (the lse and "
+                f"delta rows hold the query tile on lanes) or at least the local length {q_len}")
+    return None
+
+
+def _compiles_for_tpu(kernel: str, block_q: int, q_len: int, interpret: bool) -> None:
+    """`lane_violation` as a `ValueError`, where the kernels compile with Mosaic (not interpreted)."""
+    reason = None if interpret else lane_violation(kernel, block_q, q_len)
+    if reason:
+        raise ValueError(reason)
+
+
 def vmem_estimates(shapes: LocalShapes, spec: AttentionSpec, fwd: FwdParams | None, bwd: BwdParams | None
                    ) -> dict[str, int]:
     """The VMEM estimate (`tpu_memory.vmem_bytes`) of each kernel the given parts run (`kernel_tiles`)."""
@@ -128,7 +149,7 @@ def bwd_tiles(params: BwdParams, q_len: int, kv_len: int) -> tuple[tuple[int, in
 
 
 # --------------------------------------------------------------------------------------------------
-# Calling the kernels: heads-major padded arrays, id arrays, schedules.
+# Calling the kernels: heads-major arrays, id arrays, schedules.
 # --------------------------------------------------------------------------------------------------
 
 
@@ -141,54 +162,32 @@ def _interpret_mode(interpret: bool, q) -> bool:
     return interpret
 
 
-def _heads_major(x, length: int):
-    """`[B, T, H, D]` -> `[B, H, length, D]`, zero-padded along T (XLA's TPU layout of `[B, T, H, D]` is
-    heads-major already: the transpose moves nothing)."""
-    return _padded_rows(jnp.swapaxes(x, 1, 2), length)
+def _heads_major(x):
+    """`[B, T, H, D]` -> `[B, H, T, D]` (XLA's TPU layout of `[B, T, H, D]` is heads-major already: the
+    transpose moves nothing), and back."""
+    return jnp.swapaxes(x, 1, 2)
 
 
-def _padded_rows(x, length: int):
-    """A heads-major `[B, H, T, D]` array zero-padded along T to `length`."""
-    if length == x.shape[2]:
-        return x
-    return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, 0)))
+def _tiles(length: int, tile: int) -> int:
+    """How many tiles cover `length`, the last one running past its end where `tile` does not divide it."""
+    return -(-length // tile)
 
 
-def _key_rows(x, kv_len: int, block_kv: int):
-    """Travelling keys or values (`keys_start`'s) as a kernel of `block_kv` key tiles reads them: as they
-    are where that tile divides their padded length (which then covers the kernel's tiles of the `kv_len`
-    real keys); else, where the tile is the whole shard or does not divide the other kernel's padding, cut
-    to the real keys and padded to this kernel's tiles: a copy, in this step."""
-    if x.shape[2] % block_kv == 0:
-        return x
-    return _padded_rows(x[:, :, :kv_len], _padded(kv_len, block_kv))
-
-
-def _tokens_major(x, length: int):
-    """`[B, H, T, D]` -> `[B, length, H, D]`, the padding dropped."""
-    return jnp.swapaxes(x[:, :, :length], 1, 2)
-
-
-def _padded(length: int, tile: int) -> int:
-    return -(-length // tile) * tile
-
-
-def _ids(spec: AttentionSpec, pos, seg, length: int, *, keys: bool):
-    """Per-token ids the kernels compare -- position, chunk id (position // chunk), segment id --
-    padded to `length`: `[B, length, IDS]` for queries, `[B, IDS, length]` for keys."""
+def _ids(spec: AttentionSpec, pos, seg, *, keys: bool):
+    """Per-token ids the kernels compare -- position, chunk id (position // chunk), segment id:
+    `[B, T, IDS]` for queries, `[B, IDS, T]` for keys."""
     columns = [pos]
     if spec.chunk_size is not None:
         columns.append(jnp.floor_divide(pos, spec.chunk_size))
     if spec.has_segments:
         columns.append(seg)
     ids = jnp.stack(columns, axis=1).astype(jnp.int32)
-    ids = jnp.pad(ids, ((0, 0), (0, 0), (0, length - pos.shape[1])))
     return ids if keys else jnp.swapaxes(ids, 1, 2)
 
 
-def _row_stats(x, length: int, fill: float):
-    """`[B, H, Tq]` lse or delta -> lane-dense rows `[B, H, 1, length]`, padded with `fill`."""
-    return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2])), constant_values=fill)[:, :, None]
+def _row_stats(x):
+    """`[B, H, Tq]` lse or delta -> lane-dense rows `[B, H, 1, Tq]`."""
+    return x[:, :, None]
 
 
 def _flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec: AttentionSpec, block_q: int, block_kv: int, by_key=False):
@@ -313,10 +312,12 @@ class PallasTpuBackend(CallerLayout):
             return str(error)
         for kernel, used in vmem_estimates(shapes, spec, fwd, bwd).items():
             block_q, block_kv, _ = tiles[kernel]
+            if lane_violation(kernel, block_q, q_len):
+                return lane_violation(kernel, block_q, q_len)
             if used > limit:
                 return (f"{kernel} kernel needs about {used / 2**20:.1f} MiB of VMEM with {block_q}x{block_kv} "
                         f"tiles, over the {limit / 2**20:.0f} MiB scoped limit on TPU {info.chip_version.value}")
-            q_tiles, kv_tiles = _padded(q_len, block_q) // block_q, _padded(kv_len, block_kv) // block_kv
+            q_tiles, kv_tiles = _tiles(q_len, block_q), _tiles(kv_len, block_kv)
             one_row = schedule_row_bytes(kernel, q_tiles, kv_tiles)
             if one_row > info.smem_capacity_bytes // 2:
                 return (f"{kernel} kernel's tile schedule needs {one_row // 1024} KiB of SMEM for one row of "
@@ -333,51 +334,35 @@ class PallasTpuBackend(CallerLayout):
         return source_hash(codegen.template_path("pallas_tpu", TEMPLATE), Path(__file__))
 
     def fwd_start(self, q, k, v, *, params: FwdParams) -> tuple:
-        """The running output, float32 in the kernels' layout, and lse as rows `[B, H, 1, Tq]`, for the
-        local length padded to whole query tiles: what `attention_fwd` merges each block into, in place.
-        Where the tiles do not divide the shard, q padded to them too, once a ring (a step padded a copy of
-        its own); where they do, None: each step lays q out as the kernel reads it, a move XLA makes once
-        or not at all (kept in the state, the v6e program held it through the backward: 2,303 against
-        1,993 MiB, forward and backward at 524,288 tokens)."""
+        """The running output, float32 in the kernels' layout, and lse as rows `[B, H, 1, Tq]`: what
+        `attention_fwd` merges each block into, in place. Each step lays q out as the kernel reads it, a
+        move XLA makes once or not at all (kept in the state, the v6e program held it through the
+        backward: 2,303 against 1,993 MiB, forward and backward at 524,288 tokens)."""
         (b, tq, h, _), dv = q.shape, v.shape[3]
-        q_len = _padded(tq, fwd_tiles(params, tq, k.shape[1])[0])
-        return (vma.like(jnp.zeros((b, h, q_len, dv), jnp.float32), q),
-                vma.like(jnp.full((b, h, 1, q_len), -jnp.inf, jnp.float32), q),
-                None if q_len == tq else _heads_major(q, q_len))
+        return (vma.like(jnp.zeros((b, h, tq, dv), jnp.float32), q),
+                vma.like(jnp.full((b, h, 1, tq), -jnp.inf, jnp.float32), q))
 
     def keys_start(self, k, v, *, params: FwdParams | BwdParams) -> tuple:
-        """k and v heads-major, padded once a ring to whole key tiles of every kernel of the part that reads
-        them (the forward's; the dk/dv and dq kernels'): they travel the ring so, and no step pads them
-        again. (Padded in each step, a shard of 7.75 tiles held 14% more than a shard of 8 tiles.)"""
-        tk = k.shape[1]
-        if isinstance(params, FwdParams):
-            tiles = [fwd_tiles(params, tk, tk)[1]]
-        else:
-            tiles = [block_kv for _, block_kv in bwd_tiles(params, tk, tk)]
-        length = max(_padded(tk, tile) for tile in tiles)
-        return _heads_major(k, length), _heads_major(v, length)
+        """k and v heads-major, as they travel the ring: the kernels read them so, whatever their tiles."""
+        return _heads_major(k), _heads_major(v)
 
     def fwd_step(self, state: tuple, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec,
                  params: FwdParams, interpret: bool = False) -> tuple:
-        out, lse, padded_q = state
+        out, lse = state
         tq, tk = q.shape[1], kv_pos.shape[1]
         block_q, block_kv, compute = fwd_tiles(params, tq, tk)
-        q_len, kv_len = _padded(tq, block_q), _padded(tk, block_kv)
+        _compiles_for_tpu("fwd", block_q, tq, interpret)
         module = codegen.load(variant(spec, q.dtype, q.shape[3], v.shape[3]))
-        out, lse = module.attention_fwd(
-            *_flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, block_q, block_kv),
-            _heads_major(q, q_len) if padded_q is None else padded_q, _key_rows(k, tk, block_kv),
-            _key_rows(v, tk, block_kv),
-            _ids(spec, q_pos, q_seg, q_len, keys=False), _ids(spec, kv_pos, kv_seg, kv_len, keys=True), out, lse,
+        return module.attention_fwd(
+            *_flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, block_q, block_kv), _heads_major(q), k, v,
+            _ids(spec, q_pos, q_seg, keys=False), _ids(spec, kv_pos, kv_seg, keys=True), out, lse,
             kv_len=tk, block_q=block_q, block_kv=block_kv, block_kv_compute=compute,
-            calls=kernel_calls("fwd", q.shape[0], q_len // block_q, kv_len // block_kv), **_mask_values(spec),
-            vmem_limit_bytes=vmem_limit_bytes(), interpret=_interpret_mode(interpret, q))
-        return out, lse, padded_q
+            calls=kernel_calls("fwd", q.shape[0], _tiles(tq, block_q), _tiles(tk, block_kv)),
+            **_mask_values(spec), vmem_limit_bytes=vmem_limit_bytes(), interpret=_interpret_mode(interpret, q))
 
     def fwd_finish(self, state: tuple, q) -> tuple:
-        out, lse, _ = state
-        tq = q.shape[1]
-        return _tokens_major(out, tq), lse[:, :, 0, :tq]
+        out, lse = state
+        return _heads_major(out), lse[:, :, 0]
 
     def block_fwd(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec,
                   params: FwdParams, interpret: bool = False):
@@ -398,30 +383,23 @@ class PallasTpuBackend(CallerLayout):
         return (self.dq_finish(dq, q, params=params), *self.grads_finish(grads, k, v), dbias)
 
     def bwd_start(self, q, do, *, params: BwdParams) -> tuple:
-        """q and do heads-major and padded to the dk/dv kernel's whole query tiles, once for the whole ring
-        (a step made its own copies beside the loop's: where the tiles do not divide the shard, a padded
-        copy of each for each kernel, a step)."""
-        (block_q, _), _ = bwd_tiles(params, q.shape[1], q.shape[1])  # the query tile, whatever the keys' length
-        length = _padded(q.shape[1], block_q)
-        return _heads_major(q, length), _heads_major(do.astype(q.dtype), length)
+        """q and do heads-major, once for the whole ring (a step made its own copies beside the loop's)."""
+        return _heads_major(q), _heads_major(do.astype(q.dtype))
 
     def dq_start(self, q, k, *, params: BwdParams):
-        """The running dq in the dq kernel's layout, float32 `[B, H, Tq, D]` heads-major and padded to whole
-        query tiles: the kernel adds each block's into it in place, and no step pads it again (a padded
-        copy of a float32 dq a step, where the tiles do not divide the shard)."""
-        (b, tq, h, d), tk = q.shape, k.shape[1]
-        _, (block_q, _) = bwd_tiles(params, tq, tk)
-        return vma.like(jnp.zeros((b, h, _padded(tq, block_q), d), jnp.float32), q)
+        """The running dq in the dq kernel's layout, float32 `[B, H, Tq, D]` heads-major: the kernel adds
+        each block's into it in place."""
+        b, tq, h, d = q.shape
+        return vma.like(jnp.zeros((b, h, tq, d), jnp.float32), q)
 
     def dq_finish(self, dq, q, *, params: BwdParams):
-        return _tokens_major(dq, q.shape[1])
+        return _heads_major(dq)
 
     def grads_start(self, k, v, *, params: BwdParams) -> tuple:
-        """The dk and dv accumulators in the dk/dv kernel's layout, float32 `[B, Hkv, Tk, D]` heads-major and
-        padded to whole key tiles: they travel the ring in it, and the kernel adds each block into them."""
+        """The dk and dv accumulators in the dk/dv kernel's layout, float32 `[B, Hkv, Tk, D]` heads-major:
+        they travel the ring in it, and the kernel adds each block into them."""
         (b, tk, hkv, d), dv = k.shape, v.shape[3]
-        kv_len = _padded(tk, _tile("bwd_params.block_kv_dkv", params.block_kv_dkv, tk, KV_ALIGN))
-        return jnp.zeros((b, hkv, kv_len, d), jnp.float32), jnp.zeros((b, hkv, kv_len, dv), jnp.float32)
+        return jnp.zeros((b, hkv, tk, d), jnp.float32), jnp.zeros((b, hkv, tk, dv), jnp.float32)
 
     def bwd_step(self, dq, rows: tuple, k, v, o, lse, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *,
                  spec: AttentionSpec, params: BwdParams, interpret: bool = False) -> tuple:
@@ -431,8 +409,7 @@ class PallasTpuBackend(CallerLayout):
         _, (block_q, block_kv) = bwd_tiles(params, tq, tk)
         module = codegen.load(variant(spec, k.dtype, k.shape[3], v.shape[3]))
         dq = module.attention_dq(*_flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, block_q, block_kv),
-                                 *_bwd_operands(spec, rows, k, v, lse, delta, q_pos, kv_pos, q_seg, kv_seg, block_q,
-                                                block_kv),
+                                 *_bwd_operands(spec, rows, k, v, lse, delta, q_pos, kv_pos, q_seg, kv_seg),
                                  dq, block_q=block_q, block_kv=block_kv,
                                  **_bwd_settings("dq", spec, tq, tk, block_q, block_kv, interpret, k))
         return dq, None, ()
@@ -448,32 +425,28 @@ class PallasTpuBackend(CallerLayout):
         module = codegen.load(variant(spec, k.dtype, k.shape[3], v.shape[3]))
         return tuple(module.attention_dkv(
             *_flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, block_q, block_kv, by_key=True),
-            *_bwd_operands(spec, rows, k, v, lse, delta, q_pos, kv_pos, q_seg, kv_seg, block_q, block_kv), *grads,
+            *_bwd_operands(spec, rows, k, v, lse, delta, q_pos, kv_pos, q_seg, kv_seg), *grads,
             block_q=block_q, block_kv=block_kv, **_bwd_settings("dkv", spec, tq, tk, block_q, block_kv, interpret, k)))
 
     def grads_finish(self, grads: tuple, k, v) -> tuple:
-        return tuple(_tokens_major(g.astype(x.dtype), x.shape[1]) for g, x in zip(grads, (k, v)))
+        return tuple(_heads_major(g.astype(x.dtype)) for g, x in zip(grads, (k, v)))
 
 
-def _bwd_operands(spec: AttentionSpec, rows: tuple, k, v, lse, delta, q_pos, kv_pos, q_seg, kv_seg, block_q: int,
-                  block_kv: int) -> tuple:
-    """What both backward kernels read, padded to their tiles: q, k, v, do heads-major, the lse and delta
-    rows (a row that read nothing gets lse +inf: p = exp(s - inf) = 0), the query and key ids."""
-    tq, tk = q_pos.shape[1], kv_pos.shape[1]
-    q_len, kv_len = _padded(tq, block_q), _padded(tk, block_kv)
-    # padded by bwd_start to the dk/dv kernel's tiles; padded again only for a dq kernel of other query tiles
-    q, do = (x if x.shape[2] == q_len else _padded_rows(x[:, :, :tq], q_len) for x in rows)
+def _bwd_operands(spec: AttentionSpec, rows: tuple, k, v, lse, delta, q_pos, kv_pos, q_seg, kv_seg) -> tuple:
+    """What both backward kernels read: q, k, v, do heads-major, the lse and delta rows (a row that read
+    nothing gets lse +inf: p = exp(s - inf) = 0), the query and key ids."""
+    q, do = rows
     lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
-    return (q, _key_rows(k, tk, block_kv), _key_rows(v, tk, block_kv), do,
-            _row_stats(lse, q_len, jnp.inf), _row_stats(delta, q_len, 0.0),
-            _ids(spec, q_pos, q_seg, q_len, keys=False), _ids(spec, kv_pos, kv_seg, kv_len, keys=True))
+    return (q, k, v, do, _row_stats(lse), _row_stats(delta), _ids(spec, q_pos, q_seg, keys=False),
+            _ids(spec, kv_pos, kv_seg, keys=True))
 
 
 def _bwd_settings(kernel: str, spec: AttentionSpec, tq: int, tk: int, block_q: int, block_kv: int,
                   interpret: bool, reference) -> dict[str, Any]:
     """The keyword arguments the backward `kernel` takes besides its tiles, for `tq` queries and `tk` keys;
     `reference` is one of the call's arrays (its batch, and the axes it varies over)."""
-    tiles = _padded(tq, block_q) // block_q, _padded(tk, block_kv) // block_kv
+    _compiles_for_tpu(kernel, block_q, tq, interpret)
+    tiles = _tiles(tq, block_q), _tiles(tk, block_kv)
     return dict(kv_len=tk, calls=kernel_calls(kernel, reference.shape[0], *tiles), **_mask_values(spec),
                 vmem_limit_bytes=vmem_limit_bytes(), interpret=_interpret_mode(interpret, reference))
 

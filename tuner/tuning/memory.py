@@ -171,8 +171,8 @@ def _halved(problem: Problem, doubled: DoesNotFit) -> Problem:
 
 def tile_multiple(config) -> int:
     """The shard lengths the tiles of `config` (any implementation's, through `to_dict`) divide, in multiples
-    of `TOKEN_MULTIPLE`: a shard of another length is padded to whole tiles, and on a TPU the padded copies
-    cost more than the padding (docs/memory.md)."""
+    of `TOKEN_MULTIPLE`: a shard of another length costs whole tiles (the scan kernel pads it to them, and
+    the Pallas kernels' last tile runs past its end), so the longest sequence is rounded down to them."""
     tiles = [value for part in config.to_dict().values() for name, value in part.items()
              if name.startswith("block_") and isinstance(value, int)]
     return math.lcm(TOKEN_MULTIPLE, *tiles)
