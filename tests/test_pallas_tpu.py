@@ -20,7 +20,7 @@ from tuner import BwdParams, FwdParams, ring_attention
 from tuner.kernels import codegen
 from tuner.semantics import masks
 from tuner import registry
-from tuner.kernels import pallas_tpu
+from tuner.kernels import pallas_tiling, pallas_tpu
 from tuner.semantics.problem import Problem
 from tuner.semantics.reference import dense_attention
 from tuner.tuning.search import SearchOptions, search
@@ -115,7 +115,7 @@ def test_a_schedule_longer_than_smem_holds_runs_in_calls(monkeypatch, rows):
         made.append(kernel)
         return rows
 
-    monkeypatch.setattr(pallas_tpu, "rows_per_call", few)
+    monkeypatch.setattr(pallas_tiling, "rows_per_call", few)
     check_case(Case(batch=2, length=400, heads=2, kv_heads=1, head_dim=8, ring=2, layout="zigzag", causal=True,
                     segments="packed", fwd=FwdParams(block_q=64, block_kv=128),
                     bwd=BwdParams(block_q_dkv=64, block_kv_dkv=128, block_q_dq=64, block_kv_dq=128),
@@ -334,9 +334,10 @@ def test_vmem_and_smem_constraints(monkeypatch):
     monkeypatch.setenv("TUNER_TPU_CHIP", "v3")  # 16 KiB of SMEM: a 128x128-tile schedule of 16k tokens is 64 KiB,
     small = FwdParams(block_q=128, block_kv=128, block_kv_compute=128)  # so it runs in calls of 15 rows (520 B each)
     assert BACKEND.violation(problem.shapes, problem.spec, small, None) is None
-    assert pallas_tpu.rows_per_call("fwd", 128, 128) == 8192 // 520
-    assert pallas_tpu.kernel_calls("fwd", 1, 128, 128) == tuple((0, 1, i, min(15, 128 - i)) for i in range(0, 128, 15))
-    assert pallas_tpu.kernel_calls("dkv", 2, 128, 2) == ((0, 2, 0, 2),)  # rows of 520 B: both batch rows in one call
+    assert pallas_tiling.rows_per_call("fwd", 128, 128) == 8192 // 520
+    calls = tuple((0, 1, i, min(15, 128 - i)) for i in range(0, 128, 15))
+    assert pallas_tiling.kernel_calls("fwd", 1, 128, 128) == calls
+    assert pallas_tiling.kernel_calls("dkv", 2, 128, 2) == ((0, 2, 0, 2),)  # rows of 520 B: both batch rows in one call
     longer = dataclasses.replace(problem.shapes, q_len=2**17, kv_len=2**17)  # rows of 4 KiB: one row a call, 1024 calls
     reason = BACKEND.violation(longer, problem.spec, small, None)
     assert "needs 1024 calls a step" in reason and "take longer tiles" in reason, reason
@@ -344,7 +345,7 @@ def test_vmem_and_smem_constraints(monkeypatch):
     reason = BACKEND.violation(longest, problem.spec, small, None)
     assert "tile schedule needs 16 KiB of SMEM for one row of 128x128 tiles" in reason, reason
     # int32 schedule [B, held, streamed], count and unmasked [B, held]; dk/dv holds key tiles
-    row = pallas_tpu.schedule_row_bytes
+    row = pallas_tiling.schedule_row_bytes
     assert row("fwd", 3, 5) == row("dq", 3, 5) == 4 * 7 and row("dkv", 3, 5) == 4 * 5
     # the lse and delta rows hold a query tile on lanes: shorter than the shard, a multiple of 128 on a TPU
     reason = BACKEND.violation(problem.shapes, problem.spec, None, BwdParams(128, 128, 136, 128))

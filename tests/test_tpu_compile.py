@@ -109,7 +109,7 @@ def test_kernels_with_values_of_another_head_dim_use_no_more_vmem_than_estimated
     tiles of v5e on an 8192-token shard (several tiles each way, so blocks are double-buffered): each
     kernel, compiled alone, uses no more VMEM than the constraints' estimate, which stays within what
     the kernels ask for."""
-    from tuner.kernels import pallas_tpu
+    from tuner.kernels import pallas_tiling, pallas_tpu
     from tuner.semantics.spec import AttentionSpec, LocalShapes
     from tuner.tuning import compiled
 
@@ -121,7 +121,7 @@ def test_kernels_with_values_of_another_head_dim_use_no_more_vmem_than_estimated
         assert backend.violation(shapes, spec, fwd, bwd) is None
     used = compiled.compile_step(shapes, spec, "v5e:2x2", fwd, bwd)
     assert isinstance(used, dict) and set(used) == {"fwd", "dkv", "dq"}, used  # else the compiler's error
-    estimates = pallas_tpu.vmem_estimates(shapes, spec, fwd, bwd)
+    estimates = pallas_tiling.vmem_estimates(shapes, spec, fwd, bwd)
     for kernel, (asked, use) in used.items():
         assert 0 < use <= estimates[kernel] <= asked == 64 * 2**20, (kernel, use, estimates[kernel], asked)
 

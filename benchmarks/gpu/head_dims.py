@@ -27,7 +27,7 @@ os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
 import jax  # noqa: E402
 
-from tuner.kernels import pallas_tpu, triton, triton_launch  # noqa: E402
+from tuner.kernels import pallas_tiling, pallas_tpu, triton, triton_launch  # noqa: E402
 from tuner.semantics.spec import AttentionSpec, LocalShapes  # noqa: E402
 from tuner.support.tables import table  # noqa: E402
 from tuner.tuning import compiled  # noqa: E402
@@ -49,9 +49,9 @@ def tpu_rows(head_dim: int, value_head_dim: int, local: int, target: str) -> lis
     with jax.sharding.use_abstract_mesh(compiled.topology_mesh(target).abstract_mesh):
         fwd, bwd = backend.default_params(local, local, head_dim, value_head_dim)
     used = compiled.compile_step(shapes, spec, target, fwd, bwd)
-    estimates = pallas_tpu.vmem_estimates(shapes, spec, fwd, bwd)
+    estimates = pallas_tiling.vmem_estimates(shapes, spec, fwd, bwd)
     rows = []
-    for kernel, (block_q, block_kv, compute) in pallas_tpu.kernel_tiles(fwd, bwd, local, local).items():
+    for kernel, (block_q, block_kv, compute) in pallas_tiling.kernel_tiles(fwd, bwd, local, local).items():
         row = {"dims": f"{head_dim}/{value_head_dim}", "target": target, "kernel": kernel,
                "tiles": f"{block_q}x{block_kv}" + (f" ({compute})" if compute else ""), "estimate": estimates[kernel]}
         if isinstance(used, dict):

@@ -25,7 +25,7 @@ from pathlib import Path
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
 from tuner.tuning import compiled  # noqa: E402
-from tuner.kernels import pallas_tpu, tpu_memory  # noqa: E402
+from tuner.kernels import pallas_tiling, pallas_tpu, tpu_memory  # noqa: E402
 from tuner.kernels.params import BwdParams, FwdParams  # noqa: E402
 from tuner.semantics.problem import Problem  # noqa: E402
 
@@ -50,9 +50,9 @@ def measure(target: str, problem: Problem, params: FwdParams | BwdParams) -> lis
     records = []
     for kernel in ("fwd",) if forward else ("dkv", "dq"):
         if forward:
-            block_q, block_kv, compute = pallas_tpu.fwd_tiles(params, shapes.q_len, shapes.kv_len)
+            block_q, block_kv, compute = pallas_tiling.fwd_tiles(params, shapes.q_len, shapes.kv_len)
         else:
-            (dkv, dq) = pallas_tpu.bwd_tiles(params, shapes.q_len, shapes.kv_len)
+            (dkv, dq) = pallas_tiling.bwd_tiles(params, shapes.q_len, shapes.kv_len)
             (block_q, block_kv), compute = (dkv if kernel == "dkv" else dq), None
         asked, used = result[kernel] if isinstance(result, dict) else (None, None)
         records.append(dict(target=target, dtype=problem.dtype, head_dim=problem.head_dim,

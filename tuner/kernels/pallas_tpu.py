@@ -13,15 +13,16 @@ on heads-major `[B, H, T, D]` arrays, which is how XLA lays out a `[B, T, H, D]`
 (the transposes here move nothing there; elsewhere, they copy), and on lane-dense rows `[B, H, 1, T]` of
 the lse and delta. Where a tile does not divide the shard, nothing is padded: the last tile runs past
 the shard's end, which Pallas allows (reads there are garbage, writes dropped), and the kernels keep
-those rows out of every sum. Padded arrays no longer fit the buffers of the program's outputs, which
-XLA reuses for the kernels' copies of q, the output's cotangent, k and v otherwise (docs/memory.md).
+those rows out of every sum. XLA lays the kernels' copies of q, the output's cotangent, k and v in the
+buffers of the program's outputs of their size; padded copies did not fit them (docs/memory.md).
 The ring keeps its running state in the kernels' layout, and the kernels add each block into it in
 place: the forward kernel into the output and lse (`fwd_start`, `fwd_step`, `fwd_finish`), the dq
 kernel into dq (`bwd_step`), the dk/dv kernel into the travelling dk/dv accumulators once they have
 arrived (`grads_start`, `bwd_accumulate`, `grads_finish`). Values, the output and its gradient
 may have a head dim of their own (multi-head latent attention: 192 for queries and keys, 128 for
 values). dq is a kernel of its own (a fused dq would need atomics), and bias and float16 are not
-supported (`backend="auto"` takes scan for them).
+supported (`backend="auto"` takes scan for them). The tiles as run, and what a TPU allows of them (its
+tiling, VMEM and SMEM), are `pallas_tiling`'s.
 """
 
 from __future__ import annotations
@@ -39,18 +40,13 @@ from tuner.support import vma
 from tuner.kernels.base import CallerLayout, SearchSpace, reject_settings, source_hash
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.semantics.spec import AttentionSpec, LocalShapes
-from tuner.kernels.tpu_memory import FALLBACK_TILES, GENERATION_TILES, LANES, chip, fitted_tiles, vmem_bytes
-from tuner.kernels.tpu_memory import vmem_limit_bytes
+from tuner.kernels.pallas_tiling import COMPUTE_TILES, KV_TILES, Q_TILES, bwd_tiles, fwd_tiles, kernel_calls
+from tuner.kernels.pallas_tiling import require_lanes, tile_count, violation
+from tuner.kernels.tpu_memory import FALLBACK_TILES, GENERATION_TILES, chip, fitted_tiles, vmem_limit_bytes
 from tuner.support.targets import compile_target
 
 TEMPLATE = "attention.py.j2"
 DTYPES = ("bfloat16", "float32")
-Q_ALIGN, KV_ALIGN = 8, 128  # a tile shorter than the sequence: sublane multiple (queries), lane multiple (keys)
-QUERY_TILE_FIELDS = {"fwd": "fwd_params.block_q", "dkv": "bwd_params.block_q_dkv", "dq": "bwd_params.block_q_dq"}
-Q_TILES = (128, 256, 512, 1024)
-KV_TILES = (128, 256, 512, 1024, 2048)
-COMPUTE_TILES = (128, 256, 512)
-MAX_CALLS = 64  # kernel calls a step for a tile schedule SMEM cannot hold at once; past it, longer tiles
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -73,82 +69,6 @@ def standard_variants() -> list[codegen.Variant]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Tiles and the chip's memory.
-# --------------------------------------------------------------------------------------------------
-
-
-def _tile(name: str, requested: int, length: int, align: int) -> int:
-    """The tile used for a sequence of `length`: the request, cut to the length. A tile shorter than
-    the sequence must be a multiple of `align` (TPU tiling); it need not divide the length."""
-    tile = min(requested, length)
-    if tile < length and tile % align:
-        raise ValueError(f"{name}={requested} must be a multiple of {align} (TPU tiling) or at least the "
-                         f"local length {length}")
-    return tile
-
-
-def fwd_tiles(params: FwdParams, q_len: int, kv_len: int) -> tuple[int, int, int]:
-    """(block_q, block_kv, block_kv_compute) as run for these local lengths; `ValueError` naming the field.
-    A compute slice that does not divide a key tile cut to the whole sequence becomes that tile."""
-    block_q = _tile("fwd_params.block_q", params.block_q, q_len, Q_ALIGN)
-    block_kv = _tile("fwd_params.block_kv", params.block_kv, kv_len, KV_ALIGN)
-    compute = min(params.block_kv_compute or block_kv, block_kv)
-    if block_kv == kv_len and block_kv % compute:
-        compute = block_kv  # the key tile was cut to a sequence the slice does not divide: one slice
-    if block_kv % compute or (compute < block_kv and compute % LANES):
-        raise ValueError(f"fwd_params.block_kv_compute={params.block_kv_compute} must divide the key tile "
-                         f"{block_kv} and be a multiple of {LANES}")
-    return block_q, block_kv, compute
-
-
-def kernel_tiles(fwd: FwdParams | None, bwd: BwdParams | None, q_len: int, kv_len: int
-                 ) -> dict[str, tuple[int, int, int | None]]:
-    """(block_q, block_kv, block_kv_compute) of each kernel the given parts run, as run for these local
-    lengths: "fwd" with `fwd`, "dkv" and "dq" with `bwd` (no compute slice); `ValueError` naming the field."""
-    tiles = {}
-    if fwd is not None:
-        tiles["fwd"] = fwd_tiles(fwd, q_len, kv_len)
-    if bwd is not None:
-        (dkv_q, dkv_kv), (dq_q, dq_kv) = bwd_tiles(bwd, q_len, kv_len)
-        tiles.update(dkv=(dkv_q, dkv_kv, None), dq=(dq_q, dq_kv, None))
-    return tiles
-
-
-def lane_violation(kernel: str, block_q: int, q_len: int) -> str | None:
-    """Why `kernel`'s query tile `block_q` (as run, for `q_len` queries) cannot compile for a TPU, or None:
-    its lse and delta rows hold the query tile on lanes, so a tile shorter than the shard must be a
-    multiple of `LANES` there (the interpreter takes any multiple of `Q_ALIGN`)."""
-    if block_q < q_len and block_q % LANES:
-        return (f"{QUERY_TILE_FIELDS[kernel]}={block_q} must be a multiple of {LANES} on a TPU (the lse and "
-                f"delta rows hold the query tile on lanes) or at least the local length {q_len}")
-    return None
-
-
-def _compiles_for_tpu(kernel: str, block_q: int, q_len: int, interpret: bool) -> None:
-    """`lane_violation` as a `ValueError`, where the kernels compile with Mosaic (not interpreted)."""
-    reason = None if interpret else lane_violation(kernel, block_q, q_len)
-    if reason:
-        raise ValueError(reason)
-
-
-def vmem_estimates(shapes: LocalShapes, spec: AttentionSpec, fwd: FwdParams | None, bwd: BwdParams | None
-                   ) -> dict[str, int]:
-    """The VMEM estimate (`tpu_memory.vmem_bytes`) of each kernel the given parts run (`kernel_tiles`)."""
-    ids = 1 + (spec.chunk_size is not None) + spec.has_segments
-    return {kernel: vmem_bytes(kernel, block_q, block_kv, shapes.head_dim, shapes.dtype, ids, compute,
-                               value_head_dim=shapes.value_dim)
-            for kernel, (block_q, block_kv, compute) in kernel_tiles(fwd, bwd, shapes.q_len, shapes.kv_len).items()}
-
-
-def bwd_tiles(params: BwdParams, q_len: int, kv_len: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """((block_q, block_kv) of dk/dv, (block_q, block_kv) of dq) as run for these local lengths."""
-    return ((_tile("bwd_params.block_q_dkv", params.block_q_dkv, q_len, Q_ALIGN),
-             _tile("bwd_params.block_kv_dkv", params.block_kv_dkv, kv_len, KV_ALIGN)),
-            (_tile("bwd_params.block_q_dq", params.block_q_dq, q_len, Q_ALIGN),
-             _tile("bwd_params.block_kv_dq", params.block_kv_dq, kv_len, KV_ALIGN)))
-
-
-# --------------------------------------------------------------------------------------------------
 # Calling the kernels: heads-major arrays, id arrays, schedules.
 # --------------------------------------------------------------------------------------------------
 
@@ -166,11 +86,6 @@ def _heads_major(x):
     """`[B, T, H, D]` -> `[B, H, T, D]` (XLA's TPU layout of `[B, T, H, D]` is heads-major already: the
     transpose moves nothing), and back."""
     return jnp.swapaxes(x, 1, 2)
-
-
-def _tiles(length: int, tile: int) -> int:
-    """How many tiles cover `length`, the last one running past its end where `tile` does not divide it."""
-    return -(-length // tile)
 
 
 def _ids(spec: AttentionSpec, pos, seg, *, keys: bool):
@@ -194,32 +109,6 @@ def _flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec: AttentionSpec, block_q: i
     """The kernels' scalar-prefetched `schedule, count, unmasked` (`masks.tile_schedule`), flattened."""
     schedule = masks.tile_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, block_q, block_kv, by_key=by_key)
     return tuple(x.reshape(-1) for x in (schedule.order, schedule.count, schedule.unmasked))
-
-
-def schedule_row_bytes(kernel: str, q_tiles: int, kv_tiles: int) -> int:
-    """SMEM bytes of one row of a kernel's scalar-prefetched schedule (int32 `schedule [B, held, streamed]`,
-    `count` and `unmasked [B, held]`): one batch row's held tile, its streamed tiles and its two counts.
-    The dk/dv kernel holds key tiles and streams query tiles, the others the reverse."""
-    streamed = q_tiles if kernel == "dkv" else kv_tiles
-    return 4 * (streamed + 2)
-
-
-def rows_per_call(kernel: str, q_tiles: int, kv_tiles: int) -> int:
-    """The most schedule rows one call of `kernel` prefetches: what half the chip's SMEM holds. A longer
-    schedule (many tiles, a large batch) runs in several calls (`kernel_calls`); at least one row a call
-    (`violation` checks that one fits)."""
-    return max(1, chip().smem_capacity_bytes // 2 // schedule_row_bytes(kernel, q_tiles, kv_tiles))
-
-
-def kernel_calls(kernel: str, batch: int, q_tiles: int, kv_tiles: int) -> tuple[tuple[int, int, int, int], ...]:
-    """How `kernel`'s grid is cut into calls, each prefetching at most `rows_per_call` schedule rows:
-    `(first batch row, batch rows, first held tile, held tiles)` per call. Whole batch rows where one fits
-    a call, else each batch row's held tiles in runs. One call where the whole schedule fits."""
-    held, rows = (kv_tiles if kernel == "dkv" else q_tiles), rows_per_call(kernel, q_tiles, kv_tiles)
-    if held <= rows:
-        per_call = rows // held
-        return tuple((b0, min(per_call, batch - b0), 0, held) for b0 in range(0, batch, per_call))
-    return tuple((b0, 1, i0, min(rows, held - i0)) for b0 in range(batch) for i0 in range(0, held, rows))
 
 
 def _mask_values(spec: AttentionSpec) -> dict[str, Any]:
@@ -298,40 +187,12 @@ class PallasTpuBackend(CallerLayout):
 
     def violation(self, shapes: LocalShapes, spec: AttentionSpec, fwd: FwdParams | None, bwd: BwdParams | None
                   ) -> str | None:
-        """TPU tiling of each tile, the VMEM estimate of each kernel against the scoped limit the
-        kernels request, and the scalar-prefetched schedules against SMEM."""
-        q_len, kv_len = shapes.q_len, shapes.kv_len
-        info = chip()
-        limit = vmem_limit_bytes(info)
-        if fwd is not None and fwd.block_kv_compute is not None and fwd.block_kv_compute > min(fwd.block_kv, kv_len):
-            return (f"block_kv_compute={fwd.block_kv_compute} is longer than the key tile, so it is cut to it: "
-                    f"the point with block_kv_compute={min(fwd.block_kv, kv_len)}")
-        try:
-            tiles = kernel_tiles(fwd, bwd, q_len, kv_len)
-        except ValueError as error:
-            return str(error)
-        for kernel, used in vmem_estimates(shapes, spec, fwd, bwd).items():
-            block_q, block_kv, _ = tiles[kernel]
-            if lane_violation(kernel, block_q, q_len):
-                return lane_violation(kernel, block_q, q_len)
-            if used > limit:
-                return (f"{kernel} kernel needs about {used / 2**20:.1f} MiB of VMEM with {block_q}x{block_kv} "
-                        f"tiles, over the {limit / 2**20:.0f} MiB scoped limit on TPU {info.chip_version.value}")
-            q_tiles, kv_tiles = _tiles(q_len, block_q), _tiles(kv_len, block_kv)
-            one_row = schedule_row_bytes(kernel, q_tiles, kv_tiles)
-            if one_row > info.smem_capacity_bytes // 2:
-                return (f"{kernel} kernel's tile schedule needs {one_row // 1024} KiB of SMEM for one row of "
-                        f"{block_q}x{block_kv} tiles, over half the {info.smem_capacity_bytes // 1024} KiB of TPU "
-                        f"{info.chip_version.value}")
-            calls = len(kernel_calls(kernel, shapes.batch, q_tiles, kv_tiles))
-            if calls > MAX_CALLS:
-                return (f"{kernel} kernel's tile schedule of {block_q}x{block_kv} tiles needs {calls} calls a step "
-                        f"to fit half the {info.smem_capacity_bytes // 1024} KiB of SMEM of TPU "
-                        f"{info.chip_version.value}, over {MAX_CALLS}: take longer tiles")
-        return None
+        """`pallas_tiling.violation`: TPU tiling, VMEM and SMEM."""
+        return violation(shapes, spec, fwd, bwd)
 
     def code_hash(self) -> str:
-        return source_hash(codegen.template_path("pallas_tpu", TEMPLATE), Path(__file__))
+        return source_hash(codegen.template_path("pallas_tpu", TEMPLATE), Path(__file__),
+                           Path(__file__).with_name("pallas_tiling.py"))
 
     def fwd_start(self, q, k, v, *, params: FwdParams) -> tuple:
         """The running output, float32 in the kernels' layout, and lse as rows `[B, H, 1, Tq]`: what
@@ -351,13 +212,13 @@ class PallasTpuBackend(CallerLayout):
         out, lse = state
         tq, tk = q.shape[1], kv_pos.shape[1]
         block_q, block_kv, compute = fwd_tiles(params, tq, tk)
-        _compiles_for_tpu("fwd", block_q, tq, interpret)
+        require_lanes("fwd", block_q, tq, interpret)
         module = codegen.load(variant(spec, q.dtype, q.shape[3], v.shape[3]))
         return module.attention_fwd(
             *_flat_schedule(q_pos, kv_pos, q_seg, kv_seg, spec, block_q, block_kv), _heads_major(q), k, v,
             _ids(spec, q_pos, q_seg, keys=False), _ids(spec, kv_pos, kv_seg, keys=True), out, lse,
             kv_len=tk, block_q=block_q, block_kv=block_kv, block_kv_compute=compute,
-            calls=kernel_calls("fwd", q.shape[0], _tiles(tq, block_q), _tiles(tk, block_kv)),
+            calls=kernel_calls("fwd", q.shape[0], tile_count(tq, block_q), tile_count(tk, block_kv)),
             **_mask_values(spec), vmem_limit_bytes=vmem_limit_bytes(), interpret=_interpret_mode(interpret, q))
 
     def fwd_finish(self, state: tuple, q) -> tuple:
@@ -445,8 +306,8 @@ def _bwd_settings(kernel: str, spec: AttentionSpec, tq: int, tk: int, block_q: i
                   interpret: bool, reference) -> dict[str, Any]:
     """The keyword arguments the backward `kernel` takes besides its tiles, for `tq` queries and `tk` keys;
     `reference` is one of the call's arrays (its batch, and the axes it varies over)."""
-    _compiles_for_tpu(kernel, block_q, tq, interpret)
-    tiles = _tiles(tq, block_q), _tiles(tk, block_kv)
+    require_lanes(kernel, block_q, tq, interpret)
+    tiles = tile_count(tq, block_q), tile_count(tk, block_kv)
     return dict(kv_len=tk, calls=kernel_calls(kernel, reference.shape[0], *tiles), **_mask_values(spec),
                 vmem_limit_bytes=vmem_limit_bytes(), interpret=_interpret_mode(interpret, reference))
 

@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tuner.support.version import __version__
 from tuner.models import hlo, tpu_model
 from tuner import registry
-from tuner.kernels import pallas_tpu, tpu_memory
+from tuner.kernels import pallas_tiling, pallas_tpu, tpu_memory
 from tuner.cache import Cache, make_row
 from tuner.tuning.dryrun import reason_kind
 from tuner.strategies.implementations import TileConfig
@@ -253,7 +253,7 @@ def variants_of(problem: Problem, mesh: Mesh) -> tuple[list[Variant], FwdParams,
 def estimate(problem: Problem, variant: Variant) -> int:
     """The VMEM bytes the constraints estimate for the variant's own kernel."""
     fwd, bwd = (variant.config.fwd, None) if variant.part == "fwd" else (None, variant.config.bwd)
-    return pallas_tpu.vmem_estimates(problem.shapes, problem.spec, fwd, bwd)[variant.part]
+    return pallas_tiling.vmem_estimates(problem.shapes, problem.spec, fwd, bwd)[variant.part]
 
 
 def compile_target(problem: Problem, target: str, *, sample: int | None = None, largest: bool = False,
