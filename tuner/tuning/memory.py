@@ -124,10 +124,10 @@ class DoesNotFit(RuntimeError):
     """The compiler refused the program: one device's memory does not hold it."""
 
 
-def _compiled(problem: Problem, devices: list, objective: str, implementation: str, db: str | None,
-              argument_layouts: str):
+def analysis(problem: Problem, devices: list, objective: str, implementation: str = "auto", db: str | None = None,
+             argument_layouts: str = "fixed"):
     """The loader's plan for the problem on `devices` (`implementation`, "auto" for its own choice; the
-    cache `db`), and the memory analysis of that plan compiled there, its arguments laid out as
+    cache `db`), and the `memory_analysis()` of that plan compiled there once, its arguments laid out as
     `argument_layouts` says; `DoesNotFit` where the compiler finds the device's memory too small."""
     from jax.experimental.layout import Format, Layout
 
@@ -205,13 +205,13 @@ def compiled_memory(problem: Problem, devices: list, target: str, objective: str
         raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     if argument_layouts not in ARGUMENT_LAYOUTS:
         raise ValueError(f"argument_layouts must be one of {', '.join(ARGUMENT_LAYOUTS)}, got {argument_layouts!r}")
-    plan, memory = _compiled(problem, devices, objective, implementation, db, argument_layouts)
+    plan, memory = analysis(problem, devices, objective, implementation, db, argument_layouts)
     try:
         other = dataclasses.replace(problem, seq_len=2 * problem.seq_len)
-        _, second = _compiled(other, devices, objective, plan.backend, db, argument_layouts)
+        _, second = analysis(other, devices, objective, plan.backend, db, argument_layouts)
     except DoesNotFit as error:  # near the chip's limit: measured at half the length instead
         other = _halved(problem, error)
-        _, second = _compiled(other, devices, objective, plan.backend, db, argument_layouts)
+        _, second = analysis(other, devices, objective, plan.backend, db, argument_layouts)
     platform = devices[0].platform
     growth = (_held_of(second, platform) - _held_of(memory, platform)) / (other.local_len - problem.local_len)
     return Report(problem, target, objective, plan.backend, describe_config(plan.config), plan.source,
