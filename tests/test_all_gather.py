@@ -48,12 +48,14 @@ def collectives(text: str) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def test_the_backward_reduce_scatters_dk_and_dv():
+    """K and V are gathered heads-major, as the kernels read them, and dK and dV reduce-scattered so: one
+    collective each, no psum of them."""
     case = replace(BASE, causal=True, sinks="head")
     args = laid_out_args(case, make_arrays(case))
     text = str(jax.make_jaxpr(exchanged_step("all_gather", case, SMALL))(*args))
     found = collectives(text)
     b, t, hkv, d, ring = case.batch, case.length, case.kv_heads, case.head_dim, case.ring
-    shard, full = (b, t // ring, hkv, d), (b, t, hkv, d)
+    shard, full = (b, hkv, t // ring, d), (b, hkv, t, d)
     assert [p for p, shape in found if p == "reduce_scatter" and shape == shard] == ["reduce_scatter"] * 2, found
     assert [p for p, shape in found if p.startswith("all_gather") and shape == full] == ["all_gather"] * 2, found
     assert not [p for p, shape in found if p.startswith("psum") and shape in (shard, full)], found
