@@ -129,7 +129,7 @@ def triton_cases(draw, ring_sizes=(1,), dtype: str = "float32") -> Case:
 def pallas_tpu_cases(draw, ring_sizes=(1,), dtype: str = "float32") -> Case:
     """Cases the Pallas TPU kernels take: value head dims of their own too, no bias (unsupported), dq in its
     own kernel, tiles by TPU rules (query tiles multiples of 8, key tiles of 128, else the whole local
-    length). Local lengths from a single unaligned tile up to several key tiles and a padded last one; kept
+    length). Local lengths from a single unaligned tile up to several key tiles, the last running past the end; kept
     small (B*H <= 4)."""
     case = draw(cases(ring_sizes=ring_sizes, dtype=dtype))
     local = draw(st.sampled_from([12, 40, 160, 256]))
