@@ -150,8 +150,9 @@ def violation(shapes: LocalShapes, spec: AttentionSpec, fwd: FwdParams | None, b
         return str(error)
     for kernel, used in vmem_estimates(shapes, spec, fwd, bwd).items():
         block_q, block_kv, _ = tiles[kernel]
-        if lane_violation(kernel, block_q, q_len):
-            return lane_violation(kernel, block_q, q_len)
+        lanes = lane_violation(kernel, block_q, q_len)
+        if lanes:
+            return lanes
         if used > limit:
             return (f"{kernel} kernel needs about {used / 2**20:.1f} MiB of VMEM with {block_q}x{block_kv} "
                     f"tiles, over the {limit / 2**20:.0f} MiB scoped limit on TPU {info.chip_version.value}")
