@@ -345,11 +345,11 @@ def replace(case: Case, **changes) -> Case:
 # --------------------------------------------------------------------------------------------------
 
 
-def exchanged_step(name: str, case: Case, config, a2a: int = 1):
+def exchanged_step(name: str, case: Case, config, a2a: int = 1, interpret: bool = False):
     """The jitted value-and-gradient of the registered implementation `name`'s attend under `shard_map` on
     `case.ring` devices (with `a2a` > 1, the hybrid's `case.ring x a2a` mesh, axes ("ring", "a2a"), the
     sequence over both), over laid-out global arrays (`laid_out_args`): ((loss, (out, lse)), (dq, dk, dv,
-    dsinks))."""
+    dsinks)). `interpret`: its kernels in their interpreter."""
     from tuner.runtime import plan
     from tuner import registry
 
@@ -367,14 +367,14 @@ def exchanged_step(name: str, case: Case, config, a2a: int = 1):
         arrays = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_positions=pos, kv_positions=pos,
                       softmax_aux=sinks, bias=None)
         resolved = plan.resolve(q, k, v, ring_size=ring * a2a, layout=layout, backend=name,
-                                target=registry.Target.here(), mask=case.options, arrays=arrays, return_lse=True,
-                                axis_name=axis_name, group=a2a if a2a > 1 else None)
+                                target=registry.Target.here(interpret), mask=case.options, arrays=arrays,
+                                return_lse=True, axis_name=axis_name, group=a2a if a2a > 1 else None)
         assert resolved.implementation is implementation
         return implementation.attend(q, k, v, spec=resolved.spec, config=config, axis_name=axis_name,
-                                     layout=layout, return_lse=True, **arrays)
+                                     layout=layout, interpret=interpret, return_lse=True, **arrays)
 
-    sharded = jax.shard_map(local, mesh=mesh, in_specs=(seq, seq, seq, P(), seq, seq, seq),
-                            out_specs=(seq, lse_spec), check_vma=implementation.vma_checked(registry.Target.here()))
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(seq, seq, seq, P(), seq, seq, seq), out_specs=(seq, lse_spec),
+                            check_vma=implementation.vma_checked(registry.Target.here(interpret)))
 
     def loss(q, k, v, sinks, q_seg, kv_seg, pos, w, u):
         out, lse = sharded(q, k, v, sinks, q_seg, kv_seg, pos)
@@ -408,16 +408,17 @@ def dense_step(case: Case, a: Arrays):
     return as64[0], as64[1], [*as64[2:5], None, as64[5]]
 
 
-def check_exchanged(name: str, case: Case, config, a2a: int = 1) -> None:
+def check_exchanged(name: str, case: Case, config, a2a: int = 1, interpret: bool = False) -> None:
     """`name` against float64 dense at DESIGN section 10's float32 tolerances: 1e-5 forward and lse, 1e-4
-    gradients; rows that read nothing output exactly 0. `a2a`: the hybrid's all-to-all axis size."""
+    gradients; rows that read nothing output exactly 0. `a2a`: the hybrid's all-to-all axis size;
+    `interpret`: its kernels in their interpreter."""
     a = make_arrays(case)
     out_r, lse_r, grads_r = dense_step(case, a)
 
     def back(x, axis=1):
         return restore_np(x, case.layout, case.ring, axis)
 
-    (_, (out, lse)), (dq, dk, dv, dsinks) = exchanged_step(name, case, config, a2a)(*laid_out_args(case, a))
+    (_, (out, lse)), (dq, dk, dv, dsinks) = exchanged_step(name, case, config, a2a, interpret)(*laid_out_args(case, a))
     assert out.dtype == jnp.float32 and lse.dtype == jnp.float32
     out, lse = back(out), back(lse, 2)
     grads = [back(dq), back(dk), back(dv), None, None if dsinks is None else np.asarray(dsinks, np.float64)]

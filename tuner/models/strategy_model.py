@@ -299,7 +299,8 @@ def _ring_tiles(problem: Problem, platform: Platform) -> tuple[int, int]:
 
 def _scan_tiles(problem: Problem) -> tuple[int, int]:
     """The forward tiles of the scan kernel inside all_to_all, all_gather and the hybrid, by default
-    (`tuner.strategies.implementations.ExchangedScan.default_config`)."""
+    (`tuner.strategies.implementations.Exchanged.default_config`): the model counts their work at these,
+    though on a TPU or a GPU all_to_all and all_gather run the platform's kernel (docs/strategies.md)."""
     return _masked(SCAN_TILES, SCAN_MASKED_TILE, problem)
 
 

@@ -134,10 +134,13 @@ class ChoiceSpace:
 class Implementation(Protocol):
     """What the tools need from an implementation.
 
-    Three members are optional, read through `strategy_of`, `shape_violation` and `key` (hasattr-guarded):
+    Four members are optional, read through `strategy_of`, `strategy_choice`, `shape_violation` and `key`
+    (hasattr-guarded):
 
     - `strategy: str`, one of `STRATEGIES` or `GATHERED` (default: "ring" unless `gathered`), what
       `strategy=` selects it by; a strategy of `TWO_AXES` runs over two mesh axes (`mesh_axes`);
+    - `engine: str`, the name of the block kernel it runs: where several implementations share a strategy,
+      `strategy=` runs the one whose engine the platform prefers (`strategy_choice`, `PREFERENCE`);
     - `shape_violation(shapes, ring_size) -> str | None` (over two axes: `(shapes, ring_size, group)`),
       why one device's shapes on a ring of `ring_size` devices (of which `group` share each ring position)
       cannot run, checked when a call is resolved, so a call asking for it by name fails there and `auto`
@@ -324,6 +327,44 @@ def resolve_auto(spec: AttentionSpec, dtype: Any, head_dim: int, target: Target,
     return get(FALLBACK), passed_over
 
 
+def strategy_choice(strategy: str, spec: AttentionSpec, dtype: Any, head_dim: int, target: Target, *,
+                    return_lse: bool = False, shapes: LocalShapes | None = None, ring_size: int = 1,
+                    group: int | None = None) -> tuple[Implementation | None, str | None]:
+    """The implementation `strategy=` runs for this call and None; or None and why none can. Of the
+    implementations of `strategy`, the first that can run the call, those whose `engine` comes first in
+    the platform's `PREFERENCE` first, then in the order they were registered; the reason given is that of
+    the one over the `FALLBACK` kernel (or of the first)."""
+    preference = PREFERENCE.get(target.platform, (FALLBACK,))
+    candidates = [i for i in _REGISTRY.values() if strategy_of(i) == strategy]
+    if not candidates:
+        return None, "no implementation of it is registered"
+    engine = {i.name: getattr(i, "engine", None) for i in candidates}
+    rank = {name: preference.index(e) if e in preference else len(preference) for name, e in engine.items()}
+    candidates.sort(key=lambda i: rank[i.name])  # stable: registration order among equals
+    reasons = {}
+    for implementation in candidates:
+        reasons[implementation.name] = why_not(implementation, spec, dtype, head_dim, target, return_lse=return_lse,
+                                               shapes=shapes, ring_size=ring_size, group=group)
+        if reasons[implementation.name] is None:
+            return implementation, None
+    said = next((i for i in candidates if engine[i.name] == FALLBACK), candidates[0])
+    return None, reasons[said.name]
+
+
+def for_strategy(strategy: str, spec: AttentionSpec, dtype: Any, head_dim: int, target: Target, *,
+                 return_lse: bool = False, shapes: LocalShapes | None = None, ring_size: int = 1,
+                 group: int | None = None) -> Implementation:
+    """`strategy_choice`'s implementation; `ValueError` naming `strategy` and saying why where none can run
+    the call."""
+    implementation, reason = strategy_choice(strategy, spec, dtype, head_dim, target, return_lse=return_lse,
+                                             shapes=shapes, ring_size=ring_size, group=group)
+    if implementation is None:
+        fallback = "use strategy='auto' to fall back to one that can" if group is None else \
+            "the call is over two mesh axes: fix what is named, or pass one axis name"
+        raise ValueError(f"strategy {strategy!r} {reason}; {fallback}")
+    return implementation
+
+
 def choose(name: str, spec: AttentionSpec, dtype: Any, head_dim: int, target: Target, *,
            return_lse: bool = False, shapes: LocalShapes | None = None, ring_size: int = 1,
            group: int | None = None, argument: str = "backend") -> Implementation:
@@ -384,5 +425,6 @@ def forward_tiles(config: Config) -> tuple[int, int] | None:
 
 __all__ = ["FALLBACK", "GATHERED", "OBJECTIVE_PARTS", "PARTS", "PREFERENCE", "STRATEGIES", "ChoiceSpace", "Config",
            "Implementation", "Space", "TWO_AXES", "Target", "choose", "combine", "config_from_parts", "default_config",
-           "find", "forward_tiles", "get", "key", "label", "mesh_axes", "names", "problem_key", "register",
-           "registered", "resolve_auto", "shape_violation", "strategy_of", "unregister", "versions", "why_not"]
+           "find", "for_strategy", "forward_tiles", "get", "key", "label", "mesh_axes", "names", "problem_key",
+           "register", "registered", "resolve_auto", "shape_violation", "strategy_choice", "strategy_of",
+           "unregister", "versions", "why_not"]

@@ -64,7 +64,9 @@ def ring_attention(
     the query's dtype, and with `return_lse` also the float32 log-sum-exp `[B, H, Tq]`.
 
     `strategy="all_to_all"` (Ulysses: H % ring size == 0) or `"all_gather"` (K/V gathered whole) runs that
-    strategy instead of the ring; its inner scan takes `fwd_params`/`bwd_params`, else its defaults.
+    strategy instead of the ring, its inner ring over the platform's preferred kernel that can run the call
+    (Pallas on a TPU, Triton on a GPU, else scan; `backend="all_to_all_<kernel>"` names one), which takes
+    `fwd_params`/`bwd_params`, else its defaults.
     `strategy="hybrid"` takes `axis_name=(ring_axis, group_axis)` under `shard_map` over both axes, the
     sequence sharded over both (ring axis outer) and `layout` over the ring axis: all-to-all over the
     second, the scan ring over the first (`tuner.strategies.hybrid`). ("auto", which picks by measurement, is

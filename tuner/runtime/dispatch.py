@@ -298,7 +298,7 @@ class TunedRingAttention:
             return dataclasses.replace(ring, reason=f"{verdict.reason}, but {ring.backend} is tuned for this problem "
                                                     f"({ring.source}: {ring.reason}); strategy={verdict.strategy!r} "
                                                     f"runs the other")
-        implementation = registry.get(verdict.strategy)
+        implementation = registry.get(verdict.implementation)
         problem = dataclasses.replace(ring.key, backend=implementation.name)
         decision = self._lookup(problem, shapes, ring.spec, ring.layout, implementation, None, unusable, packed_tile)
         return dataclasses.replace(decision, reason=f"{verdict.reason}; config: {decision.source} ({decision.reason})")

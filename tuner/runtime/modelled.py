@@ -13,6 +13,7 @@ platform whose rates say nothing about real devices, and on other GPUs it never 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,11 +32,14 @@ Predictions = tuple[tuple[str, float, float | None], ...]  # (strategy, predicte
 @dataclass(frozen=True)
 class Verdict:
     """The model's answer for one call: the strategy it picks ("ring" unless another is runnable and
-    `MARGIN` faster), why, and every candidate's predicted (and bench-measured) seconds."""
+    `MARGIN` faster), why, and every candidate's predicted (and bench-measured) seconds; `implementation`,
+    the implementation of a picked strategy other than the ring that runs the call
+    (`registry.strategy_choice`)."""
 
     strategy: str
     reason: str
     predictions: Predictions
+    implementation: str | None = None
 
 
 def model_platform(platform: str, device_kind: str) -> str | None:
@@ -67,16 +71,16 @@ def problem_of(shapes: LocalShapes, spec: AttentionSpec, ring_size: int, layout:
         return None
 
 
-def bench_seconds(rows: list[dict[str, Any]], ring: str) -> dict[str, float]:
-    """Seconds per strategy from the bench rows of `tuner.runtime.measured.decisions`: the ring's is the row of
-    the ring implementation `ring` that would run, the others' that of their implementation."""
+def bench_seconds(rows: list[dict[str, Any]], running: dict[str, str]) -> dict[str, float]:
+    """Seconds per strategy from the bench rows of `tuner.runtime.measured.decisions`: each strategy's is the
+    row of the implementation that would run it (`running`, by strategy)."""
     seconds = {}
     for row in rows:
         implementation = registry.find(row["backend"])
         if row["source"] != "bench" or implementation is None:
             continue
         strategy = registry.strategy_of(implementation)
-        if strategy in CANDIDATES and (strategy != "ring" or row["backend"] == ring):
+        if strategy in CANDIDATES and running.get(strategy) == row["backend"]:
             seconds[strategy] = row["best_s"]
     return seconds
 
@@ -115,14 +119,14 @@ def verdict(rows: list[dict[str, Any]], key, spec: AttentionSpec, dtype: Any, ta
     if problem is None:
         return None
 
-    def runnable(strategy: str) -> str | None:
-        implementation = registry.find(strategy)
-        if implementation is None or registry.strategy_of(implementation) != strategy:
-            return "no implementation is registered for it"
-        return registry.why_not(implementation, spec, dtype, key.head_dim, target, return_lse=return_lse,
-                                shapes=key, ring_size=key.ring_size)
-
-    return decide(problem, platform, runnable, measured=bench_seconds(rows, key.backend), return_lse=return_lse)
+    running, reasons = {"ring": key.backend}, {}
+    for strategy in (s for s in CANDIDATES if s != "ring"):
+        implementation, reasons[strategy] = registry.strategy_choice(
+            strategy, spec, dtype, key.head_dim, target, return_lse=return_lse, shapes=key, ring_size=key.ring_size)
+        if implementation is not None:
+            running[strategy] = implementation.name
+    picked = decide(problem, platform, reasons.get, measured=bench_seconds(rows, running), return_lse=return_lse)
+    return dataclasses.replace(picked, implementation=running.get(picked.strategy))
 
 
 __all__ = ["CANDIDATES", "MARGIN", "Predictions", "Verdict", "bench_seconds", "decide", "model_platform",

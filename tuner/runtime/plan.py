@@ -26,7 +26,7 @@ from tuner.registry import Config
 from tuner.semantics.spec import AttentionSpec, LocalShapes, build_spec, check_inputs, layout_span
 
 MASK_OPTIONS = ("causal", "sliding_window", "chunk_size", "logits_soft_cap", "softmax_scale")
-SELECTING = tuple(s for s in registry.STRATEGIES if s != "ring")  # each selects the implementation of its name
+SELECTING = tuple(s for s in registry.STRATEGIES if s != "ring")  # each selects one of its implementations
 ARRAY_OPTIONS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions", "softmax_aux", "bias")
 
 
@@ -79,7 +79,8 @@ def resolve(query, key, value, *, ring_size: int, layout: str, backend: str, tar
     `ring_size` in `layout`, with the mask options `mask` (`MASK_OPTIONS`) and the per-call arrays
     `arrays` (`ARRAY_OPTIONS`, None when absent). `backend` names an implementation, or "auto" for
     the platform's preference; `strategy` ("auto" or one of `registry.STRATEGIES`) "all_to_all",
-    "all_gather" or "hybrid" selects that implementation, "ring" keeps `backend` to a ring's
+    "all_gather" or "hybrid" selects one of its implementations (`registry.for_strategy`: over the
+    platform's preferred kernel that can run the call), "ring" keeps `backend` to a ring's
     (`check_strategy`). With a pair `axis_name=(ring_axis, group_axis)` the call is over two axes: `ring_size`
     is then every device the sequence is split over (R x A), `group` the second axis's A, and the layout
     applies over the R positions of the ring axis, each holding A shards.
@@ -104,9 +105,11 @@ def resolve(query, key, value, *, ring_size: int, layout: str, backend: str, tar
     dtype, head_dim, shapes = jnp.dtype(query.dtype), query.shape[3], LocalShapes.of_shards(query, key, value)
     call = dict(return_lse=return_lse, shapes=shapes, ring_size=ring_size, group=group)
     if strategy in SELECTING or backend != "auto":
-        argument, name = ("backend", backend) if backend != "auto" else ("strategy", strategy)
         try:
-            implementation = registry.choose(name, spec, dtype, head_dim, target, argument=argument, **call)
+            if backend != "auto":
+                implementation = registry.choose(backend, spec, dtype, head_dim, target, **call)
+            else:
+                implementation = registry.for_strategy(strategy, spec, dtype, head_dim, target, **call)
         except ValueError as error:
             raise ValueError(f"axis_name={axis_name!r}: {error}" if group is not None else str(error)) from None
         return Resolved(spec, shapes, implementation, None)

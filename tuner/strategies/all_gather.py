@@ -42,11 +42,11 @@ from tuner.support import ordering
 from tuner import registry
 from tuner.support import vma
 from tuner.kernels.base import SearchSpace
-from tuner.strategies.implementations import ExchangedScan, TileConfig, TileSpace
+from tuner.kernels import BACKENDS
+from tuner.strategies.implementations import Exchanged, TileConfig, TileSpace
 from tuner.strategies.ring import ring_geometry, run_ring
 from tuner.semantics.spec import INT32_MAX, AttentionSpec, LocalShapes
 
-INNER = "scan"
 BIAS_REASON = "bias: the all-gather does not carry a bias over the key axis; the ring supports it"
 
 
@@ -81,11 +81,12 @@ def check_memory(shapes: LocalShapes, ring_size: int) -> None:
 
 
 def all_gather_attention(query, key, value, *, spec: AttentionSpec, config: TileConfig, axis_name: Hashable | None,
-                         layout: str, interpret: bool = False, q_segment_ids=None, kv_segment_ids=None,
-                         q_positions=None, kv_positions=None, softmax_aux=None, bias=None,
+                         layout: str, interpret: bool = False, backend: str = "scan", q_segment_ids=None,
+                         kv_segment_ids=None, q_positions=None, kv_positions=None, softmax_aux=None, bias=None,
                          return_lse: bool = False) -> Any:
     """This device's output (and lse `[B, H, T/P]`) for a call resolved to `spec`, under `shard_map` over
-    `axis_name`, on shards in `layout` (module docstring). Arrays as in `tuner.ring_attention`."""
+    `axis_name`, on shards in `layout` (module docstring), the inner ring over the block kernel `backend`.
+    Arrays as in `tuner.ring_attention`."""
     if bias is not None or spec.has_bias:
         raise ValueError(f"all_gather does not support {BIAS_REASON}")
     size, rank = ring_geometry(axis_name)
@@ -114,19 +115,18 @@ def all_gather_attention(query, key, value, *, spec: AttentionSpec, config: Tile
     sinks = softmax_aux
     if sinks is not None and axis_name is not None and axis_name not in vma.varying_axes(sinks):
         sinks = lax.pcast(sinks, (axis_name,), to="varying")  # one set for every device: its gradient sums
-    return run_ring(query, key, value, spec=spec, backend=INNER, fwd_params=config.fwd,
+    return run_ring(query, key, value, spec=spec, backend=backend, fwd_params=config.fwd,
                     bwd_params=config.bwd, axis_name=None, layout=layout, interpret=interpret,
                     q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_positions=q_positions,
                     kv_positions=kv_positions, softmax_aux=sinks, return_lse=return_lse)
 
 
-class AllGather(ExchangedScan):
-    """All-gather K/V over the ring's axis, then the scan ring at ring size 1 of the local queries over
-    the whole sequence (module docstring)."""
+class AllGather(Exchanged):
+    """All-gather K/V over the ring's axis, then a block kernel's ring at ring size 1 of the local queries
+    over the whole sequence (module docstring)."""
 
-    name = "all_gather"
-    summary = ("all-gather K/V (refused over half the device memory), "
-               "scan of the local queries over the whole sequence")
+    summary_form = ("all-gather K/V (refused over half the device memory), "
+                    "{kernel} of the local queries over the whole sequence")
     strategy = "all_gather"
     bias_reason = BIAS_REASON
 
@@ -157,7 +157,8 @@ class AllGather(ExchangedScan):
     attention = staticmethod(all_gather_attention)
 
 
-registry.register(AllGather())
+for _kernel in BACKENDS.values():
+    registry.register(AllGather(_kernel))
 
 __all__ = ["AllGather", "all_gather_attention", "check_memory", "device_bytes_limit", "gathered_bytes",
            "memory_violation"]

@@ -39,11 +39,11 @@ from tuner.semantics import layouts
 from tuner.support import ordering
 from tuner import registry
 from tuner.support import vma
-from tuner.strategies.implementations import ExchangedScan, TileConfig, TileSpace
+from tuner.kernels import BACKENDS
+from tuner.strategies.implementations import Exchanged, TileConfig, TileSpace
 from tuner.strategies.ring import ring_geometry, run_ring
 from tuner.semantics.spec import AttentionSpec, LocalShapes
 
-INNER = "scan"
 BIAS_REASON = "bias: the all-to-all exchange does not carry a bias over the key axis; the ring supports it"
 
 
@@ -66,11 +66,12 @@ def kv_repeats(heads: int, kv_heads: int, ring_size: int) -> int:
 
 
 def all_to_all_attention(query, key, value, *, spec: AttentionSpec, config: TileConfig, axis_name: Hashable | None,
-                         layout: str, interpret: bool = False, q_segment_ids=None, kv_segment_ids=None,
-                         q_positions=None, kv_positions=None, softmax_aux=None, bias=None,
+                         layout: str, interpret: bool = False, backend: str = "scan", q_segment_ids=None,
+                         kv_segment_ids=None, q_positions=None, kv_positions=None, softmax_aux=None, bias=None,
                          return_lse: bool = False) -> Any:
     """This device's output (and lse) for a call resolved to `spec`, under `shard_map` over
-    `axis_name`, on shards in `layout` (module docstring). Arrays as in `tuner.ring_attention`."""
+    `axis_name`, on shards in `layout` (module docstring), the inner ring over the block kernel `backend`.
+    Arrays as in `tuner.ring_attention`."""
     if bias is not None or spec.has_bias:
         raise ValueError(f"all_to_all does not support {BIAS_REASON}")
     size, rank = ring_geometry(axis_name)
@@ -104,7 +105,7 @@ def all_to_all_attention(query, key, value, *, spec: AttentionSpec, config: Tile
     query, key, value = ordering.in_order(to_heads, [query, key, value])
     q_seg, kv_seg, q_pos, kv_pos = ordering.in_order(gathered, [q_segment_ids, kv_segment_ids, q_positions,
                                                                 kv_positions])
-    out, lse = run_ring(query, key, value, spec=spec, backend=INNER, fwd_params=config.fwd, bwd_params=config.bwd,
+    out, lse = run_ring(query, key, value, spec=spec, backend=backend, fwd_params=config.fwd, bwd_params=config.bwd,
                         axis_name=None, layout=layout, interpret=interpret, q_segment_ids=q_seg,
                         kv_segment_ids=kv_seg, q_positions=positions(q_pos, tq), kv_positions=positions(kv_pos, tk),
                         softmax_aux=sinks, return_lse=True)
@@ -114,13 +115,12 @@ def all_to_all_attention(query, key, value, *, spec: AttentionSpec, config: Tile
     return (out, lse) if return_lse else out
 
 
-class AllToAll(ExchangedScan):
-    """Ulysses: all-to-all from sequence shards to head groups, the scan ring at ring size 1 over the
-    whole sequence, all-to-all back (module docstring)."""
+class AllToAll(Exchanged):
+    """Ulysses: all-to-all from sequence shards to head groups, a block kernel's ring at ring size 1 over
+    the whole sequence, all-to-all back (module docstring)."""
 
-    name = "all_to_all"
-    summary = ("all-to-all to head groups (H % P == 0; kv heads repeated when Hkv % P != 0), "
-               "scan over the whole sequence, all-to-all back")
+    summary_form = ("all-to-all to head groups (H % P == 0; kv heads repeated when Hkv % P != 0), "
+                    "{kernel} over the whole sequence, all-to-all back")
     strategy = "all_to_all"
     bias_reason = BIAS_REASON
 
@@ -144,6 +144,7 @@ class AllToAll(ExchangedScan):
     attention = staticmethod(all_to_all_attention)
 
 
-registry.register(AllToAll())
+for _kernel in BACKENDS.values():
+    registry.register(AllToAll(_kernel))
 
 __all__ = ["AllToAll", "all_to_all_attention", "heads_violation", "kv_repeats"]

@@ -44,7 +44,6 @@ from tuner.strategies.implementations import TileConfig
 from tuner.strategies.ring import run_ring
 from tuner.semantics.spec import AttentionSpec, LocalShapes
 
-INNER = "scan"
 BIAS_REASON = "bias: the hybrid's all-to-all does not carry a bias over the key axis; the ring supports it"
 
 
@@ -68,8 +67,9 @@ def exchanged(shapes: LocalShapes, group: int) -> LocalShapes:
 
 
 def hybrid_attention(query, key, value, *, spec: AttentionSpec, config: TileConfig, axis_name: Any, layout: str,
-                     interpret: bool = False, q_segment_ids=None, kv_segment_ids=None, q_positions=None,
-                     kv_positions=None, softmax_aux=None, bias=None, return_lse: bool = False) -> Any:
+                     interpret: bool = False, backend: str = "scan", q_segment_ids=None, kv_segment_ids=None,
+                     q_positions=None, kv_positions=None, softmax_aux=None, bias=None,
+                     return_lse: bool = False) -> Any:
     """This device's output (and lse `[B, H, T/(R A)]`) for a call resolved to `spec`, under `shard_map` over
     both axes of `axis_name=(ring_axis, a2a_axis)`, on shards in `layout` over the ring axis (module
     docstring). Arrays as in `tuner.ring_attention`."""
@@ -99,7 +99,7 @@ def hybrid_attention(query, key, value, *, spec: AttentionSpec, config: TileConf
     # On the CPU one exchange at a time (`tuner.support.ordering`).
     query, key, value = ordering.in_order(to_heads, [query, key, value])
     q_seg, kv_seg, q_pos, kv_pos = ordering.in_order(chunk, [q_segment_ids, kv_segment_ids, q_positions, kv_positions])
-    out, lse = run_ring(query, key, value, spec=spec, backend=INNER, fwd_params=config.fwd, bwd_params=config.bwd,
+    out, lse = run_ring(query, key, value, spec=spec, backend=backend, fwd_params=config.fwd, bwd_params=config.bwd,
                         axis_name=ring_axis, layout=layout, interpret=interpret, q_segment_ids=q_seg,
                         kv_segment_ids=kv_seg, q_positions=q_pos, kv_positions=kv_pos, softmax_aux=sinks,
                         return_lse=True)
@@ -112,9 +112,8 @@ class Hybrid(AllToAll):
     """USP: all-to-all over the a2a axis, the scan ring over the ring axis, all-to-all back (module
     docstring). Its tile hooks are all_to_all's: the inner ring sees at most `H * T/(R A)` tokens."""
 
-    name = "hybrid"
-    summary = ("all-to-all to head groups over the second axis of axis_name (H % its size == 0), "
-               "the scan ring over the first, all-to-all back")
+    summary_form = ("all-to-all to head groups over the second axis of axis_name (H % its size == 0), "
+                    "the {kernel} ring over the first, all-to-all back")
     strategy = "hybrid"
     bias_reason = BIAS_REASON
 

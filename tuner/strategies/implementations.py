@@ -7,15 +7,16 @@ mechanisms.
   tune (`NoConfig`), but measured against the rings by `tuner bench --mechanisms`, which can win at
   short lengths. Their strategy is `registry.GATHERED`, none of `strategy=`'s: they run when named by
   `backend=`, or under `auto` by measurement.
-- `all_to_all`: Ulysses, registered by `tuner.strategies.all_to_all` (it builds on `TileConfig` and `TileSpace`):
-  all-to-all from sequence shards to head groups (query heads a multiple of the ring size; kv heads
-  repeated to the fewest copies that split), the scan ring over the whole sequence, all-to-all back;
-  the config is the inner scan ring's `TileConfig`.
+- `all_to_all`, `all_gather` (and `all_to_all_<kernel>`, `all_gather_<kernel>` for the other kernels), the
+  hybrid: registered by their modules in `tuner.strategies` on `Exchanged`: they exchange shards over the
+  ring's axis, then run a block kernel's ring at ring size 1 over what they gathered; the config is that
+  inner ring's `TileConfig`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import sys
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -225,7 +226,7 @@ class Ring:
 
     def __init__(self, backend: Backend):
         self.kernel = backend
-        self.name = backend.name
+        self.name = self.engine = backend.name
         self.summary = f"ring over the {backend.name} block kernel"
         self.packages = ("triton",) if backend.name == "triton" else ()
 
@@ -320,20 +321,26 @@ class Gathered:
                                              layout=layout, **arrays)
 
 
-class ExchangedScan:
-    """The hooks shared by the implementations that exchange shards over the ring's axis and then run
-    the scan ring at ring size 1 over what they gathered (`all_to_all`, `all_gather`): the scan
-    backend's availability, features (less bias: `bias_reason`) and tiles, sized for the gathered
-    length `_full(shapes)`."""
+class Exchanged:
+    """The hooks shared by the implementations that exchange shards over the ring's axis and then run a
+    block kernel's ring at ring size 1 over what they gathered (`all_to_all`, `all_gather`, the hybrid),
+    one registration per kernel (`engine`, the kernel's name): its availability, features (less bias:
+    `bias_reason`) and tiles, sized for the gathered length `_full(shapes)`. Named after the strategy for
+    the scan kernel, `<strategy>_<kernel>` for the others; `strategy=` runs the platform's preferred
+    kernel that can (`registry.strategy_choice`)."""
 
     config_type = TileConfig
     gathered = True
-    packages = ()
-    name: str
+    strategy: str
+    summary_form: str  # the summary, with "{kernel}" for the kernel's name
     bias_reason: str
 
-    def __init__(self) -> None:
-        self.inner = BACKENDS["scan"]  # not `kernel`: the ring driver would take this for a ring
+    def __init__(self, kernel: Backend | None = None) -> None:
+        self.inner = kernel or BACKENDS["scan"]  # not `kernel`: the ring driver would take this for a ring
+        self.engine = self.inner.name
+        self.name = self.strategy if self.engine == "scan" else f"{self.strategy}_{self.engine}"
+        self.summary = self.summary_form.format(kernel=self.engine)
+        self.packages = ("triton",) if self.engine == "triton" else ()
 
     @staticmethod
     def _full(shapes: LocalShapes) -> LocalShapes:
@@ -347,25 +354,32 @@ class ExchangedScan:
 
     @staticmethod
     def attention(query, key, value, **resolved: Any) -> Any:
-        """The strategy's local call (`attend`'s arguments)."""
+        """The strategy's local call (`attend`'s arguments, and `backend`, the kernel)."""
         raise NotImplementedError
 
     def violation(self, shapes: LocalShapes, spec: AttentionSpec, config: TileConfig, parts: tuple[str, ...]
                   ) -> str | None:
-        return self.inner.violation(self._bound(shapes), spec, config.fwd if "fwd" in parts else None,
+        """The kernel's constraints on the gathered shapes: for the scan kernel a bound of every real tile
+        (`_bound`, its tile-size check); for the others the gathered length the hooks can know (`_full`)."""
+        shapes = self._bound(shapes) if self.engine == "scan" else self._full(shapes)
+        return self.inner.violation(shapes, spec, config.fwd if "fwd" in parts else None,
                                     config.bwd if "bwd" in parts else None)
 
     def attend(self, query, key, value, *, spec: AttentionSpec, config: TileConfig, axis_name: Hashable | None,
                layout: str, interpret: bool = False, **arrays: Any) -> Any:
         return self.attention(query, key, value, spec=spec, config=config, axis_name=axis_name, layout=layout,
-                              interpret=interpret, **arrays)
+                              interpret=interpret, backend=self.engine, **arrays)
 
     def available(self, target: Target) -> str | None:
         return self.inner.unavailable_reason(target.interpret, target.platform)
 
     def supports(self, spec: AttentionSpec, dtype: Any, head_dim: int, *, return_lse: bool = False,
                  value_head_dim: int | None = None) -> str | None:
-        return self.bias_reason if spec.has_bias else self.inner.supports(spec, dtype, head_dim, value_head_dim)
+        if spec.has_bias:
+            return self.bias_reason
+        if value_head_dim is None:
+            return self.inner.supports(spec, dtype, head_dim)
+        return self.inner.supports(spec, dtype, head_dim, value_head_dim)
 
     def default_config(self, shapes: LocalShapes, spec: AttentionSpec, *, packed_tile: int | None = None
                        ) -> TileConfig:
@@ -384,13 +398,12 @@ class ExchangedScan:
         self.inner.check_params(config.fwd, config.bwd)
 
     def code_hash(self) -> str:
-        from tuner.kernels import scan, scan_kernel, scan_tiling
-
+        """The strategy's module and the kernel's code."""
         own = Path(sys.modules[type(self).__module__].__file__)
-        return source_hash(own, *(Path(m.__file__) for m in (scan, scan_kernel, scan_tiling)))
+        return hashlib.sha256(f"{source_hash(own)} {self.inner.code_hash()}".encode()).hexdigest()[:12]
 
     def vma_checked(self, target: Target) -> bool:
-        return True
+        return check_vma(self.engine, target.interpret)
 
 
 for _backend in BACKENDS.values():
@@ -401,4 +414,4 @@ registry.register(Gathered("dense", "all-gather K/V, tuner.semantics.reference.d
 registry.register(Gathered("jax_nn", "all-gather K/V, jax.nn.dot_product_attention"))
 
 
-__all__ = ["ExchangedScan", "Gathered", "NoConfig", "Ring", "TileConfig"]
+__all__ = ["Exchanged", "Gathered", "NoConfig", "Ring", "TileConfig"]

@@ -1,0 +1,109 @@
+"""All-to-all and all-gather over every block kernel: one registration per kernel, `strategy=` runs the
+platform's preferred one that can run the call, and each is exact (the Pallas kernels in their
+interpreter against float64; cuDNN's XLA twin in bf16 against the scan kernel in bf16), and compiles for a
+TPU with only the collectives of its strategy."""
+
+import importlib.util
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.cases import Case, check_exchanged, exchanged_step, laid_out_args, make_arrays, rel_err
+from tuner import BwdParams, FwdParams, registry
+from tuner.semantics.problem import Problem
+from tuner.semantics.spec import AttentionSpec, LocalShapes
+from tuner.strategies.implementations import TileConfig
+
+EXCHANGES = ("all_to_all", "all_gather")
+CASE = Case(batch=1, length=80, heads=4, kv_heads=2, head_dim=8, ring=2, layout="zigzag", causal=True)
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="libtpu is not installed: pip install -e '.[tpu]' compiles for TPU topologies")
+
+
+def test_each_exchange_is_registered_over_each_kernel():
+    for strategy in EXCHANGES:
+        for kernel in ("scan", "triton", "pallas_tpu", "cudnn"):
+            implementation = registry.get(strategy if kernel == "scan" else f"{strategy}_{kernel}")
+            assert registry.strategy_of(implementation) == strategy and implementation.engine == kernel
+            assert kernel in implementation.summary and implementation.gathered
+    assert registry.get("all_to_all_triton").packages == ("triton",)
+
+
+def test_a_strategy_runs_the_platforms_preferred_kernel_that_can():
+    shapes = LocalShapes(1, 1024, 1024, 8, 2, 128, "bfloat16")
+    spec = AttentionSpec(scale=128**-0.5, causal=True)
+
+    def chosen(strategy, platform, dtype=jnp.bfloat16, **placement):
+        return registry.for_strategy(strategy, spec, dtype, 128, registry.Target(platform), shapes=shapes,
+                                     ring_size=4, **placement).name
+
+    for strategy in EXCHANGES:
+        assert chosen(strategy, "cpu") == strategy  # the CPU prefers the scan kernel
+        if importlib.util.find_spec("libtpu") is not None:  # the TPU compiler is at hand: Pallas is available
+            assert chosen(strategy, "tpu") == f"{strategy}_pallas_tpu"
+            assert chosen(strategy, "tpu", jnp.float16) == strategy  # Pallas takes no float16: scan
+    with pytest.raises(ValueError, match=r"strategy 'all_to_all' cannot run these shapes: all_to_all splits the "
+                                         r"query heads over the ring: heads \(8\) must be a multiple of the ring "
+                                         r"size \(16\)"):
+        registry.for_strategy("all_to_all", spec, jnp.bfloat16, 128, registry.Target("cpu"), shapes=shapes,
+                              ring_size=16)
+
+
+@pytest.mark.parametrize("strategy", EXCHANGES)
+def test_over_the_pallas_kernels_in_their_interpreter_it_matches_float64(strategy):
+    """Tiles of 16 queries over 80 tokens (all_to_all's whole sequence) and 40 (all_gather's shard): the
+    last query tile runs past the end; GQA, causal, zigzag, a ring of 2; forward, lse and every gradient."""
+    config = TileConfig(FwdParams(16, 128), BwdParams(16, 128, 16, 128))
+    check_exchanged(f"{strategy}_pallas_tpu", CASE, config, interpret=True)
+    step = exchanged_step(f"{strategy}_pallas_tpu", CASE, config, interpret=True)
+    assert "pallas_call" in str(jax.make_jaxpr(step)(*laid_out_args(CASE, make_arrays(CASE))))  # not the scan
+
+
+@pytest.mark.parametrize("strategy", EXCHANGES)
+def test_over_cudnns_twin_engine_it_matches_the_scan_kernel_in_bf16(strategy, monkeypatch):
+    """cuDNN takes bf16 only: its XLA twin (the cudnn kernel's engine on the CPU) against the scan kernel,
+    both fed the same bf16 arrays; output, lse and gradients within bf16's rounding."""
+    from tuner.kernels import cudnn_engine
+
+    asked, engine = [], cudnn_engine.engine
+    monkeypatch.setattr(cudnn_engine, "engine", lambda interpret: asked.append(interpret) or engine(interpret))
+    args = list(laid_out_args(CASE, make_arrays(CASE)))
+    args[:3] = [x.astype(jnp.bfloat16) for x in args[:3]]
+    (_, (out, lse)), grads = exchanged_step(f"{strategy}_cudnn", CASE, TileConfig(FwdParams(20, 20), BwdParams(20, 20)),
+                                            interpret=True)(*args)
+    (_, (want, want_lse)), want_grads = exchanged_step(strategy, CASE, TileConfig(FwdParams(16, 16),
+                                                                                  BwdParams(16, 16)))(*args)
+    assert out.dtype == jnp.bfloat16 and asked and all(asked)  # the cudnn kernel ran, on its twin
+    assert rel_err(np.asarray(lse), np.asarray(want_lse)) < 1e-5
+    for got, expected in zip((out, *grads[:3]), (want, *want_grads[:3])):
+        assert rel_err(np.asarray(got, np.float32), np.asarray(expected, np.float32)) < 1e-2
+
+
+@needs_libtpu
+@pytest.mark.parametrize("strategy, collective", [("all_to_all", "all-to-all"), ("all_gather", "all-gather")])
+def test_over_pallas_on_the_tpu_compiler_only_the_strategys_collective_moves_the_sequence(strategy, collective):
+    """v5e, 32,768 tokens on a ring of 4, forward and backward: three Mosaic kernels, and the bf16 arrays
+    move only by the strategy's collective (all_gather: K and V, heads-major), no ring permutes."""
+    from tuner.tuning import compiled
+    from tuner.tuning.decision import loader_plan
+    from tuner.tuning.workload import Workload, vjp_of
+
+    problem = Problem(seq_len=32768, heads=8, kv_heads=2, head_dim=128, dtype="bfloat16", causal=True, ring_size=4,
+                      layout="zigzag")
+    workload = Workload(problem, devices=list(compiled.topology_mesh("v5e:2x2").devices.flat))
+    with jax.sharding.use_abstract_mesh(workload.mesh.abstract_mesh):
+        plan = loader_plan(problem, f"{strategy}_pallas_tpu", None)
+    attend = workload.attend(plan.backend, plan.config)
+    inputs, dout = workload.structs()
+
+    def forward_and_backward(x, cotangent):
+        out, vjp = vjp_of(attend, x)
+        return out, vjp(cotangent)
+
+    text = jax.jit(forward_and_backward).lower(inputs, dout).compile().as_text()
+    moved = set(re.findall(r"= bf16\[[\d,]*\]\{[^}]*\} (all-gather|all-to-all|collective-permute)(?:-start)?\(", text))
+    assert moved == {collective}, moved
+    assert text.count("tpu_custom_call") >= 3
