@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from tests.cases import Case, check_exchanged, exchanged_step, laid_out_args, make_arrays, rel_err
 from tuner import BwdParams, FwdParams, registry
@@ -107,3 +109,27 @@ def test_over_pallas_on_the_tpu_compiler_only_the_strategys_collective_moves_the
     moved = set(re.findall(r"= bf16\[[\d,]*\]\{[^}]*\} (all-gather|all-to-all|collective-permute)(?:-start)?\(", text))
     assert moved == {collective}, moved
     assert text.count("tpu_custom_call") >= 3
+
+
+def test_over_cudnn_it_lowers_for_cuda_to_cudnns_calls_between_all_to_alls():
+    """The real cuDNN primitives (not the twin): all_to_all over cudnn on 4 devices, 1,024 tokens, causal,
+    zigzag (the gathered sequence holds the shards' halves of 128 in ring order, so chunks of 128 are
+    whole halves), lowered for CUDA on this host: cuDNN's forward and backward calls between the
+    all-to-alls, and no ring permute."""
+    from tuner.kernels import cudnn_engine
+
+    if cudnn_engine.private_module()[0] is None:
+        pytest.skip(f"this jax has no cuDNN primitives to bind: {cudnn_engine.private_module()[1]}")
+    implementation, spec = registry.get("all_to_all_cudnn"), AttentionSpec(scale=0.125, causal=True)
+    config = TileConfig(FwdParams(128, 128), BwdParams(128, 128))
+
+    def attention(q, k, v):
+        return implementation.attend(q, k, v, spec=spec, config=config, axis_name="sp", layout="zigzag")
+
+    sharded = jax.shard_map(attention, mesh=Mesh(np.array(jax.devices()[:4]), ("sp",)),
+                            in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"))
+    q, kv = jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16), jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16)
+    grads = jax.grad(lambda q, k, v: sharded(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    text = jax.jit(grads).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__cudnn$fmhaSoftmax" in text and "__cudnn$fmhaSoftmaxBackward" in text
+    assert "all_to_all" in text and "collective_permute" not in text
