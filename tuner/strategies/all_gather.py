@@ -5,7 +5,8 @@ On each of the P devices of the ring's axis, the query shard `[B, T/P, H, D]` st
 and value shards (only the Hkv heads) are all-gathered with `jax.lax.all_gather` into `[B, T, Hkv, D]`, in
 ring order (gathered heads-major, the kernel's layout, so that dK and dV are reduce-scattered from it:
 on the CPU up to 18% fewer temporaries, docs/memory.md), and the device attends its queries over them
-with the scan ring at ring size 1 (`tuner.strategies.ring.run_ring`). One collective instead of P - 1
+with a block kernel's ring at ring size 1 (`tuner.strategies.ring.run_ring`; registered once per kernel,
+`all_gather` over the scan kernel). One collective instead of P - 1
 ring steps, and no condition on the heads: it wins where the ring's transfers cannot hide and the heads
 do not split for all_to_all.
 
@@ -19,10 +20,11 @@ do not split for all_to_all.
   When the device reports a memory limit, a call whose gathered K/V would take more than half of it is
   refused when it is resolved (`shape_violation`: by name, `ValueError`; under `auto`, skipped), and by
   `attend` too; the ring and all_to_all hold only shards.
-- Config: the inner scan ring's `TileConfig`, with the full key length but the local query length. The
-  hooks see one device's shapes but not P; like all_to_all they size the default and the space for a key
-  length of `H * T/P` (a heuristic here: P may exceed H), with query tiles cut to the local length. The
-  tile-size limit is checked for any P: a key tile is at most `block_kv` long.
+- Config: the inner ring's `TileConfig`, with the full key length but the local query length. The
+  hooks see one device's shapes but not P; like all_to_all they size the default, the space and the
+  kernel's constraints for a key length of `H * T/P` (a heuristic here: P may exceed H), with query tiles
+  cut to the local length. The scan kernel's tile-size limit is checked for any P: a key tile is at
+  most `block_kv` long.
 - Backward: jax's autodiff through the all-gathers (their transpose is a reduce-scatter of dK and dV: each
   device gets back the summed gradient of its own shard) and the inner ring's `custom_vjp`.
 """

@@ -2,7 +2,8 @@
 
 On each of the P devices of the ring's axis, the sequence shards `[B, T/P, H, D]` of q, k and v are
 exchanged with `jax.lax.all_to_all` into full-length blocks of a head group, `[B, T, H/P, D]`; the
-device attends over the whole sequence with the scan ring at ring size 1 (`tuner.strategies.ring.run_ring`), and
+device attends over the whole sequence with a block kernel's ring at ring size 1
+(`tuner.strategies.ring.run_ring`; registered once per kernel, `all_to_all` over the scan kernel), and
 the output (and lse `[B, H/P, T]`) is exchanged back to `[B, T/P, H, D]` (`[B, H, T/P]`). Two
 all-to-alls each way, instead of P - 1 ring steps: it wins where the ring's transfers cannot hide.
 
@@ -17,10 +18,10 @@ all-to-alls each way, instead of P - 1 ring steps: it wins where the ring's tran
   copies sums back.
 - Sinks (`[H]` or `[H, n]`): each device takes its head group's rows. No bias: a bias over the laid-out
   key axis would have to be exchanged too; the ring supports it.
-- Config: the inner scan ring's `TileConfig`, tuned as a ring's at the full length. The hooks see one
+- Config: the inner ring's `TileConfig`, tuned as a ring's at the full length. The hooks see one
   device's shapes but not P, so they bound the full length by `H * T/P` (P <= H): the space spans the
-  scan tiles up to that length, and the tile-size limit is checked against an upper bound of the real
-  `[B, H/P]` tile.
+  kernel's tiles up to that length, and its constraints are checked there (the scan kernel's tile-size
+  limit against an upper bound of the real `[B, H/P]` tile).
 - Backward: jax's autodiff through the all-to-alls (the transpose of one is one) and the inner ring's
   `custom_vjp`.
 """
