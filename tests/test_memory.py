@@ -167,6 +167,15 @@ def test_a_shard_the_tiles_do_not_divide_holds_no_more_than_a_longer_one():
     assert held[0] <= held[1] and temp[0] <= temp[1], (held, temp)
 
 
+def test_values_of_their_own_head_dim_compile_forward_and_backward():
+    """Multi-head latent attention's dims (queries and keys 64 wide, values and the output 32): the
+    output's cotangent the report compiles against is the output's shape (it was the queries')."""
+    problem = replace(PROBLEM, head_dim=64, value_head_dim=32)
+    _, analysis = memory.analysis(problem, jax.devices()[:4], "fwd+bwd")
+    rows = (problem.heads + problem.kv_heads) * (64 + 32)  # q and the cotangent; k and v
+    assert analysis.argument_size_in_bytes == 2 * problem.local_len * rows  # bfloat16
+
+
 def test_the_verb_prints_the_table_and_names_a_bad_flag(tmp_path):
     env = {**os.environ, "TUNER_HOME": str(tmp_path)}
     env.pop("XLA_FLAGS", None)

@@ -153,7 +153,7 @@ class Workload:
             return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=NamedSharding(self.mesh, spec))
 
         return ({n: struct(*shapes[n], self.specs[n]) for n in shapes},
-                struct(*shapes["q"], self.specs["q"]))
+                struct((p.batch, p.seq_len, p.heads, p.value_dim), p.dtype, self.specs["q"]))  # the output's
 
     def attend(self, name: str, config: Config, *, interpret: bool = False) -> Callable[[Inputs], Any]:
         """The global function `inputs -> output` of the registered implementation `name` with `config`,
