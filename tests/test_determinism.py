@@ -9,7 +9,8 @@ with grouped-query heads and packed documents (segment ids, some rows reading no
   between the runs makes the second one trace and compile again. A ring of 4 for scan, of 2 for the
   slow interpreters; pallas_tpu in bfloat16.
 - The exchanging implementations (`all_to_all` in bfloat16, `all_gather`, `hybrid` on a 2x2 mesh,
-  `dense`) run the same compiled function twice (`tests.cases.exchanged_step`).
+  `dense`; all-to-all and all-gather over the other kernels, in their interpreters) run the same
+  compiled function twice (`tests.cases.exchanged_step`).
 - The loader (`get_tuned_ring_attention(mesh=...)` on global arrays, from an empty cache): one loader
   run twice, and a second loader built and compiled anew, with the same plan (`explain()`); `jax_nn`
   (which returns no lse) through the loader, run twice.
@@ -57,16 +58,27 @@ KERNEL_CASES = [
                  id="cudnn-twin-ring4-bf16"),
 ]
 
-EXCHANGED_CASES = [  # (implementation, case, config, all-to-all group)
-    pytest.param("all_to_all", dataclasses.replace(BASE, dtype="bfloat16"), TILES, 1, id="all_to_all-ring4-bf16"),
-    pytest.param("all_gather", BASE, TILES, 1, id="all_gather-ring4-f32"),
-    pytest.param("hybrid", dataclasses.replace(BASE, ring=2), TILES, 2, id="hybrid-2x2-f32"),
-    pytest.param("dense", BASE, NoConfig(), 1, id="dense-ring4-f32"),
-]
+SMALL = dataclasses.replace(BASE, ring=2, heads=2, kv_heads=1)  # for the interpreters
+INTERPRETED = {  # the exchanges over the other kernels, in their interpreters (cuDNN: its XLA twin, bf16)
+    "pallas_tpu": (SMALL, TileConfig(FwdParams(16, 64), BwdParams(16, 64, 16, 64)), []),
+    "triton": (SMALL, TileConfig(FwdParams(16, 16), BwdParams(16, 16, 16, 16)),
+               [pytest.mark.skipif(NO_TRITON, reason="needs triton and torch (pip install -e '.[test]')")]),
+    "cudnn": (dataclasses.replace(BASE, segments=None, dtype="bfloat16"), TileConfig(FwdParams(8, 8), BwdParams(8, 8)),
+              []),
+}
+EXCHANGED_CASES = [  # (implementation, case, config, all-to-all group, interpreted)
+    pytest.param("all_to_all", dataclasses.replace(BASE, dtype="bfloat16"), TILES, 1, False,
+                 id="all_to_all-ring4-bf16"),
+    pytest.param("all_gather", BASE, TILES, 1, False, id="all_gather-ring4-f32"),
+    pytest.param("hybrid", dataclasses.replace(BASE, ring=2), TILES, 2, False, id="hybrid-2x2-f32"),
+    pytest.param("dense", BASE, NoConfig(), 1, False, id="dense-ring4-f32"),
+] + [pytest.param(f"{strategy}_{kernel}", case, config, 1, True, marks=marks, id=f"{strategy}_{kernel}-interpreted")
+     for strategy in ("all_to_all", "all_gather") for kernel, (case, config, marks) in INTERPRETED.items()]
 
 LOADER_BACKENDS = [("auto", True), ("jax_nn", False)]  # (backend, whether a second loader compiles again)
 
-COVERED = {"scan", "triton", "pallas_tpu", "cudnn", "all_to_all", "all_gather", "hybrid", "dense", "jax_nn"}
+COVERED = {"scan", "triton", "pallas_tpu", "cudnn", "all_to_all", "all_gather", "hybrid", "dense", "jax_nn",
+           *(f"{strategy}_{kernel}" for strategy in ("all_to_all", "all_gather") for kernel in INTERPRETED)}
 
 
 @pytest.fixture(autouse=True)
@@ -107,9 +119,9 @@ def test_a_kernel_backend_built_twice_gives_the_same_bits(case):
     assert_identical(first, second)
 
 
-@pytest.mark.parametrize("name, case, config, a2a", EXCHANGED_CASES)
-def test_an_exchanging_implementation_run_twice_gives_the_same_bits(name, case, config, a2a):
-    step = exchanged_step(name, case, config, a2a)
+@pytest.mark.parametrize("name, case, config, a2a, interpret", EXCHANGED_CASES)
+def test_an_exchanging_implementation_run_twice_gives_the_same_bits(name, case, config, a2a, interpret):
+    step = exchanged_step(name, case, config, a2a, interpret)
     args = list(laid_out_args(case, make_arrays(case)))
     args[:3] = [x.astype(case.dtype) for x in args[:3]]
 
