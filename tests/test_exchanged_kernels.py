@@ -1,7 +1,7 @@
 """All-to-all and all-gather over every block kernel: one registration per kernel, `strategy=` runs the
-platform's preferred one that can run the call, and each is exact (the Pallas kernels in their
-interpreter against float64; cuDNN's XLA twin in bf16 against the scan kernel in bf16), and compiles for a
-TPU with only the collectives of its strategy."""
+platform's preferred one that can run the call, and each is exact (the Pallas and Triton kernels in
+their interpreters against float64; cuDNN's XLA twin in bf16 against the scan kernel in bf16), compiles
+for a TPU with only the collectives of its strategy (Pallas) and lowers for CUDA (cuDNN)."""
 
 import importlib.util
 import re
@@ -54,14 +54,23 @@ def test_a_strategy_runs_the_platforms_preferred_kernel_that_can():
                               ring_size=16)
 
 
+INTERPRETED = {  # kernel: (its config, what its interpreted program holds that the scan kernel's does not)
+    "pallas_tpu": (TileConfig(FwdParams(16, 128), BwdParams(16, 128, 16, 128)), "pallas_call"),
+    "triton": (TileConfig(FwdParams(16, 16), BwdParams(16, 16, 16, 16)), "pure_callback"),  # torch on the CPU
+}
+NO_TRITON = importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None
+
+
+@pytest.mark.parametrize("kernel", [
+    "pallas_tpu", pytest.param("triton", marks=pytest.mark.skipif(NO_TRITON, reason="needs triton and torch"))])
 @pytest.mark.parametrize("strategy", EXCHANGES)
-def test_over_the_pallas_kernels_in_their_interpreter_it_matches_float64(strategy):
+def test_over_pallas_and_triton_in_their_interpreters_it_matches_float64(strategy, kernel):
     """Tiles of 16 queries over 80 tokens (all_to_all's whole sequence) and 40 (all_gather's shard): the
     last query tile runs past the end; GQA, causal, zigzag, a ring of 2; forward, lse and every gradient."""
-    config = TileConfig(FwdParams(16, 128), BwdParams(16, 128, 16, 128))
-    check_exchanged(f"{strategy}_pallas_tpu", CASE, config, interpret=True)
-    step = exchanged_step(f"{strategy}_pallas_tpu", CASE, config, interpret=True)
-    assert "pallas_call" in str(jax.make_jaxpr(step)(*laid_out_args(CASE, make_arrays(CASE))))  # not the scan
+    config, mark = INTERPRETED[kernel]
+    check_exchanged(f"{strategy}_{kernel}", CASE, config, interpret=True)
+    step = exchanged_step(f"{strategy}_{kernel}", CASE, config, interpret=True)
+    assert mark in str(jax.make_jaxpr(step)(*laid_out_args(CASE, make_arrays(CASE))))  # not the scan kernel
 
 
 @pytest.mark.parametrize("strategy", EXCHANGES)
