@@ -24,11 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from revisions import ROOT, check_tree, checkout, environment  # noqa: E402
+from revisions import check_tree, this_and_against  # noqa: E402
 
 OBJECTIVES = ("fwd", "fwd+bwd")
 
@@ -86,15 +85,6 @@ def worker(args: argparse.Namespace) -> None:
                                       "peak": memory.peak_memory_in_bytes}), flush=True)
 
 
-def measure(tree: str, argv: list[str]) -> dict[tuple, dict]:
-    run = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--worker"], env=environment(tree),
-                         cwd=tree, capture_output=True, text=True, check=False)
-    if run.returncode:
-        raise SystemExit(f"the worker for {tree} failed:\n{run.stderr[-3000:]}")
-    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    return {(r["target"], r["tokens"], r["dtype"], r["objective"]): r for r in rows}
-
-
 def _cell(temp: int | None, low: int) -> str:
     return "" if temp is None else f"{temp / 2**20:8.1f} ({temp / low:4.2f}x)"
 
@@ -123,11 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     from tuner.tuning.memory import floor
 
     forwarded = list(argv if argv is not None else sys.argv[1:])
-    this = measure(ROOT, forwarded)
-    that = {}
-    if args.against:
-        with checkout(args.against) as other:
-            that = measure(other, forwarded)
+    this, that = ({(r["target"], r["tokens"], r["dtype"], r["objective"]): r for r in rows}
+                  for rows in this_and_against(os.path.abspath(__file__), forwarded, args.against))
 
     rows = []
     print(f"H={args.heads}/{args.kv_heads}, D={args.head_dim}, causal, zigzag, ring of 4, batch 1, "

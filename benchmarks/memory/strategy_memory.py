@@ -15,11 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from revisions import ROOT, check_tree, checkout, environment  # noqa: E402
+from revisions import check_tree, this_and_against  # noqa: E402
 
 IMPLEMENTATIONS = ("scan", "all_to_all", "all_gather")
 OBJECTIVES = ("fwd", "fwd+bwd")
@@ -87,15 +86,6 @@ def worker(args: argparse.Namespace) -> None:
                                   "seconds": _seconds(implementation, args.time, dtype, devices)}), flush=True)
 
 
-def measure(tree: str, argv: list[str]) -> dict[tuple, dict]:
-    run = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--worker"], env=environment(tree),
-                         cwd=tree, capture_output=True, text=True, check=False)
-    if run.returncode:
-        raise SystemExit(f"the worker for {tree} failed:\n{run.stderr[-3000:]}")
-    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    return {(r["implementation"], r["dtype"], r["objective"]): r for r in rows}
-
-
 def _value(row: dict | None) -> str:
     if row is None:
         return ""
@@ -119,11 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     from tuner.tuning.memory import floor
 
     forwarded = list(argv if argv is not None else sys.argv[1:])
-    this = measure(ROOT, forwarded)
-    that = {}
-    if args.against:
-        with checkout(args.against) as other:
-            that = measure(other, forwarded)
+    this, that = ({(r["implementation"], r["dtype"], r["objective"]): r for r in rows}
+                  for rows in this_and_against(os.path.abspath(__file__), forwarded, args.against))
     print(f"{args.tokens} tokens, H=Hkv=8, D=64, causal, zigzag, 4 CPU devices; temporaries a device"
           + (f" (time: forward and backward at {args.time} tokens)" if args.time else "")
           + (f"; before: {args.against}" if args.against else ""))
