@@ -63,8 +63,8 @@ INTERPRETED = {  # the exchanges over the other kernels, in their interpreters (
     "pallas_tpu": (SMALL, TileConfig(FwdParams(16, 64), BwdParams(16, 64, 16, 64)), []),
     "triton": (SMALL, TileConfig(FwdParams(16, 16), BwdParams(16, 16, 16, 16)),
                [pytest.mark.skipif(NO_TRITON, reason="needs triton and torch (pip install -e '.[test]')")]),
-    "cudnn": (dataclasses.replace(BASE, segments=None, dtype="bfloat16"), TileConfig(FwdParams(8, 8), BwdParams(8, 8)),
-              []),
+    "cudnn": (dataclasses.replace(SMALL, segments=None, dtype="bfloat16"),
+              TileConfig(FwdParams(16, 16), BwdParams(16, 16)), []),  # chunks of the zigzag halves
 }
 EXCHANGED_CASES = [  # (implementation, case, config, all-to-all group, interpreted)
     pytest.param("all_to_all", dataclasses.replace(BASE, dtype="bfloat16"), TILES, 1, False,
