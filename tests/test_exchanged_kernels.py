@@ -14,6 +14,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from tests.cases import Case, check_exchanged, exchanged_step, laid_out_args, make_arrays, rel_err
+from tests.test_determinism import NO_TRITON
+from tests.test_strategies import needs_libtpu
 from tuner import BwdParams, FwdParams, registry
 from tuner.semantics.problem import Problem
 from tuner.semantics.spec import AttentionSpec, LocalShapes
@@ -21,8 +23,6 @@ from tuner.strategies.implementations import TileConfig
 
 EXCHANGES = ("all_to_all", "all_gather")
 CASE = Case(batch=1, length=80, heads=4, kv_heads=2, head_dim=8, ring=2, layout="zigzag", causal=True)
-needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                                  reason="libtpu is not installed: pip install -e '.[tpu]' compiles for TPU topologies")
 
 
 def test_each_exchange_is_registered_over_each_kernel():
@@ -58,7 +58,6 @@ INTERPRETED = {  # kernel: (its config, what its interpreted program holds that 
     "pallas_tpu": (TileConfig(FwdParams(16, 128), BwdParams(16, 128, 16, 128)), "pallas_call"),
     "triton": (TileConfig(FwdParams(16, 16), BwdParams(16, 16, 16, 16)), "pure_callback"),  # torch on the CPU
 }
-NO_TRITON = importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None
 
 
 @pytest.mark.parametrize("kernel", [
