@@ -9,8 +9,8 @@ with grouped-query heads and packed documents (segment ids, some rows reading no
   between the runs makes the second one trace and compile again. A ring of 4 for scan, of 2 for the
   slow interpreters; pallas_tpu in bfloat16.
 - The exchanging implementations (`all_to_all` in bfloat16, `all_gather`, `hybrid` on a 2x2 mesh,
-  `dense`; all-to-all and all-gather over the other kernels, in their interpreters) run the same
-  compiled function twice (`tests.cases.exchanged_step`).
+  `dense`; all-to-all, all-gather and the hybrid over the other kernels, in their interpreters) run the
+  same compiled function twice (`tests.cases.exchanged_step`).
 - The loader (`get_tuned_ring_attention(mesh=...)` on global arrays, from an empty cache): one loader
   run twice, and a second loader built and compiled anew, with the same plan (`explain()`); `jax_nn`
   (which returns no lse) through the loader, run twice.
@@ -66,19 +66,20 @@ INTERPRETED = {  # the exchanges over the other kernels, in their interpreters (
     "cudnn": (dataclasses.replace(SMALL, segments=None, dtype="bfloat16"),
               TileConfig(FwdParams(16, 16), BwdParams(16, 16)), []),  # chunks of the zigzag halves
 }
+EXCHANGES = {"all_to_all": 1, "all_gather": 1, "hybrid": 2}  # over the other kernels: strategy, all-to-all group
 EXCHANGED_CASES = [  # (implementation, case, config, all-to-all group, interpreted)
     pytest.param("all_to_all", dataclasses.replace(BASE, dtype="bfloat16"), TILES, 1, False,
                  id="all_to_all-ring4-bf16"),
     pytest.param("all_gather", BASE, TILES, 1, False, id="all_gather-ring4-f32"),
     pytest.param("hybrid", dataclasses.replace(BASE, ring=2), TILES, 2, False, id="hybrid-2x2-f32"),
     pytest.param("dense", BASE, NoConfig(), 1, False, id="dense-ring4-f32"),
-] + [pytest.param(f"{strategy}_{kernel}", case, config, 1, True, marks=marks, id=f"{strategy}_{kernel}-interpreted")
-     for strategy in ("all_to_all", "all_gather") for kernel, (case, config, marks) in INTERPRETED.items()]
+] + [pytest.param(f"{strategy}_{kernel}", case, config, a2a, True, marks=marks, id=f"{strategy}_{kernel}-interpreted")
+     for strategy, a2a in EXCHANGES.items() for kernel, (case, config, marks) in INTERPRETED.items()]
 
 LOADER_BACKENDS = [("auto", True), ("jax_nn", False)]  # (backend, whether a second loader compiles again)
 
 COVERED = {"scan", "triton", "pallas_tpu", "cudnn", "all_to_all", "all_gather", "hybrid", "dense", "jax_nn",
-           *(f"{strategy}_{kernel}" for strategy in ("all_to_all", "all_gather") for kernel in INTERPRETED)}
+           *(f"{strategy}_{kernel}" for strategy in EXCHANGES for kernel in INTERPRETED)}
 
 
 @pytest.fixture(autouse=True)

@@ -84,8 +84,8 @@ def _add_problem(parser: argparse.ArgumentParser) -> None:
                        help=f"devices on the ring (CPU: simulated; default {d.ring_size} on the CPU, "
                             f"all devices elsewhere)")
     group.add_argument("--a2a-size", type=int, default=1, metavar="A",
-                       help="the hybrid (--backend hybrid): an all-to-all over groups of A devices, the ring "
-                            "over ring-size / A positions; 1: one axis (default)")
+                       help="the hybrid (--backend hybrid, hybrid_<kernel>): an all-to-all over groups of A devices, "
+                            "the ring over ring-size / A positions; 1: one axis (default)")
     group.add_argument("--layout", choices=LAYOUTS, default=d.layout)
     group.add_argument("--backend", default="auto", help="auto (the device's best), or a registered implementation: "
                                                           "scan, triton, pallas_tpu, dense, jax_nn, ... (tuner info)")

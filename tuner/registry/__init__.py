@@ -305,16 +305,30 @@ def why_not(implementation: Implementation, spec: AttentionSpec, dtype: Any, hea
     return None if reason is None else f"cannot run these shapes: {reason}"
 
 
+def by_engine(implementations: list[Implementation], platform: str) -> list[Implementation]:
+    """`implementations`, those whose optional `engine` comes first in `platform`'s `PREFERENCE` first, in
+    the order they were registered among equals (those without an engine, or with one the platform does
+    not prefer, last)."""
+    preference = PREFERENCE.get(platform, (FALLBACK,))
+
+    def rank(implementation: Implementation) -> int:
+        engine = getattr(implementation, "engine", None)
+        return preference.index(engine) if engine in preference else len(preference)
+
+    return sorted(implementations, key=rank)  # stable
+
+
 def resolve_auto(spec: AttentionSpec, dtype: Any, head_dim: int, target: Target, *, return_lse: bool = False,
                  shapes: LocalShapes | None = None, ring_size: int = 1, group: int | None = None
                  ) -> tuple[Implementation, list[str]]:
     """The first implementation of the platform's preference that can run the call, and why each one
     before it was passed over. Over two mesh axes (`group` given) the candidates are the implementations
-    over two axes, in the order they were registered; `ValueError` when none can run the call."""
+    over two axes, those whose `engine` the platform prefers first (`by_engine`); `ValueError` when none can
+    run the call."""
     if group is None:
         candidates = [get(name) for name in PREFERENCE.get(target.platform, (FALLBACK,))]
     else:
-        candidates = [i for i in _REGISTRY.values() if mesh_axes(i) == 2]
+        candidates = by_engine([i for i in _REGISTRY.values() if mesh_axes(i) == 2], target.platform)
     passed_over = []
     for implementation in candidates:
         reason = why_not(implementation, spec, dtype, head_dim, target, return_lse=return_lse, shapes=shapes,
@@ -334,13 +348,10 @@ def strategy_choice(strategy: str, spec: AttentionSpec, dtype: Any, head_dim: in
     implementations of `strategy`, the first that can run the call, those whose `engine` comes first in
     the platform's `PREFERENCE` first, then in the order they were registered; the reason given is that of
     the one over the `FALLBACK` kernel (or of the first)."""
-    preference = PREFERENCE.get(target.platform, (FALLBACK,))
-    candidates = [i for i in _REGISTRY.values() if strategy_of(i) == strategy]
+    candidates = by_engine([i for i in _REGISTRY.values() if strategy_of(i) == strategy], target.platform)
     if not candidates:
         return None, "no implementation of it is registered"
     engine = {i.name: getattr(i, "engine", None) for i in candidates}
-    rank = {name: preference.index(e) if e in preference else len(preference) for name, e in engine.items()}
-    candidates.sort(key=lambda i: rank[i.name])  # stable: registration order among equals
     reasons = {}
     for implementation in candidates:
         reasons[implementation.name] = why_not(implementation, spec, dtype, head_dim, target, return_lse=return_lse,
@@ -424,7 +435,7 @@ def forward_tiles(config: Config) -> tuple[int, int] | None:
 
 
 __all__ = ["FALLBACK", "GATHERED", "OBJECTIVE_PARTS", "PARTS", "PREFERENCE", "STRATEGIES", "ChoiceSpace", "Config",
-           "Implementation", "Space", "TWO_AXES", "Target", "choose", "combine", "config_from_parts", "default_config",
-           "find", "for_strategy", "forward_tiles", "get", "key", "label", "mesh_axes", "names", "problem_key",
-           "register", "registered", "resolve_auto", "shape_violation", "strategy_choice", "strategy_of",
-           "unregister", "versions", "why_not"]
+           "Implementation", "Space", "TWO_AXES", "Target", "by_engine", "choose", "combine", "config_from_parts",
+           "default_config", "find", "for_strategy", "forward_tiles", "get", "key", "label", "mesh_axes", "names",
+           "problem_key", "register", "registered", "resolve_auto", "shape_violation", "strategy_choice",
+           "strategy_of", "unregister", "versions", "why_not"]

@@ -8,8 +8,8 @@ all-to-all group. Each device `[B, T/(R A), H, D]`:
 1. exchanges its shards over the a2a axis (`jax.lax.all_to_all`) into its group's whole chunk of a head
    group, `[B, T/R, H/A, D]` (only the Hkv key/value heads travel, repeated as in `tuner.strategies.all_to_all` when
    `Hkv % A != 0`);
-2. runs the scan ring over the ring axis on that chunk (`tuner.strategies.ring.run_ring`): R steps, the layout's
-   positions for a ring of R, so causal, window and chunk masks are exact in every layout;
+2. runs a block kernel's ring over the ring axis on that chunk (`tuner.strategies.ring.run_ring`): R steps, the
+   layout's positions for a ring of R, so causal, window and chunk masks are exact in every layout;
 3. exchanges the output (and lse) back over the a2a axis.
 
 The all-to-alls stay inside a group (on a GPU node, NVLink) and the ring crosses groups with `1 / A` of the
@@ -20,9 +20,13 @@ keys a plain ring over all `R A` devices would send, overlapped with compute.
 - Per-call arrays: explicit positions and segment ids are all-gathered over the a2a axis into the chunk's,
   and travel around the ring as the ring's own do. Sinks: each device takes its head group's rows. No
   bias, as for `tuner.strategies.all_to_all`.
-- Config: the inner scan ring's `TileConfig`. The cache key of a hybrid call is the key of what its inner
+- Kernels: registered once per block kernel, as all_to_all is: `hybrid` over the scan kernel,
+  `hybrid_<kernel>` over the others; `strategy="hybrid"` runs the platform's preferred one that can run the
+  call (`tuner.registry.strategy_choice`: Pallas on a TPU, Triton on a GPU).
+- Config: the inner ring's `TileConfig`. The cache key of a hybrid call is the key of what its inner
   ring runs (its `key_shapes`: one device's shapes after the exchange, on a ring of R), so a tuned config
-  follows the shapes the kernels see.
+  follows the shapes the kernels see. The tile hooks see one device's shapes but not A, so, as
+  all_to_all's, they bound the chunk's `T/R` tokens by `H * T/(R A)` (A divides H).
 - Backward: jax's autodiff through the all-to-alls and the inner ring's `custom_vjp`.
 """
 
@@ -39,6 +43,7 @@ from tuner.semantics import layouts
 from tuner.support import ordering
 from tuner import registry
 from tuner.support import vma
+from tuner.kernels import BACKENDS
 from tuner.strategies.all_to_all import AllToAll, kv_repeats
 from tuner.strategies.implementations import TileConfig
 from tuner.strategies.ring import run_ring
@@ -109,7 +114,7 @@ def hybrid_attention(query, key, value, *, spec: AttentionSpec, config: TileConf
 
 
 class Hybrid(AllToAll):
-    """USP: all-to-all over the a2a axis, the scan ring over the ring axis, all-to-all back (module
+    """USP: all-to-all over the a2a axis, a block kernel's ring over the ring axis, all-to-all back (module
     docstring). Its tile hooks are all_to_all's: the inner ring sees at most `H * T/(R A)` tokens."""
 
     summary_form = ("all-to-all to head groups over the second axis of axis_name (H % its size == 0), "
@@ -126,6 +131,7 @@ class Hybrid(AllToAll):
     attention = staticmethod(hybrid_attention)
 
 
-registry.register(Hybrid())
+for _kernel in BACKENDS.values():
+    registry.register(Hybrid(_kernel))
 
 __all__ = ["Hybrid", "exchanged", "heads_violation", "hybrid_attention"]

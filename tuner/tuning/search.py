@@ -113,7 +113,7 @@ def check_device(device: str) -> str:
 def resolve_backend(name: str, problem: Problem, device: str, interpret: bool = False) -> registry.Implementation:
     """The implementation `name` ("auto": the device's preferred one that supports the problem),
     checked to run on `device`; a problem over two mesh axes (`a2a_size` > 1) takes an implementation over
-    two ("auto": the first registered that can run it), any other an implementation over one."""
+    two ("auto": over the device's preferred kernel that can run it), any other an implementation over one."""
     axes = 1 if problem.group is None else 2
     if name != "auto" and registry.mesh_axes(registry.get(name)) != axes:
         raise ValueError(f"backend {name!r} with a2a_size={problem.a2a_size}: it runs over "
