@@ -176,7 +176,7 @@ def test_causal_work_is_what_the_scan_ring_computes_tile_by_tile(ring, seq_len, 
     counted = max(counts["tile_area"].values()) / (seq_len // ring * seq_len)
     problem = Problem(seq_len=seq_len, heads=1, kv_heads=1, head_dim=8, ring_size=ring, layout=layout)
     shards = strategy_model._shards(problem, ring)
-    tiles = strategy_model._scan_tiles(problem)
+    tiles = strategy_model._ring_tiles(problem, strategy_model.get_platform("cpu"))
     assert tiles == (128, 128)  # the scan kernel's masked tile: the ring's default for a causal problem
     assert strategy_model._work_share(problem, shards, shards, tiles) == counted
     assert 0.5 < counted < 1.0  # some tiles skipped, some crossing the diagonal

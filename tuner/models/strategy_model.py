@@ -27,21 +27,21 @@ heads, D head size, `item` bytes per element; T = S / P tokens per device):
   S / Pr tokens, then a ring of Pr steps over those, then the all-to-all back. `axes=(Pr, Pa)`, or the
   fastest split with both > 1.
 
-Compute: FLOPs / (peak x efficiency), 4 B H Tq Tk D per full block; the efficiency is an assumption per
-platform (override it). Masked work is counted the way the kernels skip it, tile by tile (`_work_share`): a
-query tile x key tile is computed unless every key in it comes after every query (causal), or the documents
-its queries and its keys belong to cannot meet (packed rows: the first row of the problem's packing,
-`Problem.documents`), over the token positions each strategy's kernels see (a ring's shards in its layout,
-all_to_all's whole sequence in the layout's order, all_gather's shard against it, the hybrid's chunks over its
-ring positions), and the slowest device's share counts. So a packing that leaves one device of the ring a long
-document's tail costs the ring, while all_to_all, whose every device holds the whole sequence, stays balanced.
-Tiles: the ring kernel's default forward tiles on the platform (`Platform.ring_tiles`; with a causal, window or
-chunk mask square, at most `Platform.ring_masked_tile`; with documents at most `PACKED_TILE`, or the declared packing's
-tile, as the ring's default), the scan kernel's inside the other strategies (square, at most its masked tile
-with such a mask), cut to the lengths; the backward is taken to skip the same share. Windows, chunks, HBM traffic and
-kernel overheads are not modelled. Transfers: latency + bytes on the links / rate. `Prediction.bytes` counts
-what `tuner.models.hlo.collective_bytes` reads from a compiled program -- each collective's result size on one
-device -- from which a device puts on its links (P-1)/P of an all-gather's or all-to-all's result, all of a
+Compute: FLOPs / (peak x efficiency), 4 B H Tq Tk D per full block; the efficiency is an assumption per platform
+(override it). Masked work is counted the way the kernels skip it, tile by tile (`_work_share`): a query tile x
+key tile is computed unless every key in it comes after every query (causal), or the documents its queries and its
+keys belong to cannot meet (packed rows: the first row of the problem's packing, `Problem.documents`), over the
+token positions each strategy's kernels see (a ring's shards in its layout, all_to_all's whole sequence in the
+layout's order, all_gather's shard against it, the hybrid's chunks over its ring positions), and the slowest
+device's share counts. So a packing that leaves one device of the ring a long document's tail costs the ring,
+while all_to_all, whose every device holds the whole sequence, stays balanced. Tiles: the ring kernel's default
+forward tiles on the platform (`Platform.ring_tiles`; with a causal, window or chunk mask square, at most
+`Platform.ring_masked_tile`; with documents at most `PACKED_TILE`, or the declared packing's tile, as the ring's
+default), the same kernel's inside the other strategies, which run the platform's kernel (only a declared
+packing's tile caps them), cut to the lengths; the backward is taken to skip the same share. Windows, chunks, HBM
+traffic and kernel overheads are not modelled. Transfers: latency + bytes on the links / rate. `Prediction.bytes`
+counts what `tuner.models.hlo.collective_bytes` reads from a compiled program -- each collective's result size on
+one device -- from which a device puts on its links (P-1)/P of an all-gather's or all-to-all's result, all of a
 collective-permute's and (P-1) times a reduce-scatter's (`link_bytes`). XLA:CPU widens bf16 collectives to
 float32; the model does not.
 
@@ -86,7 +86,7 @@ TPU_MEMORY = {"v4": 32 * 2**30, "v5e": 16 * 2**30, "v5p": 95 * 2**30, "v6e": 32 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 EFFICIENCY = 0.5  # assumed fraction of peak the attention kernels reach
 _SCAN = BACKENDS["scan"].default_params(INT32_MAX, INT32_MAX, 128)[0]
-SCAN_TILES = (_SCAN.block_q, _SCAN.block_kv)  # the scan kernel's (inside all_to_all, all_gather, the hybrid)
+SCAN_TILES = (_SCAN.block_q, _SCAN.block_kv)  # the scan kernel's, every strategy's where no other kernel runs
 SCAN_MASKED_TILE = BACKENDS["scan"].masked_tile  # ... at most this long with a causal, window or chunk mask
 
 
@@ -297,11 +297,14 @@ def _ring_tiles(problem: Problem, platform: Platform) -> tuple[int, int]:
     return _capped(tiles, declared or documents.PACKED_TILE)
 
 
-def _scan_tiles(problem: Problem) -> tuple[int, int]:
-    """The forward tiles of the scan kernel inside all_to_all, all_gather and the hybrid, by default
-    (`tuner.strategies.implementations.Exchanged.default_config`): the model counts their work at these,
-    though on a TPU or a GPU all_to_all and all_gather run the platform's kernel (docs/strategies.md)."""
-    return _masked(SCAN_TILES, SCAN_MASKED_TILE, problem)
+def _exchanged_tiles(problem: Problem, platform: Platform) -> tuple[int, int]:
+    """The forward tiles the kernel inside all_to_all, all_gather and the hybrid runs by default
+    (`tuner.strategies.implementations.Exchanged.default_config`): the platform's kernel's, as `strategy=`
+    runs it, so the ring's tiles, except that only a declared packing caps them."""
+    tiles = _masked(platform.ring_tiles, platform.ring_masked_tile, problem)
+    if not problem.segments:
+        return tiles
+    return _capped(tiles, documents.declared_tile(problem.packing, problem.seq_len, problem.ring_size, problem.spec))
 
 
 def _ring(acc: _Pass, problem: Problem, size: int, heads: int, kv_heads: int, tokens: int, backward: bool,
@@ -376,7 +379,8 @@ def _predict(problem: Problem, strategy: str, platform: Platform, backward: bool
         if problem.segments:
             acc.wait(False, acc.collective("all-gather", b * s * 4, p))
         shards = _shards(problem, p)
-        share = _work_share(problem, shards, [layouts.global_order(problem.layout, s, p)], _scan_tiles(problem))
+        share = _work_share(problem, shards, [layouts.global_order(problem.layout, s, p)],
+                            _exchanged_tiles(problem, platform))
         block = _block_seconds(problem, platform, h, s // p, s, share)
         acc.compute_for(False, block)
         if backward:
@@ -389,7 +393,7 @@ def _predict(problem: Problem, strategy: str, platform: Platform, backward: bool
         # laid out over its ring positions
         chunks = [layouts.global_order(problem.layout, s, p)] if rows == 1 else _shards(problem, rows)
         _ring(acc, problem, rows, h // group, kv_heads // group, s // rows, backward,
-              _work_share(problem, chunks, chunks, _scan_tiles(problem)))
+              _work_share(problem, chunks, chunks, _exchanged_tiles(problem, platform)))
         gathered = 2 * b * (s // rows) * (h + kv_heads) // group * d * item  # q, k, v and out of the head group
     return Prediction(strategy, platform.name, acc.seconds[0], acc.seconds[1], acc.compute, acc.bytes, acc.link,
                       gathered, axes)
