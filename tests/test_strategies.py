@@ -245,3 +245,21 @@ def test_on_a_tpu_topology_a_measurement_or_a_tuned_ring_outranks_the_model(tmp_
     decision = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, db=str(tuned)).explain(q, k, v)
     assert (decision.backend, decision.source) == ("pallas_tpu", "exact"), decision
     assert "picked all_gather, but pallas_tpu is tuned for this problem" in decision.reason, decision.reason
+
+
+@needs_libtpu
+def test_on_a_tpu_topology_a_pair_axis_name_runs_the_hybrid_over_pallas(tmp_path):
+    """The loader over a 2x2 mesh of v5e chips: a pair `axis_name` plans the hybrid over the Pallas
+    kernels (float16, which Pallas does not take, over the scan kernel), keyed by its inner ring."""
+    from jax.experimental import topologies
+
+    devices = np.array(topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices)
+    mesh = Mesh(devices.reshape(2, 2), ("ring", "a2a"))
+    attn = get_tuned_ring_attention(axis_name=("ring", "a2a"), causal=True, mesh=mesh, db=str(tmp_path / "t.sqlite"))
+    problem = Problem(seq_len=4096, heads=8, kv_heads=2, head_dim=128, dtype="bfloat16", causal=True, ring_size=4,
+                      a2a_size=2)
+    decision = attn.explain(*tpu_structs(problem))
+    assert decision.backend == "hybrid_pallas_tpu", decision
+    assert (decision.key.backend, decision.key.ring_size, decision.key.heads) == ("hybrid_pallas_tpu", 2, 4)
+    half = [jax.ShapeDtypeStruct(x.shape, jnp.float16) for x in tpu_structs(problem)]
+    assert attn.explain(*half).backend == "hybrid", "Pallas takes no float16: the hybrid over the scan kernel"
