@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from tests.cases import Case, check_exchanged, exchanged_step, laid_out_args, make_arrays, rel_err
+from tests.cases import Case, check_exchanged, exchanged_step, laid_out_args, make_arrays, rel_err, replace
 from tests.test_determinism import NO_TRITON
 from tests.test_strategies import needs_libtpu
 from tuner import BwdParams, FwdParams, registry
@@ -77,6 +77,24 @@ def test_over_pallas_and_triton_in_their_interpreters_it_matches_float64(strateg
     check_exchanged(f"{strategy}_{kernel}", CASE, config, GROUP[strategy], interpret=True)
     step = exchanged_step(f"{strategy}_{kernel}", CASE, config, GROUP[strategy], interpret=True)
     assert mark in str(jax.make_jaxpr(step)(*laid_out_args(CASE, make_arrays(CASE))))  # not the scan kernel
+
+
+FEATURES = Case(batch=1, length=32, heads=8, kv_heads=4, head_dim=8, ring=2, layout="zigzag")
+FEATURE_CASES = [  # test_hybrid.py's, on 2x4 meshes
+    pytest.param(replace(FEATURES, causal=True, segments="random", softcap=4.0, sinks="pair"),
+                 id="zigzag-causal-segments-softcap-sinks"),
+    pytest.param(replace(FEATURES, heads=4, kv_heads=1, layout="striped", causal=True, window=(6, 0),
+                         explicit_positions=True, scale=0.3), id="striped-positions-window-mqa"),
+]
+
+
+@pytest.mark.parametrize("case", FEATURE_CASES)
+@pytest.mark.parametrize("kernel", [
+    "pallas_tpu", pytest.param("triton", marks=pytest.mark.skipif(NO_TRITON, reason="needs triton and torch"))])
+def test_the_hybrid_over_pallas_and_triton_honours_every_feature_but_bias(kernel, case):
+    """The hybrid on a 2x4 mesh in its kernel's interpreter, against float64: packed segments, a soft cap
+    and sinks; a window on explicit positions with one kv head repeated over the group."""
+    check_exchanged(f"hybrid_{kernel}", case, INTERPRETED[kernel][0], 4, interpret=True)
 
 
 @pytest.mark.parametrize("strategy", EXCHANGES)
