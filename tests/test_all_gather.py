@@ -2,6 +2,7 @@
 gradient) on rings of 2, 4 and 8 simulated devices, in every layout, with GQA and MQA; its backward
 reduce-scatters dK and dV; refused for a bias and for gathered K/V over half the device's memory."""
 
+import dataclasses
 import re
 
 import jax
@@ -108,21 +109,26 @@ def test_gathered_bytes_and_the_memory_refusal(monkeypatch):
         trace(2 * needed - 1)
 
 
-def test_the_config_is_the_scan_rings_with_the_full_keys_and_the_local_queries():
-    shapes = LocalShapes(batch=1, q_len=64, kv_len=64, heads=4, kv_heads=2, head_dim=8, dtype="float32")
+def test_the_config_is_the_kernels_on_the_local_queries_and_the_whole_keys():
+    local = LocalShapes(batch=1, q_len=64, kv_len=64, heads=4, kv_heads=2, head_dim=8, dtype="float32")
+    shapes = registry.tile_shapes(IMPL, local, 4)  # what the kernel runs: 64 queries against 4 x 64 keys
+    assert shapes == dataclasses.replace(local, kv_len=256)
     spec = AttentionSpec(scale=0.3, causal=True)
     default = IMPL.default_config(shapes, spec)
     assert (default.fwd.block_q, default.fwd.block_kv) == (64, 128)  # local queries; causal: the masked tile
     full = IMPL.default_config(shapes, AttentionSpec(scale=0.3)).fwd
-    assert (full.block_q, full.block_kv) == (64, 256)  # no mask: keys bounded by 4 * 64
+    assert (full.block_q, full.block_kv) == (64, 256)  # no mask: the scan's defaults at 4 * 64 keys
     grid = IMPL.space(shapes, spec).grid(default, ("fwd", "bwd"))
     assert max(c.fwd.block_kv for c in grid) == 256 and max(c.fwd.block_q for c in grid) == 64
     assert max(c.bwd.block_q_dkv for c in grid) == 64
     assert all(IMPL.violation(shapes, spec, c, ("fwd", "bwd")) is None for c in grid)
-    # 64 devices of 4 keys make a 256-key tile real: 4 B * 16 * 32 * 1024 * 256 is 512 MiB, whatever H is.
-    wide = LocalShapes(batch=16, q_len=1024, kv_len=4, heads=32, kv_heads=8, head_dim=64, dtype="float32")
+    # 64 devices of 4 keys make a 256-key tile: 4 B * 16 * 32 * 1024 * 256 is 512 MiB.
+    wide = registry.tile_shapes(IMPL, LocalShapes(batch=16, q_len=1024, kv_len=4, heads=32, kv_heads=8, head_dim=64,
+                                                  dtype="float32"), 64)
     assert "512 MiB, over the 256 MiB tile limit" in IMPL.violation(wide, spec, TileConfig(FwdParams(1024, 256)),
                                                                     ("fwd",))
+    assert IMPL.violation(dataclasses.replace(wide, kv_len=128), spec, TileConfig(FwdParams(1024, 256)),
+                          ("fwd",)) is None  # 32 devices: the key tile is the 128 keys
     IMPL.check(default)
     with pytest.raises(ValueError, match="num_warps"):
         IMPL.check(TileConfig(FwdParams(num_warps=4)))

@@ -2,6 +2,7 @@
 every gradient) on rings of 2, 4 and 8 simulated devices, in every layout, with GQA whose kv heads do
 and do not split over the ring; refused for what it cannot honour."""
 
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -79,8 +80,12 @@ def test_unsupported_calls_are_refused_by_name_and_skipped_under_auto():
     assert rel_err(np.asarray(out), np.asarray(dense_attention(q, q, q, causal=True)[0])) <= 1e-5
 
 
-def test_the_config_is_the_scan_rings_at_the_full_length():
-    shapes = LocalShapes(batch=1, q_len=64, kv_len=64, heads=4, kv_heads=2, head_dim=8, dtype="float32")
+def test_the_config_is_the_kernels_on_what_it_runs():
+    """The tile hooks take what the kernel runs (`registry.tile_shapes`): the whole sequence of a head
+    group, 4 x 64 tokens of one query head and one kv head (2 kv heads, each twice, over 4)."""
+    local = LocalShapes(batch=1, q_len=64, kv_len=64, heads=4, kv_heads=2, head_dim=8, dtype="float32")
+    shapes = registry.tile_shapes(IMPL, local, 4)
+    assert shapes == LocalShapes(batch=1, q_len=256, kv_len=256, heads=1, kv_heads=1, head_dim=8, dtype="float32")
     spec = AttentionSpec(scale=0.3, causal=True)
     default = IMPL.default_config(shapes, spec)
     assert (default.fwd.block_q, default.fwd.block_kv) == (128, 128)  # causal: the scan's masked tile
@@ -94,3 +99,40 @@ def test_the_config_is_the_scan_rings_at_the_full_length():
         IMPL.check(TileConfig(FwdParams(num_warps=4)))
     assert TileConfig.from_dict(default.to_dict()) == default
     assert IMPL.available(registry.Target("cpu", interpret=True)) is None
+
+
+def test_over_pallas_a_long_sequence_keeps_the_kernels_default():
+    """1,048,576 tokens over 8 chips, H=32: Pallas's default runs 4 query heads over the whole sequence, and
+    its tile schedule fits SMEM there. Sized for `H * T/P` tokens (what the hooks took before they were
+    given the ring), it did not ("66 calls a step ... over 64"), and the search refused it."""
+    pallas = registry.get("all_to_all_pallas_tpu")
+    local = LocalShapes(batch=1, q_len=131072, kv_len=131072, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16")
+    spec = AttentionSpec(scale=128**-0.5, causal=True)
+    shapes = registry.tile_shapes(pallas, local, 8)
+    assert (shapes.q_len, shapes.heads, shapes.kv_heads) == (1048576, 4, 1)
+    default = pallas.default_config(shapes, spec)
+    assert pallas.violation(shapes, spec, default, ("fwd", "bwd")) is None
+    bound = dataclasses.replace(shapes, q_len=32 * 131072, kv_len=32 * 131072)
+    assert "over 64" in pallas.violation(bound, spec, default, ("fwd", "bwd"))
+
+
+def test_the_loader_call_a_search_prints_names_it_and_meets_its_entry(tmp_path):
+    """`auto` over one axis keeps the ring on the CPU, so the call `tuner search --backend all_to_all` prints
+    names the backend, and it runs the stored entry (source "exact"); a ring's call names none."""
+    from tuner.cache import Cache, make_row
+    from tuner.cli.usage import loader_call
+    from tuner.semantics.problem import Problem
+
+    problem = Problem(batch=1, seq_len=64, heads=4, kv_heads=2, head_dim=8, causal=True, ring_size=4)
+    db, key = str(tmp_path / "t.sqlite"), registry.problem_key(problem, "all_to_all", "cpu")
+    tuned = TileConfig(FwdParams(32, 64), BwdParams(64, 32))
+    Cache(db).put(make_row(key, tuned, versions=registry.versions(IMPL), tool_version="test", objective="fwd+bwd",
+                           best_s=0.001, default_s=0.002, speedup=2.0, trials_run=2, trials_pruned=0, study="test"))
+    lines = loader_call(problem, "all_to_all")
+    assert 'backend="all_to_all"' in lines[1] and "backend=" not in loader_call(problem, "scan")[1]
+    scope = {"jax": jax, "np": np, "Mesh": Mesh, "get_tuned_ring_attention": get_tuned_ring_attention}
+    exec("\n".join(lines[:2]).replace("mesh=mesh)", f"mesh=mesh, db={db!r})"), scope)
+    q = jax.ShapeDtypeStruct((1, 64, 4, 8), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, 64, 2, 8), jnp.float32)
+    decision = scope["attn"].explain(q, kv, kv)
+    assert (decision.backend, decision.source, decision.config) == ("all_to_all", "exact", tuned)

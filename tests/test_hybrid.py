@@ -19,7 +19,7 @@ from tuner.semantics import layouts
 from tuner.runtime import record
 from tuner.strategies.implementations import TileConfig
 from tuner.semantics.problem import Problem
-from tuner.strategies.hybrid import exchanged
+from tuner.strategies.all_to_all import exchanged
 from tuner.semantics.reference import dense_attention
 from tuner.semantics.spec import LocalShapes
 

@@ -96,7 +96,8 @@ def compiled_bytes(strategy: str, backward: bool) -> dict[str, int]:
         impl = registry.get(strategy)
         resolved = plan.resolve(q, k, v, ring_size=p.ring_size, layout=p.layout, backend=strategy,
                                 target=registry.Target.here(), mask=mask, arrays={})
-        return impl.attend(q, k, v, spec=resolved.spec, config=impl.default_config(resolved.shapes, resolved.spec),
+        shapes = registry.tile_shapes(impl, resolved.shapes, p.ring_size)
+        return impl.attend(q, k, v, spec=resolved.spec, config=impl.default_config(shapes, resolved.spec),
                            axis_name="sp", layout=p.layout)
 
     attend = jax.shard_map(local, mesh=mesh, in_specs=(seq, seq, seq), out_specs=seq)

@@ -99,7 +99,7 @@ def point(trials, config, part: str, runs: int, keep: bool = False) -> dict:
     from tuner.tuning.verify import TrialFailed
 
     entry = {"config": config.to_dict()[part]}
-    reason = trials.implementation.violation(trials.problem.shapes, trials.problem.spec, config, (part,))
+    reason = trials.implementation.violation(trials.tile_shapes, trials.problem.spec, config, (part,))
     if reason is not None:
         return {**entry, "status": "pruned", "reason": reason}
     try:
@@ -158,8 +158,9 @@ def trials_for(name: str, part: str, runs: int, default: dict | None = None):
     options = SearchOptions(objective=part, runs=runs, calls=GPU_CALLS if backend_of(name) == "triton" else 1)
     against = None
     if default is not None:
-        space = implementation.space(problem.shapes, problem.spec)
-        against = space.config(part_params(part, default), implementation.default_config(problem.shapes, problem.spec))
+        shapes = registry.tile_shapes(implementation, problem.shapes, problem.ring_size, problem.group)
+        space = implementation.space(shapes, problem.spec)
+        against = space.config(part_params(part, default), implementation.default_config(shapes, problem.spec))
     with tempfile.TemporaryDirectory() as tmp:  # the trials' claims table; nothing is claimed here
         return Trials(problem, implementation, options, Shared(open_storage(f"sqlite:///{tmp}/s.sqlite")), name,
                       default=against)

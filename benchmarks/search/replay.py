@@ -183,8 +183,9 @@ def load(file: Path, recorded_default: bool = False) -> tuple[dict, Problem, obj
     recorded = json.loads(file.read_text())
     problem = Problem(**{k: tuple(v) if isinstance(v, list) else v for k, v in recorded["problem"].items()})
     implementation = registry.get(recorded["backend"])
-    space = implementation.space(problem.shapes, problem.spec)
-    default = implementation.default_config(problem.shapes, problem.spec)
+    shapes = registry.tile_shapes(implementation, problem.shapes, problem.ring_size, problem.group)
+    space = implementation.space(shapes, problem.spec)
+    default = implementation.default_config(shapes, problem.spec)
     for part, landscape in recorded["parts"].items():
         if recorded_default or landscape["device_kind"] != "cpu":
             default = space.config(part_params(part, landscape["default"]), default)

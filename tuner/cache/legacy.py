@@ -98,7 +98,7 @@ def bench_rows(row: dict[str, Any], key: ProblemKey, spec: AttentionSpec) -> lis
     for label, seconds in json.loads(row["seconds"]).items():
         implementation = registry.get(label.removeprefix("ring/"))
         own = dataclasses.replace(key, backend=implementation.name)
-        config = implementation.default_config(own, spec)
+        config = implementation.default_config(registry.tile_shapes(implementation, own, key.ring_size), spec)
         versions = {**registry.versions(implementation), "jax_version": row["jax_version"],
                     "jaxlib_version": row["jaxlib_version"]}
         made = make_row(own, config, versions=versions, tool_version=row["tool_version"], source="bench",

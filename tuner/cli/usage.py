@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tuner import registry
 from tuner.runtime import plan
 from tuner.semantics.problem import Problem
 from tuner.support.tables import describe_config, table
@@ -19,11 +20,17 @@ if TYPE_CHECKING:
 
 def loader_call(problem: Problem, backend: str | None = None) -> list[str]:
     """The runtime loader call that meets `problem`'s cache entry of `backend` exactly, as lines of Python:
-    the mesh, the arrays it takes and the call. Over two axes the loader does not choose by measurement,
-    so the call names `backend` unless it is the one a pair `axis_name` runs by default."""
+    the mesh, the arrays it takes and the call. The call names `backend` where `auto` would not plan it:
+    over one axis an implementation of another strategy than the ring (`auto` keeps the ring unless a
+    measurement or the model says otherwise), over two axes any but the one a pair `axis_name` runs on the
+    CPU (the loader does not choose by measurement there)."""
     ring, pair = problem.ring_size > 1, problem.group is not None
     options = (['axis_name=("ring", "a2a")'] if pair else ['axis_name="sp"']) if ring else []
-    if pair and backend is not None and backend != plan.check_strategy("auto", "auto", ("ring", "a2a")):
+    if pair:
+        named = backend is not None and backend != plan.check_strategy("auto", "auto", ("ring", "a2a"))
+    else:
+        named = backend is not None and registry.strategy_of(registry.get(backend)) != "ring"
+    if named:
         options.append(f'backend="{backend}"')
     options += [text for on, text in ((problem.causal, "causal=True"),
                                       (problem.window is not None, f"sliding_window={problem.window}"),

@@ -135,10 +135,10 @@ def ranked(problem: Problem, device_kind: str, implementation: registry.Implemen
     chip = CHIPS.get(tpu_memory.CHIPS.get(device_kind, ""))
     if implementation.name != MODELLED or chip is None:
         return []
-    by_part = []
+    shapes, by_part = registry.tile_shapes(implementation, problem.shapes, problem.ring_size, problem.group), []
     for part in parts:
         admitted = [c for c in space.grid(default, (part,))
-                    if implementation.violation(problem.shapes, problem.spec, c, (part,)) is None]
+                    if implementation.violation(shapes, problem.spec, c, (part,)) is None]
         by_part.append(sorted(((predict(problem, chip, **{part: getattr(c, part)}).seconds, c) for c in admitted),
                               key=lambda timed: timed[0]))
     if len(by_part) == 1:

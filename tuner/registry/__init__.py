@@ -134,8 +134,8 @@ class ChoiceSpace:
 class Implementation(Protocol):
     """What the tools need from an implementation.
 
-    Four members are optional, read through `strategy_of`, `strategy_choice`, `shape_violation` and `key`
-    (hasattr-guarded):
+    Five members are optional, read through `strategy_of`, `strategy_choice`, `shape_violation`,
+    `tile_shapes` and `key` (hasattr-guarded):
 
     - `strategy: str`, one of `STRATEGIES` or `GATHERED` (default: "ring" unless `gathered`), what
       `strategy=` selects it by; a strategy of `TWO_AXES` runs over two mesh axes (`mesh_axes`);
@@ -145,6 +145,9 @@ class Implementation(Protocol):
       why one device's shapes on a ring of `ring_size` devices (of which `group` share each ring position)
       cannot run, checked when a call is resolved, so a call asking for it by name fails there and `auto`
       skips it;
+    - `tile_shapes(shapes, ring_size, group) -> shapes`: the shapes its tile hooks (`default_config`,
+      `space`, `violation`) take, when they are not one device's own: what its kernel runs, where it
+      exchanges the shards first (all_to_all's whole sequence of a head group); read through `tile_shapes`;
     - `key_shapes(shapes, ring_size, group) -> (shapes, ring_size)`: the shapes and ring its config is
       tuned for, when they are not the call's own (the hybrid's: what its inner ring runs).
     """
@@ -265,6 +268,15 @@ def shape_violation(implementation: Implementation, shapes: LocalShapes, ring_si
     if hook is None:
         return None
     return hook(shapes, ring_size) if group is None else hook(shapes, ring_size, group)
+
+
+def tile_shapes(implementation: Implementation, shapes: LocalShapes, ring_size: int, group: int | None = None
+                ) -> LocalShapes:
+    """The shapes `implementation`'s tile hooks (`default_config`, `space`, `violation`) take for a call on
+    one device's `shapes` on a ring of `ring_size` devices (`group` of them per ring position over two axes):
+    its optional hook's, what its kernel runs; else `shapes`."""
+    hook = getattr(implementation, "tile_shapes", None)
+    return shapes if hook is None else hook(shapes, ring_size, group)
 
 
 def key(implementation: Implementation, shapes: LocalShapes, spec: AttentionSpec, *, device_kind: str,
@@ -438,4 +450,4 @@ __all__ = ["FALLBACK", "GATHERED", "OBJECTIVE_PARTS", "PARTS", "PREFERENCE", "ST
            "Implementation", "Space", "TWO_AXES", "Target", "by_engine", "choose", "combine", "config_from_parts",
            "default_config", "find", "for_strategy", "forward_tiles", "get", "key", "label", "mesh_axes", "names",
            "problem_key", "register", "registered", "resolve_auto", "shape_violation", "strategy_choice",
-           "strategy_of", "unregister", "versions", "why_not"]
+           "strategy_of", "tile_shapes", "unregister", "versions", "why_not"]

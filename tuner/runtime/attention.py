@@ -118,7 +118,8 @@ def _run_strategy(query, key, value, resolved: plan.Resolved, arrays: dict, mask
     """`ring_attention` of a strategy other than the ring: its implementation's `attend`, with its default
     config where the caller gave no params."""
     implementation = resolved.implementation
-    default = implementation.default_config(resolved.shapes, resolved.spec).to_dict()
+    default = implementation.default_config(registry.tile_shapes(implementation, resolved.shapes, *sizes),
+                                            resolved.spec).to_dict()
     given = {"fwd": fwd_params, "bwd": bwd_params}
     parts = [default[p] if given[p] is None else given[p].to_dict() for p in registry.PARTS]
     config = registry.config_from_parts(implementation, *parts)

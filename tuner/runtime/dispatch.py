@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +57,15 @@ TUNED = ("exact", "compiled")  # config sources of a ring tuned for the problem:
 
 
 Decision = Plan  # what `explain()` returns: the plan of the call (`tuner.runtime.plan.Plan`)
+
+
+class Placement(NamedTuple):
+    """One device's shapes of a call on a ring of `ring_size` devices, `group` of them per ring position
+    over two mesh axes (None over one): what `registry.tile_shapes` takes."""
+
+    shapes: LocalShapes
+    ring_size: int
+    group: int | None
 
 
 class TunedRingAttention:
@@ -241,13 +250,14 @@ class TunedRingAttention:
             if chosen is not None:
                 implementation, fallback = registry.get(chosen[0]), None
                 problem = dataclasses.replace(problem, backend=implementation.name)
-            decision = self._lookup(problem, shapes, spec, layout, implementation, fallback, unusable, packed_tile)
+            placement = Placement(shapes, ring_size, group)
+            decision = self._lookup(problem, placement, spec, layout, implementation, fallback, unusable, packed_tile)
             if chosen is not None:
                 nothing_tuned = decision.source == "default" and decision.config.to_dict() == {"fwd": {}, "bwd": {}}
                 decision = dataclasses.replace(decision, source="measured" if nothing_tuned else decision.source,
                                                reason=f"{chosen[1]}; config: {decision.source} ({decision.reason})")
             elif verdict is not None:
-                decision = self._by_model(verdict, decision, shapes, unusable, packed_tile)
+                decision = self._by_model(verdict, decision, placement, unusable, packed_tile)
             if verdict is not None:
                 decision = dataclasses.replace(decision, predictions=verdict.predictions)
             self._decisions[memo] = decision
@@ -288,7 +298,7 @@ class TunedRingAttention:
         return (f"default tiles of at most {documents.PACKED_TILE}; {declare}, or tune them with tuner.autotune, for "
                 f"tiles chosen from their documents, or lay them out with layout='documents', which chooses them")
 
-    def _by_model(self, verdict: modelled.Verdict, ring: Decision, shapes: LocalShapes,
+    def _by_model(self, verdict: modelled.Verdict, ring: Decision, placement: Placement,
                   unusable: CacheError | OSError | None, packed_tile: int | None) -> Decision:
         """The decision once the model has spoken: the strategy it picked (its config from the cache),
         unless the ring is tuned for this problem; its reason in front either way."""
@@ -300,16 +310,17 @@ class TunedRingAttention:
                                                     f"runs the other")
         implementation = registry.get(verdict.implementation)
         problem = dataclasses.replace(ring.key, backend=implementation.name)
-        decision = self._lookup(problem, shapes, ring.spec, ring.layout, implementation, None, unusable, packed_tile)
+        decision = self._lookup(problem, placement, ring.spec, ring.layout, implementation, None, unusable,
+                                packed_tile)
         return dataclasses.replace(decision, reason=f"{verdict.reason}; config: {decision.source} ({decision.reason})")
 
-    def _lookup(self, problem: ProblemKey, shapes: LocalShapes, spec, layout: str,
+    def _lookup(self, problem: ProblemKey, placement: Placement, spec, layout: str,
                 implementation: registry.Implementation, fallback: str | None,
                 unusable: CacheError | OSError | None = None, packed_tile: int | None = None) -> Decision:
-        """The config for `problem` from the cache; the default, with one warning, when it cannot be
-        read (`unusable`: the error reading its measurements already met, so a locked file is waited for
-        once per decision, and a broken one warned about once). `packed_tile`: the default's tile, as a
-        packed call's rows chose it; else a declared packing's."""
+        """The config for `problem` (the call of `placement`) from the cache; the default, with one warning,
+        when it cannot be read (`unusable`: the error reading its measurements already met, so a locked file
+        is waited for once per decision, and a broken one warned about once). `packed_tile`: the default's
+        tile, as a packed call's rows chose it; else a declared packing's."""
         def accept(row: dict[str, Any]) -> str | None:
             try:
                 implementation.check(row_config(row))
@@ -317,9 +328,10 @@ class TunedRingAttention:
                 return str(error)
             return None
 
-        tile = packed_tile or documents.declared_tile(problem.packing, shapes.q_len * problem.ring_size,
-                                                      problem.ring_size, spec)
-        default = registry.default_config(implementation, shapes, spec, tile)
+        shapes, ring_size, group = placement
+        tile = packed_tile or documents.declared_tile(problem.packing, shapes.q_len * ring_size, ring_size, spec)
+        default = registry.default_config(implementation, registry.tile_shapes(implementation, *placement), spec,
+                                          tile)
         cache = Cache(self.db, busy_timeout=LOADER_BUSY_TIMEOUT_S)
         name = implementation.name
         try:

@@ -20,11 +20,9 @@ do not split for all_to_all.
   When the device reports a memory limit, a call whose gathered K/V would take more than half of it is
   refused when it is resolved (`shape_violation`: by name, `ValueError`; under `auto`, skipped), and by
   `attend` too; the ring and all_to_all hold only shards.
-- Config: the inner ring's `TileConfig`, with the full key length but the local query length. The
-  hooks see one device's shapes but not P; like all_to_all they size the default, the space and the
-  kernel's constraints for a key length of `H * T/P` (a heuristic here: P may exceed H), with query tiles
-  cut to the local length. The scan kernel's tile-size limit is checked for any P: a key tile is at
-  most `block_kv` long.
+- Config: the inner ring's `TileConfig`, tuned as a ring's on what it runs (`tile_shapes`: the local
+  queries against the whole sequence's keys): its default, space and constraints are the kernel's
+  there, with query tiles no longer than the local queries.
 - Backward: jax's autodiff through the all-gathers (their transpose is a reduce-scatter of dK and dV: each
   device gets back the summed gradient of its own shard) and the inner ring's `custom_vjp`.
 """
@@ -47,7 +45,7 @@ from tuner.kernels.base import SearchSpace
 from tuner.kernels import BACKENDS
 from tuner.strategies.implementations import Exchanged, TileConfig, TileSpace
 from tuner.strategies.ring import ring_geometry, run_ring
-from tuner.semantics.spec import INT32_MAX, AttentionSpec, LocalShapes
+from tuner.semantics.spec import AttentionSpec, LocalShapes
 
 BIAS_REASON = "bias: the all-gather does not carry a bias over the key axis; the ring supports it"
 
@@ -135,13 +133,12 @@ class AllGather(Exchanged):
     def shape_violation(self, shapes: LocalShapes, ring_size: int) -> str | None:
         return memory_violation(shapes, ring_size)
 
-    @staticmethod
-    def _full(shapes: LocalShapes) -> LocalShapes:
-        """The shapes the default and the space are sized for: `H * T/P` keys, the local queries."""
-        return dataclasses.replace(shapes, kv_len=shapes.heads * shapes.kv_len)
+    def tile_shapes(self, shapes: LocalShapes, ring_size: int, group: int | None = None) -> LocalShapes:
+        """The local queries against the keys of the whole ring."""
+        return dataclasses.replace(shapes, kv_len=ring_size * shapes.kv_len)
 
     def space(self, shapes: LocalShapes, spec: AttentionSpec) -> registry.Space:
-        candidates = self.inner.search_space(self._full(shapes), spec)
+        candidates = self.inner.search_space(shapes, spec)
 
         def cut(tiles: tuple[int, ...]) -> tuple[int, ...]:  # a query tile longer than the shard is the shard
             return tuple(sorted({min(t, shapes.q_len) for t in tiles}))
@@ -149,12 +146,6 @@ class AllGather(Exchanged):
         return TileSpace(SearchSpace(fwd={**candidates.fwd, "block_q": cut(candidates.fwd["block_q"])},
                                      bwd={**candidates.bwd, "block_q_dkv": cut(candidates.bwd["block_q_dkv"])},
                                      dq_tiles=candidates.dq_tiles, dq_passes=candidates.dq_passes))
-
-    @staticmethod
-    def _bound(shapes: LocalShapes) -> LocalShapes:
-        # The real tile, B * H * min(block_q, q_len) * min(block_kv, P * kv_len), is at most the scan check's
-        # with unboundedly many keys, whatever P is.
-        return dataclasses.replace(shapes, kv_len=INT32_MAX)
 
     attention = staticmethod(all_gather_attention)
 

@@ -18,10 +18,8 @@ all-to-alls each way, instead of P - 1 ring steps: it wins where the ring's tran
   copies sums back.
 - Sinks (`[H]` or `[H, n]`): each device takes its head group's rows. No bias: a bias over the laid-out
   key axis would have to be exchanged too; the ring supports it.
-- Config: the inner ring's `TileConfig`, tuned as a ring's at the full length. The hooks see one
-  device's shapes but not P, so they bound the full length by `H * T/P` (P <= H): the space spans the
-  kernel's tiles up to that length, and its constraints are checked there (the scan kernel's tile-size
-  limit against an upper bound of the real `[B, H/P]` tile).
+- Config: the inner ring's `TileConfig`, tuned as a ring's on what it runs (`tile_shapes`, `exchanged`:
+  `T` tokens of `H/P` query heads): its default, space and constraints are the kernel's there.
 - Backward: jax's autodiff through the all-to-alls (the transpose of one is one) and the inner ring's
   `custom_vjp`.
 """
@@ -41,7 +39,7 @@ from tuner.support import ordering
 from tuner import registry
 from tuner.support import vma
 from tuner.kernels import BACKENDS
-from tuner.strategies.implementations import Exchanged, TileConfig, TileSpace
+from tuner.strategies.implementations import Exchanged, TileConfig
 from tuner.strategies.ring import ring_geometry, run_ring
 from tuner.semantics.spec import AttentionSpec, LocalShapes
 
@@ -64,6 +62,17 @@ def kv_repeats(heads: int, kv_heads: int, ring_size: int) -> int:
     if reason is not None:
         raise ValueError(f"{reason}; use a ring backend")
     return ring_size // math.gcd(kv_heads, ring_size)
+
+
+def exchanged(shapes: LocalShapes, group: int) -> LocalShapes:
+    """One device's shapes after an all-to-all over `group` devices trades its sequence shard for a head
+    group: `group` times the tokens, `1 / group` of the query heads, and of the kv heads repeated to the
+    fewest copies that split (`kv_repeats`). `ValueError` when the query heads do not split."""
+    if shapes.heads % group:
+        raise ValueError(f"heads ({shapes.heads}) must be a multiple of the all-to-all group ({group})")
+    kv_heads = shapes.kv_heads * kv_repeats(shapes.heads, shapes.kv_heads, group) // group
+    return dataclasses.replace(shapes, q_len=group * shapes.q_len, kv_len=group * shapes.kv_len,
+                               heads=shapes.heads // group, kv_heads=kv_heads)
 
 
 def all_to_all_attention(query, key, value, *, spec: AttentionSpec, config: TileConfig, axis_name: Hashable | None,
@@ -128,19 +137,9 @@ class AllToAll(Exchanged):
     def shape_violation(self, shapes: LocalShapes, ring_size: int) -> str | None:
         return heads_violation(shapes.heads, ring_size)
 
-    @staticmethod
-    def _full(shapes: LocalShapes) -> LocalShapes:
-        """The longest full-length shapes these shards can have: `H * T/P` tokens (P divides H, so P <= H)."""
-        return dataclasses.replace(shapes, q_len=shapes.heads * shapes.q_len, kv_len=shapes.heads * shapes.kv_len)
-
-    def space(self, shapes: LocalShapes, spec: AttentionSpec) -> registry.Space:
-        return TileSpace(self.inner.search_space(self._full(shapes), spec))
-
-    @staticmethod
-    def _bound(shapes: LocalShapes) -> LocalShapes:
-        # The real tile, B * H/P * min(block_q, P * q_len) * min(block_kv, P * kv_len), is at most
-        # B * H * min(block_q, q_len) * min(block_kv, H * kv_len): the scan check with H * kv_len keys.
-        return dataclasses.replace(shapes, kv_len=shapes.heads * shapes.kv_len)
+    def tile_shapes(self, shapes: LocalShapes, ring_size: int, group: int | None = None) -> LocalShapes:
+        """The whole sequence of a head group (`exchanged` over the ring)."""
+        return exchanged(shapes, ring_size)
 
     attention = staticmethod(all_to_all_attention)
 
@@ -148,4 +147,4 @@ class AllToAll(Exchanged):
 for _kernel in BACKENDS.values():
     registry.register(AllToAll(_kernel))
 
-__all__ = ["AllToAll", "all_to_all_attention", "heads_violation", "kv_repeats"]
+__all__ = ["AllToAll", "all_to_all_attention", "exchanged", "heads_violation", "kv_repeats"]

@@ -23,17 +23,15 @@ keys a plain ring over all `R A` devices would send, overlapped with compute.
 - Kernels: registered once per block kernel, as all_to_all is: `hybrid` over the scan kernel,
   `hybrid_<kernel>` over the others; `strategy="hybrid"` runs the platform's preferred one that can run the
   call (`tuner.registry.strategy_choice`: Pallas on a TPU, Triton on a GPU).
-- Config: the inner ring's `TileConfig`. The cache key of a hybrid call is the key of what its inner
-  ring runs (its `key_shapes`: one device's shapes after the exchange, on a ring of R), so a tuned config
-  follows the shapes the kernels see. The tile hooks see one device's shapes but not A, so, as
-  all_to_all's, they bound the chunk's `T/R` tokens by `H * T/(R A)` (A divides H).
+- Config: the inner ring's `TileConfig`. Its default, space and constraints are the kernel's on what the
+  inner ring runs (`tile_shapes`: one device's shapes after the exchange, `tuner.strategies.all_to_all.
+  exchanged`), and the cache key of a hybrid call is the key of that ring (`key_shapes`: those shapes on
+  a ring of R), so a tuned config follows the shapes the kernels see.
 - Backward: jax's autodiff through the all-to-alls and the inner ring's `custom_vjp`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from typing import Any
 
 import jax.numpy as jnp
@@ -44,7 +42,7 @@ from tuner.support import ordering
 from tuner import registry
 from tuner.support import vma
 from tuner.kernels import BACKENDS
-from tuner.strategies.all_to_all import AllToAll, kv_repeats
+from tuner.strategies.all_to_all import AllToAll, exchanged, kv_repeats
 from tuner.strategies.implementations import TileConfig
 from tuner.strategies.ring import run_ring
 from tuner.semantics.spec import AttentionSpec, LocalShapes
@@ -57,18 +55,6 @@ def heads_violation(heads: int, groups: int) -> str | None:
     return None if heads % groups == 0 else (
         f"hybrid splits the query heads over its all-to-all axis: heads ({heads}) must be a multiple of its size "
         f"({groups}); swap the axes, or use another strategy")
-
-
-def exchanged(shapes: LocalShapes, group: int) -> LocalShapes:
-    """One device's shapes after an all-to-all over `group` devices trades its sequence shard for a head
-    group: `group` times the tokens, `1 / group` of the query heads, and of the kv heads repeated to the
-    fewest copies that split (`group / gcd(Hkv, group)`, as `all_to_all` repeats them). `ValueError` when
-    the query heads do not split."""
-    if shapes.heads % group:
-        raise ValueError(f"heads ({shapes.heads}) must be a multiple of the all-to-all group ({group})")
-    kv_heads = shapes.kv_heads * (group // math.gcd(shapes.kv_heads, group)) // group
-    return dataclasses.replace(shapes, q_len=group * shapes.q_len, kv_len=group * shapes.kv_len,
-                               heads=shapes.heads // group, kv_heads=kv_heads)
 
 
 def hybrid_attention(query, key, value, *, spec: AttentionSpec, config: TileConfig, axis_name: Any, layout: str,
@@ -115,7 +101,7 @@ def hybrid_attention(query, key, value, *, spec: AttentionSpec, config: TileConf
 
 class Hybrid(AllToAll):
     """USP: all-to-all over the a2a axis, a block kernel's ring over the ring axis, all-to-all back (module
-    docstring). Its tile hooks are all_to_all's: the inner ring sees at most `H * T/(R A)` tokens."""
+    docstring)."""
 
     summary_form = ("all-to-all to head groups over the second axis of axis_name (H % its size == 0), "
                     "the {kernel} ring over the first, all-to-all back")
@@ -125,8 +111,14 @@ class Hybrid(AllToAll):
     def shape_violation(self, shapes: LocalShapes, ring_size: int, group: int) -> str | None:
         return heads_violation(shapes.heads, group)
 
+    def tile_shapes(self, shapes: LocalShapes, ring_size: int, group: int | None = None) -> LocalShapes:
+        """What the inner ring runs on each device: the chunk of a head group (`exchanged` over the group)."""
+        if group is None:
+            raise ValueError("the hybrid runs over two mesh axes: its tile shapes need the group size")
+        return exchanged(shapes, group)
+
     def key_shapes(self, shapes: LocalShapes, ring_size: int, group: int) -> tuple[LocalShapes, int]:
-        return exchanged(shapes, group), ring_size // group
+        return self.tile_shapes(shapes, ring_size, group), ring_size // group
 
     attention = staticmethod(hybrid_attention)
 
@@ -134,4 +126,4 @@ class Hybrid(AllToAll):
 for _kernel in BACKENDS.values():
     registry.register(Hybrid(_kernel))
 
-__all__ = ["Hybrid", "exchanged", "heads_violation", "hybrid_attention"]
+__all__ = ["Hybrid", "heads_violation", "hybrid_attention"]

@@ -1,16 +1,16 @@
 """The built-in implementations of `tuner.registry`: the ring over each block kernel, and the gathered
 mechanisms.
 
-- `scan`, `triton`, `pallas_tpu`: `tuner.ring_attention` over that block kernel (`tuner.kernels`); the
-  config is a `TileConfig`, forward and backward tiles.
+- `scan`, `triton`, `pallas_tpu`, `cudnn`: `tuner.ring_attention` over that block kernel (`tuner.kernels`);
+  the config is a `TileConfig`, forward and backward tiles.
 - `dense`, `jax_nn`: every device all-gathers K/V and attends densely (`tuner.strategies.mechanisms`); nothing to
   tune (`NoConfig`), but measured against the rings by `tuner bench --mechanisms`, which can win at
   short lengths. Their strategy is `registry.GATHERED`, none of `strategy=`'s: they run when named by
   `backend=`, or under `auto` by measurement.
-- `all_to_all`, `all_gather` (and `all_to_all_<kernel>`, `all_gather_<kernel>` for the other kernels), the
-  hybrid: registered by their modules in `tuner.strategies` on `Exchanged`: they exchange shards over the
-  ring's axis, then run a block kernel's ring at ring size 1 over what they gathered; the config is that
-  inner ring's `TileConfig`.
+- `all_to_all`, `all_gather`, `hybrid` (and `<strategy>_<kernel>` for the other kernels): registered by
+  their modules in `tuner.strategies` on `Exchanged`: they exchange shards over the ring's axis, then run
+  a block kernel's ring over what they gathered (at ring size 1; the hybrid's over its ring axis); the
+  config is that inner ring's `TileConfig`, sized for what it runs (`tile_shapes`).
 """
 
 from __future__ import annotations
@@ -323,11 +323,12 @@ class Gathered:
 
 class Exchanged:
     """The hooks shared by the implementations that exchange shards over the ring's axis and then run a
-    block kernel's ring at ring size 1 over what they gathered (`all_to_all`, `all_gather`, the hybrid),
-    one registration per kernel (`engine`, the kernel's name): its availability, features (less bias:
-    `bias_reason`) and tiles, sized for the gathered length `_full(shapes)`. Named after the strategy for
-    the scan kernel, `<strategy>_<kernel>` for the others; `strategy=` runs the platform's preferred
-    kernel that can (`registry.strategy_choice`)."""
+    block kernel's ring over what they gathered (`all_to_all`, `all_gather`, the hybrid), one registration
+    per kernel (`engine`, the kernel's name): its availability, features (less bias: `bias_reason`) and
+    tiles. Its tile hooks take what the kernel runs (`tile_shapes`, which each strategy defines; callers
+    pass `registry.tile_shapes`), so its default, space and constraints are the kernel's there. Named after
+    the strategy for the scan kernel, `<strategy>_<kernel>` for the others; `strategy=` runs the platform's
+    preferred kernel that can (`registry.strategy_choice`)."""
 
     config_type = TileConfig
     gathered = True
@@ -342,14 +343,8 @@ class Exchanged:
         self.summary = self.summary_form.format(kernel=self.engine)
         self.packages = ("triton",) if self.engine == "triton" else ()
 
-    @staticmethod
-    def _full(shapes: LocalShapes) -> LocalShapes:
-        """The shapes the default config and the space are sized for."""
-        raise NotImplementedError
-
-    @staticmethod
-    def _bound(shapes: LocalShapes) -> LocalShapes:
-        """Shapes whose scan check bounds every real tile of the call (its `violation`)."""
+    def tile_shapes(self, shapes: LocalShapes, ring_size: int, group: int | None = None) -> LocalShapes:
+        """What the kernel runs on each device, for one device's `shapes` on this ring."""
         raise NotImplementedError
 
     @staticmethod
@@ -357,11 +352,11 @@ class Exchanged:
         """The strategy's local call (`attend`'s arguments, and `backend`, the kernel)."""
         raise NotImplementedError
 
+    def space(self, shapes: LocalShapes, spec: AttentionSpec) -> registry.Space:
+        return TileSpace(self.inner.search_space(shapes, spec))
+
     def violation(self, shapes: LocalShapes, spec: AttentionSpec, config: TileConfig, parts: tuple[str, ...]
                   ) -> str | None:
-        """The kernel's constraints on the gathered shapes: for the scan kernel a bound of every real tile
-        (`_bound`, its tile-size check); for the others the gathered length the hooks can know (`_full`)."""
-        shapes = self._bound(shapes) if self.engine == "scan" else self._full(shapes)
         return self.inner.violation(shapes, spec, config.fwd if "fwd" in parts else None,
                                     config.bwd if "bwd" in parts else None)
 
@@ -383,11 +378,10 @@ class Exchanged:
 
     def default_config(self, shapes: LocalShapes, spec: AttentionSpec, *, packed_tile: int | None = None
                        ) -> TileConfig:
-        """The inner kernel's default tiles for the whole sequence: no longer than its `masked_tile` where
+        """The inner kernel's default tiles for what it runs: no longer than its `masked_tile` where
         positions mask tiles out, and with segment ids and a `packed_tile` (from a declared packing), no
         longer than it."""
-        full = self._full(shapes)
-        default = kernel_default(self.inner, full.q_len, full.kv_len, (full.head_dim, full.value_head_dim), spec)
+        default = kernel_default(self.inner, shapes.q_len, shapes.kv_len, shapes.head_dims, spec)
         if packed_tile is None or not spec.has_segments:
             return default
         return capped(default, packed_tile)

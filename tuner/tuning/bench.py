@@ -42,7 +42,8 @@ def bench(problem: Problem, *, device: str, backend: str = "auto", objective: st
     scan = registry.get(registry.FALLBACK)
     rings = {
         f"tuned ({explained.source})": (explained.backend, explained.config),
-        "default": (chosen.name, chosen.default_config(problem.shapes, problem.spec)),
+        "default": (chosen.name, chosen.default_config(
+            registry.tile_shapes(chosen, problem.shapes, problem.ring_size, problem.group), problem.spec)),
     }
     if not workload.pair:  # the scan ring runs over one axis
         rings["scan default"] = (scan.name, scan.default_config(problem.shapes, problem.spec))

@@ -65,10 +65,11 @@ class Trials:
         self.shared, self.name = shared, name
         self.parts = registry.OBJECTIVE_PARTS[options.objective]
         self.workload = Workload(problem)
-        self.space = implementation.space(problem.shapes, problem.spec)
+        self.tile_shapes = registry.tile_shapes(implementation, problem.shapes, problem.ring_size, problem.group)
+        self.space = implementation.space(self.tile_shapes, problem.spec)
         if default is None:
             tile = documents.declared_tile(problem.packing, problem.seq_len, problem.ring_size, problem.spec)
-            default = registry.default_config(implementation, problem.shapes, problem.spec, tile)
+            default = registry.default_config(implementation, self.tile_shapes, problem.spec, tile)
         self.default = default
         self.pool = self.space.grid(self.default, self.parts)  # where a duplicate's replacement comes from
         random.Random(options.seed).shuffle(self.pool)
@@ -139,7 +140,7 @@ class Trials:
             self._duplicate(trial, holder)
         self.duplicates = 0
         try:
-            reason = self.implementation.violation(self.problem.shapes, self.problem.spec, config, self.parts)
+            reason = self.implementation.violation(self.tile_shapes, self.problem.spec, config, self.parts)
             if reason is not None:
                 trial.set_user_attr("pruned", reason)
                 raise optuna.TrialPruned(reason)
