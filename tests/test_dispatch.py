@@ -229,6 +229,33 @@ def test_a_backend_that_fails_to_build_falls_back_to_scan(unbuildable, caplog, t
     np.testing.assert_allclose(out, want, rtol=0, atol=2e-5)
 
 
+def test_the_hybrid_over_a_kernel_that_fails_to_build_falls_back_to_the_hybrid_over_scan(unbuildable, caplog,
+                                                                                        tmp_path):
+    """Over two mesh axes the fallback runs over both too: the hybrid over the scan kernel (the scan ring
+    cannot run over a pair `axis_name`); and so does an exchange over one axis keep its strategy."""
+    from tuner.strategies.all_to_all import AllToAll
+    from tuner.strategies.hybrid import Hybrid
+
+    kernel = registry.get("unbuildable").kernel
+    assert registry.fallback_for(registry.get("unbuildable")).name == "scan"
+    q, k, v = arrays(Problem(batch=1, seq_len=64, heads=8, kv_heads=2, head_dim=8, causal=True, ring_size=8))
+    with jax.enable_x64(True):
+        want = dense_attention(*(x.astype(jnp.float64) for x in (q, k, v)), causal=True)[0]
+    for implementation, axes, grid in ((Hybrid(kernel), ("ring", "a2a"), (2, 4)), (AllToAll(kernel), ("sp",), (8,))):
+        with registry.registered(implementation):
+            fallback = registry.fallback_for(implementation)
+            assert fallback.name == registry.strategy_of(implementation)  # over the scan kernel
+            mesh = Mesh(np.array(jax.devices()[:8]).reshape(grid), axes)
+            attn = get_tuned_ring_attention(axis_name=axes if len(axes) == 2 else axes[0], causal=True,
+                                            backend=implementation.name, mesh=mesh, db=str(tmp_path / "t.sqlite"))
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="tuner.runtime.dispatch"):
+                out = jax.jit(attn)(q, k, v)
+            assert f"backend {implementation.name} with params from default failed to build" in caplog.text
+            assert f"falling back to {fallback.name} with its default params" in caplog.text
+            np.testing.assert_allclose(out, want, rtol=0, atol=2e-5)
+
+
 def test_a_corrupt_cache_means_defaults_and_a_warning(tmp_path, caplog):
     db = tmp_path / "tuning.sqlite"
     db.write_bytes(b"garbage" * 1000)

@@ -406,6 +406,15 @@ def choose(name: str, spec: AttentionSpec, dtype: Any, head_dim: int, target: Ta
     return implementation
 
 
+def fallback_for(implementation: Implementation) -> Implementation:
+    """What a call of `implementation` falls back to when it fails to build: the implementation of its
+    strategy over the `FALLBACK` kernel (the scan ring for a ring, `hybrid` for `hybrid_pallas_tpu`, which
+    runs over the same mesh axes), else the `FALLBACK` ring."""
+    strategy = strategy_of(implementation)
+    same = [i for i in _REGISTRY.values() if strategy_of(i) == strategy and getattr(i, "engine", None) == FALLBACK]
+    return same[0] if same else get(FALLBACK)
+
+
 def label(name: str) -> str:
     """How tables and `tuner bench --mechanisms` name the implementation `name`: `ring/<kernel>` for a
     ring over a block kernel, else its name."""
@@ -447,7 +456,8 @@ def forward_tiles(config: Config) -> tuple[int, int] | None:
 
 
 __all__ = ["FALLBACK", "GATHERED", "OBJECTIVE_PARTS", "PARTS", "PREFERENCE", "STRATEGIES", "ChoiceSpace", "Config",
-           "Implementation", "Space", "TWO_AXES", "Target", "by_engine", "choose", "combine", "config_from_parts",
-           "default_config", "find", "for_strategy", "forward_tiles", "get", "key", "label", "mesh_axes", "names",
-           "problem_key", "register", "registered", "resolve_auto", "shape_violation", "strategy_choice",
-           "strategy_of", "tile_shapes", "unregister", "versions", "why_not"]
+           "Implementation", "Space", "TWO_AXES", "Target", "by_engine", "choose", "combine",
+           "config_from_parts", "default_config", "fallback_for", "find", "for_strategy", "forward_tiles",
+           "get", "key", "label", "mesh_axes", "names", "problem_key", "register", "registered",
+           "resolve_auto", "shape_violation", "strategy_choice", "strategy_of", "tile_shapes", "unregister",
+           "versions", "why_not"]

@@ -184,14 +184,16 @@ class TunedRingAttention:
         try:
             return registry.get(decision.backend).attend(query, key, value, config=decision.config, **call)
         except Exception as error:  # noqa: BLE001 - a variant that fails to build falls back to scan defaults
-            if decision.backend == registry.FALLBACK and decision.source in ("default", "fallback"):
+            fallback = registry.fallback_for(registry.get(decision.backend))
+            if fallback.name == decision.backend and decision.source in ("default", "fallback"):
                 raise
             log.warning("ring attention %s: backend %s with params from %s failed to build (%s: %s); falling back "
                         "to %s with its default params", decision.key.digest, decision.backend, decision.source,
-                        type(error).__name__, error, registry.FALLBACK)
-            fallback = registry.get(registry.FALLBACK)
-            return fallback.attend(query, key, value, config=fallback.default_config(decision.key, decision.spec),
-                                   **call)
+                        type(error).__name__, error, fallback.name)
+            placement = Placement(LocalShapes.of_shards(query, key, value), ring_geometry(self.axis_name)[0],
+                                  group_size(self.axis_name))
+            config = fallback.default_config(registry.tile_shapes(fallback, *placement), decision.spec)
+            return fallback.attend(query, key, value, config=config, **call)
 
     def _note(self, query, key, value, ring_size: int, a2a_size: int, options: dict[str, Any], decision: Decision
               ) -> record.Call:
