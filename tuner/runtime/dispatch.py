@@ -20,7 +20,8 @@ config (cache lookup: exact, nearest, shipped, else the implementation's default
 layout. It never tunes. Whatever the cache holds, a training step traces, runs and is exact: a missing,
 unreadable, corrupt or locked cache file (waited for at most `tuner.cache.LOADER_BUSY_TIMEOUT_S`) and
 every invalid row cost speed only, with one WARNING naming the file, the row and what is wrong; a tuned
-variant that fails to build falls back to the scan backend's defaults.
+variant that fails to build falls back to its strategy over the scan kernel, at its defaults
+(`registry.fallback_for`).
 """
 
 from __future__ import annotations
@@ -183,7 +184,7 @@ class TunedRingAttention:
         call = dict(spec=decision.spec, axis_name=self.axis_name, layout=decision.layout, interpret=interpret, **arrays)
         try:
             return registry.get(decision.backend).attend(query, key, value, config=decision.config, **call)
-        except Exception as error:  # noqa: BLE001 - a variant that fails to build falls back to scan defaults
+        except Exception as error:  # noqa: BLE001 - a variant that fails to build falls back (module docstring)
             fallback = registry.fallback_for(registry.get(decision.backend))
             if fallback.name == decision.backend and decision.source in ("default", "fallback"):
                 raise
