@@ -5,8 +5,9 @@ its collectives read from the scheduled HLO (`benchmarks/strategies/strategy_byt
 chips, larger problems and the forward alone); per kind, the model's bytes (`strategy_model.predict`) are
 within 10% of the program's. Kinds under 1% of a program's bytes are not compared (the ring's position
 bounds, which XLA:TPU builds as an all-reduce). Each strategy runs over the Pallas kernels on a TPU; over
-them, XLA:TPU builds all_gather's backward reduce-scatter of dK and dV as a reduce-scatter (over the scan
-kernel it built an all-reduce of the whole dK, dV, which the model still times: docs/strategies.md).
+them, at these 1,024 tokens, XLA:TPU builds all_gather's backward reduce-scatter of dK and dV as a
+reduce-scatter (over the scan kernel, and over Pallas from 16,384 tokens, it builds an all-reduce of the
+whole dK, dV, which the model times: docs/strategies.md).
 
 Skipped where libtpu is not installed (`pip install -e '.[tpu]'`)."""
 
