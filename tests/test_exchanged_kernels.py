@@ -60,6 +60,23 @@ def test_a_strategy_runs_the_platforms_preferred_kernel_that_can():
                               ring_size=16)
 
 
+def test_a_packed_tile_the_kernel_cannot_take_leaves_its_default():
+    """The documents layout's tile of 16 caps the scan kernel's tiles inside an exchange; Pallas on a TPU
+    takes no key tile under 128 shorter than the sequence, so its default stays (it failed to build, and
+    the call fell back to the scan kernel)."""
+    spec = AttentionSpec(scale=128**-0.5, causal=True, has_segments=True)
+    local = LocalShapes(1, 256, 256, 8, 2, 128, "bfloat16")
+    for strategy, a2a in GROUP.items():
+        for kernel, capped in (("scan", True), ("pallas_tpu", False)):
+            implementation = registry.get(strategy if kernel == "scan" else f"{strategy}_{kernel}")
+            shapes = registry.tile_shapes(implementation, local, 4, a2a if strategy == "hybrid" else None)
+            default = implementation.default_config(shapes, spec)
+            packed = implementation.default_config(shapes, spec, packed_tile=16)
+            assert (packed.fwd.block_kv == 16) == capped, (implementation.name, packed)
+            assert packed == default or capped
+            assert implementation.violation(shapes, spec, packed, ("fwd", "bwd")) is None, implementation.name
+
+
 INTERPRETED = {  # kernel: (its config, what its interpreted program holds that the scan kernel's does not)
     "pallas_tpu": (TileConfig(FwdParams(16, 128), BwdParams(16, 128, 16, 128)), "pallas_call"),
     "triton": (TileConfig(FwdParams(16, 16), BwdParams(16, 16, 16, 16)), "pure_callback"),  # torch on the CPU

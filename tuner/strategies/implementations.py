@@ -379,12 +379,14 @@ class Exchanged:
     def default_config(self, shapes: LocalShapes, spec: AttentionSpec, *, packed_tile: int | None = None
                        ) -> TileConfig:
         """The inner kernel's default tiles for what it runs: no longer than its `masked_tile` where
-        positions mask tiles out, and with segment ids and a `packed_tile` (from a declared packing), no
-        longer than it."""
+        positions mask tiles out, and with segment ids and a `packed_tile` (a declared packing's, or the
+        documents layout's), no longer than it where the kernel accepts them (Pallas on a TPU takes no
+        key tile under 128 shorter than the sequence)."""
         default = kernel_default(self.inner, shapes.q_len, shapes.kv_len, shapes.head_dims, spec)
         if packed_tile is None or not spec.has_segments:
             return default
-        return capped(default, packed_tile)
+        packed = capped(default, packed_tile)
+        return default if self.violation(shapes, spec, packed, ("fwd", "bwd")) else packed
 
     def check(self, config: TileConfig) -> None:
         if not isinstance(config, TileConfig):
