@@ -183,6 +183,22 @@ def test_causal_work_is_what_the_scan_ring_computes_tile_by_tile(ring, seq_len, 
     assert 0.5 < counted < 1.0  # some tiles skipped, some crossing the diagonal
 
 
+@pytest.mark.parametrize("platform, kernel", [("v5e", "pallas_tpu"), ("h100", "triton")])
+def test_the_exchanges_work_is_counted_at_their_kernels_default_tiles(platform, kernel):
+    """The model's tiles for all_to_all, all_gather and the hybrid are the default forward tiles of the
+    platform's kernel, which `strategy=` runs there, on what that kernel runs (`registry.tile_shapes`)."""
+    for causal in (True, False):
+        problem = Problem(seq_len=32768, heads=8, kv_heads=2, head_dim=128, dtype="bfloat16", causal=causal,
+                          ring_size=8)
+        tiles = strategy_model._exchanged_tiles(problem, PLATFORMS[platform])
+        for strategy, group in (("all_to_all", None), ("all_gather", None), ("hybrid", 2)):
+            implementation = registry.get(f"{strategy}_{kernel}")
+            shapes = registry.tile_shapes(implementation, problem.shapes, 8, group)
+            fwd = implementation.default_config(shapes, problem.spec).fwd
+            assert (min(fwd.block_q, shapes.q_len), min(fwd.block_kv, shapes.kv_len)) == (
+                min(tiles[0], shapes.q_len), min(tiles[1], shapes.kv_len)), (strategy, causal)
+
+
 @pytest.mark.parametrize("packing, causal", [("512,64x8", True), ("lognormal:6,seed=1", True), ("256x4", False)])
 def test_packed_work_is_what_the_scan_ring_computes_tile_by_tile(packing, causal):
     """With documents, the model's share of the slowest device is the scan ring's count at the ring's packed
