@@ -41,8 +41,10 @@ def test_a_strategy_runs_the_platforms_preferred_kernel_that_can():
 
     def chosen(strategy, platform, dtype=jnp.bfloat16):
         group = GROUP[strategy] if strategy == "hybrid" else None
-        return registry.for_strategy(strategy, spec, dtype, 128, registry.Target(platform), shapes=shapes,
-                                     ring_size=4, group=group).name
+        implementation, passed_over = registry.for_strategy(strategy, spec, dtype, 128, registry.Target(platform),
+                                                            shapes=shapes, ring_size=4, group=group)
+        assert bool(passed_over) == (platform == "tpu" and dtype == jnp.float16), passed_over  # Pallas first
+        return implementation.name
 
     tpu = importlib.util.find_spec("libtpu") is not None  # the TPU compiler is at hand: Pallas is available
     for strategy in EXCHANGES:

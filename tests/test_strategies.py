@@ -250,7 +250,8 @@ def test_on_a_tpu_topology_a_measurement_or_a_tuned_ring_outranks_the_model(tmp_
 @needs_libtpu
 def test_on_a_tpu_topology_a_pair_axis_name_runs_the_hybrid_over_pallas(tmp_path):
     """The loader over a 2x2 mesh of v5e chips: a pair `axis_name` plans the hybrid over the Pallas
-    kernels (float16, which Pallas does not take, over the scan kernel), keyed by its inner ring."""
+    kernels, keyed by its inner ring; float16, which Pallas does not take, over the scan kernel, and
+    `explain()` says why (source "fallback")."""
     from jax.experimental import topologies
 
     devices = np.array(topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices)
@@ -261,5 +262,7 @@ def test_on_a_tpu_topology_a_pair_axis_name_runs_the_hybrid_over_pallas(tmp_path
     decision = attn.explain(*tpu_structs(problem))
     assert decision.backend == "hybrid_pallas_tpu", decision
     assert (decision.key.backend, decision.key.ring_size, decision.key.heads) == ("hybrid_pallas_tpu", 2, 4)
-    half = [jax.ShapeDtypeStruct(x.shape, jnp.float16) for x in tpu_structs(problem)]
-    assert attn.explain(*half).backend == "hybrid", "Pallas takes no float16: the hybrid over the scan kernel"
+    assert decision.source == "default", decision  # the platform's first choice: no fallback
+    half = attn.explain(*(jax.ShapeDtypeStruct(x.shape, jnp.float16) for x in tpu_structs(problem)))
+    assert (half.backend, half.source) == ("hybrid", "fallback"), half  # Pallas takes no float16: scan, and why
+    assert half.reason.startswith("hybrid_pallas_tpu does not support"), half.reason

@@ -353,6 +353,28 @@ def resolve_auto(spec: AttentionSpec, dtype: Any, head_dim: int, target: Target,
     return get(FALLBACK), passed_over
 
 
+def _strategy_tries(strategy: str, spec: AttentionSpec, dtype: Any, head_dim: int, target: Target,
+                    **placement: Any) -> list[tuple[Implementation, str | None]]:
+    """The implementations of `strategy` as `strategy=` tries them on `target` (`by_engine`), each with why
+    it cannot run the call (`why_not`), up to the first that can (its reason None)."""
+    tries = []
+    for implementation in by_engine([i for i in _REGISTRY.values() if strategy_of(i) == strategy],
+                                    target.platform):
+        tries.append((implementation, why_not(implementation, spec, dtype, head_dim, target, **placement)))
+        if tries[-1][1] is None:
+            break
+    return tries
+
+
+def _chosen(tries: list[tuple[Implementation, str | None]]) -> tuple[Implementation | None, str | None]:
+    """`strategy_choice` of these tries."""
+    if not tries:
+        return None, "no implementation of it is registered"
+    if tries[-1][1] is None:
+        return tries[-1][0], None
+    return None, next((r for i, r in tries if getattr(i, "engine", None) == FALLBACK), tries[0][1])
+
+
 def strategy_choice(strategy: str, spec: AttentionSpec, dtype: Any, head_dim: int, target: Target, *,
                     return_lse: bool = False, shapes: LocalShapes | None = None, ring_size: int = 1,
                     group: int | None = None) -> tuple[Implementation | None, str | None]:
@@ -360,32 +382,23 @@ def strategy_choice(strategy: str, spec: AttentionSpec, dtype: Any, head_dim: in
     implementations of `strategy`, the first that can run the call, those whose `engine` comes first in
     the platform's `PREFERENCE` first, then in the order they were registered; the reason given is that of
     the one over the `FALLBACK` kernel (or of the first)."""
-    candidates = by_engine([i for i in _REGISTRY.values() if strategy_of(i) == strategy], target.platform)
-    if not candidates:
-        return None, "no implementation of it is registered"
-    engine = {i.name: getattr(i, "engine", None) for i in candidates}
-    reasons = {}
-    for implementation in candidates:
-        reasons[implementation.name] = why_not(implementation, spec, dtype, head_dim, target, return_lse=return_lse,
-                                               shapes=shapes, ring_size=ring_size, group=group)
-        if reasons[implementation.name] is None:
-            return implementation, None
-    said = next((i for i in candidates if engine[i.name] == FALLBACK), candidates[0])
-    return None, reasons[said.name]
+    return _chosen(_strategy_tries(strategy, spec, dtype, head_dim, target, return_lse=return_lse, shapes=shapes,
+                                   ring_size=ring_size, group=group))
 
 
 def for_strategy(strategy: str, spec: AttentionSpec, dtype: Any, head_dim: int, target: Target, *,
                  return_lse: bool = False, shapes: LocalShapes | None = None, ring_size: int = 1,
-                 group: int | None = None) -> Implementation:
-    """`strategy_choice`'s implementation; `ValueError` naming `strategy` and saying why where none can run
-    the call."""
-    implementation, reason = strategy_choice(strategy, spec, dtype, head_dim, target, return_lse=return_lse,
-                                             shapes=shapes, ring_size=ring_size, group=group)
+                 group: int | None = None) -> tuple[Implementation, list[str]]:
+    """`strategy_choice`'s implementation, and why each one the platform prefers to it was passed over (Pallas
+    on a TPU for float16, say); `ValueError` naming `strategy` and saying why where none can run the call."""
+    tries = _strategy_tries(strategy, spec, dtype, head_dim, target, return_lse=return_lse, shapes=shapes,
+                            ring_size=ring_size, group=group)
+    implementation, reason = _chosen(tries)
     if implementation is None:
         fallback = "use strategy='auto' to fall back to one that can" if group is None else \
             "the call is over two mesh axes: fix what is named, or pass one axis name"
         raise ValueError(f"strategy {strategy!r} {reason}; {fallback}")
-    return implementation
+    return implementation, [f"{tried.name} {why}" for tried, why in tries[:-1]]
 
 
 def choose(name: str, spec: AttentionSpec, dtype: Any, head_dim: int, target: Target, *,
