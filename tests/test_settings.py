@@ -7,7 +7,8 @@ grouped-query heads and a sliding window, in the zigzag layout under every setti
 layout (its plan, permutations and per-row tile: three rings compiled, 20 s a case) under the three
 settings that broke it before issue 56. The Triton kernels (their interpreter) run under x64, and the
 cudnn kernel (its XLA twin, bfloat16, no segment ids: cuDNN takes none) under x64 and rank promotion
-`raise`, the Pallas TPU kernels (interpret mode, through `ring_attention` under `shard_map`) under x64.
+`raise`, the Pallas TPU kernels (interpret mode, through `ring_attention` under `shard_map`) under x64, and
+the hybrid, all-to-all and all-gather over them under x64, rank promotion `raise` and NaN checks.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cases import Case, check_case, rel_err
+from cases import Case, check_case, check_exchanged, rel_err
 from tuner import BwdParams, FwdParams, get_tuned_ring_attention
+from tuner.strategies.implementations import TileConfig
 from tuner.semantics.reference import dense_attention
 
 RING, B, T, H, HKV, D = 4, 2, 256, 4, 2, 16
@@ -143,3 +145,16 @@ def test_the_pallas_tpu_kernels_under_x64_in_interpret_mode():
                 window=48, backend="pallas_tpu", fwd=FwdParams(16, 64), bwd=BwdParams(16, 64, 16, 64))
     with jax.enable_x64(True):
         check_case(case)
+
+
+@pytest.mark.parametrize("name, implementation, a2a", [
+    ("x64", "hybrid_pallas_tpu", 2), ("rank_promotion_raise", "all_to_all_pallas_tpu", 1),
+    ("debug_nans", "all_gather_pallas_tpu", 1)])
+def test_the_exchanges_over_pallas_under_the_setting_in_interpret_mode(name, implementation, a2a):
+    """Each exchange over the Pallas kernels (interpret mode, under the caller's `shard_map`; the hybrid on
+    a 2x2 mesh) with packed documents, GQA and a causal window, against float64."""
+    case = Case(batch=1, length=64, heads=4, kv_heads=2, head_dim=8, ring=2, layout="zigzag", causal=True,
+                window=(20, 0), segments="packed")
+    with SETTINGS[name].context(None):  # these settings take no mesh
+        check_exchanged(implementation, case, TileConfig(FwdParams(16, 128), BwdParams(16, 128, 16, 128)), a2a,
+                        interpret=True)
