@@ -109,12 +109,11 @@ FEATURE_CASES = [  # test_hybrid.py's, on 2x4 meshes
 
 
 @pytest.mark.parametrize("case", FEATURE_CASES)
-@pytest.mark.parametrize("kernel", [
-    "pallas_tpu", pytest.param("triton", marks=pytest.mark.skipif(NO_TRITON, reason="needs triton and torch"))])
-def test_the_hybrid_over_pallas_and_triton_honours_every_feature_but_bias(kernel, case):
-    """The hybrid on a 2x4 mesh in its kernel's interpreter, against float64: packed segments, a soft cap
-    and sinks; a window on explicit positions with one kv head repeated over the group."""
-    check_exchanged(f"hybrid_{kernel}", case, INTERPRETED[kernel][0], 4, interpret=True)
+def test_the_hybrid_over_pallas_honours_every_feature_but_bias(case):
+    """The hybrid on a 2x4 mesh in Pallas's interpreter, against float64: packed segments, a soft cap and
+    sinks; a window on explicit positions with one kv head repeated over the group. (Over Triton's
+    interpreter these pass too, 8 s more; the Triton kernel's features are held in its rings.)"""
+    check_exchanged("hybrid_pallas_tpu", case, INTERPRETED["pallas_tpu"][0], 4, interpret=True)
 
 
 @pytest.mark.parametrize("strategy", EXCHANGES)
