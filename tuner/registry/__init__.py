@@ -330,6 +330,23 @@ def by_engine(implementations: list[Implementation], platform: str) -> list[Impl
     return sorted(implementations, key=rank)  # stable
 
 
+def _tries(candidates: list[Implementation], spec: AttentionSpec, dtype: Any, head_dim: int, target: Target,
+           **placement: Any) -> list[tuple[Implementation, str | None]]:
+    """`candidates` in order, each with why it cannot run the call (`why_not`), up to the first that can
+    (its reason None)."""
+    tries = []
+    for implementation in candidates:
+        tries.append((implementation, why_not(implementation, spec, dtype, head_dim, target, **placement)))
+        if tries[-1][1] is None:
+            break
+    return tries
+
+
+def _passed_over(tries: list[tuple[Implementation, str | None]]) -> list[str]:
+    """Why each implementation tried before the one that runs was passed over."""
+    return [f"{implementation.name} {why}" for implementation, why in tries if why is not None]
+
+
 def resolve_auto(spec: AttentionSpec, dtype: Any, head_dim: int, target: Target, *, return_lse: bool = False,
                  shapes: LocalShapes | None = None, ring_size: int = 1, group: int | None = None
                  ) -> tuple[Implementation, list[str]]:
@@ -341,29 +358,21 @@ def resolve_auto(spec: AttentionSpec, dtype: Any, head_dim: int, target: Target,
         candidates = [get(name) for name in PREFERENCE.get(target.platform, (FALLBACK,))]
     else:
         candidates = by_engine([i for i in _REGISTRY.values() if mesh_axes(i) == 2], target.platform)
-    passed_over = []
-    for implementation in candidates:
-        reason = why_not(implementation, spec, dtype, head_dim, target, return_lse=return_lse, shapes=shapes,
-                         ring_size=ring_size, group=group)
-        if reason is None:
-            return implementation, passed_over
-        passed_over.append(f"{implementation.name} {reason}")
+    tries = _tries(candidates, spec, dtype, head_dim, target, return_lse=return_lse, shapes=shapes,
+                   ring_size=ring_size, group=group)
+    if tries and tries[-1][1] is None:
+        return tries[-1][0], _passed_over(tries)
     if group is not None:
-        raise ValueError(f"no implementation over two mesh axes can run this call: {'; '.join(passed_over)}")
-    return get(FALLBACK), passed_over
+        raise ValueError(f"no implementation over two mesh axes can run this call: {'; '.join(_passed_over(tries))}")
+    return get(FALLBACK), _passed_over(tries)
 
 
 def _strategy_tries(strategy: str, spec: AttentionSpec, dtype: Any, head_dim: int, target: Target,
                     **placement: Any) -> list[tuple[Implementation, str | None]]:
-    """The implementations of `strategy` as `strategy=` tries them on `target` (`by_engine`), each with why
-    it cannot run the call (`why_not`), up to the first that can (its reason None)."""
-    tries = []
-    for implementation in by_engine([i for i in _REGISTRY.values() if strategy_of(i) == strategy],
-                                    target.platform):
-        tries.append((implementation, why_not(implementation, spec, dtype, head_dim, target, **placement)))
-        if tries[-1][1] is None:
-            break
-    return tries
+    """The implementations of `strategy` as `strategy=` tries them on `target` (`by_engine`), up to the
+    first that can run the call (`_tries`)."""
+    candidates = by_engine([i for i in _REGISTRY.values() if strategy_of(i) == strategy], target.platform)
+    return _tries(candidates, spec, dtype, head_dim, target, **placement)
 
 
 def _chosen(tries: list[tuple[Implementation, str | None]]) -> tuple[Implementation | None, str | None]:
@@ -398,24 +407,24 @@ def for_strategy(strategy: str, spec: AttentionSpec, dtype: Any, head_dim: int, 
         fallback = "use strategy='auto' to fall back to one that can" if group is None else \
             "the call is over two mesh axes: fix what is named, or pass one axis name"
         raise ValueError(f"strategy {strategy!r} {reason}; {fallback}")
-    return implementation, [f"{tried.name} {why}" for tried, why in tries[:-1]]
+    return implementation, _passed_over(tries)
 
 
 def choose(name: str, spec: AttentionSpec, dtype: Any, head_dim: int, target: Target, *,
            return_lse: bool = False, shapes: LocalShapes | None = None, ring_size: int = 1,
-           group: int | None = None, argument: str = "backend") -> Implementation:
-    """Resolve `name` ("auto" or an implementation's name) for this call: a named one that cannot run
-    it raises `ValueError` saying why, naming the `argument` that asked for it; "auto" takes the
-    platform's preference."""
+           group: int | None = None) -> Implementation:
+    """Resolve `name` ("auto" or an implementation's name, as `backend=` gives it) for this call: a named
+    one that cannot run it raises `ValueError` saying why, naming `backend`; "auto" takes the platform's
+    preference."""
     placement = dict(shapes=shapes, ring_size=ring_size, group=group)
     if name == "auto":
         return resolve_auto(spec, dtype, head_dim, target, return_lse=return_lse, **placement)[0]
     implementation = get(name)
     reason = why_not(implementation, spec, dtype, head_dim, target, return_lse=return_lse, **placement)
     if reason is not None:
-        fallback = f"use {argument}='auto' to fall back to one that can" if group is None else \
+        fallback = "use backend='auto' to fall back to one that can" if group is None else \
             "the call is over two mesh axes: fix what is named, or pass one axis name"
-        raise ValueError(f"{argument} {name!r} {reason}; {fallback}")
+        raise ValueError(f"backend {name!r} {reason}; {fallback}")
     return implementation
 
 

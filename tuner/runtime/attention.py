@@ -69,8 +69,8 @@ def ring_attention(
     `fwd_params`/`bwd_params`, else its defaults.
     `strategy="hybrid"` takes `axis_name=(ring_axis, group_axis)` under `shard_map` over both axes, the
     sequence sharded over both (ring axis outer) and `layout` over the ring axis: all-to-all over the
-    second, the scan ring over the first (`tuner.strategies.hybrid`). ("auto", which picks by measurement, is
-    `get_tuned_ring_attention`'s.)
+    second, a block kernel's ring over the first, the platform's as above (`tuner.strategies.hybrid`).
+    ("auto", which picks by measurement, is `get_tuned_ring_attention`'s.)
     """
     if not isinstance(layout, str) or layout not in layouts.LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(layouts.LAYOUTS)}, got {layout!r}")

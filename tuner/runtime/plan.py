@@ -105,16 +105,15 @@ def resolve(query, key, value, *, ring_size: int, layout: str, backend: str, tar
     dtype, head_dim, shapes = jnp.dtype(query.dtype), query.shape[3], LocalShapes.of_shards(query, key, value)
     call = dict(return_lse=return_lse, shapes=shapes, ring_size=ring_size, group=group)
     if strategy in SELECTING or backend != "auto":
-        passed_over = []
         try:
             if backend != "auto":
-                implementation = registry.choose(backend, spec, dtype, head_dim, target, **call)
+                implementation, passed_over = registry.choose(backend, spec, dtype, head_dim, target, **call), []
             else:
                 implementation, passed_over = registry.for_strategy(strategy, spec, dtype, head_dim, target, **call)
         except ValueError as error:
             raise ValueError(f"axis_name={axis_name!r}: {error}" if group is not None else str(error)) from None
-        return Resolved(spec, shapes, implementation, "; ".join(passed_over) or None)
-    implementation, passed_over = registry.resolve_auto(spec, dtype, head_dim, target, **call)
+    else:
+        implementation, passed_over = registry.resolve_auto(spec, dtype, head_dim, target, **call)
     return Resolved(spec, shapes, implementation, "; ".join(passed_over) or None)
 
 
