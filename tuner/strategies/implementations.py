@@ -75,6 +75,21 @@ def capped(config: TileConfig, tile: int) -> TileConfig:
                                           block_kv_dkv=min(bwd.block_kv_dkv, tile), **dq))
 
 
+def capped_where_accepted(kernel: Backend, shapes: LocalShapes, spec: AttentionSpec, default: TileConfig,
+                          tile: int) -> TileConfig:
+    """`default` with its tiles no longer than `tile` (`capped`) where `kernel` accepts them on these shapes,
+    else `default` (Pallas on a TPU takes no key tile under 128 shorter than the sequence)."""
+    packed = capped(default, tile)
+    return default if parts_violation(kernel, shapes, spec, packed, ("fwd", "bwd")) else packed
+
+
+def parts_violation(kernel: Backend, shapes: LocalShapes, spec: AttentionSpec, config: TileConfig,
+                    parts: tuple[str, ...]) -> str | None:
+    """`kernel`'s constraints on the `parts` ("fwd", "bwd") of `config`."""
+    return kernel.violation(shapes, spec, config.fwd if "fwd" in parts else None,
+                            config.bwd if "bwd" in parts else None)
+
+
 def kernel_default(kernel: Backend, q_len: int, kv_len: int, head_dims: tuple[int, ...], spec: AttentionSpec
                    ) -> TileConfig:
     """`kernel`'s default tiles for these lengths and head dims; where positions mask tiles out (causal,
@@ -250,16 +265,15 @@ class Ring:
         default = kernel_default(self.kernel, shapes.q_len, shapes.kv_len, shapes.head_dims, spec)
         if not spec.has_segments:
             return default
-        packed = capped(default, documents.PACKED_TILE if packed_tile is None else packed_tile)
-        return default if self.violation(shapes, spec, packed, ("fwd", "bwd")) else packed
+        return capped_where_accepted(self.kernel, shapes, spec, default,
+                                     documents.PACKED_TILE if packed_tile is None else packed_tile)
 
     def space(self, shapes: LocalShapes, spec: AttentionSpec) -> registry.Space:
         return TileSpace(self.kernel.search_space(shapes, spec))
 
     def violation(self, shapes: LocalShapes, spec: AttentionSpec, config: TileConfig, parts: tuple[str, ...]
                   ) -> str | None:
-        return self.kernel.violation(shapes, spec, config.fwd if "fwd" in parts else None,
-                                      config.bwd if "bwd" in parts else None)
+        return parts_violation(self.kernel, shapes, spec, config, parts)
 
     def check(self, config: TileConfig) -> None:
         self.kernel.check_params(config.fwd, config.bwd)
@@ -357,8 +371,7 @@ class Exchanged:
 
     def violation(self, shapes: LocalShapes, spec: AttentionSpec, config: TileConfig, parts: tuple[str, ...]
                   ) -> str | None:
-        return self.inner.violation(shapes, spec, config.fwd if "fwd" in parts else None,
-                                    config.bwd if "bwd" in parts else None)
+        return parts_violation(self.inner, shapes, spec, config, parts)
 
     def attend(self, query, key, value, *, spec: AttentionSpec, config: TileConfig, axis_name: Hashable | None,
                layout: str, interpret: bool = False, **arrays: Any) -> Any:
@@ -380,13 +393,11 @@ class Exchanged:
                        ) -> TileConfig:
         """The inner kernel's default tiles for what it runs: no longer than its `masked_tile` where
         positions mask tiles out, and with segment ids and a `packed_tile` (a declared packing's, or the
-        documents layout's), no longer than it where the kernel accepts them (Pallas on a TPU takes no
-        key tile under 128 shorter than the sequence)."""
+        documents layout's), no longer than it where the kernel accepts them (`capped_where_accepted`)."""
         default = kernel_default(self.inner, shapes.q_len, shapes.kv_len, shapes.head_dims, spec)
         if packed_tile is None or not spec.has_segments:
             return default
-        packed = capped(default, packed_tile)
-        return default if self.violation(shapes, spec, packed, ("fwd", "bwd")) else packed
+        return capped_where_accepted(self.inner, shapes, spec, default, packed_tile)
 
     def check(self, config: TileConfig) -> None:
         if not isinstance(config, TileConfig):
