@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from tests.cases import Case, check_exchanged, exchanged_step, laid_out_args, make_arrays, rel_err, replace
 from tests.test_determinism import NO_TRITON
+from tests.test_hybrid import BASE as HYBRID_BASE
 from tests.test_strategies import needs_libtpu
 from tuner import BwdParams, FwdParams, registry
 from tuner.semantics.problem import Problem
@@ -99,11 +100,10 @@ def test_over_pallas_and_triton_in_their_interpreters_it_matches_float64(strateg
     assert mark in str(jax.make_jaxpr(step)(*laid_out_args(CASE, make_arrays(CASE))))  # not the scan kernel
 
 
-FEATURES = Case(batch=1, length=32, heads=8, kv_heads=4, head_dim=8, ring=2, layout="zigzag")
 FEATURE_CASES = [  # test_hybrid.py's, on 2x4 meshes
-    pytest.param(replace(FEATURES, causal=True, segments="random", softcap=4.0, sinks="pair"),
+    pytest.param(replace(HYBRID_BASE, causal=True, segments="random", softcap=4.0, sinks="pair"),
                  id="zigzag-causal-segments-softcap-sinks"),
-    pytest.param(replace(FEATURES, heads=4, kv_heads=1, layout="striped", causal=True, window=(6, 0),
+    pytest.param(replace(HYBRID_BASE, heads=4, kv_heads=1, layout="striped", causal=True, window=(6, 0),
                          explicit_positions=True, scale=0.3), id="striped-positions-window-mqa"),
 ]
 
