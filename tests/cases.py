@@ -408,17 +408,18 @@ def dense_step(case: Case, a: Arrays):
     return as64[0], as64[1], [*as64[2:5], None, as64[5]]
 
 
-def check_exchanged(name: str, case: Case, config, a2a: int = 1, interpret: bool = False) -> None:
+def check_exchanged(name: str, case: Case, config, a2a: int = 1, interpret: bool = False):
     """`name` against float64 dense at DESIGN section 10's float32 tolerances: 1e-5 forward and lse, 1e-4
     gradients; rows that read nothing output exactly 0. `a2a`: the hybrid's all-to-all axis size;
-    `interpret`: its kernels in their interpreter."""
+    `interpret`: its kernels in their interpreter. Returns the step it checked (`exchanged_step`)."""
     a = make_arrays(case)
     out_r, lse_r, grads_r = dense_step(case, a)
 
     def back(x, axis=1):
         return restore_np(x, case.layout, case.ring, axis)
 
-    (_, (out, lse)), (dq, dk, dv, dsinks) = exchanged_step(name, case, config, a2a, interpret)(*laid_out_args(case, a))
+    step = exchanged_step(name, case, config, a2a, interpret)
+    (_, (out, lse)), (dq, dk, dv, dsinks) = step(*laid_out_args(case, a))
     assert out.dtype == jnp.float32 and lse.dtype == jnp.float32
     out, lse = back(out), back(lse, 2)
     grads = [back(dq), back(dk), back(dv), None, None if dsinks is None else np.asarray(dsinks, np.float64)]
@@ -429,7 +430,7 @@ def check_exchanged(name: str, case: Case, config, a2a: int = 1, interpret: bool
         assert (got is None) == (want is None), grad
         if got is not None:
             assert rel_err(got, want) <= 1e-4, f"{grad} error {rel_err(got, want):.2e}"
-
+    return step
 
 
 def check_loader_by_name(name: str, ring: int, shape: tuple[int, int, int, int], kv_heads: int, window: int,

@@ -95,8 +95,7 @@ def test_over_pallas_and_triton_in_their_interpreters_it_matches_float64(strateg
     hybrid's chunk on a ring of 2 positions of 2 devices): the last query tile runs past the end; GQA,
     causal, zigzag; forward, lse and every gradient."""
     config, mark = INTERPRETED[kernel]
-    check_exchanged(f"{strategy}_{kernel}", CASE, config, GROUP[strategy], interpret=True)
-    step = exchanged_step(f"{strategy}_{kernel}", CASE, config, GROUP[strategy], interpret=True)
+    step = check_exchanged(f"{strategy}_{kernel}", CASE, config, GROUP[strategy], interpret=True)
     assert mark in str(jax.make_jaxpr(step)(*laid_out_args(CASE, make_arrays(CASE))))  # not the scan kernel
 
 
