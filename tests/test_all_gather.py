@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from tests.cases import Case, check_exchanged, check_loader_by_name, exchanged_step, laid_out_args, make_arrays, replace
 from tuner import BwdParams, FwdParams, get_tuned_ring_attention, registry
 from tuner.strategies import all_gather
-from tuner.strategies.implementations import TileConfig
+from tuner.strategies.configs import TileConfig
 from tuner.semantics.spec import AttentionSpec, LocalShapes
 
 IMPL = registry.get("all_gather")

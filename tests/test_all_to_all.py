@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from tests.cases import Case, check_exchanged, check_loader_by_name, rel_err, replace
 from tuner import BwdParams, FwdParams, get_tuned_ring_attention, registry
 from tuner.strategies.all_to_all import kv_repeats
-from tuner.strategies.implementations import TileConfig
+from tuner.strategies.configs import TileConfig
 from tuner.semantics.reference import dense_attention
 from tuner.semantics.spec import AttentionSpec, LocalShapes
 

@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 
 from tests.cases import Case, exchanged_step, laid_out_args, make_arrays, run_ring
 from tuner import BwdParams, FwdParams, get_tuned_ring_attention, registry
-from tuner.strategies.implementations import NoConfig, TileConfig
+from tuner.strategies.configs import NoConfig, TileConfig
 
 NO_TRITON = importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None
 

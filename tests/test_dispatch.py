@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from tuner import BwdParams, FwdParams, get_tuned_ring_attention
 from tuner.strategies.ring import run_ring
 from tuner.runtime import dispatch as dispatch_module
-from tuner.strategies import implementations
+from tuner.strategies import configs, implementations
 from tuner import registry
 from tuner.kernels import BACKENDS
 from tuner.kernels.base import MergedBlocks
@@ -293,17 +293,17 @@ def test_a_position_mask_gives_the_scan_default_its_masked_tile(monkeypatch):
 
     shapes = LocalShapes(batch=1, q_len=1024, kv_len=1024, heads=4, kv_heads=4, head_dim=64, dtype="float32")
     scan = registry.get("scan")
-    plain = implementations.TileConfig(*BACKENDS["scan"].default_params(1024, 1024, 64))
+    plain = configs.TileConfig(*BACKENDS["scan"].default_params(1024, 1024, 64))
     assert max(plain.fwd.block_q, plain.fwd.block_kv) > BACKENDS["scan"].masked_tile == 128
     assert scan.default_config(shapes, AttentionSpec(scale=1.0)) == plain
     for mask in (dict(causal=True), dict(window=(100, 0)), dict(chunk_size=256)):
         config = scan.default_config(shapes, AttentionSpec(scale=1.0, **mask))
-        assert config == implementations.squared(plain, 128, 1024, 1024), mask
+        assert config == configs.squared(plain, 128, 1024, 1024), mask
         assert {t for part in config.to_dict().values() for f, t in part.items() if f.startswith("block")} == {
             128, None}, mask
     for name in ("triton", "pallas_tpu"):
         kernel = registry.get(name)
-        assert kernel.default_config(shapes, AttentionSpec(scale=1.0, causal=True)) == implementations.TileConfig(
+        assert kernel.default_config(shapes, AttentionSpec(scale=1.0, causal=True)) == configs.TileConfig(
             *BACKENDS[name].default_params(1024, 1024, 64)), name
 
     used = []
@@ -312,7 +312,7 @@ def test_a_position_mask_gives_the_scan_default_its_masked_tile(monkeypatch):
     x = jnp.zeros((1, 1024, 4, 64), jnp.float32)
     ring_attention(x, x, x, causal=True, backend="scan")
     ring_attention(x, x, x, backend="scan")
-    assert used == [(config.fwd, config.bwd) for config in (implementations.squared(plain, 128, 1024, 1024), plain)]
+    assert used == [(config.fwd, config.bwd) for config in (configs.squared(plain, 128, 1024, 1024), plain)]
 
 
 def test_the_scan_default_forward_takes_short_query_tiles_on_short_shards():

@@ -20,7 +20,7 @@ from tests.test_strategies import needs_libtpu
 from tuner import BwdParams, FwdParams, registry
 from tuner.semantics.problem import Problem
 from tuner.semantics.spec import AttentionSpec, LocalShapes
-from tuner.strategies.implementations import TileConfig
+from tuner.strategies.configs import TileConfig
 
 EXCHANGES = ("all_to_all", "all_gather", "hybrid")
 GROUP = {"all_to_all": 1, "all_gather": 1, "hybrid": 2}  # the all-to-all axis: the hybrid's on a 2x2 mesh

@@ -17,7 +17,7 @@ from tuner import BwdParams, FwdParams, get_tuned_ring_attention, registry, ring
 from tuner.tuning import autotuning
 from tuner.semantics import layouts
 from tuner.runtime import record
-from tuner.strategies.implementations import TileConfig
+from tuner.strategies.configs import TileConfig
 from tuner.semantics.problem import Problem
 from tuner.strategies.all_to_all import exchanged
 from tuner.semantics.reference import dense_attention

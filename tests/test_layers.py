@@ -1,6 +1,7 @@
 """The package's layers, read from its imports: each subpackage of `tuner/` imports only the layers below it
-(`ALLOWED`), no module imports the package root, and the modules' imports form no cycle. Also: the public
-names the README and the docs use resolve where they always did."""
+(`ALLOWED`), no module imports the package root, and the modules' imports form no cycle; no module holds
+more than one concern's worth of code (`LONGEST` lines). Also: the public names the README and the docs use
+resolve where they always did."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ ALLOWED: dict[str, set[str]] = {
     "cli": set(BELOW) - {"cli"},
     "flax": {"support", "semantics", "strategies", "runtime"},
 }
+
+
+LONGEST = 400  # lines of a module: past it, it holds more than one concern (split it as registry/ is split)
 
 
 def module_name(path: Path) -> str:
@@ -99,6 +103,11 @@ def test_the_modules_import_no_cycle():
         if module not in state:
             cycle = visit(module, [])
             assert cycle is None, "an import cycle: " + " -> ".join(cycle)
+
+
+def test_no_module_is_longer_than_one_concern():
+    long = {module_name(p): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > LONGEST}
+    assert not long, f"modules over {LONGEST} lines, to split by concern: {long}"
 
 
 def test_the_table_refuses_an_upward_import(tmp_path):

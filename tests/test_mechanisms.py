@@ -16,7 +16,7 @@ from tests.test_dispatch import PROBLEM, RING, arrays
 from tuner import get_tuned_ring_attention
 from tuner import registry
 from tuner.cache import Cache, make_row
-from tuner.strategies.implementations import NoConfig
+from tuner.strategies.configs import NoConfig
 from tuner.strategies.mechanisms import gathered_attention
 from tuner.semantics.problem import Problem
 from tuner.semantics.reference import dense_attention

@@ -58,7 +58,7 @@ def test_the_longest_shard_is_a_length_the_tiles_divide():
     kernels' last tile, running past its end, does a whole tile's work. So the longest sequence is
     rounded down to a length the plan's tiles divide: the least common multiple of its tiles and 128."""
     from tuner.kernels.params import BwdParams, FwdParams
-    from tuner.strategies.implementations import TileConfig
+    from tuner.strategies.configs import TileConfig
 
     config = TileConfig(FwdParams(block_q=1024, block_kv=512), BwdParams(block_q_dkv=256, block_kv_dkv=1024,
                                                                          block_q_dq=384, block_kv_dq=64))

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from tuner import BwdParams, FwdParams, get_tuned_ring_attention, registry
 from tuner.cache import Cache
 from tuner.cli import main
-from tuner.strategies.implementations import NoConfig, TileConfig
+from tuner.strategies.configs import NoConfig, TileConfig
 from tuner.semantics.reference import dense_attention
 from tuner.semantics.spec import AttentionSpec
 

@@ -18,7 +18,8 @@ from tuner.kernels.base import MergedBlocks
 from tuner.kernels.scan import ScanBackend
 from tuner.cache import Cache, make_row, near_configs, row_config
 from tuner.cli.usage import search_summary
-from tuner.strategies.implementations import Ring, TileConfig, TileSpace
+from tuner.strategies.implementations import Ring
+from tuner.strategies.configs import TileConfig, TileSpace
 from tuner.semantics.problem import Problem
 from tuner.tuning.search import SearchOptions, search
 from tuner.tuning.study import counted, default_storage, fail_stale, open_storage, study_name

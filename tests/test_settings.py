@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from cases import Case, check_case, check_exchanged, rel_err
 from tuner import BwdParams, FwdParams, get_tuned_ring_attention
-from tuner.strategies.implementations import TileConfig
+from tuner.strategies.configs import TileConfig
 from tuner.semantics.reference import dense_attention
 
 RING, B, T, H, HKV, D = 4, 2, 256, 4, 2, 16

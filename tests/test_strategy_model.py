@@ -15,13 +15,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tuner.kernels.params import FwdParams
-from tuner.models import hlo, strategy_model
+from tuner.models import hlo, platforms, strategy_model
 from tuner.semantics import documents, layouts
 from tuner.runtime import plan
 from tuner import registry, ring_attention
 from tuner.strategies.all_to_all import kv_repeats
 from tuner.semantics.problem import Problem
-from tuner.models.strategy_model import PLATFORMS, STRATEGIES, Platform, explain, predict, rank
+from tuner.models.platforms import PLATFORMS, Platform
+from tuner.models.strategy_model import STRATEGIES, explain, predict, rank
 from tuner.models.tpu_model import CHIPS
 from tuner.support.work import count_work
 
@@ -177,7 +178,7 @@ def test_causal_work_is_what_the_scan_ring_computes_tile_by_tile(ring, seq_len, 
     counted = max(counts["tile_area"].values()) / (seq_len // ring * seq_len)
     problem = Problem(seq_len=seq_len, heads=1, kv_heads=1, head_dim=8, ring_size=ring, layout=layout)
     shards = strategy_model._shards(problem, ring)
-    tiles = strategy_model._ring_tiles(problem, strategy_model.get_platform("cpu"))
+    tiles = strategy_model._ring_tiles(problem, platforms.get_platform("cpu"))
     assert tiles == (128, 128)  # the scan kernel's masked tile: the ring's default for a causal problem
     assert strategy_model._work_share(problem, shards, shards, tiles) == counted
     assert 0.5 < counted < 1.0  # some tiles skipped, some crossing the diagonal
@@ -269,8 +270,8 @@ def test_rates_can_be_overridden_and_bad_inputs_are_refused_by_name():
         assert predict(problem, strategy, "h100", backward=False).backward_s == 0.0
     text = explain(rank(problem, "v5e"))
     assert all(s in text for s in STRATEGIES) and "pick: " in text
-    cpu = strategy_model.get_platform("cpu")
-    assert cpu is strategy_model.get_platform("cpu") and cpu.flops > 0 and cpu.p2p > 0
+    cpu = platforms.get_platform("cpu")
+    assert cpu is platforms.get_platform("cpu") and cpu.flops > 0 and cpu.p2p > 0
     with pytest.raises(ValueError, match="strategy must be one of"):
         predict(problem, "tree", "h100")
     with pytest.raises(ValueError, match="platform must be"):

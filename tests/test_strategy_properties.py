@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.cases import Case, cases, check_exchanged
-from tuner.strategies.implementations import TileConfig
+from tuner.strategies.configs import TileConfig
 
 EXCHANGING = ("all_to_all", "all_gather", "hybrid")
 

@@ -17,7 +17,7 @@ from tuner.registry.versions import current_versions
 from tuner.semantics.problem import Problem, ProblemKey
 from tuner.semantics.reference import dense_attention
 from tuner.semantics.spec import AttentionSpec, LocalShapes
-from tuner.strategies.implementations import TileConfig
+from tuner.strategies.configs import TileConfig
 
 TILES = dict(fwd=FwdParams(8, 16), bwd=BwdParams(16, 8, 8, 16))  # several tiles a shard, dq in its own pass
 MLA = Case(batch=1, length=32, heads=4, kv_heads=2, head_dim=192, value_head_dim=128, ring=4, layout="zigzag",

@@ -6,7 +6,7 @@ import pytest
 
 from tuner import BwdParams, FwdParams
 from tuner.semantics.problem import Problem
-from tuner.strategies.implementations import TileConfig
+from tuner.strategies.configs import TileConfig
 from tuner.tuning import verify
 from tuner.tuning.verify import ReferenceCheck, TrialFailed
 from tuner.tuning.workload import Workload

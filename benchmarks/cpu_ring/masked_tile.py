@@ -21,7 +21,7 @@ SEARCH = ROOT / "benchmarks" / "search"  # replay.py and the landscapes it reads
 sys.path.insert(0, str(ROOT))
 
 from tuner.kernels import BACKENDS  # noqa: E402
-from tuner.strategies.implementations import TileConfig, capped  # noqa: E402
+from tuner.strategies.configs import TileConfig, capped  # noqa: E402
 
 _SPEC = importlib.util.spec_from_file_location("replay", SEARCH / "replay.py")
 replay = importlib.util.module_from_spec(_SPEC)

@@ -24,7 +24,7 @@ from pathlib import Path
 from tuner.kernels import triton_launch
 from tuner.models import gpu_model
 from tuner.semantics.problem import Problem
-from tuner.strategies.implementations import TileConfig
+from tuner.strategies.configs import TileConfig
 from tuner.support.tables import describe_config, table
 from tuner.tuning import compiled_gpu
 

@@ -61,7 +61,7 @@ def modelled(name: str, target: str, workers: int, parts: tuple[str, ...]) -> di
     from tuner.kernels import pallas_tpu
     from tuner.models import tpu_model
     from tuner.semantics.problem import Problem
-    from tuner.strategies.implementations import TileConfig
+    from tuner.strategies.configs import TileConfig
     from tuner.tuning import compiled
 
     mesh = compiled.topology_mesh(target)

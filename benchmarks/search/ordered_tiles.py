@@ -3,7 +3,7 @@
     python benchmarks/search/ordered_tiles.py [--seeds 20] [--budget 40] [--files ...]
 
 Offered as a category (`suggest_categorical`), a tile tells TPE nothing about its neighbours: 128 says
-nothing about 64 and 256. `tuner.strategies.implementations.TileSpace` offers each field of two or more
+nothing about 64 and 256. `tuner.strategies.configs.TileSpace` offers each field of two or more
 sizes as its rank among the sorted sizes (`suggest_int(name, 0, n - 1)`), which TPE models as a number.
 This replays TPE (as `benchmarks/search/replay.py` does, from the defaults the landscapes were recorded with)
 both ways on every recorded forward and backward landscape. Prints, per landscape and way, the median
@@ -25,7 +25,7 @@ sys.path[:0] = [str(ROOT), str(Path(__file__).parent)]
 import optuna  # noqa: E402
 import replay  # noqa: E402
 
-from tuner.strategies.implementations import TileSpace  # noqa: E402
+from tuner.strategies.configs import TileSpace  # noqa: E402
 
 
 class CategoryTileSpace(TileSpace):

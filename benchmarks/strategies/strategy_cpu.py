@@ -53,7 +53,8 @@ from scipy.stats import kendalltau  # noqa: E402
 from tuner.semantics import layouts  # noqa: E402
 from tuner import ring_attention  # noqa: E402
 from tuner.semantics.problem import Problem  # noqa: E402
-from tuner.models.strategy_model import Platform, measure_cpu, predict  # noqa: E402
+from tuner.models.platforms import Platform, measure_cpu  # noqa: E402
+from tuner.models.strategy_model import predict  # noqa: E402
 from tuner.tuning.timing import attention_flops, compile_timed, run_interleaved  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

@@ -14,7 +14,8 @@ import argparse
 from pathlib import Path
 
 from tuner.semantics.problem import Problem
-from tuner.models.strategy_model import STRATEGIES, get_platform, rank, verdict
+from tuner.models.platforms import get_platform
+from tuner.models.strategy_model import STRATEGIES, rank, verdict
 
 RESULTS = Path(__file__).parent / "results"
 PLATFORMS = ("h100", "v5e")

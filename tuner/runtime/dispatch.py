@@ -29,21 +29,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Hashable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from tuner.semantics import documents, layouts
+from tuner.semantics import layouts
 from tuner.semantics.documents import DOCUMENTS
 from tuner.semantics.packing import Packing
-from tuner.runtime import agreement, measured, meshed, modelled, plan, record
+from tuner.runtime import agreement, configured, measured, meshed, modelled, plan, record
 from tuner import registry
-from tuner.cache import LOADER_BUSY_TIMEOUT_S, Cache, CacheError, row_config, warn_once, writes
+from tuner.cache import LOADER_BUSY_TIMEOUT_S, Cache, CacheError, writes
 from tuner.support.checks import check_int
 from tuner.runtime.plan import Plan
-from tuner.semantics.problem import ProblemKey
 from tuner.strategies.ring import group_size, ring_geometry
 from tuner.semantics.spec import LocalShapes, build_spec, normalize_window
 from tuner.support.targets import compile_target
@@ -54,19 +53,9 @@ CALL_OPTIONS = (*plan.ARRAY_OPTIONS, "return_lse", "interpret")
 SOURCES = ("exact", "compiled", "nearest", "shipped", "default", "fallback", "measured")
 DEFAULT_LAYOUT = "zigzag"  # what `tuner search` tunes by default, and the loader uses with mesh=
 LOADER_LAYOUTS = (*layouts.LAYOUTS, DOCUMENTS)
-TUNED = ("exact", "compiled")  # config sources of a ring tuned for the problem: the model does not override it
 
 
 Decision = Plan  # what `explain()` returns: the plan of the call (`tuner.runtime.plan.Plan`)
-
-
-class Placement(NamedTuple):
-    """One device's shapes of a call on a ring of `ring_size` devices, `group` of them per ring position
-    over two mesh axes (None over one): what `registry.tile_shapes` takes."""
-
-    shapes: LocalShapes
-    ring_size: int
-    group: int | None
 
 
 class TunedRingAttention:
@@ -98,6 +87,7 @@ class TunedRingAttention:
             except ValueError as error:
                 raise ValueError(f"packing: {error}") from None
         self.db, self.packing = db, packing
+        self._configs = configured.Lookup(db, layout)
         self._decisions: dict[tuple, Decision] = {}
         self._agreed: dict[tuple, Decision] = {}  # the decisions of traced calls, agreed across processes
         self._writes = writes()
@@ -191,8 +181,8 @@ class TunedRingAttention:
             log.warning("ring attention %s: backend %s with params from %s failed to build (%s: %s); falling back "
                         "to %s with its default params", decision.key.digest, decision.backend, decision.source,
                         type(error).__name__, error, fallback.name)
-            placement = Placement(LocalShapes.of_shards(query, key, value), ring_geometry(self.axis_name)[0],
-                                  group_size(self.axis_name))
+            placement = configured.Placement(LocalShapes.of_shards(query, key, value),
+                                             ring_geometry(self.axis_name)[0], group_size(self.axis_name))
             config = fallback.default_config(registry.tile_shapes(fallback, *placement), decision.spec)
             return fallback.attend(query, key, value, config=config, **call)
 
@@ -243,7 +233,7 @@ class TunedRingAttention:
             if choosing and self.strategy in ("auto", "ring"):
                 try:  # the cache's decisions for this problem, read once for the measurement and the model
                     rows = measured.decisions(Cache(self.db, busy_timeout=LOADER_BUSY_TIMEOUT_S), problem, spec)
-                except (CacheError, OSError) as error:  # reported by _lookup, which does not wait again
+                except (CacheError, OSError) as error:  # reported by the lookup, which does not wait again
                     unusable = error
                 else:
                     chosen = measured.runnable_choice(rows, problem, spec, dtype, target, return_lse,
@@ -253,14 +243,15 @@ class TunedRingAttention:
             if chosen is not None:
                 implementation, fallback = registry.get(chosen[0]), None
                 problem = dataclasses.replace(problem, backend=implementation.name)
-            placement = Placement(shapes, ring_size, group)
-            decision = self._lookup(problem, placement, spec, layout, implementation, fallback, unusable, packed_tile)
+            placement = configured.Placement(shapes, ring_size, group)
+            decision = self._configs.plan(problem, placement, spec, layout, implementation, fallback, unusable,
+                                          packed_tile)
             if chosen is not None:
                 nothing_tuned = decision.source == "default" and decision.config.to_dict() == {"fwd": {}, "bwd": {}}
                 decision = dataclasses.replace(decision, source="measured" if nothing_tuned else decision.source,
                                                reason=f"{chosen[1]}; config: {decision.source} ({decision.reason})")
             elif verdict is not None:
-                decision = self._by_model(verdict, decision, placement, unusable, packed_tile)
+                decision = self._configs.by_model(verdict, decision, placement, unusable, packed_tile)
             if verdict is not None:
                 decision = dataclasses.replace(decision, predictions=verdict.predictions)
             self._decisions[memo] = decision
@@ -288,71 +279,6 @@ class TunedRingAttention:
                          f"pass the layout the shards are in ('contiguous' for an even split of the sequence, "
                          f"'zigzag' or 'striped' after tuner.layouts.lay_out), or pass mesh= and global arrays "
                          f"in token order, which the loader lays out itself ({DEFAULT_LAYOUT} by default)")
-
-    def _packed_tiles(self, packed_tile: int | None) -> str:
-        """How a packed call with no declared packing and nothing tuned gets its tiles, and what to do better."""
-        if packed_tile is not None:
-            return f"tiles of at most {packed_tile}, as the rows' documents chose"
-        declare = "declare the rows' packing (Packing.fit of a few batches' segment ids)"
-        if self.layout == DOCUMENTS:
-            tiles = ", ".join(map(str, documents.PACKED_TILES[:-1])) + f" or {documents.PACKED_TILES[-1]}"
-            return (f"tiles of at most {tiles}, as each step's rows choose, one ring compiled for each; {declare} to "
-                    f"compile one")
-        return (f"default tiles of at most {documents.PACKED_TILE}; {declare}, or tune them with tuner.autotune, for "
-                f"tiles chosen from their documents, or lay them out with layout='documents', which chooses them")
-
-    def _by_model(self, verdict: modelled.Verdict, ring: Decision, placement: Placement,
-                  unusable: CacheError | OSError | None, packed_tile: int | None) -> Decision:
-        """The decision once the model has spoken: the strategy it picked (its config from the cache),
-        unless the ring is tuned for this problem; its reason in front either way."""
-        if verdict.strategy == "ring":
-            return dataclasses.replace(ring, reason=f"{verdict.reason}; {ring.reason}")
-        if ring.source in TUNED:
-            return dataclasses.replace(ring, reason=f"{verdict.reason}, but {ring.backend} is tuned for this problem "
-                                                    f"({ring.source}: {ring.reason}); strategy={verdict.strategy!r} "
-                                                    f"runs the other")
-        implementation = registry.get(verdict.implementation)
-        problem = dataclasses.replace(ring.key, backend=implementation.name)
-        decision = self._lookup(problem, placement, ring.spec, ring.layout, implementation, None, unusable,
-                                packed_tile)
-        return dataclasses.replace(decision, reason=f"{verdict.reason}; config: {decision.source} ({decision.reason})")
-
-    def _lookup(self, problem: ProblemKey, placement: Placement, spec, layout: str,
-                implementation: registry.Implementation, fallback: str | None,
-                unusable: CacheError | OSError | None = None, packed_tile: int | None = None) -> Decision:
-        """The config for `problem` (the call of `placement`) from the cache; the default, with one warning,
-        when it cannot be read (`unusable`: the error reading its measurements already met, so a locked file
-        is waited for once per decision, and a broken one warned about once). `packed_tile`: the default's
-        tile, as a packed call's rows chose it; else a declared packing's."""
-        def accept(row: dict[str, Any]) -> str | None:
-            try:
-                implementation.check(row_config(row))
-            except ValueError as error:
-                return str(error)
-            return None
-
-        shapes, ring_size, group = placement
-        tile = packed_tile or documents.declared_tile(problem.packing, shapes.q_len * ring_size, ring_size, spec)
-        default = registry.default_config(implementation, registry.tile_shapes(implementation, *placement), spec,
-                                          tile)
-        cache = Cache(self.db, busy_timeout=LOADER_BUSY_TIMEOUT_S)
-        name = implementation.name
-        try:
-            if unusable is not None:
-                raise unusable
-            found = cache.lookup(problem, registry.versions(implementation), accept)
-        except (CacheError, OSError) as error:
-            warn_once(cache.path, "unusable, using default params", str(error))
-            return Plan(name, default, "fallback" if fallback else "default",
-                        f"{fallback + '; ' if fallback else ''}cache unusable: {error}", problem, spec, layout)
-        config = row_config(found.row) if found.row is not None else default
-        reason = found.reason
-        if found.row is None and spec.has_segments and problem.packing is None:
-            reason += f"; packed rows without packing=: {self._packed_tiles(packed_tile)}"
-        if fallback:
-            return Plan(name, config, "fallback", f"{fallback}; {name} params: {found.source} ({reason})",
-                        problem, spec, layout)
-        return Plan(name, config, found.source, reason, problem, spec, layout)
 
 
 def _check_call_options(options: dict[str, Any]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tuner import registry
-from tuner.models import strategy_model
+from tuner.models import platforms, strategy_model
 from tuner.kernels.tpu_memory import CHIPS
 from tuner.semantics.problem import Problem
 from tuner.semantics.spec import AttentionSpec, LocalShapes
@@ -43,11 +43,11 @@ class Verdict:
 
 
 def model_platform(platform: str, device_kind: str) -> str | None:
-    """The `strategy_model.PLATFORMS` name of a device kind, or None where the model does not decide: a
+    """The `platforms.PLATFORMS` name of a device kind, or None where the model does not decide: a
     TPU generation of `tpu_memory.CHIPS` the model has rates for, "h100" for an H100, else None."""
     if platform == "tpu":
         name = CHIPS.get(device_kind)
-        return name if name in strategy_model.PLATFORMS else None
+        return name if name in platforms.PLATFORMS else None
     if platform == "gpu" and "H100" in device_kind:
         return "h100"
     return None
@@ -87,7 +87,7 @@ def bench_seconds(rows: list[dict[str, Any]], running: dict[str, str]) -> dict[s
 
 def decide(problem: Problem, platform: str, runnable: Callable[[str], str | None], *,
            measured: dict[str, float] | None = None, return_lse: bool = False) -> Verdict:
-    """The `Verdict` for `problem` on `platform` (a name of `strategy_model.PLATFORMS`); `runnable(strategy)`
+    """The `Verdict` for `problem` on `platform` (a name of `platforms.PLATFORMS`); `runnable(strategy)`
     says why the call cannot run a strategy (None when it can); `measured` are bench seconds per strategy.
     The backward pass is counted: the loader serves training steps."""
     ranked = strategy_model.rank(problem, platform, return_lse=return_lse, strategies=CANDIDATES)

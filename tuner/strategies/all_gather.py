@@ -43,7 +43,8 @@ from tuner import registry
 from tuner.support import vma
 from tuner.kernels.base import SearchSpace
 from tuner.kernels import BACKENDS
-from tuner.strategies.implementations import Exchanged, TileConfig, TileSpace
+from tuner.strategies.implementations import Exchanged
+from tuner.strategies.configs import TileConfig, TileSpace
 from tuner.strategies.ring import ring_geometry, run_ring
 from tuner.semantics.spec import AttentionSpec, LocalShapes
 

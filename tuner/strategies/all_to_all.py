@@ -39,7 +39,8 @@ from tuner.support import ordering
 from tuner import registry
 from tuner.support import vma
 from tuner.kernels import BACKENDS
-from tuner.strategies.implementations import Exchanged, TileConfig
+from tuner.strategies.implementations import Exchanged
+from tuner.strategies.configs import TileConfig
 from tuner.strategies.ring import ring_geometry, run_ring
 from tuner.semantics.spec import AttentionSpec, LocalShapes
 

@@ -43,7 +43,7 @@ from tuner import registry
 from tuner.support import vma
 from tuner.kernels import BACKENDS
 from tuner.strategies.all_to_all import AllToAll, exchanged, kv_repeats
-from tuner.strategies.implementations import TileConfig
+from tuner.strategies.configs import TileConfig
 from tuner.strategies.ring import run_ring
 from tuner.semantics.spec import AttentionSpec, LocalShapes
 

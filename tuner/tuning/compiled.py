@@ -36,7 +36,7 @@ from tuner import registry
 from tuner.kernels import pallas_tiling, pallas_tpu, tpu_memory
 from tuner.cache import Cache, make_row
 from tuner.tuning.dryrun import reason_kind
-from tuner.strategies.implementations import TileConfig
+from tuner.strategies.configs import TileConfig
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.semantics.problem import Problem
 from tuner.semantics.spec import AttentionSpec, LocalShapes

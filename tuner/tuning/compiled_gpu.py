@@ -32,7 +32,7 @@ from tuner.kernels import codegen, triton, triton_compile, triton_launch
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.models import gpu_model
 from tuner.semantics.problem import Problem
-from tuner.strategies.implementations import TileConfig
+from tuner.strategies.configs import TileConfig
 from tuner.support.tables import describe_config, error_line, table
 from tuner.support.version import __version__
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from tuner.kernels import pallas_tpu
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.semantics.problem import Problem
-from tuner.strategies.implementations import TileConfig
+from tuner.strategies.configs import TileConfig
 from tuner.tuning.verify import ReferenceCheck
 from tuner.support.tables import describe_config, error_line, table
 from tuner.tuning.workload import Workload

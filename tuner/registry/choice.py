@@ -1,0 +1,164 @@
+"""Which implementation runs a call: `backend="auto"`'s preference per platform, `strategy=`'s choice
+among the implementations of a strategy, a named backend's check, and the fallback of one that fails to
+build. Each says why it passed an implementation over.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tuner.registry.contract import Implementation, Target
+from tuner.registry.table import get, mesh_axes, registered_implementations, shape_violation, strategy_of
+from tuner.semantics.spec import AttentionSpec, LocalShapes
+
+# `backend="auto"` without a measurement takes the first of these that can run the call.
+PREFERENCE: dict[str, tuple[str, ...]] = {
+    "gpu": ("triton", "scan"),
+    "tpu": ("pallas_tpu", "scan"),
+    "cpu": ("scan",),
+}
+FALLBACK = "scan"  # every platform, every feature
+
+
+def why_not(implementation: Implementation, spec: AttentionSpec, dtype: Any, head_dim: int, target: Target,
+            *, return_lse: bool = False, shapes: LocalShapes | None = None, ring_size: int = 1,
+            group: int | None = None) -> str | None:
+    """Why `implementation` cannot run this call on `target` (unavailable, a feature it lacks -- with
+    `shapes`, their value head dim too --, or one device's `shapes` on a ring of `ring_size` it cannot split;
+    `group`: `shape_violation`)."""
+    reason = implementation.available(target)
+    if reason is not None:
+        return f"cannot run here: {reason}"
+    # the value head dim only where it differs: an implementation written before values could differ still
+    # answers for equal dims
+    differs = {} if shapes is None or shapes.value_head_dim is None else {"value_head_dim": shapes.value_head_dim}
+    reason = implementation.supports(spec, dtype, head_dim, return_lse=return_lse, **differs)
+    if reason is not None:
+        return f"does not support {reason}"
+    reason = None if shapes is None else shape_violation(implementation, shapes, ring_size, group)
+    return None if reason is None else f"cannot run these shapes: {reason}"
+
+
+def by_engine(implementations: list[Implementation], platform: str) -> list[Implementation]:
+    """`implementations`, those whose optional `engine` comes first in `platform`'s `PREFERENCE` first, in
+    the order they were registered among equals (those without an engine, or with one the platform does
+    not prefer, last)."""
+    preference = PREFERENCE.get(platform, (FALLBACK,))
+
+    def rank(implementation: Implementation) -> int:
+        engine = getattr(implementation, "engine", None)
+        return preference.index(engine) if engine in preference else len(preference)
+
+    return sorted(implementations, key=rank)  # stable
+
+
+def _tries(candidates: list[Implementation], spec: AttentionSpec, dtype: Any, head_dim: int, target: Target,
+           **placement: Any) -> list[tuple[Implementation, str | None]]:
+    """`candidates` in order, each with why it cannot run the call (`why_not`), up to the first that can
+    (its reason None)."""
+    tries = []
+    for implementation in candidates:
+        tries.append((implementation, why_not(implementation, spec, dtype, head_dim, target, **placement)))
+        if tries[-1][1] is None:
+            break
+    return tries
+
+
+def _passed_over(tries: list[tuple[Implementation, str | None]]) -> list[str]:
+    """Why each implementation tried before the one that runs was passed over."""
+    return [f"{implementation.name} {why}" for implementation, why in tries if why is not None]
+
+
+def resolve_auto(spec: AttentionSpec, dtype: Any, head_dim: int, target: Target, *, return_lse: bool = False,
+                 shapes: LocalShapes | None = None, ring_size: int = 1, group: int | None = None
+                 ) -> tuple[Implementation, list[str]]:
+    """The first implementation of the platform's preference that can run the call, and why each one
+    before it was passed over. Over two mesh axes (`group` given) the candidates are the implementations
+    over two axes, those whose `engine` the platform prefers first (`by_engine`); `ValueError` when none can
+    run the call."""
+    if group is None:
+        candidates = [get(name) for name in PREFERENCE.get(target.platform, (FALLBACK,))]
+    else:
+        candidates = by_engine([i for i in registered_implementations() if mesh_axes(i) == 2], target.platform)
+    tries = _tries(candidates, spec, dtype, head_dim, target, return_lse=return_lse, shapes=shapes,
+                   ring_size=ring_size, group=group)
+    if tries and tries[-1][1] is None:
+        return tries[-1][0], _passed_over(tries)
+    if group is not None:
+        raise ValueError(f"no implementation over two mesh axes can run this call: {'; '.join(_passed_over(tries))}")
+    return get(FALLBACK), _passed_over(tries)
+
+
+def _strategy_tries(strategy: str, spec: AttentionSpec, dtype: Any, head_dim: int, target: Target,
+                    **placement: Any) -> list[tuple[Implementation, str | None]]:
+    """The implementations of `strategy` as `strategy=` tries them on `target` (`by_engine`), up to the
+    first that can run the call (`_tries`)."""
+    candidates = by_engine([i for i in registered_implementations() if strategy_of(i) == strategy], target.platform)
+    return _tries(candidates, spec, dtype, head_dim, target, **placement)
+
+
+def _chosen(tries: list[tuple[Implementation, str | None]]) -> tuple[Implementation | None, str | None]:
+    """`strategy_choice` of these tries."""
+    if not tries:
+        return None, "no implementation of it is registered"
+    if tries[-1][1] is None:
+        return tries[-1][0], None
+    return None, next((r for i, r in tries if getattr(i, "engine", None) == FALLBACK), tries[0][1])
+
+
+def strategy_choice(strategy: str, spec: AttentionSpec, dtype: Any, head_dim: int, target: Target, *,
+                    return_lse: bool = False, shapes: LocalShapes | None = None, ring_size: int = 1,
+                    group: int | None = None) -> tuple[Implementation | None, str | None]:
+    """The implementation `strategy=` runs for this call and None; or None and why none can. Of the
+    implementations of `strategy`, the first that can run the call, those whose `engine` comes first in
+    the platform's `PREFERENCE` first, then in the order they were registered; the reason given is that of
+    the one over the `FALLBACK` kernel (or of the first)."""
+    return _chosen(_strategy_tries(strategy, spec, dtype, head_dim, target, return_lse=return_lse, shapes=shapes,
+                                   ring_size=ring_size, group=group))
+
+
+def for_strategy(strategy: str, spec: AttentionSpec, dtype: Any, head_dim: int, target: Target, *,
+                 return_lse: bool = False, shapes: LocalShapes | None = None, ring_size: int = 1,
+                 group: int | None = None) -> tuple[Implementation, list[str]]:
+    """`strategy_choice`'s implementation, and why each one the platform prefers to it was passed over (Pallas
+    on a TPU for float16, say); `ValueError` naming `strategy` and saying why where none can run the call."""
+    tries = _strategy_tries(strategy, spec, dtype, head_dim, target, return_lse=return_lse, shapes=shapes,
+                            ring_size=ring_size, group=group)
+    implementation, reason = _chosen(tries)
+    if implementation is None:
+        fallback = "use strategy='auto' to fall back to one that can" if group is None else \
+            "the call is over two mesh axes: fix what is named, or pass one axis name"
+        raise ValueError(f"strategy {strategy!r} {reason}; {fallback}")
+    return implementation, _passed_over(tries)
+
+
+def choose(name: str, spec: AttentionSpec, dtype: Any, head_dim: int, target: Target, *,
+           return_lse: bool = False, shapes: LocalShapes | None = None, ring_size: int = 1,
+           group: int | None = None) -> Implementation:
+    """Resolve `name` ("auto" or an implementation's name, as `backend=` gives it) for this call: a named
+    one that cannot run it raises `ValueError` saying why, naming `backend`; "auto" takes the platform's
+    preference."""
+    placement = dict(shapes=shapes, ring_size=ring_size, group=group)
+    if name == "auto":
+        return resolve_auto(spec, dtype, head_dim, target, return_lse=return_lse, **placement)[0]
+    implementation = get(name)
+    reason = why_not(implementation, spec, dtype, head_dim, target, return_lse=return_lse, **placement)
+    if reason is not None:
+        fallback = "use backend='auto' to fall back to one that can" if group is None else \
+            "the call is over two mesh axes: fix what is named, or pass one axis name"
+        raise ValueError(f"backend {name!r} {reason}; {fallback}")
+    return implementation
+
+
+def fallback_for(implementation: Implementation) -> Implementation:
+    """What a call of `implementation` falls back to when it fails to build: the implementation of its
+    strategy over the `FALLBACK` kernel (the scan ring for a ring, `hybrid` for `hybrid_pallas_tpu`, which
+    runs over the same mesh axes), else the `FALLBACK` ring."""
+    strategy = strategy_of(implementation)
+    same = [i for i in registered_implementations()
+            if strategy_of(i) == strategy and getattr(i, "engine", None) == FALLBACK]
+    return same[0] if same else get(FALLBACK)
+
+
+__all__ = ["FALLBACK", "PREFERENCE", "by_engine", "choose", "fallback_for", "for_strategy", "resolve_auto",
+           "strategy_choice", "why_not"]
