@@ -175,6 +175,36 @@ def test_the_tpu_dry_run_compiles_the_defaults_and_the_loader_uses_its_row(tmp_p
     assert "not measured" in decision.reason, decision.reason
 
 
+def test_the_tpu_dry_run_compiles_the_hybrid_over_pallas_and_the_loader_uses_its_row(tmp_path, capsys):
+    """`--a2a-size 2` compiles the Pallas kernel's tiles on what it runs inside the hybrid (H/2 heads of the
+    ring position's chunk) over the topology as a 2x2 mesh, and the loader on that mesh, over the pair of
+    axes, runs the stored row."""
+    from tuner.cli import main
+    from tuner.semantics.problem import Problem
+    from tuner.tuning import compiled
+
+    db = tmp_path / "tuning.sqlite"
+    assert main(["search", "--device", "tpu", "--dry-run", "--target", "v5e:2x2", "--a2a-size", "2", "--samples",
+                 "0", "--seq-len", str(STEP_T), "--heads", str(H), "--kv-heads", str(HKV), "--head-dim", str(D),
+                 "--dtype", "bfloat16", "--causal", "--db", str(db)]) == 0
+    out = capsys.readouterr().out
+    assert "(TPU v5 lite, hybrid_pallas_tpu on 4 chips)" in out and "3 of 3 compiled" in out, out
+    [row] = Cache(db).rows()
+    assert (row["backend"], row["source"]) == ("hybrid_pallas_tpu", "compiled")
+    problem = Problem(seq_len=STEP_T, heads=H, kv_heads=HKV, head_dim=D, ring_size=4, a2a_size=2)
+    shapes = compiled.kernel_shapes(problem, "hybrid_pallas_tpu")
+    assert (shapes.q_len, shapes.heads, shapes.kv_heads) == (STEP_T // 2, H // 2, HKV // 2)
+    devices = topology_mesh("v5e:2x2").devices.reshape(2, 2)
+    mesh = Mesh(devices, ("ring", "a2a"))
+    sharding = NamedSharding(mesh, P(None, ("ring", "a2a")))
+    q = jax.ShapeDtypeStruct((1, STEP_T, H, D), jnp.bfloat16, sharding=sharding)
+    kv = jax.ShapeDtypeStruct((1, STEP_T, HKV, D), jnp.bfloat16, sharding=sharding)
+    attn = get_tuned_ring_attention(axis_name=("ring", "a2a"), causal=True, mesh=mesh, db=str(db))
+    decision = attn.explain(q, kv, kv)
+    assert (decision.backend, decision.source) == ("hybrid_pallas_tpu", "compiled"), decision
+    assert json.loads(row["fwd_params"]) == dataclasses.asdict(decision.config.fwd)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("topology, dtype, head_dim, ring, local_len, asked_mib", [
     ("v5p:2x2x1", "bfloat16", D, RING, 2048, 32),  # the smallest VMEM (64 MiB, the kernels ask for half)

@@ -1,9 +1,14 @@
 """The analytic TPU model (`tuner.models.tpu_model`) that ranks compiled variants: its FLOPs are those of the
-tiles the schedules visit, a transfer-bound ring takes its transfers' time, and every rate it uses
-names its source."""
+tiles the schedules visit, in the ring and in the other strategies' rings over the Pallas kernel, a
+transfer-bound ring takes its transfers' time, and every rate it uses names its source."""
 
+import dataclasses
+
+import numpy as np
 import pytest
 
+from tuner import registry
+from tuner.models import tiles as tile_pairs
 from tuner.models import tpu_model
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.semantics.problem import Problem
@@ -45,6 +50,49 @@ def test_a_transfer_bound_ring_takes_its_transfers_time_and_float32_is_slower():
     assert f32.seconds > 3 * bf16.seconds  # compute-bound: six bf16 passes per float32 matmul
     with pytest.raises(ValueError, match="exactly one"):
         tpu_model.predict(wide, CHIP)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_strategies_visit_the_tiles_of_what_their_exchange_gathered(causal):
+    """all_to_all's one step is the whole sequence in the layout's device-major order against itself: on a
+    contiguous layout, a ring of one; all_gather's devices split its query tiles; the hybrid's ring over its
+    ring positions is the ring over that many devices."""
+    problem = Problem(seq_len=4096, heads=8, kv_heads=8, head_dim=128, ring_size=4, causal=causal, layout="zigzag")
+    whole = tile_pairs.visited(problem, 256, 512, "all_to_all")
+    assert whole.shape == (1, 4) and len(set(whole.flat)) == 1
+    assert tile_pairs.visited(problem, 256, 512, "all_gather").sum() == whole[0, 0]
+    one = dataclasses.replace(problem, ring_size=1, layout="contiguous")
+    contiguous = dataclasses.replace(problem, layout="contiguous")
+    assert tile_pairs.visited(contiguous, 256, 512, "all_to_all")[0, 0] == tile_pairs.visited(one, 256, 512)[0, 0]
+    hybrid = dataclasses.replace(problem, a2a_size=2)
+    assert np.array_equal(tile_pairs.visited(hybrid, 256, 512, "hybrid"),
+                          tile_pairs.visited(dataclasses.replace(problem, ring_size=2), 256, 512))
+    assert (whole[0, 0] < 16 * 8) == causal  # a causal mask skips tiles
+    with pytest.raises(ValueError, match="two mesh axes"):
+        tile_pairs.visited(problem, 256, 512, "hybrid")
+
+
+def test_an_exchange_over_pallas_is_timed_on_what_its_kernel_runs():
+    """all_to_all over the Pallas kernel: the ring's work, on H/P heads of the whole sequence, in one step that
+    sends nothing (its exchange costs the same whatever the tiles, and is not timed); the model ranks its
+    tiles for the warm start; an implementation over another kernel is refused, naming it."""
+    problem = Problem(seq_len=8192, heads=8, kv_heads=8, head_dim=128, dtype="bfloat16", ring_size=4)
+    fwd = FwdParams(512, 1024)
+    ring = tpu_model.predict(problem, CHIP, fwd=fwd)
+    exchanged = tpu_model.predict(problem, CHIP, fwd=fwd, implementation="all_to_all_pallas_tpu")
+    assert exchanged.flops == ring.flops and exchanged.ici_bytes == 0 < ring.ici_bytes
+    implementation = registry.get("all_to_all_pallas_tpu")
+    shapes = registry.tile_shapes(implementation, problem.shapes, problem.ring_size)
+    assert (shapes.q_len, shapes.heads) == (8192, 2)
+    default = implementation.default_config(shapes, problem.spec)
+    picks = tpu_model.ranked(problem, "TPU v5 lite", implementation, implementation.space(shapes, problem.spec),
+                             default, ("fwd",))
+    assert picks and all(a[0] <= b[0] for a, b in zip(picks, picks[1:]))
+    best, config = picks[0]
+    assert best == tpu_model.predict(problem, CHIP, fwd=config.fwd, implementation=implementation.name).seconds
+    assert best != tpu_model.predict(problem, CHIP, fwd=config.fwd).seconds  # not the ring's time
+    with pytest.raises(ValueError, match="all_to_all_triton"):
+        tpu_model.predict(problem, CHIP, fwd=fwd, implementation="all_to_all_triton")
 
 
 def test_every_chip_names_its_source():

@@ -24,7 +24,7 @@ from pathlib import Path
 
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
-from tuner.tuning import compiled  # noqa: E402
+from tuner.tuning import compiled, compiled_report  # noqa: E402
 from tuner.semantics.problem import Problem  # noqa: E402
 from tuner.support.tables import table  # noqa: E402
 
@@ -52,13 +52,13 @@ def main() -> None:
             print(f"{target} {dtype} D={head_dim}: {time.perf_counter() - start:.0f} s", flush=True)
             for v in (v for v in report.variants if v.ruled_out is None):
                 [(asked, used, estimate)] = v.vmem.values() or [(None, None, compiled.estimate(report.problem, v))]
-                rows.append([target, f"{dtype} D={head_dim}", v.part, compiled.describe_tiles(v),
+                rows.append([target, f"{dtype} D={head_dim}", v.part, compiled_report.describe_tiles(v),
                              "rules out" if v.forced else "admits",
                              "compiled" if v.compiled else (v.error or v.ruled_out)[:60],
                              f"{used / 2**20:.2f}" if used is not None else "-", f"{estimate / 2**20:.2f}",
                              f"{asked / 2**20:.0f}" if asked is not None else "-"])
                 records.append(dict(target=target, device_kind=report.device_kind, dtype=dtype, head_dim=head_dim,
-                                    seq_len=args.seq_len, kernel=v.part, tiles=compiled.describe_tiles(v),
+                                    seq_len=args.seq_len, kernel=v.part, tiles=compiled_report.describe_tiles(v),
                                     constraint="rules out" if v.forced else "admits",
                                     compiled=v.compiled, error=v.error, vmem_used=used, vmem_estimate=estimate,
                                     vmem_limit=asked))

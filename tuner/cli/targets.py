@@ -1,11 +1,12 @@
 """`tuner search --device tpu|gpu --dry-run --target T`: the kernel variants compiled for TPU topologies
-(pallas_tpu, by the TPU compiler) or GPUs (triton, by Triton and ptxas) on this host, ranked by a model,
-the best stored as `compiled` cache rows."""
+(the Pallas kernel, in its ring or another implementation over it, by the TPU compiler) or GPUs (triton, by
+Triton and ptxas) on this host, ranked by a model, the best stored as `compiled` cache rows."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -55,11 +56,15 @@ def _compile_each(args: argparse.Namespace, jobs: dict[str, tuple[Problem, str]]
 
 def compile_targets(args: argparse.Namespace) -> int:
     """0 when every target has a config (a forward and a backward variant compiled), else 1."""
-    from tuner.tuning import compiled
+    from tuner.tuning import compiled, compiled_report
 
     missing = compiled.libtpu_missing()
     if missing:
         raise UsageError(f"--target: {missing}")
+    try:
+        implementation = compiled.implementation_for(args.backend, args.a2a_size).name
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     meshes = {}
     for target in _targets(args, compiled.TARGETS):
         try:
@@ -77,11 +82,12 @@ def compile_targets(args: argparse.Namespace) -> int:
     jobs = {}
     for target, mesh in meshes.items():
         target_problem = dataclasses.replace(problem, ring_size=mesh.size)
-        jobs[target] = (target_problem, f"compiling the pallas_tpu variants of {target_problem.describe()}\n  for "
-                                        f"{target} ({mesh.devices.flat[0].device_kind}) with the TPU compiler; "
-                                        f"nothing runs")
+        jobs[target] = (target_problem, f"compiling the Pallas kernel's variants in {implementation} of "
+                                        f"{target_problem.describe()}\n  for {target} "
+                                        f"({mesh.devices.flat[0].device_kind}) with the TPU compiler; nothing runs")
     return _compile_each(
-        args, jobs, "variant", compiled.compile_target, compiled.store, "no forward or no backward variant compiled",
+        args, jobs, "variant", functools.partial(compiled.compile_target, implementation=implementation),
+        compiled_report.store, "no forward or no backward variant compiled",
         lambda report, row: _stored(row, report.device_kind, "TPU", report.chip.source))
 
 

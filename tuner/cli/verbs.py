@@ -111,12 +111,14 @@ def _dry_run(args: argparse.Namespace) -> int:
     if args.device != "tpu":
         raise UsageError(f"--dry-run checks the TPU or GPU kernels without the device; use it with --device tpu "
                          f"or --device gpu --target (a --device {args.device} search runs for real here)")
-    if args.backend not in ("auto", "pallas_tpu"):
-        raise UsageError(f"--dry-run checks the pallas_tpu backend, got --backend {args.backend}")
-    if args.a2a_size != 1:
-        raise UsageError(f"--dry-run checks the pallas_tpu ring over one axis, got --a2a-size {args.a2a_size}")
     if args.target:
         return targets.compile_targets(args)
+    if args.backend not in ("auto", "pallas_tpu"):
+        raise UsageError(f"--dry-run without --target checks the pallas_tpu ring, got --backend {args.backend} "
+                         f"(--target compiles the others over the Pallas kernel for a TPU topology)")
+    if args.a2a_size != 1:
+        raise UsageError(f"--dry-run without --target checks the pallas_tpu ring over one axis, got --a2a-size "
+                         f"{args.a2a_size} (--target compiles the hybrid over the Pallas kernel for a TPU topology)")
     args.ring_size = args.ring_size or Problem().ring_size
     simulate_cpu_devices(args.ring_size)
     problem = problem_of(args)

@@ -4,6 +4,10 @@ For every ring step and every device, the kernels visit the tile pairs whose pos
 (`tuner.semantics.masks.ranges_may_attend`, the rule of the kernels' tile schedules) on the positions
 the layout gives that device and the shard visiting it. Segment ids are not counted (the schedule is that of the
 positions alone: an upper bound when documents would let tiles be skipped).
+
+Inside the other strategies the kernel's ring runs on what the exchange gathered (`STRATEGIES`): all_to_all's
+one step over the whole sequence in the layout's device-major order, all_gather's one step of a device's
+queries against that sequence, the hybrid's ring over its ring positions, each holding its position's chunk.
 """
 
 from __future__ import annotations
@@ -18,12 +22,28 @@ from tuner.semantics.problem import Problem
 from tuner.semantics.spec import AttentionSpec
 
 
-def visited(problem: Problem, block_q: int, block_kv: int) -> np.ndarray:
-    """Visited tile pairs per (step, device) of the ring, `[ring_size, ring_size]`, for tiles of `block_q`
-    queries and `block_kv` keys (the same total whichever side a kernel walks)."""
+STRATEGIES = ("ring", "all_to_all", "all_gather", "hybrid")  # the kernel's ring inside each (module docstring)
+
+
+def visited(problem: Problem, block_q: int, block_kv: int, strategy: str = "ring") -> np.ndarray:
+    """Visited tile pairs per (step, device) of the kernel's ring inside `strategy`, `[steps, devices]`, for
+    tiles of `block_q` queries and `block_kv` keys (the same total whichever side a kernel walks): a ring's
+    `ring_size` steps on each device, the hybrid's steps on each ring position (its group's devices visit
+    the same), one step on each device of all_to_all and all_gather."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if (strategy == "hybrid") != (problem.a2a_size > 1):
+        raise ValueError(f"strategy {strategy!r} does not run {problem.describe()}: the hybrid runs over two mesh "
+                         f"axes (a2a_size > 1), every other strategy over one")
     # The scale does not move a tile, and segment ids are not counted (module docstring).
     mask = dataclasses.replace(problem.spec, scale=1.0, has_segments=False)
-    return _visited(problem.layout, problem.local_len, problem.ring_size, mask, block_q, block_kv)
+    return _visited(problem.layout, problem.seq_len, problem.ring_positions, strategy, mask, block_q, block_kv)
+
+
+def steps(problem: Problem, strategy: str = "ring") -> int:
+    """The steps of the kernel's ring inside `strategy` (`visited`'s first axis): the ring positions of a
+    ring or the hybrid, one step after all_to_all's or all_gather's exchange."""
+    return problem.ring_positions if strategy in ("ring", "hybrid") else 1
 
 
 def _bounds(positions: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
@@ -34,17 +54,27 @@ def _bounds(positions: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     return padded.min(axis=1), padded.max(axis=1)
 
 
+def _pairs(queries: np.ndarray, keys: np.ndarray, spec: AttentionSpec, block_q: int, block_kv: int) -> int:
+    """The tile pairs of `queries` against `keys` (positions, in the order the kernel walks them) that may
+    attend."""
+    q_lo, q_hi = _bounds(queries, block_q)
+    k_lo, k_hi = _bounds(keys, block_kv)
+    return int(np.asarray(masks.ranges_may_attend(q_lo[:, None], q_hi[:, None], k_lo[None, :], k_hi[None, :], None,
+                                                  spec)).sum())
+
+
 @functools.lru_cache(maxsize=512)
-def _visited(layout: str, t: int, p: int, spec: AttentionSpec, block_q: int, block_kv: int) -> np.ndarray:
-    positions = [np.asarray(layouts.local_positions(layout, t, p, r)) for r in range(p)]
-    counts = np.zeros((p, p), np.int64)
-    for step in range(p):
-        for device in range(p):
-            q_lo, q_hi = _bounds(positions[device], block_q)
-            k_lo, k_hi = _bounds(positions[(device - step) % p], block_kv)
-            pairs = masks.ranges_may_attend(q_lo[:, None], q_hi[:, None], k_lo[None, :], k_hi[None, :], None, spec)
-            counts[step, device] = int(np.asarray(pairs).sum())
-    return counts
+def _visited(layout: str, seq_len: int, p: int, strategy: str, spec: AttentionSpec, block_q: int, block_kv: int
+             ) -> np.ndarray:
+    """`visited` over `p` positions of the layout (the ring's devices, the hybrid's ring positions)."""
+    shards = [layouts.local_positions_np(layout, seq_len // p, p, r) for r in range(p)]
+    if strategy in ("ring", "hybrid"):  # step s: each position's shard against the one s positions back
+        return np.array([[_pairs(shards[r], shards[(r - s) % p], spec, block_q, block_kv) for r in range(p)]
+                         for s in range(p)], np.int64)
+    whole = np.concatenate(shards)  # the gathered sequence, device-major (`layouts.global_order`)
+    if strategy == "all_to_all":
+        return np.full((1, p), _pairs(whole, whole, spec, block_q, block_kv), np.int64)
+    return np.array([[_pairs(shard, whole, spec, block_q, block_kv) for shard in shards]], np.int64)
 
 
-__all__ = ["visited"]
+__all__ = ["STRATEGIES", "steps", "visited"]

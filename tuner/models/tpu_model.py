@@ -1,5 +1,7 @@
 """An analytic time model of the pallas_tpu ring on a TPU generation: how `tuner search --dry-run
---target` ranks the variants the TPU compiler accepted, where nothing can be timed.
+--target` ranks the variants the TPU compiler accepted, where nothing can be timed. Inside all_to_all,
+all_gather and the hybrid over the Pallas kernel it times the kernel's ring on what the exchange gathered
+(`tiles.visited` of the strategy, on `registry.tile_shapes`); the exchange itself is not timed.
 
 For every ring step and every device, `tuner.models.tiles.visited` says which tile pairs the kernels
 visit; a masked pair costs as much as a full one (the MXU computes the whole tile). A step's kernel
@@ -89,40 +91,51 @@ class _Kernel:
         return np.where(self.flops > 0, busy, 0.0)
 
 
-def predict(problem: Problem, chip: Chip, fwd: FwdParams | None = None, bwd: BwdParams | None = None) -> Prediction:
+def predict(problem: Problem, chip: Chip, fwd: FwdParams | None = None, bwd: BwdParams | None = None,
+            implementation: str = MODELLED) -> Prediction:
     """The model's time of the forward ring with `fwd` tiles, or of the backward ring with `bwd` tiles
-    (exactly one of them), on `problem` over chips of kind `chip`."""
+    (exactly one of them), on `problem` over chips of kind `chip`: the ring `implementation` runs over the
+    `MODELLED` kernel, on the shapes that kernel runs there (`registry.tile_shapes`). For all_to_all,
+    all_gather and the hybrid that is the kernel's ring after the exchange; the exchange's own collectives
+    are not timed (they cost the same whatever the tiles)."""
     if (fwd is None) == (bwd is None):
         raise ValueError("predict() takes fwd or bwd params, exactly one of them")
-    b, h, hkv, d, t = problem.batch, problem.heads, problem.kv_heads, problem.head_dim, problem.local_len
+    runs = registry.get(implementation)
+    if getattr(runs, "engine", None) != MODELLED:
+        raise ValueError(f"implementation {implementation!r} does not run the {MODELLED} kernel the model times")
+    shapes = registry.tile_shapes(runs, problem.shapes, problem.ring_size, problem.group)
+    b, h, hkv, d = shapes.batch, shapes.heads, shapes.kv_heads, shapes.head_dim
+    tq, tk = shapes.q_len, shapes.kv_len
     item = jnp.dtype(problem.dtype).itemsize
     peak = chip.flops / (FLOAT32_PASSES if problem.dtype == "float32" else 1)
-    shard = b * t * (2 * hkv * d * item + 4)  # the k and v shards and their positions
+    strategy = registry.strategy_of(runs)
+    steps = tiles.steps(problem, strategy)  # a ring's; one where the exchange gathered the whole sequence
+    shard = b * tk * (2 * hkv * d * item + 4) if steps > 1 else 0  # the k and v shards and their positions
 
-    def kernel(block_q: int, block_kv: int, matmuls: int, tile_bytes: int, row_bytes: int) -> _Kernel:
+    def kernel(block_q: int, block_kv: int, matmuls: int, tile_bytes: int, row_bytes: int, rows: int) -> _Kernel:
         """A kernel of `matmuls` [bq, bk, d] products per visited tile pair and head, reading
-        `tile_bytes` per pair and `row_bytes` per token and head once."""
-        pairs = tiles.visited(problem, block_q, block_kv) * b * h
-        grid = b * h * -(-t // block_q) * -(-t // block_kv)
+        `tile_bytes` per pair and `row_bytes` per token of `rows` (its queries or its keys) and head once."""
+        pairs = tiles.visited(problem, block_q, block_kv, strategy) * b * h
+        grid = b * h * -(-tq // block_q) * -(-tk // block_kv)
         return _Kernel(pairs * 2.0 * matmuls * block_q * block_kv * d,
-                       pairs * float(tile_bytes) + b * h * t * d * row_bytes, grid)
+                       pairs * float(tile_bytes) + b * h * rows * d * row_bytes, grid)
 
     if fwd is not None:  # s = q k^T, o += p v: the key tile's k and v per pair; q in, o (float32) out
-        bq, bk = min(fwd.block_q, t), min(fwd.block_kv, t)
-        kernels = [kernel(bq, bk, 2, 2 * bk * d * item, item + 4)]
+        bq, bk = min(fwd.block_q, tq), min(fwd.block_kv, tk)
+        kernels = [kernel(bq, bk, 2, 2 * bk * d * item, item + 4, tq)]
         ici = shard
-    else:  # dK/dV: s, dp, dv, dk (q and do tiles per pair); dQ: s, dp, dq (k and v tiles per pair)
-        dkv_q, dkv_kv = min(bwd.block_q_dkv, t), min(bwd.block_kv_dkv, t)
-        dq_q, dq_kv = min(bwd.block_q_dq, t), min(bwd.block_kv_dq, t)
-        kernels = [kernel(dkv_q, dkv_kv, 4, 2 * dkv_q * d * item, 2 * (item + 4)),
-                   kernel(dq_q, dq_kv, 3, 2 * dq_kv * d * item, 2 * item + 4)]
-        ici = shard + b * t * 2 * hkv * d * 4  # and the dk, dv accumulators, float32
+    else:  # dK/dV: s, dp, dv, dk (q and do tiles per pair; k, v in, dk, dv out per key); dQ: s, dp, dq
+        dkv_q, dkv_kv = min(bwd.block_q_dkv, tq), min(bwd.block_kv_dkv, tk)
+        dq_q, dq_kv = min(bwd.block_q_dq, tq), min(bwd.block_kv_dq, tk)
+        kernels = [kernel(dkv_q, dkv_kv, 4, 2 * dkv_q * d * item, 2 * (item + 4), tk),
+                   kernel(dq_q, dq_kv, 3, 2 * dq_kv * d * item, 2 * item + 4, tq)]
+        ici = shard + (b * tk * 2 * hkv * d * 4 if steps > 1 else 0)  # and the dk, dv accumulators, float32
     kernel_s = sum(k.seconds(chip, peak) for k in kernels)
     step_s = np.maximum(kernel_s, ici / chip.ici_link).max(axis=1)  # each step waits for its slowest device
     slowest = kernel_s.argmax(axis=1)
-    steps = np.arange(problem.ring_size)
-    return Prediction(float(step_s.sum()), float(sum(k.flops[steps, slowest].sum() for k in kernels)),
-                      float(sum(k.hbm[steps, slowest].sum() for k in kernels)), float(ici * problem.ring_size),
+    every = np.arange(steps)
+    return Prediction(float(step_s.sum()), float(sum(k.flops[every, slowest].sum() for k in kernels)),
+                      float(sum(k.hbm[every, slowest].sum() for k in kernels)), float(ici * steps),
                       sum(k.grid * int((k.flops > 0).sum()) for k in kernels))
 
 
@@ -131,16 +144,18 @@ def ranked(problem: Problem, device_kind: str, implementation: registry.Implemen
     """(predicted seconds, config) of the points of `space` whose `parts` `implementation` admits (their
     other parts `default`'s), fastest first, on chips of `device_kind`; for a forward and backward space,
     the i-th fastest forward with the i-th fastest backward. Empty where the model does not time this
-    implementation (it models the `MODELLED` kernels) or has no rates for this device kind."""
+    implementation (it models the rings over the `MODELLED` kernel: its ring and the strategies' rings over it)
+    or has no rates for this device kind."""
     chip = CHIPS.get(tpu_memory.CHIPS.get(device_kind, ""))
-    if implementation.name != MODELLED or chip is None:
+    if getattr(implementation, "engine", None) != MODELLED or chip is None:
         return []
     shapes, by_part = registry.tile_shapes(implementation, problem.shapes, problem.ring_size, problem.group), []
     for part in parts:
         admitted = [c for c in space.grid(default, (part,))
                     if implementation.violation(shapes, problem.spec, c, (part,)) is None]
-        by_part.append(sorted(((predict(problem, chip, **{part: getattr(c, part)}).seconds, c) for c in admitted),
-                              key=lambda timed: timed[0]))
+        timed = ((predict(problem, chip, **{part: getattr(c, part)}, implementation=implementation.name).seconds, c)
+                 for c in admitted)
+        by_part.append(sorted(timed, key=lambda pair: pair[0]))
     if len(by_part) == 1:
         return by_part[0]
     return [(f[0] + b[0], registry.combine(implementation, f[1], b[1])) for f, b in zip(*by_part)]

@@ -1,10 +1,13 @@
-"""`tuner search --device tpu --dry-run --target v5e:2x2`: every pallas_tpu variant compiled by the
+"""`tuner search --device tpu --dry-run --target v5e:2x2`: every variant of the Pallas kernel compiled by the
 production TPU compiler for a TPU topology, on a host without a TPU (needs libtpu: `pip install
 'ring-tuner[tpu]'`), and ranked by the analytic model (`tuner.models.tpu_model`).
 
-For each target (a topology name of `jax.experimental.topologies`: the ring is its chips), the
-variants of the problem's search space that the backend's constraints admit for that chip are each
-compiled as the whole ring program over the topology: forward tiles as the forward ring; the tiles of
+The implementation compiled is the Pallas ring, or another that runs the Pallas kernel (`--backend
+all_to_all_pallas_tpu`, `all_gather_pallas_tpu`, or over two mesh axes `hybrid_pallas_tpu`): its variants are
+the kernel's tiles on the shapes the kernel runs there (`registry.tile_shapes`). For each target (a topology
+name of `jax.experimental.topologies`: the ring is its chips), the
+variants of the problem's search space that the kernel's constraints admit for that chip are each
+compiled as the whole program over the topology: forward tiles as the forward pass; the tiles of
 the dK/dV kernel and of the dQ kernel (varied one kernel at a time, the others at their defaults) as
 forward and backward. Per variant it records whether the
 compiler accepted it (else its first error line), the VMEM the compiler reports each Mosaic kernel
@@ -21,30 +24,26 @@ import importlib.util
 import os
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from tuner.support.version import __version__
 from tuner.models import hlo, tpu_model
 from tuner import registry
 from tuner.kernels import pallas_tiling, pallas_tpu, tpu_memory
-from tuner.cache import Cache, make_row
-from tuner.tuning.dryrun import reason_kind
 from tuner.strategies.configs import TileConfig
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.semantics.problem import Problem
 from tuner.semantics.spec import AttentionSpec, LocalShapes
-from tuner.support.tables import describe_config, error_line, table
+from tuner.support.tables import error_line
+from tuner.tuning.compiled_report import PARTS, TargetReport, Variant
 from tuner.tuning.workload import AXIS, Workload, vjp_of
 
 TARGETS = ("v5e:2x2", "v6e:2x2", "v5p:2x2x1", "v4:2x2x1")  # `--target all`
-PARTS = ("fwd", "dkv", "dq")  # one kernel each: a part's variants change its tiles, the others keep the default
 
 
 def libtpu_missing() -> str | None:
@@ -77,104 +76,10 @@ def topology_mesh(target: str) -> Mesh:
     return Mesh(np.array(devices), (AXIS,))
 
 
-@dataclass
-class Variant:
-    """One forward or backward variant on one target: the constraint that ruled it out, or the
-    compiler's verdict (`error` None: compiled) with the VMEM per kernel (asked, used by the compiler's
-    report, our estimate), the program's temporary bytes and the model's seconds."""
-
-    part: str
-    config: TileConfig
-    ruled_out: str | None = None
-    error: str | None = None
-    vmem: dict[str, tuple[int, int, int]] = field(default_factory=dict)
-    temp_bytes: int | None = None
-    predicted: tpu_model.Prediction | None = None
-    forced: str | None = None  # compiled although the constraints rule it out (why), to test them
-
-    @property
-    def compiled(self) -> bool:
-        return self.ruled_out is None and self.error is None
-
-    @property
-    def params(self) -> dict[str, FwdParams | BwdParams]:
-        """The keyword `tpu_model.predict` takes for this variant's pass."""
-        return {"fwd": self.config.fwd} if self.part == "fwd" else {"bwd": self.config.bwd}
-
-
-@dataclass
-class TargetReport:
-    """The variants of one target and the config they lead to (None when no forward or no backward
-    variant compiled)."""
-
-    target: str
-    device_kind: str
-    chip: tpu_model.Chip
-    problem: Problem
-    variants: list[Variant]
-    admitted: int  # variants the constraints admitted (all compiled, unless sampled)
-    seconds: float
-
-    def best(self, part: str) -> Variant | None:
-        done = [v for v in self.variants if v.part == part and v.compiled and v.forced is None]
-        return min(done, key=lambda v: v.predicted.seconds) if done else None
-
-    @property
-    def config(self) -> TileConfig | None:
-        """The best forward tiles with the best dK/dV and the best dQ tiles, when each part compiled."""
-        fwd, dkv, dq = (self.best(part) for part in PARTS)
-        if fwd is None or dkv is None or dq is None:
-            return None
-        return TileConfig(fwd.config.fwd, replace(dkv.config.bwd, block_q_dq=dq.config.bwd.block_q_dq,
-                                                  block_kv_dq=dq.config.bwd.block_kv_dq))
-
-    @property
-    def predicted(self) -> float:
-        """The model's seconds of `config`, forward and backward."""
-        chip, problem, config = self.chip, self.problem, self.config
-        return tpu_model.predict(problem, chip, fwd=config.fwd).seconds + \
-            tpu_model.predict(problem, chip, bwd=config.bwd).seconds
-
-    def render(self) -> str:
-        rows = []
-        tried = [v for v in self.variants if v.ruled_out is None]
-        for v in sorted(tried, key=lambda v: (PARTS.index(v.part), not v.compiled,
-                                              v.predicted.seconds if v.predicted else 0.0)):
-            vmem = [f"{used / 2**20:.2f} / {estimate / 2**20:.2f}" for used, estimate in
-                    ((used, estimate) for _, used, estimate in v.vmem.values())]
-            verdict = "compiled" if v.compiled else v.error[:80]
-            rows.append([v.part, describe_tiles(v), verdict + (" (ruled out by the estimate)" if v.forced else ""),
-                         ", ".join(vmem) or "-",
-                         f"{v.temp_bytes / 2**20:.1f}" if v.temp_bytes is not None else "-",
-                         f"{v.predicted.seconds * 1e3:.3f}" if v.predicted else "-"])
-        reasons = Counter(reason_kind(v.ruled_out) for v in self.variants if v.ruled_out is not None)
-        compiled = sum(v.compiled for v in self.variants)
-        ruled_out = len(self.variants) - len(tried)
-        sampled = f" (a sample of the {self.admitted} admitted)" if len(tried) < self.admitted else ""
-        lines = [f"{self.target} ({self.device_kind}, ring of {self.problem.ring_size}): {ruled_out} variants ruled "
-                 f"out by the constraints, {compiled} of {len(tried)} compiled{sampled}, in {self.seconds:.0f} s",
-                 table(["kernel", "tiles", "TPU compiler", "VMEM MiB: compiler / estimate", "temp MiB", "model ms"],
-                       rows)]
-        lines += [f"ruled out  {count} x {reason}" for reason, count in reasons.most_common()]
-        if self.config is not None:
-            lines.append(f"best     {describe_config(self.config)}: {self.predicted * 1e3:.3f} ms fwd+bwd by the "
-                         f"model")
-        return "\n".join(lines)
-
-
-def describe_tiles(variant: Variant) -> str:
-    """The tiles a variant sets for its own kernel, as the report prints them."""
-    if variant.part == "fwd":
-        f = variant.config.fwd
-        return f"{f.block_q}x{f.block_kv} (compute {f.block_kv_compute})"
-    b = variant.config.bwd
-    return f"{b.block_q_dkv}x{b.block_kv_dkv}" if variant.part == "dkv" else f"{b.block_q_dq}x{b.block_kv_dq}"
-
-
-def compile_variant(workload: Workload, variant: Variant) -> Variant:
-    """Compile one variant for the workload's mesh (the forward ring, or forward and backward) and read
-    what the compiler reports; a compiler error is recorded, not raised."""
-    fn = workload.attend("pallas_tpu", variant.config)
+def compile_variant(workload: Workload, variant: Variant, implementation: str = tpu_model.MODELLED) -> Variant:
+    """Compile one variant of `implementation` for the workload's mesh (the forward pass, or forward and
+    backward) and read what the compiler reports; a compiler error is recorded, not raised."""
+    fn = workload.attend(implementation, variant.config)
     inputs, dout = workload.structs()
     if variant.part == "fwd":  # the forward ring; a backward kernel's variant compiles forward and backward
         program = jax.jit(fn)
@@ -189,7 +94,7 @@ def compile_variant(workload: Workload, variant: Variant) -> Variant:
         compiled = program.lower(*args).compile()
     except Exception as error:  # noqa: BLE001 - every compiler error is the variant's verdict
         return replace(variant, error=error_line(error, 160))
-    vmem = {name.split(".")[0]: (asked, used, estimate(workload.problem, variant))
+    vmem = {name.split(".")[0]: (asked, used, estimate(workload.problem, variant, implementation))
             for name, (asked, used) in hlo.kernel_vmem(compiled.as_text()).items()
             if name.split(".")[0] == f"ring_attention_{variant.part}"}
     memory = compiled.memory_analysis()
@@ -216,32 +121,61 @@ def compile_step(shapes: LocalShapes, spec: AttentionSpec, target: str, fwd: Fwd
     return kernels
 
 
-def variants_of(problem: Problem, mesh: Mesh) -> tuple[list[Variant], FwdParams, BwdParams]:
-    """Every variant of the problem's pallas_tpu search space, one kernel's tiles at a time, with what
-    the constraints of the mesh's chip rule out; and the tiles the other kernels keep: the default
-    ones, except that backward variants are compiled beside the default forward tiles only when the
-    constraints admit them, else beside the admitted forward tiles with the smallest VMEM estimate (a
-    forward that cannot compile would fail every backward variant for a reason not its own)."""
+def implementation_for(backend: str, a2a_size: int) -> registry.Implementation:
+    """The implementation a TPU dry run compiles: `backend`, which must run the Pallas kernel over as many
+    mesh axes as the problem (`a2a_size` > 1: two); "auto" is the Pallas ring, over two axes the hybrid over
+    Pallas. `ValueError` naming `backend` otherwise."""
+    axes = 2 if a2a_size > 1 else 1
+    over_pallas = [i for i in map(registry.get, registry.names()) if getattr(i, "engine", None) == tpu_model.MODELLED]
+    if backend == "auto":
+        return registry.get(tpu_model.MODELLED) if axes == 1 else \
+            next(i for i in over_pallas if registry.mesh_axes(i) == 2)
+    named = next((i for i in over_pallas if i.name == backend), None)
+    if named is None:
+        raise ValueError(f"--dry-run --target compiles the {tpu_model.MODELLED} kernel: --backend must be auto or one "
+                         f"of {', '.join(i.name for i in over_pallas)}, got {backend!r}")
+    if registry.mesh_axes(named) != axes:
+        raise ValueError(f"--backend {backend} runs over two mesh axes: pass --a2a-size A, the size of its second axis"
+                         if axes == 1 else f"--backend {backend} runs over one mesh axis, and --a2a-size {a2a_size} "
+                         f"makes a problem over two: drop --a2a-size")
+    return named
+
+
+def kernel_shapes(problem: Problem, implementation: str) -> LocalShapes:
+    """What the Pallas kernel runs on each chip when `implementation` runs `problem`."""
+    return registry.tile_shapes(registry.get(implementation), problem.shapes, problem.ring_size, problem.group)
+
+
+def variants_of(problem: Problem, mesh: Mesh, implementation: str = tpu_model.MODELLED
+                ) -> tuple[list[Variant], FwdParams, BwdParams]:
+    """Every variant of the Pallas kernel's search space on what it runs inside `implementation`, one kernel's
+    tiles at a time, with what the constraints of the mesh's chip rule out; and the tiles the other kernels
+    keep: the default ones, except that backward variants are compiled beside the default forward tiles
+    only when the constraints admit them, else beside the admitted forward tiles with the smallest VMEM
+    estimate (a forward that cannot compile would fail every backward variant for a reason not its own)."""
     backend = pallas_tpu.PallasTpuBackend()
-    reason = backend.supports(problem.spec, jax.numpy.dtype(problem.dtype), problem.head_dim, problem.value_head_dim)
+    runs = registry.get(implementation)
+    reason = registry.why_not(runs, problem.spec, jax.numpy.dtype(problem.dtype), problem.head_dim,
+                              registry.Target("tpu"), shapes=problem.shapes, ring_size=problem.ring_size,
+                              group=problem.group)
     if reason is not None:
-        raise ValueError(f"the pallas_tpu backend does not support {reason}")
+        raise ValueError(f"{implementation} {reason}")
+    shapes = kernel_shapes(problem, implementation)
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # the target chip's default tiles
-        default_fwd, default_bwd = backend.default_params(problem.local_len, problem.local_len, problem.head_dim,
-                                                          problem.value_head_dim)
-    space = backend.search_space(problem.shapes, problem.spec)
+        default_fwd, default_bwd = backend.default_params(shapes.q_len, shapes.kv_len, *shapes.head_dims)
+    space = backend.search_space(shapes, problem.spec)
 
     def constrain(variants: list[Variant]) -> list[Variant]:
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # the constraints of the target's chip
             for v in variants:
                 fwd, bwd = (v.config.fwd, None) if v.part == "fwd" else (None, v.config.bwd)
-                v.ruled_out = backend.violation(problem.shapes, problem.spec, fwd, bwd)
+                v.ruled_out = backend.violation(shapes, problem.spec, fwd, bwd)
         return variants
 
     forward = constrain([Variant("fwd", TileConfig(p, default_bwd)) for p in space.fwd_points()])
     admitted = [v for v in forward if v.ruled_out is None]
     if admitted and not any(v.config.fwd == default_fwd for v in admitted):
-        default_fwd = min(admitted, key=lambda v: estimate(problem, v)).config.fwd
+        default_fwd = min(admitted, key=lambda v: estimate(problem, v, implementation)).config.fwd
     backward = []
     for part, fields in (("dkv", ("block_q_dkv", "block_kv_dkv")), ("dq", ("block_q_dq", "block_kv_dq"))):
         tiles = {tuple(getattr(p, f) for f in fields) for p in space.bwd_points()}
@@ -250,17 +184,20 @@ def variants_of(problem: Problem, mesh: Mesh) -> tuple[list[Variant], FwdParams,
     return forward + constrain(backward), default_fwd, default_bwd
 
 
-def estimate(problem: Problem, variant: Variant) -> int:
-    """The VMEM bytes the constraints estimate for the variant's own kernel."""
+def estimate(problem: Problem, variant: Variant, implementation: str = tpu_model.MODELLED) -> int:
+    """The VMEM bytes the constraints estimate for the variant's own kernel, on what it runs inside
+    `implementation`."""
     fwd, bwd = (variant.config.fwd, None) if variant.part == "fwd" else (None, variant.config.bwd)
-    return pallas_tiling.vmem_estimates(problem.shapes, problem.spec, fwd, bwd)[variant.part]
+    return pallas_tiling.vmem_estimates(kernel_shapes(problem, implementation), problem.spec, fwd, bwd)[variant.part]
 
 
 def compile_target(problem: Problem, target: str, *, sample: int | None = None, largest: bool = False,
                    over_vmem: bool = False, workers: int | None = None, parts: tuple[str, ...] = PARTS,
-                   progress: Callable[[int, int], None] | None = None) -> TargetReport:
-    """Constrain, compile and rank the pallas_tpu variants of `problem` for the topology `target`
-    (module docstring); the problem's ring size is set to the topology's chips. With `sample`, only the
+                   progress: Callable[[int, int], None] | None = None, implementation: str = tpu_model.MODELLED
+                   ) -> TargetReport:
+    """Constrain, compile and rank the Pallas kernel's variants inside `implementation` (the Pallas ring, or
+    another over the Pallas kernel) on `problem` for the topology `target` (module docstring); the problem's
+    ring size is set to the topology's chips. With `sample`, only the
     default tiles and `sample` other admitted variants of each kernel are compiled; with `largest`,
     only the admitted variant of each kernel with the largest VMEM estimate (the ones the VMEM
     constraint is there for); with `over_vmem`, also every variant the VMEM constraint alone rules out
@@ -277,13 +214,13 @@ def compile_target(problem: Problem, target: str, *, sample: int | None = None, 
                          f"{', '.join(tpu_model.CHIPS)}")
     chip = tpu_model.CHIPS[name]
     problem = replace(problem, ring_size=mesh.size)
-    variants, default_fwd, default_bwd = variants_of(problem, mesh)
+    variants, default_fwd, default_bwd = variants_of(problem, mesh, implementation)
     variants = [v for v in variants if v.part in parts]
     admitted = sum(v.ruled_out is None for v in variants)
     if over_vmem:
         variants = [replace(v, ruled_out=None, forced=v.ruled_out) if _over_vmem(v) else v for v in variants]
     if largest:
-        variants = _edge(problem, variants)
+        variants = _edge(problem, variants, implementation)
     elif sample is not None:
         variants = _sample(variants, sample, default_fwd, default_bwd)
     workload = Workload(problem, devices=list(mesh.devices.flat))
@@ -291,7 +228,7 @@ def compile_target(problem: Problem, target: str, *, sample: int | None = None, 
     done = 0
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
         results = {}
-        for variant, result in zip(todo, pool.map(lambda v: compile_variant(workload, v), todo)):
+        for variant, result in zip(todo, pool.map(lambda v: compile_variant(workload, v, implementation), todo)):
             results[id(variant)] = result
             done += 1
             if progress is not None:
@@ -299,15 +236,16 @@ def compile_target(problem: Problem, target: str, *, sample: int | None = None, 
     variants = [results.get(id(v), v) for v in variants]
     for v in variants:
         if v.compiled:
-            v.predicted = tpu_model.predict(problem, chip, **v.params)
-    return TargetReport(target, device_kind, chip, problem, variants, admitted, time.perf_counter() - started)
+            v.predicted = tpu_model.predict(problem, chip, **v.params, implementation=implementation)
+    return TargetReport(target, device_kind, chip, problem, variants, admitted, time.perf_counter() - started,
+                        implementation)
 
 
 def _over_vmem(variant: Variant) -> bool:
     return variant.ruled_out is not None and "VMEM" in variant.ruled_out
 
 
-def _edge(problem: Problem, variants: list[Variant]) -> list[Variant]:
+def _edge(problem: Problem, variants: list[Variant], implementation: str) -> list[Variant]:
     """Per kernel, the two variants on either side of the VMEM constraint: the admitted one with the
     largest estimate, and the one it rules out for VMEM with the smallest estimate, to be compiled
     anyway (`forced` keeps the constraint's reason)."""
@@ -317,9 +255,9 @@ def _edge(problem: Problem, variants: list[Variant]) -> list[Variant]:
         admitted = [v for v in mine if v.ruled_out is None]
         over = [v for v in mine if _over_vmem(v)]
         if admitted:
-            edge.append(max(admitted, key=lambda v: estimate(problem, v)))
+            edge.append(max(admitted, key=lambda v: estimate(problem, v, implementation)))
         if over:
-            rejected = min(over, key=lambda v: estimate(problem, v))
+            rejected = min(over, key=lambda v: estimate(problem, v, implementation))
             edge.append(replace(rejected, ruled_out=None, forced=rejected.ruled_out))
     return edge
 
@@ -337,26 +275,5 @@ def _sample(variants: list[Variant], sample: int, fwd: FwdParams, bwd: BwdParams
     return kept
 
 
-def store(report: TargetReport, db=None) -> dict | None:
-    """Write the target's config as a `compiled` cache row (None when it has none): `best_s` is the
-    model's fwd+bwd seconds, never a measurement; the trial fields count the variants compiled, ruled
-    out and rejected by the compiler."""
-    config = report.config
-    if config is None:
-        return None
-    implementation = registry.get("pallas_tpu")
-    key = registry.problem_key(report.problem, implementation.name, report.device_kind)
-    predicted = report.predicted
-    rejected = sum(v.error is not None for v in report.variants)
-    row = make_row(key, config, versions=registry.versions(implementation), tool_version=__version__,
-                   source="compiled", objective="fwd+bwd", best_s=predicted, default_s=None, speedup=None,
-                   trials_run=sum(v.compiled for v in report.variants),
-                   trials_pruned=sum(v.ruled_out is not None for v in report.variants),
-                   trials_failed={"compiler error": rejected} if rejected else {},
-                   study=f"compiled for {report.target}, ranked by the model of tuner.models.tpu_model")
-    Cache(db).put(row)
-    return row
-
-
-__all__ = ["PARTS", "TARGETS", "TargetReport", "Variant", "compile_step", "compile_target", "compile_variant",
-           "describe_tiles", "estimate", "libtpu_missing", "store", "topology_mesh", "variants_of"]
+__all__ = ["PARTS", "TARGETS", "compile_step", "compile_target", "compile_variant", "estimate", "implementation_for",
+           "kernel_shapes", "libtpu_missing", "topology_mesh", "variants_of"]
