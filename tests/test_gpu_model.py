@@ -151,6 +151,19 @@ def test_the_model_refuses_what_it_cannot_rank():
         gpu_model.predict(PROBLEM, H100, "attention_fwd", 64, 64, 4, 2, verdict(blocks=0))
 
 
+def test_an_exchange_over_triton_is_timed_on_what_its_kernel_runs():
+    """all_to_all over the Triton kernel does the ring's products on H/P heads of the whole sequence, in one
+    launch a device (so fewer, longer programs); the model refuses an implementation over another kernel."""
+    problem = dataclasses.replace(PROBLEM, ring_size=4)
+    ring = gpu_model.predict(problem, H100, "attention_fwd", 128, 64, 8, 2, verdict())
+    exchanged = gpu_model.predict(problem, H100, "attention_fwd", 128, 64, 8, 2, verdict(),
+                                  implementation="all_to_all_triton")
+    assert exchanged.flops == ring.flops and exchanged.seconds != ring.seconds
+    with pytest.raises(ValueError, match="all_gather_pallas_tpu"):
+        gpu_model.predict(PROBLEM, H100, "attention_fwd", 128, 64, 8, 2, verdict(),
+                          implementation="all_gather_pallas_tpu")
+
+
 def test_the_cli_knows_the_models_gpus():
     from tuner.cli import targets
 
@@ -185,16 +198,36 @@ def test_the_gpu_dry_run_stores_the_models_best_as_a_compiled_row_the_lookup_ser
 
 @pytest.mark.slow
 def test_tuner_search_gpu_dry_run_prints_the_verdicts_and_stores_the_row(tmp_path, capsys):
-    """The command itself, on the default's launches only (`--samples 0`), for the A100: a table per
-    kernel, the stored row's key, and the model's source."""
+    """The command itself, on the default's launches only (`--samples 0`), for the A100, of all_to_all over
+    the Triton kernel (the engine test above takes the ring): a table per kernel, the stored row's key, and
+    the model's source; the row is the lookup's for that implementation's problem."""
     from tuner.cli import main
 
     db = tmp_path / "tuning.sqlite"
-    assert main(["search", "--device", "gpu", "--dry-run", "--target", "a100", "--seq-len", "256", "--heads", "4",
-                 "--kv-heads", "2", "--head-dim", "64", "--dtype", "bfloat16", "--ring-size", "2", "--samples", "0",
-                 "--db", str(db)]) == 0
+    assert main(["search", "--device", "gpu", "--dry-run", "--target", "a100", "--backend", "all_to_all_triton",
+                 "--seq-len", "1024", "--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--dtype", "bfloat16",
+                 "--ring-size", "4", "--samples", "0", "--db", str(db)]) == 0
     out = capsys.readouterr().out
-    assert "a100 (NVIDIA A100-SXM4-80GB, sm_80): 3 launches compiled" in out, out
+    assert "a100 (NVIDIA A100-SXM4-80GB, sm_80, all_to_all_triton): 3 launches compiled" in out, out
     assert "stored  compiled entry" in out and "NVIDIA A100 datasheet" in out
     [row] = Cache(db).rows()
-    assert row["source"] == "compiled" and row["device_kind"] == "NVIDIA A100-SXM4-80GB"
+    assert (row["source"], row["device_kind"], row["backend"]) == ("compiled", "NVIDIA A100-SXM4-80GB",
+                                                                   "all_to_all_triton")
+    problem = Problem(seq_len=1024, heads=4, kv_heads=2, head_dim=64, dtype="bfloat16", ring_size=4)
+    implementation = registry.get("all_to_all_triton")
+    found = Cache(db).lookup(registry.problem_key(problem, implementation.name, row["device_kind"]),
+                             registry.versions(implementation))
+    assert found.source == "compiled" and "not measured" in found.reason
+
+
+@pytest.mark.parametrize("arguments, says", [
+    (["--backend", "hybrid_triton"], "runs over 2 mesh axes, the problem over 1"),
+    (["--backend", "all_to_all_pallas_tpu"], "one over the triton kernel (triton, "),
+    (["--a2a-size", "2", "--backend", "triton"], "runs over 1 mesh axes, the problem over 2"),
+])
+def test_the_gpu_dry_run_names_the_backends_it_compiles(tmp_path, capsys, arguments, says):
+    from tuner.cli import main
+
+    assert main(["search", "--device", "gpu", "--dry-run", "--target", "a100", "--ring-size", "4", *arguments,
+                 "--db", str(tmp_path / "tuning.sqlite")]) != 0
+    assert says in capsys.readouterr().err

@@ -54,6 +54,17 @@ def _compile_each(args: argparse.Namespace, jobs: dict[str, tuple[Problem, str]]
     return status
 
 
+def _over_kernel(args: argparse.Namespace, kernel: str) -> str:
+    """The implementation over the block kernel `kernel` that --backend and --a2a-size name."""
+    from tuner import registry
+
+    try:
+        return registry.over_kernel(kernel, args.backend, 2 if args.a2a_size > 1 else 1).name
+    except ValueError as error:
+        raise UsageError(f"--dry-run --target compiles the {kernel} kernel: {error} (--a2a-size A makes a problem "
+                         f"over two mesh axes)") from None
+
+
 def compile_targets(args: argparse.Namespace) -> int:
     """0 when every target has a config (a forward and a backward variant compiled), else 1."""
     from tuner.tuning import compiled, compiled_report
@@ -61,10 +72,7 @@ def compile_targets(args: argparse.Namespace) -> int:
     missing = compiled.libtpu_missing()
     if missing:
         raise UsageError(f"--target: {missing}")
-    try:
-        implementation = compiled.implementation_for(args.backend, args.a2a_size).name
-    except ValueError as error:
-        raise UsageError(str(error)) from None
+    implementation = _over_kernel(args, "pallas_tpu")
     meshes = {}
     for target in _targets(args, compiled.TARGETS):
         try:
@@ -102,6 +110,7 @@ def compile_gpu_targets(args: argparse.Namespace) -> int:
     for target in targets:
         if target not in GPU_TARGETS:
             raise UsageError(f"--target {target}: not a GPU target; use one of {', '.join(GPU_TARGETS)} or all")
+    implementation = _over_kernel(args, "triton")
     problem = problem_of(args)
     check_writable_cache(args)
 
@@ -110,10 +119,11 @@ def compile_gpu_targets(args: argparse.Namespace) -> int:
     jobs = {}
     for target in targets:
         gpu = compiled_gpu.gpu_model.GPUS[target]
-        jobs[target] = (problem, f"compiling the triton launches of {problem.describe()}\n  for {target} "
-                                 f"({gpu.device_kind}, sm_{gpu.arch}) with Triton and ptxas; nothing runs")
+        jobs[target] = (problem, f"compiling the triton launches of {implementation} on {problem.describe()}\n  for "
+                                 f"{target} ({gpu.device_kind}, sm_{gpu.arch}) with Triton and ptxas; nothing runs")
     return _compile_each(
-        args, jobs, "launch", compiled_gpu.compile_gpu_target, compiled_gpu.store,
+        args, jobs, "launch", functools.partial(compiled_gpu.compile_gpu_target, implementation=implementation),
+        compiled_gpu.store,
         "no forward, or no pair of backward launches, is admitted",
         lambda report, row: _stored(row, report.gpu.device_kind, "GPU", report.gpu.source))
 

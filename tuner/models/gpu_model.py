@@ -28,7 +28,8 @@ operations and the iterations' fixed cost (Triton's schedule does not overlap th
 by the utilization: the share of the GPU's block slots the grid fills in its last wave, times the
 resident warps per SM over `SATURATING_WARPS` (at most 1). A launch takes the larger of its compute
 time and its HBM time; the ring waits for its slowest device at every step. Transfers between devices
-do not depend on the tiles and are not modelled.
+do not depend on the tiles and are not modelled. Inside all_to_all, all_gather and the hybrid over the
+Triton kernel the ring is the kernel's on what the exchange gathered (`tiles.visited` of the strategy).
 
 Rates are the published per-GPU figures (`GPUS`, each with its source); what is assumed says so. The
 model ranks variants against each other on one GPU; its times are estimates, never measurements, and
@@ -43,6 +44,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from tuner import registry
 from tuner.kernels.triton_launch import pow2_at_least
 from tuner.models import tiles
 from tuner.semantics.problem import Problem
@@ -54,6 +56,7 @@ LOAD_LATENCY_CYCLES = 600  # assumed: a global load's latency, exposed per tile 
 SATURATING_WARPS = 8  # assumed: resident warps per SM that keep its tensor cores busy
 ALU_OPS = {"attention_fwd": 5, "attention_dkv": 7, "attention_dq": 6}  # assumed float32 operations per score
 KERNELS = tuple(ALU_OPS)
+MODELLED = "triton"  # the kernel the model times, in its ring and in the implementations over it
 
 
 @dataclass(frozen=True)
@@ -151,35 +154,42 @@ def utilization(gpu: Gpu, programs: int, verdict: dict[str, Any]) -> float:
 
 
 def predict(problem: Problem, gpu: Gpu, kernel: str, block_q: int, block_kv: int, num_warps: int, num_stages: int,
-            verdict: dict[str, Any]) -> Prediction:
+            verdict: dict[str, Any], implementation: str = MODELLED) -> Prediction:
     """The model's time of `kernel` ("attention_fwd", "attention_dkv" or "attention_dq") with tiles
     `block_q` x `block_kv`, `num_warps` warps and `num_stages` stages over the ring of `problem` on `gpu`,
     given the compiler's `verdict` for it (`tuner.kernels.triton_compile.resources`: the MMA family, the
-    tensor-core path, resident blocks and warps)."""
+    tensor-core path, resident blocks and warps). The ring is the one `implementation` runs over the
+    `MODELLED` kernel, on the shapes that kernel runs there (`registry.tile_shapes`): inside all_to_all,
+    all_gather and the hybrid, the kernel's ring on what the exchange gathered."""
     if kernel not in ALU_OPS:
         raise ValueError(f"kernel must be one of {', '.join(ALU_OPS)}, got {kernel!r}")
-    b, h, hkv, t = problem.batch, problem.heads, problem.kv_heads, problem.local_len
-    d, dv = problem.head_dim, problem.value_dim
+    runs = registry.get(implementation)
+    if getattr(runs, "engine", None) != MODELLED:
+        raise ValueError(f"implementation {implementation!r} does not run the {MODELLED} kernel the model times")
+    shapes = registry.tile_shapes(runs, problem.shapes, problem.ring_size, problem.group)
+    b, h, hkv, tq, tk = shapes.batch, shapes.heads, shapes.kv_heads, shapes.q_len, shapes.kv_len
+    d, dv = shapes.head_dim, shapes.value_dim
     dp, dvp = pow2_at_least(d), pow2_at_least(dv)
     item = jnp.dtype(problem.dtype).itemsize
-    bq, bk = min(block_q, pow2_at_least(t)), min(block_kv, pow2_at_least(t))
-    pairs = tiles.visited(problem, bq, bk).astype(np.float64) * b * h
+    bq, bk = min(block_q, pow2_at_least(tq)), min(block_kv, pow2_at_least(tk))
+    strategy = registry.strategy_of(runs)
+    pairs = tiles.visited(problem, bq, bk, strategy).astype(np.float64) * b * h
     scores = pairs * bq * bk
     if kernel == "attention_fwd":  # s = q k^T, o += p v; k and v tiles per pair; q in, o (float32) and lse out
         inner, alu = dp + dvp, scores * ALU_OPS[kernel] + pairs * bq * dvp
         shared = pairs * bk * (dp + dvp) * item * operand_reads(verdict.get("mma"), num_warps, bq)
-        hbm = pairs * bk * (d + dv) * item + b * h * t * (d * item + dv * 4 + 4)
-        programs = b * h * -(-t // bq)
+        hbm = pairs * bk * (d + dv) * item + b * h * tq * (d * item + dv * 4 + 4)
+        programs = b * h * -(-tq // bq)
     elif kernel == "attention_dkv":  # s, dp, dv += p^T do, dk += ds^T q; q, do, lse, delta per pair; k, v once
         inner, alu = 2 * (dp + dvp), scores * ALU_OPS[kernel]
         shared = pairs * 2 * bq * (dp + dvp) * item * operand_reads(verdict.get("mma"), num_warps, bk)
-        hbm = pairs * bq * ((d + dv) * item + 8) + b * hkv * t * (d + dv) * (item + 4)
-        programs = b * hkv * -(-t // bk)
+        hbm = pairs * bq * ((d + dv) * item + 8) + b * hkv * tk * (d + dv) * (item + 4)
+        programs = b * hkv * -(-tk // bk)
     else:  # s, dp, dq += ds k; k and v tiles per pair; q, do, lse, delta in and dq (float32) out once
         inner, alu = 2 * dp + dvp, scores * ALU_OPS[kernel]
         shared = pairs * bk * (2 * dp + dvp) * item * operand_reads(verdict.get("mma"), num_warps, bq)
-        hbm = pairs * bk * (d + dv) * item + b * h * t * ((d + dv) * item + 8 + d * 4)
-        programs = b * h * -(-t // bq)
+        hbm = pairs * bk * (d + dv) * item + b * h * tq * ((d + dv) * item + 8 + d * 4)
+        programs = b * h * -(-tq // bq)
     flops = 2.0 * scores * inner
     use = utilization(gpu, programs, verdict)
     if use <= 0:
@@ -191,11 +201,11 @@ def predict(problem: Problem, gpu: Gpu, kernel: str, block_q: int, block_kv: int
     compute = (products + scores / gpu.sfu + alu / (gpu.fp32 / 2) + iterations) / use
     busy = np.where(pairs > 0, np.maximum(compute, hbm / gpu.hbm), 0.0)
     slowest = busy.argmax(axis=1)
-    steps = np.arange(problem.ring_size)
+    steps = np.arange(tiles.steps(problem, strategy))
     return Prediction(float(busy.max(axis=1).sum()), float(flops[steps, slowest].sum()),
                       float(scores[steps, slowest].sum()), float(alu[steps, slowest].sum()),
                       float(np.broadcast_to(hbm, busy.shape)[steps, slowest].sum()), use)
 
 
-__all__ = ["ALU_OPS", "GPUS", "Gpu", "KERNELS", "LOAD_LATENCY_CYCLES", "Prediction", "SATURATING_WARPS",
+__all__ = ["ALU_OPS", "GPUS", "Gpu", "KERNELS", "LOAD_LATENCY_CYCLES", "MODELLED", "Prediction", "SATURATING_WARPS",
            "matmul_rate", "operand_reads", "predict", "utilization"]

@@ -20,13 +20,14 @@ PREFERENCE: dict[str, tuple[str, ...]] = {
 FALLBACK = "scan"  # every platform, every feature
 
 
-def why_not(implementation: Implementation, spec: AttentionSpec, dtype: Any, head_dim: int, target: Target,
+def why_not(implementation: Implementation, spec: AttentionSpec, dtype: Any, head_dim: int, target: Target | None,
             *, return_lse: bool = False, shapes: LocalShapes | None = None, ring_size: int = 1,
             group: int | None = None) -> str | None:
     """Why `implementation` cannot run this call on `target` (unavailable, a feature it lacks -- with
     `shapes`, their value head dim too --, or one device's `shapes` on a ring of `ring_size` it cannot split;
-    `group`: `shape_violation`)."""
-    reason = implementation.available(target)
+    `group`: `shape_violation`). `target` None asks about the call alone, wherever the implementation runs
+    (a program compiled for a device this host lacks)."""
+    reason = None if target is None else implementation.available(target)
     if reason is not None:
         return f"cannot run here: {reason}"
     # the value head dim only where it differs: an implementation written before values could differ still
@@ -150,6 +151,25 @@ def choose(name: str, spec: AttentionSpec, dtype: Any, head_dim: int, target: Ta
     return implementation
 
 
+def over_kernel(kernel: str, backend: str, axes: int) -> Implementation:
+    """The implementation over the block kernel `kernel` that `backend` names, over `axes` mesh axes: for
+    "auto", the ring over it (over two axes, the first registered over two); `ValueError` naming `backend`
+    and saying what would do where it runs another kernel or over the other number of axes."""
+    over = [i for i in registered_implementations() if getattr(i, "engine", None) == kernel]
+    if backend == "auto":
+        fitting = [i for i in over if mesh_axes(i) == axes and (axes == 2 or strategy_of(i) == "ring")]
+        if not fitting:
+            raise ValueError(f"no implementation over the {kernel} kernel runs over {axes} mesh axes")
+        return fitting[0]
+    named = next((i for i in over if i.name == backend), None)
+    if named is None:
+        raise ValueError(f"backend must be auto or one over the {kernel} kernel ({', '.join(i.name for i in over)}), "
+                         f"got {backend!r}")
+    if mesh_axes(named) != axes:
+        raise ValueError(f"backend {backend!r} runs over {mesh_axes(named)} mesh axes, the problem over {axes}")
+    return named
+
+
 def fallback_for(implementation: Implementation) -> Implementation:
     """What a call of `implementation` falls back to when it fails to build: the implementation of its
     strategy over the `FALLBACK` kernel (the scan ring for a ring, `hybrid` for `hybrid_pallas_tpu`, which
@@ -160,5 +180,5 @@ def fallback_for(implementation: Implementation) -> Implementation:
     return same[0] if same else get(FALLBACK)
 
 
-__all__ = ["FALLBACK", "PREFERENCE", "by_engine", "choose", "fallback_for", "for_strategy", "resolve_auto",
-           "strategy_choice", "why_not"]
+__all__ = ["FALLBACK", "PREFERENCE", "by_engine", "choose", "fallback_for", "for_strategy", "over_kernel",
+           "resolve_auto", "strategy_choice", "why_not"]

@@ -121,26 +121,6 @@ def compile_step(shapes: LocalShapes, spec: AttentionSpec, target: str, fwd: Fwd
     return kernels
 
 
-def implementation_for(backend: str, a2a_size: int) -> registry.Implementation:
-    """The implementation a TPU dry run compiles: `backend`, which must run the Pallas kernel over as many
-    mesh axes as the problem (`a2a_size` > 1: two); "auto" is the Pallas ring, over two axes the hybrid over
-    Pallas. `ValueError` naming `backend` otherwise."""
-    axes = 2 if a2a_size > 1 else 1
-    over_pallas = [i for i in map(registry.get, registry.names()) if getattr(i, "engine", None) == tpu_model.MODELLED]
-    if backend == "auto":
-        return registry.get(tpu_model.MODELLED) if axes == 1 else \
-            next(i for i in over_pallas if registry.mesh_axes(i) == 2)
-    named = next((i for i in over_pallas if i.name == backend), None)
-    if named is None:
-        raise ValueError(f"--dry-run --target compiles the {tpu_model.MODELLED} kernel: --backend must be auto or one "
-                         f"of {', '.join(i.name for i in over_pallas)}, got {backend!r}")
-    if registry.mesh_axes(named) != axes:
-        raise ValueError(f"--backend {backend} runs over two mesh axes: pass --a2a-size A, the size of its second axis"
-                         if axes == 1 else f"--backend {backend} runs over one mesh axis, and --a2a-size {a2a_size} "
-                         f"makes a problem over two: drop --a2a-size")
-    return named
-
-
 def kernel_shapes(problem: Problem, implementation: str) -> LocalShapes:
     """What the Pallas kernel runs on each chip when `implementation` runs `problem`."""
     return registry.tile_shapes(registry.get(implementation), problem.shapes, problem.ring_size, problem.group)
@@ -156,7 +136,7 @@ def variants_of(problem: Problem, mesh: Mesh, implementation: str = tpu_model.MO
     backend = pallas_tpu.PallasTpuBackend()
     runs = registry.get(implementation)
     reason = registry.why_not(runs, problem.spec, jax.numpy.dtype(problem.dtype), problem.head_dim,
-                              registry.Target("tpu"), shapes=problem.shapes, ring_size=problem.ring_size,
+                              None, shapes=problem.shapes, ring_size=problem.ring_size,
                               group=problem.group)
     if reason is not None:
         raise ValueError(f"{implementation} {reason}")
@@ -275,5 +255,5 @@ def _sample(variants: list[Variant], sample: int, fwd: FwdParams, bwd: BwdParams
     return kept
 
 
-__all__ = ["PARTS", "TARGETS", "compile_step", "compile_target", "compile_variant", "estimate", "implementation_for",
-           "kernel_shapes", "libtpu_missing", "topology_mesh", "variants_of"]
+__all__ = ["PARTS", "TARGETS", "compile_step", "compile_target", "compile_variant", "estimate", "kernel_shapes",
+           "libtpu_missing", "topology_mesh", "variants_of"]

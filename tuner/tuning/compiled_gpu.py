@@ -1,6 +1,8 @@
 """`tuner search --device gpu --dry-run --target h100`: every Triton launch of the problem's search space
 compiled for a GPU architecture on a host without a GPU, judged by the compiler's verdict, and ranked
-by the roofline model (`tuner.models.gpu_model`).
+by the roofline model (`tuner.models.gpu_model`). The Triton ring's, or with `--backend
+all_to_all_triton` (any implementation over the Triton kernel; `--a2a-size`: the hybrid) that one's: the
+kernel's launches on what it runs there.
 
 For each target (a GPU of `gpu_model.GPUS`), each distinct launch of the search space -- the forward at
 its points, the dK/dV kernel at the backward points, the dQ kernel at its tiles with the backward's
@@ -90,13 +92,15 @@ def verdicts(tasks: list[tuple], *, workers: int | None = None,
     return results
 
 
-def predict(problem: Problem, gpu: gpu_model.Gpu, launches: Iterable[Launch]) -> None:
-    """Rule out each launch by its verdict and give the admitted ones the model's prediction."""
+def predict(problem: Problem, gpu: gpu_model.Gpu, launches: Iterable[Launch],
+            implementation: str = gpu_model.MODELLED) -> None:
+    """Rule out each launch by its verdict and give the admitted ones the model's prediction, as the kernel
+    runs inside `implementation`."""
     for launch in launches:
         launch.ruled_out = triton_compile.ruled_out(launch.verdict, gpu.arch)
         if launch.ruled_out is None:
             launch.predicted = gpu_model.predict(problem, gpu, launch.kernel, launch.block_q, launch.block_kv,
-                                                 launch.num_warps, launch.num_stages, launch.verdict)
+                                                 launch.num_warps, launch.num_stages, launch.verdict, implementation)
 
 
 def _order(launch: Launch) -> tuple[float, int]:
@@ -139,6 +143,7 @@ class GpuReport:
     problem: Problem
     launches: list[Launch]
     seconds: float
+    implementation: str = gpu_model.MODELLED  # the registered implementation compiled, over the Triton kernel
 
     @property
     def chosen(self) -> tuple[Launch, Launch, Launch] | None:
@@ -166,8 +171,9 @@ class GpuReport:
                 rows.append([kernel if rank == 1 else "", f"{len(admitted)}/{len(mine)}" if rank == 1 else "",
                              launch.label, v["registers"], f"{v['shared'] // 1024}", v["mma"],
                              v["blocks_per_sm"], f"{p.utilization:.2f}", f"{p.seconds * 1e3:.3f}", f"{p.tflops:.0f}"])
-        lines = [f"{self.target} ({self.gpu.device_kind}, sm_{self.gpu.arch}): {len(self.launches)} launches compiled "
-                 f"in {self.seconds:.0f} s",
+        inside = "" if self.implementation == gpu_model.MODELLED else f", {self.implementation}"
+        lines = [f"{self.target} ({self.gpu.device_kind}, sm_{self.gpu.arch}{inside}): {len(self.launches)} launches "
+                 f"compiled in {self.seconds:.0f} s",
                  table(["kernel", "admitted", "best by the model", "regs", "smem KiB", "mma", "blocks/SM", "use",
                         "model ms", "TFLOP/s"], rows)]
         lines += [f"ruled out  {count} x {reason}" for reason, count in reasons.most_common()]
@@ -201,20 +207,25 @@ def _sample(launches: list[Launch], sample: int, default: TileConfig) -> list[La
 
 
 def compile_gpu_target(problem: Problem, target: str, *, sample: int | None = None, workers: int | None = None,
-                       progress: Callable[[int, int], None] | None = None) -> GpuReport:
+                       progress: Callable[[int, int], None] | None = None,
+                       implementation: str = gpu_model.MODELLED) -> GpuReport:
     """Compile, rule out and rank the Triton launches of `problem` for the GPU `target` (module
-    docstring); with `sample`, only the default's launches and `sample` others of each kernel.
-    `ValueError` naming the target when the model has no such GPU, or when the backend cannot take the
-    problem."""
+    docstring), as the kernel runs inside `implementation` (the Triton ring, or another over the Triton
+    kernel: its launches on what the kernel runs there, `registry.tile_shapes`); with `sample`, only the
+    default's launches and `sample` others of each kernel. `ValueError` naming the target when the model
+    has no such GPU, or when the implementation cannot take the problem."""
     if target not in gpu_model.GPUS:
         raise ValueError(f"--target {target}: no such GPU in the model; GPU targets: {', '.join(TARGETS)}")
     gpu = gpu_model.GPUS[target]
     backend = triton.TritonBackend()
-    reason = backend.supports(problem.spec, jnp.dtype(problem.dtype), problem.head_dim, problem.value_head_dim)
+    runs = registry.get(implementation)
+    reason = registry.why_not(runs, problem.spec, jnp.dtype(problem.dtype), problem.head_dim,
+                              None, shapes=problem.shapes, ring_size=problem.ring_size,
+                              group=problem.group)
     if reason is not None:
-        raise ValueError(f"the triton backend does not support {reason}")
+        raise ValueError(f"{implementation} {reason}")
     started = time.perf_counter()
-    shapes, spec = problem.shapes, problem.spec
+    shapes, spec = registry.tile_shapes(runs, problem.shapes, problem.ring_size, problem.group), problem.spec
     launches = [Launch(*launch) for launch in triton.space_launches(shapes, spec)]
     if sample is not None:
         default = TileConfig(*backend.default_params(shapes.q_len, shapes.kv_len, *shapes.head_dims,
@@ -225,8 +236,8 @@ def compile_gpu_target(problem: Problem, target: str, *, sample: int | None = No
               x.num_stages, gpu.arch) for x in launches]
     for launch, verdict in zip(launches, verdicts(tasks, workers=workers, progress=progress)):
         launch.verdict = verdict
-    predict(problem, gpu, launches)
-    return GpuReport(target, gpu, problem, launches, time.perf_counter() - started)
+    predict(problem, gpu, launches, implementation)
+    return GpuReport(target, gpu, problem, launches, time.perf_counter() - started, implementation)
 
 
 def store(report: GpuReport, db=None) -> dict | None:
@@ -236,7 +247,7 @@ def store(report: GpuReport, db=None) -> dict | None:
     config = report.config
     if config is None:
         return None
-    implementation = registry.get("triton")
+    implementation = registry.get(report.implementation)
     key = registry.problem_key(report.problem, implementation.name, report.gpu.device_kind)
     reasons = Counter(reason_kind(x.ruled_out) for x in report.launches if x.ruled_out is not None)
     row = make_row(key, config, versions=registry.versions(implementation), tool_version=__version__,
