@@ -90,7 +90,8 @@ def winners(near: Iterable[tuple[float, dict[str, Any]]], implementation: regist
 def model_picks(problem: Problem, device_kind: str, implementation: registry.Implementation, space: registry.Space,
                 default: Config, parts: tuple[str, ...], taken: list[Config]) -> list[tuple[Config, str]]:
     """(config, source) of the analytic model's `MODEL_PICKS` fastest configs (`tuner.models.tpu_model.ranked`:
-    the pallas_tpu ring on a TPU it has rates for; none elsewhere) other than `taken` in the tuned `parts`.
+    the implementations over the Pallas kernel, its ring and the strategies' over it, on a TPU it has rates for;
+    none elsewhere) other than `taken` in the tuned `parts`.
     Configs the model times alike (it does not see every setting) give one pick at most: the first of them,
     none where one of them is taken."""
     seen, predicted = {point(config, space, parts) for config in taken}, set()
