@@ -401,8 +401,8 @@ def test_a_config_near_best_on_several_neighbours_is_queued_before_any_ones_winn
 
 def test_on_a_tpu_the_models_fastest_configs_follow_the_neighbours(tmp_path):
     """A pallas_tpu study on a v5e with no tuned neighbour queues, after the default, the analytic model's two
-    fastest admitted forward tiles that it times apart; on the CPU, and for the scan backend, there is no
-    model and nothing is queued."""
+    fastest admitted forward tiles that it times apart, as it does for all_to_all over Pallas; on the CPU, and
+    for the scan backend, there is no model and nothing is queued."""
     from tuner.models import tpu_model
     from tuner.tuning.warm import model_picks, warm_start
 
@@ -425,6 +425,12 @@ def test_on_a_tpu_the_models_fastest_configs_follow_the_neighbours(tmp_path):
     scan_default = scan.default_config(problem.shapes, problem.spec)
     assert model_picks(problem, "TPU v5 lite", scan, scan.space(problem.shapes, problem.spec), scan_default, ("fwd",),
                        [scan_default]) == []
+    exchange = registry.get("all_to_all_pallas_tpu")  # the model times the Pallas kernel inside it too
+    shapes = registry.tile_shapes(exchange, problem.shapes, problem.ring_size)
+    exchange_default = exchange.default_config(shapes, problem.spec)
+    picks = model_picks(problem, "TPU v5 lite", exchange, exchange.space(shapes, problem.spec), exchange_default,
+                        ("fwd",), [exchange_default])
+    assert len(picks) == 2 and all(source.startswith("model (") for _, source in picks), picks
 
 
 def test_a_packed_problem_warms_from_packed_neighbours_before_unpacked_ones_of_its_size():
