@@ -3,18 +3,17 @@ production TPU compiler for a TPU topology, on a host without a TPU (needs libtp
 'ring-tuner[tpu]'`), and ranked by the analytic model (`tuner.models.tpu_model`).
 
 The implementation compiled is the Pallas ring, or another that runs the Pallas kernel (`--backend
-all_to_all_pallas_tpu`, `all_gather_pallas_tpu`, or over two mesh axes `hybrid_pallas_tpu`): its variants are
-the kernel's tiles on the shapes the kernel runs there (`registry.tile_shapes`). For each target (a topology
-name of `jax.experimental.topologies`: the ring is its chips), the
-variants of the problem's search space that the kernel's constraints admit for that chip are each
-compiled as the whole program over the topology: forward tiles as the forward pass; the tiles of
-the dK/dV kernel and of the dQ kernel (varied one kernel at a time, the others at their defaults) as
-forward and backward. Per variant it records whether the
-compiler accepted it (else its first error line), the VMEM the compiler reports each Mosaic kernel
-uses beside our estimate, the program's temporary memory, and the model's time. The best tiles of
-each kernel that compiled make the target's config, written to the cache as a `compiled` row:
-the loader uses it for that device kind when no measured (`search`) row exists for the problem, and
-says so; nothing treats it as a measurement.
+all_to_all_pallas_tpu`, `all_gather_pallas_tpu`, or over two mesh axes `hybrid_pallas_tpu`): its variants
+are the kernel's tiles on the shapes the kernel runs there (`registry.tile_shapes`). For each target (a
+topology name of `jax.experimental.topologies`: the ring is its chips), the variants of the problem's
+search space that the kernel's constraints admit for that chip are each compiled as the whole program
+over the topology: forward tiles as the forward pass; the tiles of the dK/dV kernel and of the dQ kernel
+(varied one kernel at a time, the others at their defaults) as forward and backward. Per variant it
+records whether the compiler accepted it (else its first error line), the VMEM the compiler reports each
+Mosaic kernel uses beside our estimate, the program's temporary memory, and the model's time
+(`tuner.tuning.compiled_report`). The best tiles of each kernel that compiled make the target's config,
+written to the cache as a `compiled` row: the loader uses it for that device kind when no measured
+(`search`) row exists for the problem, and says so; nothing treats it as a measurement.
 """
 
 from __future__ import annotations
