@@ -147,8 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --dry-run: compile every variant for this TPU topology (--device tpu: "
                              "v5e:2x2, v6e:2x2, v5p:2x2x1, v4:2x2x1; needs libtpu) or GPU (--device gpu: a100, "
                              "h100, h200, b200; needs triton); repeat, or comma-separate; 'all': every one; "
-                             "store the best by the model as a 'compiled' entry. On a TPU topology --backend may "
-                             "name any implementation over pallas_tpu, and --a2a-size compiles the hybrid")
+                             "store the best by the model as a 'compiled' entry. --backend may name any "
+                             "implementation over the target's kernel (pallas_tpu, triton), and --a2a-size "
+                             "compiles the hybrid")
     tuning.add_argument("--from", dest="from_file", default=None, metavar="FILE",
                         help="tune every problem of a record file (tuner record) not tuned yet, instead of the "
                              "problem flags")
