@@ -325,7 +325,7 @@ def test_target_flags_refuse_what_they_cannot_do(monkeypatch, capsys):
     assert main(["search", "--device", "gpu", "--dry-run"]) == 2
     assert "name it with --target (a100, h100, h200, b200 or all)" in capsys.readouterr().err
     assert main(["search", "--device", "gpu", "--dry-run", "--target", "h100", "--backend", "scan"]) == 2
-    assert "compiles the triton kernel: backend must be auto or one over the triton kernel (triton, " in \
+    assert "--dry-run checks the triton kernel: backend must be auto or one over the triton kernel (triton, " in \
         capsys.readouterr().err
     assert main(["search", "--device", "gpu", "--dry-run", "--target", "h100", "--samples", "-1"]) == 2
     assert "--samples must be zero or more, got -1" in capsys.readouterr().err

@@ -408,3 +408,27 @@ def test_dry_run_lowers_the_space_and_checks_samples(tmp_path):
     # tiles longer than the key tile are duplicates.
     assert (checked, ruled_out, lowered) == (8 + 16, 2, 22)
     assert kernels == 6 + 2 * 16
+
+
+@pytest.mark.slow
+def test_dry_run_of_all_to_all_checks_the_kernels_space_on_the_whole_sequence(tmp_path):
+    """`--backend all_to_all_pallas_tpu`: the variants are the kernel's on what it runs inside all_to_all
+    (the whole 256-token sequence of one head, not a device's 128 tokens), and the default runs in the
+    interpreter through the exchange, against the scan reference."""
+    proc = tuner("search", "--device", "tpu", "--dry-run", "--backend", "all_to_all_pallas_tpu", "--seq-len", "256",
+                 "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--ring-size", "2", "--samples", "1",
+                 home=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "search space in all_to_all_pallas_tpu for" in proc.stderr
+    checked = int(re.search(r"checked (\d+) variants: .* 1 of 1 samples match", proc.stdout).group(1))
+    problem = Problem(seq_len=256, heads=2, kv_heads=1, head_dim=16, ring_size=2)
+    implementation = registry.get("all_to_all_pallas_tpu")
+    shapes = registry.tile_shapes(implementation, problem.shapes, problem.ring_size)
+    assert (shapes.q_len, shapes.heads) == (256, 1)
+
+    def points(space):
+        return len(list(space.fwd_points())) + len(list(space.bwd_points()))
+
+    backend = pallas_tpu.PallasTpuBackend()
+    assert checked == points(backend.search_space(shapes, problem.spec))
+    assert checked != points(backend.search_space(problem.shapes, problem.spec))

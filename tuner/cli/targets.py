@@ -54,15 +54,15 @@ def _compile_each(args: argparse.Namespace, jobs: dict[str, tuple[Problem, str]]
     return status
 
 
-def _over_kernel(args: argparse.Namespace, kernel: str) -> str:
-    """The implementation over the block kernel `kernel` that --backend and --a2a-size name."""
+def over_kernel(args: argparse.Namespace, kernel: str) -> str:
+    """The implementation over the block kernel `kernel` that a dry run's --backend and --a2a-size name."""
     from tuner import registry
 
     try:
         return registry.over_kernel(kernel, args.backend, 2 if args.a2a_size > 1 else 1).name
     except ValueError as error:
-        raise UsageError(f"--dry-run --target compiles the {kernel} kernel: {error} (--a2a-size A makes a problem "
-                         f"over two mesh axes)") from None
+        raise UsageError(f"--dry-run checks the {kernel} kernel: {error} (--a2a-size A makes a problem over two "
+                         f"mesh axes)") from None
 
 
 def compile_targets(args: argparse.Namespace) -> int:
@@ -72,7 +72,7 @@ def compile_targets(args: argparse.Namespace) -> int:
     missing = compiled.libtpu_missing()
     if missing:
         raise UsageError(f"--target: {missing}")
-    implementation = _over_kernel(args, "pallas_tpu")
+    implementation = over_kernel(args, "pallas_tpu")
     meshes = {}
     for target in _targets(args, compiled.TARGETS):
         try:
@@ -110,7 +110,7 @@ def compile_gpu_targets(args: argparse.Namespace) -> int:
     for target in targets:
         if target not in GPU_TARGETS:
             raise UsageError(f"--target {target}: not a GPU target; use one of {', '.join(GPU_TARGETS)} or all")
-    implementation = _over_kernel(args, "triton")
+    implementation = over_kernel(args, "triton")
     problem = problem_of(args)
     check_writable_cache(args)
 

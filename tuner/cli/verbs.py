@@ -109,12 +109,7 @@ def _dry_run(args: argparse.Namespace) -> int:
                          f"or --device gpu --target (a --device {args.device} search runs for real here)")
     if args.target:
         return targets.compile_targets(args)
-    if args.backend not in ("auto", "pallas_tpu"):
-        raise UsageError(f"--dry-run without --target checks the pallas_tpu ring, got --backend {args.backend} "
-                         f"(--target compiles the others over the Pallas kernel for a TPU topology)")
-    if args.a2a_size != 1:
-        raise UsageError(f"--dry-run without --target checks the pallas_tpu ring over one axis, got --a2a-size "
-                         f"{args.a2a_size} (--target compiles the hybrid over the Pallas kernel for a TPU topology)")
+    implementation = targets.over_kernel(args, "pallas_tpu")
     args.ring_size = args.ring_size or Problem().ring_size
     simulate_cpu_devices(args.ring_size)
     problem = problem_of(args)
@@ -131,7 +126,7 @@ def _dry_run(args: argparse.Namespace) -> int:
         chip = tpu_memory.chip()
     except ValueError as error:
         raise UsageError(str(error)) from None
-    print(f"dry run of the pallas_tpu search space for {problem.describe()}\n  constraints for TPU "
+    print(f"dry run of the pallas_tpu search space in {implementation} for {problem.describe()}\n  constraints for TPU "
           f"{chip.chip_version.value} ({chip.vmem_capacity_bytes // 2**20} MiB VMEM, kernels ask for half; "
           f"TUNER_TPU_CHIP picks another); samples run on {problem.ring_size} simulated CPU devices",
           file=sys.stderr)
@@ -147,7 +142,7 @@ def _dry_run(args: argparse.Namespace) -> int:
         bars[stage].update(done - bars[stage].n)
 
     try:
-        report = dry_run(problem, samples=samples, seed=args.seed, progress=progress)
+        report = dry_run(problem, samples=samples, seed=args.seed, progress=progress, implementation=implementation)
     except ValueError as error:
         raise UsageError(str(error)) from None
     finally:

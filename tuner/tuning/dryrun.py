@@ -1,11 +1,13 @@
-"""`tuner search --device tpu --dry-run`: everything a TPU search checks that can be checked without a TPU.
+"""`tuner search --device tpu --dry-run`: everything a TPU search checks that can be checked without a TPU,
+for the Pallas ring or another implementation over the Pallas kernel (`--backend all_to_all_pallas_tpu`,
+`--a2a-size` for the hybrid), whose kernel's space is that of what it runs there (`registry.tile_shapes`).
 
 1. enumerate the pallas_tpu search space of the problem (forward and backward points);
 2. remove the points the backend's constraints rule out (TPU tiling, VMEM, SMEM), with their reasons;
 3. lower every remaining point's kernels for TPU (`jax.export(..., platforms=["tpu"])`);
-4. run a sample of them -- the default first, then points drawn at random -- through the whole ring in
-   Pallas's interpreter on simulated CPU devices, checked against the scan backend like a search
-   trial (float32, forward and every gradient).
+4. run a sample of them -- the default first, then points drawn at random -- through the whole
+   implementation in Pallas's interpreter on simulated CPU devices, checked against the scan backend
+   like a search trial (float32, forward and every gradient).
 
 It measures nothing: timing needs the TPU. On a TPU host the same command without `--dry-run` is the
 real search.
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 
 import jax.numpy as jnp
 
+from tuner import registry
 from tuner.kernels import pallas_tpu
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.semantics.problem import Problem
@@ -109,16 +112,20 @@ def reason_kind(reason: str) -> str:
 
 
 def dry_run(problem: Problem, *, samples: int = 3, seed: int = 0,
-            progress: Callable[[str, int, int], None] | None = None) -> DryRunReport:
-    """Check the pallas_tpu variants of `problem` without a TPU (module docstring). `progress(stage,
-    done, total)` is called as points are lowered and samples run. `ValueError` when the backend
-    cannot take the problem."""
+            progress: Callable[[str, int, int], None] | None = None, implementation: str = "pallas_tpu"
+            ) -> DryRunReport:
+    """Check the pallas_tpu variants of `problem` inside `implementation` (the Pallas ring, or another over
+    the Pallas kernel) without a TPU (module docstring). `progress(stage, done, total)` is called as points
+    are lowered and samples run. `ValueError` when the implementation cannot take the problem."""
     started = time.perf_counter()
     backend = pallas_tpu.PallasTpuBackend()
-    reason = backend.supports(problem.spec, jnp.dtype(problem.dtype), problem.head_dim, problem.value_head_dim)
+    runs = registry.get(implementation)
+    reason = registry.why_not(runs, problem.spec, jnp.dtype(problem.dtype), problem.head_dim, None,
+                              shapes=problem.shapes, ring_size=problem.ring_size, group=problem.group)
     if reason is not None:
-        raise ValueError(f"the pallas_tpu backend does not support {reason}; a TPU search would use scan")
-    space = backend.search_space(problem.shapes, problem.spec)
+        raise ValueError(f"{implementation} {reason}; a TPU search would use scan")
+    shapes = registry.tile_shapes(runs, problem.shapes, problem.ring_size, problem.group)
+    space = backend.search_space(shapes, problem.spec)
     fwd_points, bwd_points = list(space.fwd_points()), list(space.bwd_points())
     report = DryRunReport(problem, len(fwd_points), len(bwd_points))
 
@@ -126,12 +133,12 @@ def dry_run(problem: Problem, *, samples: int = 3, seed: int = 0,
     candidates += [(None, p) for p in bwd_points]
     good_fwd, good_bwd = [], []
     for done, (fwd, bwd) in enumerate(candidates, 1):
-        violation = backend.violation(problem.shapes, problem.spec, fwd, bwd)
+        violation = backend.violation(shapes, problem.spec, fwd, bwd)
         if violation is not None:
             report.ruled_out[reason_kind(violation)] += 1
         else:
             try:
-                report.kernels += pallas_tpu.lower(problem.shapes, problem.spec, fwd, bwd)
+                report.kernels += pallas_tpu.lower(shapes, problem.spec, fwd, bwd)
             except Exception as error:  # noqa: BLE001 - every lowering failure is reported, not raised
                 if fwd is not None:
                     report.failed_fwd += 1
@@ -149,8 +156,7 @@ def dry_run(problem: Problem, *, samples: int = 3, seed: int = 0,
         if progress is not None:
             progress("lower", done, len(candidates))
 
-    default = TileConfig(*backend.default_params(problem.local_len, problem.local_len, problem.head_dim,
-                                                 problem.value_head_dim))
+    default = TileConfig(*backend.default_params(shapes.q_len, shapes.kv_len, *shapes.head_dims))
     pool = [TileConfig(f, b) for f in good_fwd for b in good_bwd if TileConfig(f, b) != default]
     chosen = [default, *random.Random(seed).sample(pool, min(max(samples - 1, 0), len(pool)))][:samples]
     if chosen:
@@ -158,7 +164,7 @@ def dry_run(problem: Problem, *, samples: int = 3, seed: int = 0,
         reference = ReferenceCheck(workload, seed=10_000 + seed, backward=True)
         for done, config in enumerate(chosen, 1):
             start = time.perf_counter()
-            fn = workload.attend(backend.name, config, interpret=True)
+            fn = workload.attend(implementation, config, interpret=True)
             try:
                 compiled = reference.compile(fn)
                 mismatch = reference.mismatch(compiled)
