@@ -94,7 +94,7 @@ def compile_targets(args: argparse.Namespace) -> int:
                                         f"{target_problem.describe()}\n  for {target} "
                                         f"({mesh.devices.flat[0].device_kind}) with the TPU compiler; nothing runs")
     return _compile_each(
-        args, jobs, "variant", functools.partial(compiled.compile_target, implementation=implementation),
+        args, jobs, "program", functools.partial(compiled.compile_target, implementation=implementation),
         compiled_report.store, "no forward or no backward variant compiled",
         lambda report, row: _stored(row, report.device_kind, "TPU", report.chip.source))
 

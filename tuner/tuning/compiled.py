@@ -75,29 +75,41 @@ def topology_mesh(target: str) -> Mesh:
     return Mesh(np.array(devices), (AXIS,))
 
 
-def compile_variant(workload: Workload, variant: Variant, implementation: str = tpu_model.MODELLED) -> Variant:
-    """Compile one variant of `implementation` for the workload's mesh (the forward pass, or forward and
-    backward) and read what the compiler reports; a compiler error is recorded, not raised."""
-    fn = workload.attend(implementation, variant.config)
+def compile_program(workload: Workload, config: TileConfig, backward: bool,
+                    implementation: str = tpu_model.MODELLED) -> tuple[str | None, str, int | None]:
+    """Compile `implementation` with `config` for the workload's mesh, the forward pass or (`backward`)
+    forward and backward: (the compiler's first error line or None, the compiled HLO text, the temporary
+    bytes). A compiler error is returned, not raised."""
+    fn = workload.attend(implementation, config)
     inputs, dout = workload.structs()
-    if variant.part == "fwd":  # the forward ring; a backward kernel's variant compiles forward and backward
-        program = jax.jit(fn)
-        args = (inputs,)
+    if not backward:
+        program, args = jax.jit(fn), (inputs,)
     else:
         def forward_and_backward(x, dout):
             out, vjp = vjp_of(fn, x)
             return out, vjp(dout)
-        program = jax.jit(forward_and_backward)
-        args = (inputs, dout)
+        program, args = jax.jit(forward_and_backward), (inputs, dout)
     try:
         compiled = program.lower(*args).compile()
     except Exception as error:  # noqa: BLE001 - every compiler error is the variant's verdict
-        return replace(variant, error=error_line(error, 160))
+        return error_line(error, 160), "", None
+    return None, compiled.as_text(), getattr(compiled.memory_analysis(), "temp_size_in_bytes", None)
+
+
+def compile_variant(workload: Workload, variant: Variant, implementation: str = tpu_model.MODELLED,
+                    program: tuple[str | None, str, int | None] | None = None) -> Variant:
+    """One variant's verdict: its program compiled (`compile_program`: the forward pass for a forward
+    variant, forward and backward for a backward kernel's; `program` where it is compiled already) and
+    what the compiler reports of the variant's own kernel."""
+    if program is None:
+        program = compile_program(workload, variant.config, variant.part != "fwd", implementation)
+    error, text, temp = program
+    if error is not None:
+        return replace(variant, error=error)
     vmem = {name.split(".")[0]: (asked, used, estimate(workload.problem, variant, implementation))
-            for name, (asked, used) in hlo.kernel_vmem(compiled.as_text()).items()
+            for name, (asked, used) in hlo.kernel_vmem(text).items()
             if name.split(".")[0] == f"ring_attention_{variant.part}"}
-    memory = compiled.memory_analysis()
-    return replace(variant, vmem=vmem, temp_bytes=getattr(memory, "temp_size_in_bytes", None))
+    return replace(variant, vmem=vmem, temp_bytes=temp)
 
 
 def compile_step(shapes: LocalShapes, spec: AttentionSpec, target: str, fwd: FwdParams | None = None,
@@ -181,7 +193,9 @@ def compile_target(problem: Problem, target: str, *, sample: int | None = None, 
     only the admitted variant of each kernel with the largest VMEM estimate (the ones the VMEM
     constraint is there for); with `over_vmem`, also every variant the VMEM constraint alone rules out
     (marked `forced`), to hold the constraint to the compiler over the whole space. `parts` limits the
-    kernels whose variants are compiled (the report's `config` then needs all three to be set)."""
+    kernels whose variants are compiled (the report's `config` then needs all three to be set). Variants
+    that are one program (the dK/dV and the dQ kernel's default tiles: the same forward and backward) are
+    compiled once; `progress(done, total)` counts programs."""
     if largest and over_vmem:
         raise ValueError("compile_target: largest and over_vmem choose different variants; pass one")
     started = time.perf_counter()
@@ -204,15 +218,20 @@ def compile_target(problem: Problem, target: str, *, sample: int | None = None, 
         variants = _sample(variants, sample, default_fwd, default_bwd)
     workload = Workload(problem, devices=list(mesh.devices.flat))
     todo = [v for v in variants if v.ruled_out is None]
-    done = 0
+
+    def program_of(variant: Variant) -> tuple[bool, TileConfig]:  # the dK/dV and dQ defaults are one program
+        return variant.part != "fwd", variant.config
+
+    programs = list(dict.fromkeys(program_of(v) for v in todo))
+    compiled = {}
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
-        results = {}
-        for variant, result in zip(todo, pool.map(lambda v: compile_variant(workload, v, implementation), todo)):
-            results[id(variant)] = result
-            done += 1
+        runs = pool.map(lambda key: compile_program(workload, key[1], key[0], implementation), programs)
+        for done, (key, result) in enumerate(zip(programs, runs), 1):
+            compiled[key] = result
             if progress is not None:
-                progress(done, len(todo))
-    variants = [results.get(id(v), v) for v in variants]
+                progress(done, len(programs))
+    variants = [compile_variant(workload, v, implementation, compiled[program_of(v)]) if v.ruled_out is None
+                else v for v in variants]
     for v in variants:
         if v.compiled:
             v.predicted = tpu_model.predict(problem, chip, **v.params, implementation=implementation)
@@ -254,5 +273,5 @@ def _sample(variants: list[Variant], sample: int, fwd: FwdParams, bwd: BwdParams
     return kept
 
 
-__all__ = ["PARTS", "TARGETS", "compile_step", "compile_target", "compile_variant", "estimate", "kernel_shapes",
-           "libtpu_missing", "topology_mesh", "variants_of"]
+__all__ = ["PARTS", "TARGETS", "compile_program", "compile_step", "compile_target", "compile_variant", "estimate",
+           "kernel_shapes", "libtpu_missing", "topology_mesh", "variants_of"]
