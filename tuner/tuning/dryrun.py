@@ -123,7 +123,7 @@ def dry_run(problem: Problem, *, samples: int = 3, seed: int = 0,
     reason = registry.why_not(runs, problem.spec, jnp.dtype(problem.dtype), problem.head_dim, None,
                               shapes=problem.shapes, ring_size=problem.ring_size, group=problem.group)
     if reason is not None:
-        raise ValueError(f"{implementation} {reason}; a TPU search would use scan")
+        raise ValueError(f"{implementation} {reason}")
     shapes = registry.tile_shapes(runs, problem.shapes, problem.ring_size, problem.group)
     space = backend.search_space(shapes, problem.spec)
     fwd_points, bwd_points = list(space.fwd_points()), list(space.bwd_points())
