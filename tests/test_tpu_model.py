@@ -72,6 +72,39 @@ def test_the_strategies_visit_the_tiles_of_what_their_exchange_gathered(causal):
         tile_pairs.visited(problem, 256, 512, "hybrid")
 
 
+@pytest.mark.parametrize("strategy, group", [("all_to_all", None), ("all_gather", None), ("hybrid", 2)])
+def test_the_tiles_counted_inside_an_exchange_are_the_ones_its_kernel_computes(strategy, group):
+    """The scan kernel inside each exchange, counted as it runs (`count_work`, per inner ring position; an
+    exchange's devices all run at position 0, the hybrid's at their ring position), computes exactly the
+    tile area `tiles.visited` counts: the gathered sequence is in the order the model assumes (its 512-token
+    tiles straddle the zigzag's 256-token chunks, so a sequence counted in token order fails)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec
+
+    from tuner.kernels.params import BwdParams
+    from tuner.strategies.configs import TileConfig
+    from tuner.support.work import count_work
+
+    problem = Problem(seq_len=2048, heads=4, kv_heads=4, head_dim=8, ring_size=4, a2a_size=group or 1,
+                      layout="zigzag", causal=True)
+    axes = ("ring", "a2a") if group else ("sp",)
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(-1, group) if group else np.array(jax.devices()[:4]), axes)
+    implementation, config = registry.get(strategy), TileConfig(FwdParams(512, 512), BwdParams(512, 512))
+    seq = PartitionSpec(None, axes if group else "sp")
+    attend = jax.shard_map(
+        lambda q, k, v: implementation.attend(q, k, v, spec=problem.spec, config=config,
+                                              axis_name=axes if group else "sp", layout=problem.layout),
+        mesh=mesh, in_specs=(seq, seq, seq), out_specs=seq, check_vma=False)
+    x = jnp.zeros((1, problem.seq_len, problem.heads, problem.head_dim), jnp.float32)
+    with count_work() as counts:
+        jax.block_until_ready(jax.jit(attend)(x, x, x))
+    area = tile_pairs.visited(problem, 512, 512, strategy) * 512 * 512
+    per_position = area.sum(axis=0) * (group or 1)  # every device of a hybrid's position runs its ring
+    want = {0: int(area.sum())} if group is None else dict(enumerate(int(a) for a in per_position))
+    assert dict(counts["tile_area"]) == want
+
+
 def test_an_exchange_over_pallas_is_timed_on_what_its_kernel_runs():
     """all_to_all over the Pallas kernel: the ring's work, on H/P heads of the whole sequence, in one step that
     sends nothing (its exchange costs the same whatever the tiles, and is not timed); the model ranks its
