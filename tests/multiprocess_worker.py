@@ -136,6 +136,8 @@ def prepare_disagreeing_loader(a: Arrays, mesh: Mesh, db: str, warnings: list[st
     logging.getLogger("tuner.runtime.agreement").addHandler(Collect(logging.WARNING))
     multihost_utils.sync_global_devices("stored")  # no process has traced the call: process 0 decided nothing
     before = attn.explain(*args, return_lse=True)
+    multihost_utils.sync_global_devices("explained")  # process 0 traces (and publishes) only after every `before`
+
     def compiled():
         return jax.jit(lambda q, k, v: attn(q, k, v, return_lse=True)).lower(*args).compile()
 
