@@ -181,7 +181,7 @@ def test_the_tpu_dry_run_compiles_the_hybrid_over_pallas_and_the_loader_uses_its
     axes, runs the stored row."""
     from tuner.cli import main
     from tuner.semantics.problem import Problem
-    from tuner.tuning import compiled
+    from tuner import registry
 
     db = tmp_path / "tuning.sqlite"
     assert main(["search", "--device", "tpu", "--dry-run", "--target", "v5e:2x2", "--a2a-size", "2", "--samples",
@@ -192,7 +192,7 @@ def test_the_tpu_dry_run_compiles_the_hybrid_over_pallas_and_the_loader_uses_its
     [row] = Cache(db).rows()
     assert (row["backend"], row["source"]) == ("hybrid_pallas_tpu", "compiled")
     problem = Problem(seq_len=STEP_T, heads=H, kv_heads=HKV, head_dim=D, ring_size=4, a2a_size=2)
-    shapes = compiled.kernel_shapes(problem, "hybrid_pallas_tpu")
+    shapes = registry.problem_tile_shapes(registry.get("hybrid_pallas_tpu"), problem)
     assert (shapes.q_len, shapes.heads, shapes.kv_heads) == (STEP_T // 2, H // 2, HKV // 2)
     devices = topology_mesh("v5e:2x2").devices.reshape(2, 2)
     mesh = Mesh(devices, ("ring", "a2a"))

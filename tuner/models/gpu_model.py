@@ -44,7 +44,6 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from tuner import registry
 from tuner.kernels.triton_launch import pow2_at_least
 from tuner.models import tiles
 from tuner.semantics.problem import Problem
@@ -163,16 +162,12 @@ def predict(problem: Problem, gpu: Gpu, kernel: str, block_q: int, block_kv: int
     all_gather and the hybrid, the kernel's ring on what the exchange gathered."""
     if kernel not in ALU_OPS:
         raise ValueError(f"kernel must be one of {', '.join(ALU_OPS)}, got {kernel!r}")
-    runs = registry.get(implementation)
-    if getattr(runs, "engine", None) != MODELLED:
-        raise ValueError(f"implementation {implementation!r} does not run the {MODELLED} kernel the model times")
-    shapes = registry.tile_shapes(runs, problem.shapes, problem.ring_size, problem.group)
+    shapes, strategy = tiles.inside(problem, implementation, MODELLED)
     b, h, hkv, tq, tk = shapes.batch, shapes.heads, shapes.kv_heads, shapes.q_len, shapes.kv_len
     d, dv = shapes.head_dim, shapes.value_dim
     dp, dvp = pow2_at_least(d), pow2_at_least(dv)
     item = jnp.dtype(problem.dtype).itemsize
     bq, bk = min(block_q, pow2_at_least(tq)), min(block_kv, pow2_at_least(tk))
-    strategy = registry.strategy_of(runs)
     pairs = tiles.visited(problem, bq, bk, strategy).astype(np.float64) * b * h
     scores = pairs * bq * bk
     if kernel == "attention_fwd":  # s = q k^T, o += p v; k and v tiles per pair; q in, o (float32) and lse out

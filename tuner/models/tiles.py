@@ -17,9 +17,10 @@ import functools
 
 import numpy as np
 
+from tuner import registry
 from tuner.semantics import layouts, masks
 from tuner.semantics.problem import Problem
-from tuner.semantics.spec import AttentionSpec
+from tuner.semantics.spec import AttentionSpec, LocalShapes
 
 
 STRATEGIES = ("ring", "all_to_all", "all_gather", "hybrid")  # the kernel's ring inside each (module docstring)
@@ -38,6 +39,16 @@ def visited(problem: Problem, block_q: int, block_kv: int, strategy: str = "ring
     # The scale does not move a tile, and segment ids are not counted (module docstring).
     mask = dataclasses.replace(problem.spec, scale=1.0, has_segments=False)
     return _visited(problem.layout, problem.seq_len, problem.ring_positions, strategy, mask, block_q, block_kv)
+
+
+def inside(problem: Problem, implementation: str, kernel: str) -> tuple[LocalShapes, str]:
+    """What the block kernel `kernel` runs when `implementation` runs `problem`: its shapes on each device
+    (`registry.problem_tile_shapes`) and the strategy it runs inside; `ValueError` naming `implementation`
+    where it runs another kernel."""
+    runs = registry.get(implementation)
+    if getattr(runs, "engine", None) != kernel:
+        raise ValueError(f"implementation {implementation!r} does not run the {kernel} kernel the model times")
+    return registry.problem_tile_shapes(runs, problem), registry.strategy_of(runs)
 
 
 def steps(problem: Problem, strategy: str = "ring") -> int:
@@ -77,4 +88,4 @@ def _visited(layout: str, seq_len: int, p: int, strategy: str, spec: AttentionSp
     return np.array([[_pairs(shard, whole, spec, block_q, block_kv) for shard in shards]], np.int64)
 
 
-__all__ = ["STRATEGIES", "steps", "visited"]
+__all__ = ["STRATEGIES", "inside", "steps", "visited"]

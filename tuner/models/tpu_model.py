@@ -100,15 +100,11 @@ def predict(problem: Problem, chip: Chip, fwd: FwdParams | None = None, bwd: Bwd
     are not timed (they cost the same whatever the tiles)."""
     if (fwd is None) == (bwd is None):
         raise ValueError("predict() takes fwd or bwd params, exactly one of them")
-    runs = registry.get(implementation)
-    if getattr(runs, "engine", None) != MODELLED:
-        raise ValueError(f"implementation {implementation!r} does not run the {MODELLED} kernel the model times")
-    shapes = registry.tile_shapes(runs, problem.shapes, problem.ring_size, problem.group)
+    shapes, strategy = tiles.inside(problem, implementation, MODELLED)
     b, h, hkv, d = shapes.batch, shapes.heads, shapes.kv_heads, shapes.head_dim
     tq, tk = shapes.q_len, shapes.kv_len
     item = jnp.dtype(problem.dtype).itemsize
     peak = chip.flops / (FLOAT32_PASSES if problem.dtype == "float32" else 1)
-    strategy = registry.strategy_of(runs)
     steps = tiles.steps(problem, strategy)  # a ring's; one where the exchange gathered the whole sequence
     shard = b * tk * (2 * hkv * d * item + 4) if steps > 1 else 0  # the k and v shards and their positions
 
@@ -149,7 +145,7 @@ def ranked(problem: Problem, device_kind: str, implementation: registry.Implemen
     chip = CHIPS.get(tpu_memory.CHIPS.get(device_kind, ""))
     if getattr(implementation, "engine", None) != MODELLED or chip is None:
         return []
-    shapes, by_part = registry.tile_shapes(implementation, problem.shapes, problem.ring_size, problem.group), []
+    shapes, by_part = registry.problem_tile_shapes(implementation, problem), []
     for part in parts:
         admitted = [c for c in space.grid(default, (part,))
                     if implementation.violation(shapes, problem.spec, c, (part,)) is None]

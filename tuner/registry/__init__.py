@@ -18,16 +18,16 @@ this package (the cache imports `versions` too). The layer imports `support` and
 """
 
 from tuner.registry.choice import (FALLBACK, PREFERENCE, by_engine, choose, fallback_for, for_strategy,
-                                   over_kernel, resolve_auto, strategy_choice, why_not)
+                                   over_kernel, problem_why_not, resolve_auto, strategy_choice, why_not)
 from tuner.registry.contract import (GATHERED, OBJECTIVE_PARTS, PARTS, STRATEGIES, TWO_AXES, ChoiceSpace, Config,
                                      Implementation, Space, Target)
 from tuner.registry.table import (combine, config_from_parts, default_config, find, forward_tiles, get, key, label,
-                                  mesh_axes, names, problem_key, register, registered, shape_violation, strategy_of,
-                                  tile_shapes, unregister, versions)
+                                  mesh_axes, names, problem_key, problem_tile_shapes, register, registered,
+                                  shape_violation, strategy_of, tile_shapes, unregister, versions)
 
 __all__ = ["FALLBACK", "GATHERED", "OBJECTIVE_PARTS", "PARTS", "PREFERENCE", "STRATEGIES", "ChoiceSpace", "Config",
-           "Implementation", "Space", "TWO_AXES", "Target", "by_engine", "choose", "combine",
-           "config_from_parts", "default_config", "fallback_for", "find", "for_strategy", "forward_tiles",
-           "get", "key", "label", "mesh_axes", "names", "over_kernel", "problem_key", "register", "registered",
-           "resolve_auto", "shape_violation", "strategy_choice", "strategy_of", "tile_shapes", "unregister",
-           "versions", "why_not"]
+           "Implementation", "Space", "TWO_AXES", "Target", "by_engine", "choose", "combine", "config_from_parts",
+           "default_config", "fallback_for", "find", "for_strategy", "forward_tiles", "get", "key", "label",
+           "mesh_axes", "names", "over_kernel", "problem_key", "problem_tile_shapes", "problem_why_not", "register",
+           "registered", "resolve_auto", "shape_violation", "strategy_choice", "strategy_of", "tile_shapes",
+           "unregister", "versions", "why_not"]

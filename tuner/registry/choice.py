@@ -7,8 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
+
 from tuner.registry.contract import Implementation, Target
 from tuner.registry.table import get, mesh_axes, registered_implementations, shape_violation, strategy_of
+from tuner.semantics.problem import Problem
 from tuner.semantics.spec import AttentionSpec, LocalShapes
 
 # `backend="auto"` without a measurement takes the first of these that can run the call.
@@ -38,6 +41,13 @@ def why_not(implementation: Implementation, spec: AttentionSpec, dtype: Any, hea
         return f"does not support {reason}"
     reason = None if shapes is None else shape_violation(implementation, shapes, ring_size, group)
     return None if reason is None else f"cannot run these shapes: {reason}"
+
+
+def problem_why_not(implementation: Implementation, problem: Problem, target: Target | None = None) -> str | None:
+    """`why_not` of `problem`'s call: its features, dtype and one device's shapes on its ring (on `target`;
+    None: wherever `implementation` runs, for a program compiled for a device this host lacks)."""
+    return why_not(implementation, problem.spec, jnp.dtype(problem.dtype), problem.head_dim, target,
+                   shapes=problem.shapes, ring_size=problem.ring_size, group=problem.group)
 
 
 def by_engine(implementations: list[Implementation], platform: str) -> list[Implementation]:
@@ -181,4 +191,4 @@ def fallback_for(implementation: Implementation) -> Implementation:
 
 
 __all__ = ["FALLBACK", "PREFERENCE", "by_engine", "choose", "fallback_for", "for_strategy", "over_kernel",
-           "resolve_auto", "strategy_choice", "why_not"]
+           "problem_why_not", "resolve_auto", "strategy_choice", "why_not"]

@@ -116,6 +116,11 @@ def key(implementation: Implementation, shapes: LocalShapes, spec: AttentionSpec
                          layout=layout, packing=packing)
 
 
+def problem_tile_shapes(implementation: Implementation, problem: Problem) -> LocalShapes:
+    """`tile_shapes` of `problem`: what `implementation`'s kernel runs on each device."""
+    return tile_shapes(implementation, problem.shapes, problem.ring_size, problem.group)
+
+
 def problem_key(problem: Problem, name: str, device_kind: str) -> ProblemKey:
     """The cache key of `problem` run by the implementation `name` on `device_kind`."""
     return key(get(name), problem.shapes, problem.spec, device_kind=device_kind, ring_size=problem.ring_size,
@@ -163,5 +168,5 @@ def forward_tiles(config: Config) -> tuple[int, int] | None:
 
 
 __all__ = ["combine", "config_from_parts", "default_config", "find", "forward_tiles", "get", "key", "label",
-           "mesh_axes", "names", "problem_key", "register", "registered", "registered_implementations",
-           "shape_violation", "strategy_of", "tile_shapes", "unregister", "versions"]
+           "mesh_axes", "names", "problem_key", "problem_tile_shapes", "register", "registered",
+           "registered_implementations", "shape_violation", "strategy_of", "tile_shapes", "unregister", "versions"]

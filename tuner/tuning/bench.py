@@ -43,7 +43,7 @@ def bench(problem: Problem, *, device: str, backend: str = "auto", objective: st
     rings = {
         f"tuned ({explained.source})": (explained.backend, explained.config),
         "default": (chosen.name, chosen.default_config(
-            registry.tile_shapes(chosen, problem.shapes, problem.ring_size, problem.group), problem.spec)),
+            registry.problem_tile_shapes(chosen, problem), problem.spec)),
     }
     if not workload.pair:  # the scan ring runs over one axis
         rings["scan default"] = (scan.name, scan.default_config(problem.shapes, problem.spec))

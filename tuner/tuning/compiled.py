@@ -132,11 +132,6 @@ def compile_step(shapes: LocalShapes, spec: AttentionSpec, target: str, fwd: Fwd
     return kernels
 
 
-def kernel_shapes(problem: Problem, implementation: str) -> LocalShapes:
-    """What the Pallas kernel runs on each chip when `implementation` runs `problem`."""
-    return registry.tile_shapes(registry.get(implementation), problem.shapes, problem.ring_size, problem.group)
-
-
 def variants_of(problem: Problem, mesh: Mesh, implementation: str = tpu_model.MODELLED
                 ) -> tuple[list[Variant], FwdParams, BwdParams]:
     """Every variant of the Pallas kernel's search space on what it runs inside `implementation`, one kernel's
@@ -146,12 +141,10 @@ def variants_of(problem: Problem, mesh: Mesh, implementation: str = tpu_model.MO
     estimate (a forward that cannot compile would fail every backward variant for a reason not its own)."""
     backend = pallas_tpu.PallasTpuBackend()
     runs = registry.get(implementation)
-    reason = registry.why_not(runs, problem.spec, jax.numpy.dtype(problem.dtype), problem.head_dim,
-                              None, shapes=problem.shapes, ring_size=problem.ring_size,
-                              group=problem.group)
+    reason = registry.problem_why_not(runs, problem)
     if reason is not None:
         raise ValueError(f"{implementation} {reason}")
-    shapes = kernel_shapes(problem, implementation)
+    shapes = registry.problem_tile_shapes(runs, problem)
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # the target chip's default tiles
         default_fwd, default_bwd = backend.default_params(shapes.q_len, shapes.kv_len, *shapes.head_dims)
     space = backend.search_space(shapes, problem.spec)
@@ -179,7 +172,8 @@ def estimate(problem: Problem, variant: Variant, implementation: str = tpu_model
     """The VMEM bytes the constraints estimate for the variant's own kernel, on what it runs inside
     `implementation`."""
     fwd, bwd = (variant.config.fwd, None) if variant.part == "fwd" else (None, variant.config.bwd)
-    return pallas_tiling.vmem_estimates(kernel_shapes(problem, implementation), problem.spec, fwd, bwd)[variant.part]
+    shapes = registry.problem_tile_shapes(registry.get(implementation), problem)
+    return pallas_tiling.vmem_estimates(shapes, problem.spec, fwd, bwd)[variant.part]
 
 
 def compile_target(problem: Problem, target: str, *, sample: int | None = None, largest: bool = False,
@@ -274,4 +268,4 @@ def _sample(variants: list[Variant], sample: int, fwd: FwdParams, bwd: BwdParams
 
 
 __all__ = ["PARTS", "TARGETS", "compile_program", "compile_step", "compile_target", "compile_variant", "estimate",
-           "kernel_shapes", "libtpu_missing", "topology_mesh", "variants_of"]
+           "libtpu_missing", "topology_mesh", "variants_of"]

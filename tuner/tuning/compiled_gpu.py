@@ -26,7 +26,6 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any
 
-import jax.numpy as jnp
 
 from tuner import registry
 from tuner.cache import Cache, make_row
@@ -219,13 +218,11 @@ def compile_gpu_target(problem: Problem, target: str, *, sample: int | None = No
     gpu = gpu_model.GPUS[target]
     backend = triton.TritonBackend()
     runs = registry.get(implementation)
-    reason = registry.why_not(runs, problem.spec, jnp.dtype(problem.dtype), problem.head_dim,
-                              None, shapes=problem.shapes, ring_size=problem.ring_size,
-                              group=problem.group)
+    reason = registry.problem_why_not(runs, problem)
     if reason is not None:
         raise ValueError(f"{implementation} {reason}")
     started = time.perf_counter()
-    shapes, spec = registry.tile_shapes(runs, problem.shapes, problem.ring_size, problem.group), problem.spec
+    shapes, spec = registry.problem_tile_shapes(runs, problem), problem.spec
     launches = [Launch(*launch) for launch in triton.space_launches(shapes, spec)]
     if sample is not None:
         default = TileConfig(*backend.default_params(shapes.q_len, shapes.kv_len, *shapes.head_dims,

@@ -21,7 +21,6 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import jax.numpy as jnp
 
 from tuner import registry
 from tuner.kernels import pallas_tpu
@@ -120,11 +119,10 @@ def dry_run(problem: Problem, *, samples: int = 3, seed: int = 0,
     started = time.perf_counter()
     backend = pallas_tpu.PallasTpuBackend()
     runs = registry.get(implementation)
-    reason = registry.why_not(runs, problem.spec, jnp.dtype(problem.dtype), problem.head_dim, None,
-                              shapes=problem.shapes, ring_size=problem.ring_size, group=problem.group)
+    reason = registry.problem_why_not(runs, problem)
     if reason is not None:
         raise ValueError(f"{implementation} {reason}")
-    shapes = registry.tile_shapes(runs, problem.shapes, problem.ring_size, problem.group)
+    shapes = registry.problem_tile_shapes(runs, problem)
     space = backend.search_space(shapes, problem.spec)
     fwd_points, bwd_points = list(space.fwd_points()), list(space.bwd_points())
     report = DryRunReport(problem, len(fwd_points), len(bwd_points))

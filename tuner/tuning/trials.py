@@ -65,7 +65,7 @@ class Trials:
         self.shared, self.name = shared, name
         self.parts = registry.OBJECTIVE_PARTS[options.objective]
         self.workload = Workload(problem)
-        self.tile_shapes = registry.tile_shapes(implementation, problem.shapes, problem.ring_size, problem.group)
+        self.tile_shapes = registry.problem_tile_shapes(implementation, problem)
         self.space = implementation.space(self.tile_shapes, problem.spec)
         if default is None:
             tile = documents.declared_tile(problem.packing, problem.seq_len, problem.ring_size, problem.spec)
