@@ -3,6 +3,7 @@
 after Ctrl-C; two workers on one study; a corrupt cache file; `tuner demo` and `tuner info`; bad input
 is one line and exit status 2."""
 
+import importlib.util
 import os
 import re
 import signal
@@ -19,16 +20,19 @@ from jax.sharding import Mesh
 
 from tuner import get_tuned_ring_attention
 from tuner.semantics.reference import dense_attention
+from tuner.support import libtpu
 
 PROBLEM = ["--seq-len", "128", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--ring-size", "2"]
 
 
 def tuner(*args: str, home, as_a_user: bool = False, **kwargs) -> subprocess.CompletedProcess:
-    """`tuner ARGS` in a subprocess; `as_a_user`: without the suite's JAX_PLATFORMS, as a shell runs it."""
+    """`tuner ARGS` in a subprocess; `as_a_user`: without the suite's JAX_PLATFORMS and the libtpu settings
+    this process may hold, as a shell runs it."""
     env = {**os.environ, "TUNER_HOME": str(home)}
     env.pop("XLA_FLAGS", None)
     if as_a_user:
-        env.pop("JAX_PLATFORMS", None)
+        for name in ("JAX_PLATFORMS", *libtpu.HOST):
+            env.pop(name, None)
     return subprocess.run([sys.executable, "-m", "tuner.cli", *args], capture_output=True, text=True,
                           timeout=600, env=env, **kwargs)
 
@@ -259,6 +263,17 @@ def test_the_tuner_command_refuses_bad_input_in_one_line_and_exit_2(args, messag
     assert result.returncode == 2, result.stdout
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(libtpu.tpu_chips() != 0, reason="TPU chips on this host, or jax counts them no more")
+def test_a_device_this_host_lacks_is_one_line_with_libtpu_installed_and_no_tpu(tmp_path):
+    """The test extra installs libtpu (the dry runs' TPU compiler). On a host without TPU chips jax still
+    starts it to look for devices, and it printed five lines of failed lookups before the command's own."""
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("libtpu is not installed: pip install -e '.[tpu]'")
+    result = tuner("search", "--device", "tpu", home=tmp_path, as_a_user=True)
+    assert result.returncode == 2 and result.stderr.startswith("tuner: error: --device tpu: no tpu device here")
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
 def test_search_tunes_a_value_head_dim_and_a_packing_under_their_own_key(tmp_path):
