@@ -4,7 +4,9 @@ auto's pick between two implementations that run on the CPU."""
 
 import importlib.util
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,7 +31,7 @@ def test_the_dry_run_writes_every_file_a_gpu_session_writes(tmp_path):
     out = tmp_path / "session"
     # through the path the GPU plan names, benchmarks/gpu_session.sh
     run = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), str(out), "--dry-run"],
-                         capture_output=True, text=True, timeout=900)
+                         capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHON": sys.executable})
     log = (out / "session.log").read_text() if (out / "session.log").exists() else ""
     assert run.returncode == 0, f"{run.stdout}\n{run.stderr}\n{log[-3000:]}"
     steps = dict(line.split() for line in (out / "steps.txt").read_text().splitlines())

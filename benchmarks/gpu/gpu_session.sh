@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu/gpu_session.sh OUT              # on an H100 or H200: within 8 minutes
 #   bash benchmarks/gpu/gpu_session.sh OUT --dry-run    # on a CPU: the same steps, interpreters and the
 #                                                       # cudnn kernel's XLA twin, small sizes
+#   PYTHON=/path/to/python bash benchmarks/gpu/gpu_session.sh OUT   # another interpreter than python3
 #
 # What it writes:
 #   OUT/environment.json     GPU, jax, jaxlib and its extension version, cuDNN, triton, the cudnn binding
@@ -37,12 +38,16 @@ for arg in "$@"; do
     esac
 done
 cd "$(dirname "$0")/../.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the checkout's tuner, where it is not installed
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 : > "$OUT/session.log"
 : > "$OUT/steps.txt"
 
-BENCH=(python benchmarks/gpu/gpu_attention.py)
+# python3, as benchmarks/gpu/gpu_tune.sh ran on the lent machines (its python3 holds jax and torch); PYTHON
+# names another interpreter
+PY=${PYTHON:-python3}
+BENCH=("$PY" benchmarks/gpu/gpu_attention.py)
 if [ "$DRY" = 1 ]; then
     export JAX_PLATFORMS=cpu
     CHECK=(--interpret --tokens 32 --hidden 64 --head-dims 16 --seq-lens 32 --group 2)
@@ -74,7 +79,7 @@ step() {  # step NAME LIMIT COMMAND...: run it under its time limit, log it, kee
     fi
 }
 
-step environment "${LIMITS[0]}" sh -c "python benchmarks/gpu/environment.py > '$OUT/environment.json'"
+step environment "${LIMITS[0]}" sh -c "'$PY' benchmarks/gpu/environment.py > '$OUT/environment.json'"
 for dtype in float32 bfloat16; do
     step "check-$dtype" "${LIMITS[1]}" "${BENCH[@]}" "${CHECK[@]}" --dtype "$dtype" --check-only \
         --implementations ring,ring_cudnn,cudnn,xla --out "$OUT/check-$dtype.json"
@@ -84,7 +89,7 @@ step timings "${LIMITS[3]}" "${BENCH[@]}" "${TIME[@]}" --objectives fwd,bwd \
 left=$(( TOTAL - ($(date +%s) - START) ))
 if [ "$left" -ge 30 ]; then
     [ -f "$OUT/timings.json" ] && AUTO+=(--timings "$OUT/timings.json")
-    step auto "$left" python benchmarks/gpu/auto_pick.py "${AUTO[@]}" --out "$OUT/auto.json"
+    step auto "$left" "$PY" benchmarks/gpu/auto_pick.py "${AUTO[@]}" --out "$OUT/auto.json"
 else
     echo "== auto: not run, ${left}s of the session's ${TOTAL}s left" >> "$OUT/session.log"
     echo "auto skipped" >> "$OUT/steps.txt"
