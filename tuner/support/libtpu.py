@@ -19,9 +19,11 @@ def tpu_chips() -> int | None:
     """TPU chips on this host's PCI bus, as jax counts them; None where jax's count cannot be read."""
     try:
         from jax._src import hardware_utils
-    except ImportError:
+
+        count = hardware_utils.num_available_tpu_chips_and_device_id
+    except (ImportError, AttributeError):  # a private module: another jax may move it
         return None
-    return hardware_utils.num_available_tpu_chips_and_device_id()[0]
+    return count()[0]
 
 
 def quiet_without_chips() -> bool:
