@@ -26,7 +26,6 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any
 
-
 from tuner import registry
 from tuner.cache import Cache, make_row
 from tuner.kernels import codegen, triton, triton_compile, triton_launch

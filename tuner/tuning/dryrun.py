@@ -21,7 +21,6 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-
 from tuner import registry
 from tuner.kernels import pallas_tpu
 from tuner.kernels.params import BwdParams, FwdParams
