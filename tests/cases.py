@@ -270,6 +270,16 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-12))
 
 
+def grad_error(name: str, got: np.ndarray, want: np.ndarray, a: Arrays, out: np.ndarray, lse: np.ndarray) -> float:
+    """A gradient's relative error against float64 (`want`; `out` and `lse` the float64 forward). d sinks is
+    a sum over rows of terms of both signs that can cancel to a small fraction of their size (a drawn case
+    summed to 4e-4 of its terms, and float32 dense attention itself was then 3.8e-5 off it, relatively): its
+    error is measured against the size of its terms (`_sink_terms`), as in `check_low_precision`."""
+    if name == "dsinks":
+        return float(np.linalg.norm(got - want) / max(_sink_terms(a, out, lse), 1e-12))
+    return rel_err(got, want)
+
+
 def assert_lse_close(got: np.ndarray, want: np.ndarray, tol: float) -> None:
     empty = np.isneginf(want)
     assert np.array_equal(np.isneginf(got), empty), "rows without any readable key must have lse -inf"
@@ -289,7 +299,8 @@ def check_case(case: Case, fwd_tol: float = 1e-5, grad_tol: float = 1e-4, *, use
     for name, got, want in zip(GRAD_NAMES, grads, grads_r):
         assert (got is None) == (want is None), name
         if got is not None:
-            assert rel_err(got, want) <= grad_tol, f"{name} error {rel_err(got, want):.2e}"
+            error = grad_error(name, got, want, a, out_r, lse_r)
+            assert error <= grad_tol, f"{name} error {error:.2e}"
 
 
 def check_low_precision(case: Case) -> None:
@@ -429,7 +440,8 @@ def check_exchanged(name: str, case: Case, config, a2a: int = 1, interpret: bool
     for grad, got, want in zip(GRAD_NAMES, grads, grads_r):
         assert (got is None) == (want is None), grad
         if got is not None:
-            assert rel_err(got, want) <= 1e-4, f"{grad} error {rel_err(got, want):.2e}"
+            error = grad_error(grad, got, want, a, out_r, lse_r)
+            assert error <= 1e-4, f"{grad} error {error:.2e}"
     return step
 
 

@@ -318,7 +318,11 @@ ENTRY %main (x: f32[2]) -> f32[2] {
 
 def test_trip_counts_the_tpu_compiler_leaves_out_are_read_from_the_loop():
     """XLA:TPU writes no `known_trip_count` on its loops; `hlo.with_trip_counts` reads `for i = 1; i < 5; i++`
-    as 4 trips, and refuses a loop it cannot read rather than count it once."""
+    as 4 trips, also where the next index is copied before the body returns it (the layer loop of a training
+    step that offloads residuals to the host), and refuses a loop it cannot read rather than count it once."""
     assert hlo.collective_bytes(TPU_LOOP)["collective-permute"] == 4 * 2 * 4
+    copied = TPU_LOOP.replace("tuple(%next, %done)", "tuple(%moved, %done)").replace(
+        "  ROOT %t", "  %moved = s32[]{:T(128)S(6)} copy(%next)\n  ROOT %t")
+    assert "copy(%next)" in copied and hlo.collective_bytes(copied)["collective-permute"] == 4 * 2 * 4
     with pytest.raises(ValueError, match="cannot read the trip count"):
         hlo.with_trip_counts(TPU_LOOP.replace("direction=LT", "direction=NE"))

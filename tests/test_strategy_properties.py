@@ -9,10 +9,11 @@ import dataclasses
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tests.cases import Case, cases, check_exchanged
+from tuner.kernels.params import BwdParams, FwdParams
 from tuner.strategies.configs import TileConfig
 
 EXCHANGING = ("all_to_all", "all_gather", "hybrid")
@@ -33,9 +34,17 @@ def strategy_cases(draw) -> tuple[str, Case, int]:
                                          length=local * case.ring * a2a), a2a
 
 
+# found by 100 drawn examples: d sinks cancels to 4e-4 of its terms, where its relative error is not float32's
+CANCELLING_SINKS = ("all_gather", Case(
+    batch=2, length=32, heads=1, kv_heads=1, head_dim=8, ring=4, value_head_dim=4, layout="contiguous", causal=False,
+    sinks="pair", fwd=FwdParams(block_q=2, block_kv=2),
+    bwd=BwdParams(block_q_dkv=2, block_kv_dkv=2, block_q_dq=2, block_kv_dq=2), seed=7), 1)
+
+
 @pytest.mark.slow
 @settings(max_examples=max(4, settings.default.max_examples // 5))
 @given(strategy_cases())
+@example(CANCELLING_SINKS)
 def test_exchanging_strategies_equal_the_dense_reference(drawn):
     strategy, case, a2a = drawn
     check_exchanged(strategy, case, TileConfig(case.fwd, case.bwd), a2a)

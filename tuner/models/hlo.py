@@ -136,18 +136,23 @@ def _computations(text: str) -> dict[str, dict[str, tuple[str, list[str], str]]]
     return computations
 
 
-def _constant(body: dict, name: str) -> int | None:
-    """The integer `name` holds in `body`, followed through copies and bitcasts; None if not a constant."""
+def _through_copies(body: dict, name: str) -> str:
+    """The instruction of `body` that `name` copies or bitcasts, through any number of them."""
     while name in body and body[name][0] in ("copy", "bitcast"):
         name = body[name][1][0]
+    return name
+
+
+def _constant(body: dict, name: str) -> int | None:
+    """The integer `name` holds in `body`, followed through copies and bitcasts; None if not a constant."""
+    name = _through_copies(body, name)
     found = re.search(r"constant\((-?\d+)\)", body[name][2]) if name in body and body[name][0] == "constant" else None
     return int(found.group(1)) if found else None
 
 
 def _element(body: dict, name: str) -> int | None:
     """The tuple index of a `get-tuple-element` of the computation's parameter (through copies), else None."""
-    while name in body and body[name][0] in ("copy", "bitcast"):
-        name = body[name][1][0]
+    name = _through_copies(body, name)
     op, operands, line = body.get(name, ("", [], ""))
     if op != "get-tuple-element" or body.get(operands[0], ("",))[0] != "parameter":
         return None
@@ -167,7 +172,7 @@ def _trip_count(computations: dict, caller: dict, operands: list[str], line: str
     if index is None or bound is None or init[0] != "tuple" or body.get("ROOT", ("",))[0] != "tuple":
         return None
     start = _constant(caller, init[1][index])
-    add, added = body.get(body["ROOT"][1][index], ("", []))[:2]
+    add, added = body.get(_through_copies(body, body["ROOT"][1][index]), ("", []))[:2]
     step = _constant(body, added[1]) if add == "add" and _element(body, added[0]) == index else None
     if start is None or step is None or step <= 0:
         return None
