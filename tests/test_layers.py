@@ -122,7 +122,8 @@ def test_the_table_refuses_an_upward_import(tmp_path):
     "tuner.ring_attention", "tuner.get_tuned_ring_attention", "tuner.autotune", "tuner.FwdParams",
     "tuner.BwdParams", "tuner.__version__", "tuner.layouts.lay_out", "tuner.layouts.restore",
     "tuner.layouts.local_positions", "tuner.registry.register", "tuner.registry.get", "tuner.registry.ChoiceSpace",
-    "tuner.flax.RingSelfAttention", "tuner.cli.main", "tuner.cache.Cache",
+    "tuner.flax.RingSelfAttention", "tuner.cli.main", "tuner.cache.Cache", "tuner.save_attention_residuals",
+    "tuner.RESIDUAL_NAMES",
 ])
 def test_the_public_names_resolve(name):
     module, _, attribute = name.rpartition(".")

@@ -35,6 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from tuner.semantics import layouts, masks
 from tuner.support import ordering
@@ -46,6 +47,7 @@ from tuner.semantics.spec import AttentionSpec
 from tuner.support.targets import compile_target
 
 F32 = jnp.float32
+OUTPUT_NAME, LSE_NAME = "ring_attention_out", "ring_attention_lse"
 
 
 @dataclass(frozen=True)
@@ -297,8 +299,9 @@ def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sink
     # row, and a bf16/fp16-rounded out would put that dtype's rounding error into the sum.
     # The output in the inputs' dtype is made here, before the backward: left to the scheduler, its cast
     # from the float32 state could run at the program's end and keep that state alive through the backward.
-    primal = lax.optimization_barrier(out.astype(q.dtype))
-    saved = out if sinks is not None else primal
+    primal = checkpoint_name(lax.optimization_barrier(out.astype(q.dtype)), OUTPUT_NAME)
+    lse = checkpoint_name(lse, LSE_NAME)
+    saved = checkpoint_name(out, OUTPUT_NAME) if sinks is not None else primal
     return (primal, lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks, saved, lse, ring_mask)
 
 

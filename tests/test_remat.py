@@ -1,0 +1,87 @@
+"""Activation checkpointing with the ring (`docs/remat.md`): `tuner.save_attention_residuals()` keeps the
+ring's output and lse, so that the backward pass does not run the ring's forward again.
+
+A stack of two layers under `jax.lax.scan`, each under `jax.checkpoint`, with the loader's ring on global
+arrays over 4 devices (zigzag, causal): compiled without checkpointing, with nothing saved, and with the
+policy. Read from the programs: what the collective-permutes move, the all-gathers, the temporaries."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import tuner
+from tuner.models import hlo
+
+RING, LAYERS, T, H, D = 4, 2, 2048, 4, 32
+
+
+def compiled_step(policy: str):
+    """The compiled gradient of the stack's loss under `policy` ("none": no `jax.checkpoint`), and its
+    arguments (the layers' weights, the input sharded over the sequence)."""
+    mesh = Mesh(np.asarray(jax.devices()[:RING]), ("sp",), axis_types=(AxisType.Auto,))
+    attn = tuner.get_tuned_ring_attention(axis_name="sp", mesh=mesh, causal=True, layout="zigzag")
+
+    def layer(x, w):
+        q, k, v = (jnp.einsum("bte,ef->btf", x, w[i]).reshape(1, T, H, D) for i in range(3))
+        return x + jnp.einsum("bte,ef->btf", attn(q, k, v).reshape(x.shape), w[3]), None
+
+    if policy != "none":
+        layer = jax.checkpoint(layer, policy={"nothing": jax.checkpoint_policies.nothing_saveable,
+                                              "residuals": tuner.save_attention_residuals()}[policy])
+
+    def loss(weights, x):
+        return jnp.sum(jnp.tanh(jax.lax.scan(layer, x, weights)[0]))
+
+    rng = np.random.default_rng(0)
+    weights = jax.device_put((rng.standard_normal((LAYERS, 4, H * D, H * D)) / np.sqrt(H * D)).astype(np.float32),
+                             NamedSharding(mesh, P()))
+    x = jax.device_put(rng.standard_normal((1, T, H * D)).astype(np.float32), NamedSharding(mesh, P(None, "sp")))
+    step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    return step.lower(weights, x).compile(), (weights, x)
+
+
+def test_the_policy_spares_the_backward_the_rings_forward_and_keeps_the_sequence_sharded(tmp_path, monkeypatch):
+    monkeypatch.setenv("TUNER_HOME", str(tmp_path))
+    steps = {policy: compiled_step(policy) for policy in ("none", "nothing", "residuals")}
+    texts = {policy: program.as_text() for policy, (program, _) in steps.items()}
+    sent = {policy: hlo.collective_bytes(text)["collective-permute"] for policy, text in texts.items()}
+
+    # the ring's forward, run again in the backward with nothing saved: every layer's RING - 1 hops of k, v
+    # and the keys' positions; with the policy the backward runs none of it
+    shard = T // RING
+    forward_hops = LAYERS * (RING - 1) * (2 * shard * H * D * 4 + shard * 4)
+    assert sent["nothing"] - sent["residuals"] == forward_hops, sent
+    assert sent["residuals"] > sent["none"], sent  # the layout's moves are redone: one hop an array
+
+    for policy, text in texts.items():  # nothing gathers the sequence (zigzag moves it with permutes)
+        assert not hlo.gathers(text) or hlo.gathers(text)[0][1] <= 8 * T, (policy, hlo.gathers(text)[:2])
+    temp = {policy: program.memory_analysis().temp_size_in_bytes for policy, (program, _) in steps.items()}
+    assert temp["residuals"] < temp["none"], temp
+
+    grads = {policy: program(*arguments) for policy, (program, arguments) in steps.items()}
+    for policy in ("nothing", "residuals"):
+        for got, want in zip(grads[policy], grads["none"]):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_the_policy_adds_to_another_and_refuses_what_is_not_one(capsys):
+    def f(x):
+        lse = checkpoint_name(jnp.sin(x), tuner.RESIDUAL_NAMES[1])
+        return jnp.sin(lse @ x).sum()
+
+    def saved(policy) -> str:
+        print_saved_residuals(jax.checkpoint(f, policy=policy), jnp.eye(3))
+        return capsys.readouterr().out
+
+    alone = saved(tuner.save_attention_residuals())
+    with_dots = saved(tuner.save_attention_residuals(jax.checkpoint_policies.dots_with_no_batch_dims_saveable))
+    assert "named 'ring_attention_lse'" in alone and "dot_general" not in alone, alone
+    assert "named 'ring_attention_lse'" in with_dots and "output of dot_general" in with_dots, with_dots
+    with pytest.raises(TypeError, match="policy must be a jax.checkpoint policy"):
+        tuner.save_attention_residuals("dots")
