@@ -3,7 +3,8 @@ ring's output and lse, so that the backward pass does not run the ring's forward
 
 A stack of two layers under `jax.lax.scan`, each under `jax.checkpoint`, with the loader's ring on global
 arrays over 4 devices (zigzag, causal): compiled without checkpointing, with nothing saved, and with the
-policy. Read from the programs: what the collective-permutes move, the all-gathers, the temporaries."""
+policy. Read from the programs: what the collective-permutes move, the all-gathers, the temporaries.
+Every strategy over a block kernel, traced only: what the policy saves of its call."""
 
 from __future__ import annotations
 
@@ -68,6 +69,28 @@ def test_the_policy_spares_the_backward_the_rings_forward_and_keeps_the_sequence
     for policy in ("nothing", "residuals"):
         for got, want in zip(grads[policy], grads["none"]):
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend, mesh_shape", [("scan", (4,)), ("all_to_all", (4,)), ("all_gather", (4,)),
+                                                 ("hybrid", (2, 2))])
+def test_every_strategy_over_a_kernel_keeps_its_output_and_lse(backend, mesh_shape, capsys, tmp_path, monkeypatch):
+    """Traced only (`print_saved_residuals`): with the policy, the loader's call saves two arrays of its
+    `shard_map` (a device's output and lse, as that strategy's kernel holds them); with nothing saved, none."""
+    monkeypatch.setenv("TUNER_HOME", str(tmp_path))
+    axes = ("sp", "a2a")[:len(mesh_shape)]
+    mesh = jax.make_mesh(mesh_shape, axes, axis_types=(AxisType.Auto,) * len(axes), devices=jax.devices()[:4])
+    attn = tuner.get_tuned_ring_attention(axis_name=axes if len(axes) > 1 else axes[0], mesh=mesh, causal=True,
+                                          backend=backend)
+    query = jax.ShapeDtypeStruct((1, 256, 4, 16), jnp.float32)
+    saved = {}
+    for name, policy in (("residuals", tuner.save_attention_residuals()),
+                         ("nothing", jax.checkpoint_policies.nothing_saveable)):
+        print_saved_residuals(jax.checkpoint(lambda q: jnp.sin(attn(q, q, q)).sum(), policy=policy), query)
+        saved[name] = [line for line in capsys.readouterr().out.splitlines() if "output of shard_map" in line]
+    assert len(saved["residuals"]) == 2 and not saved["nothing"], saved
+    sizes = sorted(int(np.prod([int(n) for n in line.split("[")[1].split("]")[0].split(",")]))
+                   for line in saved["residuals"])
+    assert sizes == [4 * 256, 256 * 4 * 16], saved  # the 4 devices together: lse [H, T] and output [T, H, D]
 
 
 def test_the_policy_adds_to_another_and_refuses_what_is_not_one(capsys):
