@@ -1,4 +1,4 @@
-"""Activation checkpointing (`jax.checkpoint`, Flax's `nn.remat`) with the ring: a policy that keeps the
+"""Activation checkpointing (`jax.checkpoint`, Flax's `nnx.remat`) with the ring: a policy that keeps the
 attention's output and lse, so that the backward pass does not run the ring's forward a second time.
 
 Under `jax.checkpoint` the backward pass recomputes what the policy does not save. For a layer with ring
@@ -7,7 +7,7 @@ backward of the ring needs only its output and its lse from the forward (and the
 which the layer's projections rebuild from the layer's input). Each implementation over a block kernel
 (the ring, all-to-all, all-gather, the hybrid) names those two arrays inside its `custom_vjp`
 (`tuner.strategies.ring`), so a policy can save them by name: one output and one float32 row statistic a
-token and head per layer, the size of the layer's output. The gathered mechanisms (`dense`, `jax_nn`) name
+token and head per layer. The gathered mechanisms (`dense`, `jax_nn`) name
 nothing: they recompute their forward.
 """
 

@@ -23,6 +23,10 @@ into them (the Pallas kernel in place, the others by adding what `bwd_step` left
 `optimization_barrier` on (accumulators, dq) keeps that order: otherwise the TPU scheduler may run the
 second part first and wait for the transfer.
 `d softmax_aux` is computed once, from lse and delta.
+
+The forward rule names the two residuals the backward needs of the ring's forward, its output and lse
+(`OUTPUT_NAME`, `LSE_NAME`), so that a `jax.checkpoint` policy can keep them instead of running the ring
+again in the backward pass (`tuner.runtime.remat`).
 """
 
 from __future__ import annotations
