@@ -1,50 +1,43 @@
 """Activation checkpointing with the ring (`docs/remat.md`): `tuner.save_attention_residuals()` keeps the
 ring's output and lse, so that the backward pass does not run the ring's forward again.
 
-A stack of two layers under `jax.lax.scan`, each under `jax.checkpoint`, with the loader's ring on global
-arrays over 4 devices (zigzag, causal): compiled without checkpointing, with nothing saved, and with the
-policy. Read from the programs: what the collective-permutes move, the all-gathers, the temporaries.
+The benchmark's stack of two layers under `jax.lax.scan`, each under `jax.checkpoint`, with the loader's
+ring on global arrays over 4 devices (zigzag, causal): compiled without checkpointing, with nothing saved,
+and with the policy. Read from the programs: what the collective-permutes move, the all-gathers, the temporaries.
 Every strategy over a block kernel, traced only: what the policy saves of its call."""
 
 from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
-from jax.sharding import AxisType, Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, Mesh
 
 import tuner
 from tuner.models import hlo
 
 RING, LAYERS, T, H, D = 4, 2, 2048, 4, 32
+POLICIES = {"none": "none (no jax.checkpoint)", "nothing": "jax.checkpoint, nothing saved",
+            "residuals": "save_attention_residuals()"}  # the benchmark's names of the three
+
+_SPEC = importlib.util.spec_from_file_location("remat_step", Path(__file__).parents[1] / "benchmarks" / "remat"
+                                               / "remat_step.py")
+remat_step = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(remat_step)
 
 
 def compiled_step(policy: str):
-    """The compiled gradient of the stack's loss under `policy` ("none": no `jax.checkpoint`), and its
-    arguments (the layers' weights, the input sharded over the sequence)."""
+    """The benchmark's step (`benchmarks/remat/remat_step.py`: the layers under `jax.lax.scan`, the input
+    sharded over the sequence), compiled under `policy`, and its arguments."""
     mesh = Mesh(np.asarray(jax.devices()[:RING]), ("sp",), axis_types=(AxisType.Auto,))
-    attn = tuner.get_tuned_ring_attention(axis_name="sp", mesh=mesh, causal=True, layout="zigzag")
-
-    def layer(x, w):
-        q, k, v = (jnp.einsum("bte,ef->btf", x, w[i]).reshape(1, T, H, D) for i in range(3))
-        return x + jnp.einsum("bte,ef->btf", attn(q, k, v).reshape(x.shape), w[3]), None
-
-    if policy != "none":
-        layer = jax.checkpoint(layer, policy={"nothing": jax.checkpoint_policies.nothing_saveable,
-                                              "residuals": tuner.save_attention_residuals()}[policy])
-
-    def loss(weights, x):
-        return jnp.sum(jnp.tanh(jax.lax.scan(layer, x, weights)[0]))
-
-    rng = np.random.default_rng(0)
-    weights = jax.device_put((rng.standard_normal((LAYERS, 4, H * D, H * D)) / np.sqrt(H * D)).astype(np.float32),
-                             NamedSharding(mesh, P()))
-    x = jax.device_put(rng.standard_normal((1, T, H * D)).astype(np.float32), NamedSharding(mesh, P(None, "sp")))
-    step = jax.jit(jax.grad(loss, argnums=(0, 1)))
-    return step.lower(weights, x).compile(), (weights, x)
+    step, arguments = remat_step.step(mesh, tokens=T, heads=H, dim=D, layers=LAYERS, dtype=jnp.float32,
+                                      policy=POLICIES[policy])
+    return step.lower(*arguments).compile(), arguments
 
 
 def test_the_policy_spares_the_backward_the_rings_forward_and_keeps_the_sequence_sharded(tmp_path, monkeypatch):

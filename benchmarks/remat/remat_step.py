@@ -22,8 +22,10 @@ from pathlib import Path
 
 if __name__ == "__main__":
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes may hold libtpu
+    from tuner.support import libtpu
+
+    libtpu.quiet_without_chips()  # this host is one of its own to libtpu, which then prints nothing
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -63,15 +65,18 @@ def step(mesh: Mesh, *, tokens: int, heads: int, dim: int, layers: int, dtype, p
         y, _ = jax.lax.scan(layer, x, params)
         return jnp.sum(jnp.square(y.astype(jnp.float32)))
 
+    on_cpu = mesh.devices.flat[0].platform == "cpu"
+
+    def placed(array: np.ndarray, spec: P):
+        """On the CPU's devices the array; for a TPU topology, which runs nothing, its shape."""
+        sharding = NamedSharding(mesh, spec)
+        if on_cpu:
+            return jax.device_put(array, sharding)
+        return jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=sharding)
+
     rng = np.random.default_rng(0)
-    sharded = NamedSharding(mesh, P(None, "sp"))
-    x = jax.device_put(rng.standard_normal((1, tokens, width)).astype(dtype), sharded) if mesh.devices.flat[
-        0].platform == "cpu" else jax.ShapeDtypeStruct((1, tokens, width), dtype, sharding=sharded)
-    params = (rng.standard_normal((layers, 4, width, width)) / np.sqrt(width)).astype(dtype)
-    if mesh.devices.flat[0].platform == "cpu":
-        params = jax.device_put(params, NamedSharding(mesh, P()))
-    else:
-        params = jax.ShapeDtypeStruct(params.shape, params.dtype, sharding=NamedSharding(mesh, P()))
+    x = placed(rng.standard_normal((1, tokens, width)).astype(dtype), P(None, "sp"))
+    params = placed((rng.standard_normal((layers, 4, width, width)) / np.sqrt(width)).astype(dtype), P())
     return jax.jit(jax.grad(loss, argnums=(0, 1))), (params, x)
 
 
