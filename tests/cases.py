@@ -274,7 +274,7 @@ def grad_error(name: str, got: np.ndarray, want: np.ndarray, a: Arrays, out: np.
     """A gradient's relative error against float64 (`want`; `out` and `lse` the float64 forward). d sinks is
     a sum over rows of terms of both signs that can cancel to a small fraction of their size (a drawn case
     summed to 4e-4 of its terms, and float32 dense attention itself was then 3.8e-5 off it, relatively): its
-    error is measured against the size of its terms (`_sink_terms`), as in `check_low_precision`."""
+    error is measured against the size of its terms (`_sink_terms`), in float32 and low precision alike."""
     if name == "dsinks":
         return float(np.linalg.norm(got - want) / max(_sink_terms(a, out, lse), 1e-12))
     return rel_err(got, want)
@@ -327,12 +327,9 @@ def check_low_precision(case: Case) -> None:
         (name, g, g_lo, g_64) for name, g, g_lo, g_64 in zip(GRAD_NAMES, grads, grads_lo, grads_64)
         if g is not None]
     for name, got, dense_lo, want in pairs:
+        ours, dense = (grad_error(name, x, want, a, out_64, lse_64) for x in (got, dense_lo))
         if name == "dsinks":
-            size = _sink_terms(a, out_64, lse_64)
-            ours, dense = (np.linalg.norm(x - want) / size for x in (got, dense_lo))
             dense = max(dense, float(jnp.finfo(case.dtype).eps))
-        else:
-            ours, dense = rel_err(got, want), rel_err(dense_lo, want)
         assert ours <= 2e-2, f"{name}: error {ours:.2e} above the 2e-2 backstop"
         assert ours <= 2 * dense, f"{name}: error {ours:.2e} > 2x dense {case.dtype} error {dense:.2e}"
 
