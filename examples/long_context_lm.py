@@ -21,6 +21,7 @@ the loader laying out q, k and v in every call: the same loss curve, more collec
     python examples/long_context_lm.py --seq-len 512 --steps 250
     python examples/long_context_lm.py --autotune 8     # tune the step's attention first, then train
     python examples/long_context_lm.py --packed         # packed documents, laid out once per batch
+    python examples/long_context_lm.py --packed --packing lognormal:4,sigma=0.88   # declared: one ring compiled
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class Config:
     layout: str = "zigzag"
     packed: bool = False  # rows of packed documents, laid out in the documents layout by the pipeline
     per_call: bool = False  # with packed: rows in token order, laid out by the loader in every call
+    packing: str | None = None  # with packed: the packing declared to attention (one ring compiled, not three)
     steps: int = 300
     learning_rate: float = 3e-3
     seed: int = 0
@@ -64,6 +66,8 @@ class Config:
             raise ValueError(f"seq_len={self.seq_len} exceeds max_seq_len={self.max_seq_len}")
         if self.per_call and not self.packed:
             raise ValueError("per_call compares the two ways of laying out packed rows: it needs packed")
+        if self.packing is not None and not self.packed:
+            raise ValueError("packing declares how packed rows are drawn: it needs packed")
         if self.packed and self.seq_len < 8 * self.queries * 2:
             raise ValueError(f"seq_len={self.seq_len} is too short to pack documents of {self.queries} questions")
         if self.seq_len % (2 * self.devices):
@@ -92,8 +96,8 @@ def build(config: Config):
     class Block(nnx.Module):
         def __init__(self, c: Config, rngs: nnx.Rngs):
             self.attention_norm = nnx.RMSNorm(c.embed_dim, rngs=rngs)
-            on_mesh = dict(mesh=mesh, layout="documents", laid_out=not c.per_call) if c.packed else dict(
-                layout=c.layout)
+            on_mesh = dict(mesh=mesh, layout="documents", laid_out=not c.per_call, packing=c.packing) if c.packed \
+                else dict(layout=c.layout)
             self.attention = RingSelfAttention(c.embed_dim, c.num_heads, num_kv_heads=c.num_kv_heads,
                                                axis_name="sp", causal=True, rope_base=c.rope_base, rngs=rngs,
                                                **on_mesh)
@@ -246,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="rows of packed documents, laid out once per batch in the documents layout")
     parser.add_argument("--per-call", action="store_true",
                         help="with --packed: rows in token order, laid out by the loader in every call")
+    parser.add_argument("--packing", metavar="TEXT",
+                        help="with --packed: declare how the rows' documents are drawn (e.g. lognormal:4,sigma=0.88, "
+                             "as tuner search --documents takes it); attention then compiles one ring, not one per "
+                             "tile")
     parser.add_argument("--autotune", type=int, default=0, metavar="TRIALS",
                         help="first tune the training step's attention problems on the CPU, TRIALS trials each "
                              "(tuner.autotune; rows go to $TUNER_DB, else $TUNER_HOME/tuning.sqlite)")
@@ -260,6 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     # Before jax starts: simulate the ring on CPU devices.
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={config.devices}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if config.packing is not None:
+        from tuner.semantics.packing import Packing  # imports jax: after XLA_FLAGS
+
+        try:
+            Packing.parse(config.packing)
+        except ValueError as error:
+            parser.error(f"--packing: {error}")
     if config.packed:
         how = "in every call by the loader" if config.per_call else "once per batch by the pipeline"
         print(f"ring of {config.devices} devices, {config.seq_len} tokens of packed documents a row, documents "

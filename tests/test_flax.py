@@ -31,15 +31,18 @@ def layers(**options):
     from tuner.flax import RingSelfAttention
 
     ring = RingSelfAttention(64, 4, num_kv_heads=2, rngs=nnx.Rngs(0), **options)
-    dense_options = {k: v for k, v in options.items() if k not in ("axis_name", "layout")}
+    dense_options = {k: v for k, v in options.items() if k not in ("axis_name", "layout", "mesh", "packing")}
     dense = RingSelfAttention(64, 4, num_kv_heads=2, attention="dense", rngs=nnx.Rngs(0), **dense_options)
+    if options.get("sinks"):  # drawn, not the zeros they start from, so that each sink weighs differently
+        drawn = jnp.asarray(np.random.default_rng(2).standard_normal((4, options["sinks"])), jnp.float32)
+        ring.sinks[...] = dense.sinks[...] = drawn
     return ring, dense
 
 
 def compare(got_out, want_out, got_grads, want_grads):
     assert rel_err(np.asarray(got_out), np.asarray(want_out)) <= 1e-5
     flat_got, flat_want = jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)
-    assert len(flat_got) == len(flat_want) == 4  # query, key, value, out kernels
+    assert len(flat_got) == len(flat_want) >= 4  # query, key, value, out kernels (and the sinks)
     for g, w in zip(flat_got, flat_want):
         assert np.linalg.norm(np.asarray(w)) > 0
         assert rel_err(np.asarray(g), np.asarray(w)) <= 1e-4
@@ -71,7 +74,8 @@ def check_sharded(mesh: Mesh, axis_name, ring: int, options: dict) -> None:
 
 
 @pytest.mark.parametrize("options", [dict(causal=True), dict(causal=True, sliding_window=24, logits_soft_cap=20.0),
-                                     dict(causal=False, chunk_size=16)], ids=["causal", "window-softcap", "chunk"])
+                                     dict(causal=False, chunk_size=16), dict(causal=True, sinks=2, softmax_scale=0.2)],
+                         ids=["causal", "window-softcap", "chunk", "sinks-scale"])
 def test_layer_on_a_zigzag_ring_equals_the_dense_layer(options):
     check_sharded(Mesh(np.array(jax.devices()[:RING]), ("sp",)), "sp", RING, options)
 
@@ -100,6 +104,39 @@ def test_layer_on_one_device_with_packed_documents_equals_the_dense_layer():
     compare(got, want, nnx.state(got_grads, nnx.Param), nnx.state(want_grads, nnx.Param))
 
 
+def test_layer_on_global_arrays_with_a_declared_packing_equals_the_dense_layer_and_compiles_one_ring():
+    """`mesh=` in the documents layout, `packing=` declared and a learned sink a head: on global arrays under
+    `jax.jit` the layer equals the dense one, forward and every weight's gradient (the sinks' too), and its
+    program holds one ring's loops where the same layer without `packing=` holds one ring per default tile
+    (64, 32 and 16 here), chosen by the rows in the step."""
+    from flax import nnx
+
+    from tuner.semantics.packing import Packing
+
+    mesh = Mesh(np.array(jax.devices()[:RING]), ("sp",))
+    packing = "64,32x2,16x8"
+    options = dict(causal=True, sinks=1, mesh=mesh, axis_name="sp", layout="documents")
+    ring, dense = layers(packing=packing, **options)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 256, 64)), jnp.float32)
+    ids = jnp.asarray(Packing.parse(packing).segment_ids(256, 2))
+
+    def loss(model):
+        out = model(x, segment_ids=ids)
+        return (jnp.sin(out) * out).sum(), out
+
+    (_, got), got_grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(ring)
+    (_, want), want_grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(dense)
+    compare(got, want, nnx.state(got_grads, nnx.Param), nnx.state(want_grads, nnx.Param))
+
+    def loops(layer) -> int:
+        graphdef, state = nnx.split(layer)
+        text = jax.jit(lambda s: nnx.merge(graphdef, s)(x, segment_ids=ids)).lower(state).as_text()
+        return text.count("stablehlo.while")
+
+    undeclared, _ = layers(**options)
+    assert loops(undeclared) == 3 * loops(ring) > 0
+
+
 def test_bad_arguments_name_themselves():
     from flax import nnx
 
@@ -113,6 +150,10 @@ def test_bad_arguments_name_themselves():
         RingSelfAttention(16, 2, attention="flash", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="layout must be one of"):
         RingSelfAttention(16, 2, layout="spiral", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="sinks must be a non-negative int, got -1"):
+        RingSelfAttention(16, 2, sinks=-1, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="packing: "):
+        RingSelfAttention(16, 2, packing="many", rngs=nnx.Rngs(0))
 
 
 @pytest.mark.slow
@@ -134,11 +175,12 @@ def test_example_trains_on_packed_documents_laid_out_once_as_it_does_laid_out_pe
     """`examples/long_context_lm.py --packed`: the pipeline lays each batch of packed documents out once
     (`tuner.layouts.lay_out_batch`) and attention runs with `laid_out=True`; `--per-call` trains on the same
     batches in token order, the loader laying q, k and v out in every call. The loss is per token, so the two
-    curves are the same up to float rounding (the sums run in another order)."""
+    curves are the same up to float rounding (the sums run in another order). The packing is declared as
+    `Packing.fit` reads the example's rows (`--packing`): one ring compiled, not three."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     import long_context_lm
 
-    small = dict(packed=True, seq_len=256, devices=4, batch=2, num_layers=1, steps=6)
+    small = dict(packed=True, seq_len=256, devices=4, batch=2, num_layers=1, steps=6, packing="lognormal:2,sigma=0.34")
     once = long_context_lm.train(long_context_lm.Config(**small), progress=False)
     per_call = long_context_lm.train(long_context_lm.Config(**small, per_call=True), progress=False)
     np.testing.assert_allclose(once, per_call, rtol=2e-4)

@@ -11,7 +11,10 @@ its positions passed).
 `strategy` is the loader's ("auto", "ring", "all_to_all", "all_gather", or "hybrid" with
 `axis_name=(ring_axis, a2a_axis)`, the layout then over the ring axis).
 `attention="dense"` swaps the ring for dense attention over the same inputs (one device): the
-reference the layer is tested against.
+reference the layer is tested against. `sinks=n` gives every query head n learned sink logits (attention
+sinks, as in gpt-oss): they add to the softmax's denominator and attend to nothing. `packing` declares how
+the documents of packed rows are drawn, as the loader takes it: the layer then runs the tiles tuned for that
+packing, and in the documents layout compiles one ring, not one per default tile.
 """
 
 from __future__ import annotations
@@ -54,13 +57,15 @@ class RingSelfAttention(nnx.Module):
     def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None,
                  head_dim: int | None = None, axis_name: Hashable | None = None, layout: str = "contiguous",
                  causal: bool = True, sliding_window: int | tuple[int, int] | None = None,
-                 chunk_size: int | None = None, logits_soft_cap: float | None = None, use_rope: bool = True,
+                 chunk_size: int | None = None, logits_soft_cap: float | None = None,
+                 softmax_scale: float | None = None, sinks: int = 0, use_rope: bool = True,
                  rope_base: float = 10_000.0, backend: str = "auto", attention: str = "ring",
                  strategy: str = "auto", dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, db=None,
-                 mesh: Mesh | None = None, laid_out: bool = False, rngs: nnx.Rngs):
+                 mesh: Mesh | None = None, laid_out: bool = False, packing: str | None = None, rngs: nnx.Rngs):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
             check_int(name, value)
+        check_int("sinks", sinks, non_negative=True)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
         if head_dim is None:
@@ -79,7 +84,7 @@ class RingSelfAttention(nnx.Module):
         self.on_mesh, self.laid_out = mesh is not None, laid_out
         self.attention_kind = attention
         self.options = dict(causal=causal, sliding_window=sliding_window, chunk_size=chunk_size,
-                            logits_soft_cap=logits_soft_cap)
+                            logits_soft_cap=logits_soft_cap, softmax_scale=softmax_scale)
 
         def linear(n_in: int, n_out: int) -> nnx.Linear:
             return nnx.Linear(n_in, n_out, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -88,8 +93,11 @@ class RingSelfAttention(nnx.Module):
         self.key = linear(embed_dim, num_kv_heads * head_dim)
         self.value = linear(embed_dim, num_kv_heads * head_dim)
         self.out = linear(num_heads * head_dim, embed_dim)
+        # zero-initialised: each sink starts as one more logit of 0 in its head's softmax
+        self.sinks = nnx.Param(jnp.zeros((num_heads, sinks), param_dtype)) if sinks else None
         self.ring = get_tuned_ring_attention(axis_name=axis_name, layout=layout, backend=backend, db=db,
-                                             strategy=strategy, mesh=mesh, laid_out=laid_out, **self.options)
+                                             strategy=strategy, mesh=mesh, laid_out=laid_out, packing=packing,
+                                             **self.options)
 
     def positions(self, batch: int, length: int):
         """Global positions `[batch, length]` of this device's tokens under the layout (over two axes: over the
@@ -116,7 +124,7 @@ class RingSelfAttention(nnx.Module):
         if self.use_rope:
             q, k = rotary(q, positions, self.rope_base), rotary(k, positions, self.rope_base)
         tokens = dict(q_positions=positions, kv_positions=positions, q_segment_ids=segment_ids,
-                      kv_segment_ids=segment_ids)
+                      kv_segment_ids=segment_ids, softmax_aux=None if self.sinks is None else self.sinks[...])
         if self.attention_kind == "dense":
             attended = dense_attention(q, k, v, **tokens, **self.options)[0]
         else:
