@@ -74,8 +74,9 @@ def check_sharded(mesh: Mesh, axis_name, ring: int, options: dict) -> None:
 
 
 @pytest.mark.parametrize("options", [dict(causal=True), dict(causal=True, sliding_window=24, logits_soft_cap=20.0),
-                                     dict(causal=False, chunk_size=16), dict(causal=True, sinks=2, softmax_scale=0.2)],
-                         ids=["causal", "window-softcap", "chunk", "sinks-scale"])
+                                     dict(causal=False, chunk_size=16), dict(causal=True, sinks=2, softmax_scale=0.2,
+                                                                              value_head_dim=24)],
+                         ids=["causal", "window-softcap", "chunk", "sinks-scale-value-dim"])
 def test_layer_on_a_zigzag_ring_equals_the_dense_layer(options):
     check_sharded(Mesh(np.array(jax.devices()[:RING]), ("sp",)), "sp", RING, options)
 
@@ -150,6 +151,8 @@ def test_bad_arguments_name_themselves():
         RingSelfAttention(16, 2, attention="flash", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="layout must be one of"):
         RingSelfAttention(16, 2, layout="spiral", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="value_head_dim must be a positive int, got 0"):
+        RingSelfAttention(16, 2, value_head_dim=0, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="sinks must be a non-negative int, got -1"):
         RingSelfAttention(16, 2, sinks=-1, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="packing: "):

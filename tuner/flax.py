@@ -49,13 +49,16 @@ def rotary(x, positions, base: float = 10_000.0):
 class RingSelfAttention(nnx.Module):
     """Multi-head self-attention over a sequence sharded around a ring (module docstring).
 
-    `x [B, T_local, embed_dim]` -> `[B, T_local, embed_dim]`. `positions` default to the layout's
-    global positions of this device's tokens; pass them (int `[B, T_local]`) for packed or shifted
-    sequences, with `segment_ids` for packed documents.
+    `x [B, T_local, embed_dim]` -> `[B, T_local, embed_dim]`. Query and key heads have `head_dim` channels
+    (default `embed_dim // num_heads`), value heads `value_head_dim` (default `head_dim`; multi-head latent
+    attention uses 192 and 128). `positions` default to the layout's global positions of this device's
+    tokens; pass them (int `[B, T_local]`) for packed or shifted sequences, with `segment_ids` for packed
+    documents.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None,
-                 head_dim: int | None = None, axis_name: Hashable | None = None, layout: str = "contiguous",
+                 head_dim: int | None = None, value_head_dim: int | None = None,
+                 axis_name: Hashable | None = None, layout: str = "contiguous",
                  causal: bool = True, sliding_window: int | tuple[int, int] | None = None,
                  chunk_size: int | None = None, logits_soft_cap: float | None = None,
                  softmax_scale: float | None = None, sinks: int = 0, use_rope: bool = True,
@@ -73,6 +76,8 @@ class RingSelfAttention(nnx.Module):
                 raise ValueError(f"embed_dim={embed_dim} must be a multiple of num_heads={num_heads}, or pass "
                                  f"head_dim")
             head_dim = embed_dim // num_heads
+        value_head_dim = head_dim if value_head_dim is None else value_head_dim
+        check_int("value_head_dim", value_head_dim)
         if use_rope and head_dim % 2:
             raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
         if attention not in ATTENTIONS:
@@ -80,6 +85,7 @@ class RingSelfAttention(nnx.Module):
         if attention == "dense" and axis_name is not None:
             raise ValueError("attention='dense' is the one-device reference; use it with axis_name=None")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.value_head_dim = value_head_dim
         self.axis_name, self.layout, self.use_rope, self.rope_base = axis_name, layout, use_rope, rope_base
         self.on_mesh, self.laid_out = mesh is not None, laid_out
         self.attention_kind = attention
@@ -91,8 +97,8 @@ class RingSelfAttention(nnx.Module):
 
         self.query = linear(embed_dim, num_heads * head_dim)
         self.key = linear(embed_dim, num_kv_heads * head_dim)
-        self.value = linear(embed_dim, num_kv_heads * head_dim)
-        self.out = linear(num_heads * head_dim, embed_dim)
+        self.value = linear(embed_dim, num_kv_heads * value_head_dim)
+        self.out = linear(num_heads * value_head_dim, embed_dim)
         # zero-initialised: each sink starts as one more logit of 0 in its head's softmax
         self.sinks = nnx.Param(jnp.zeros((num_heads, sinks), param_dtype)) if sinks else None
         self.ring = get_tuned_ring_attention(axis_name=axis_name, layout=layout, backend=backend, db=db,
@@ -120,7 +126,7 @@ class RingSelfAttention(nnx.Module):
             positions = self.positions(b, t)
         q = self.query(x).reshape(b, t, self.num_heads, self.head_dim)
         k = self.key(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = self.value(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.value(x).reshape(b, t, self.num_kv_heads, self.value_head_dim)
         if self.use_rope:
             q, k = rotary(q, positions, self.rope_base), rotary(k, positions, self.rope_base)
         tokens = dict(q_positions=positions, kv_positions=positions, q_segment_ids=segment_ids,
@@ -129,7 +135,7 @@ class RingSelfAttention(nnx.Module):
             attended = dense_attention(q, k, v, **tokens, **self.options)[0]
         else:
             attended = self.ring(q, k, v, **{n: a for n, a in tokens.items() if a is not None})
-        return self.out(attended.reshape(b, t, self.num_heads * self.head_dim))
+        return self.out(attended.reshape(b, t, self.num_heads * self.value_head_dim))
 
 
 __all__ = ["RingSelfAttention", "rotary"]
