@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from tests.cases import rel_err
 from tuner.semantics import layouts
+from tuner.semantics.packing import Packing
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("flax") is None,
                                 reason="needs flax (pip install -e '.[flax]')")
@@ -112,8 +113,6 @@ def test_layer_on_global_arrays_with_a_declared_packing_equals_the_dense_layer_a
     (64, 32 and 16 here), chosen by the rows in the step."""
     from flax import nnx
 
-    from tuner.semantics.packing import Packing
-
     mesh = Mesh(np.array(jax.devices()[:RING]), ("sp",))
     packing = "64,32x2,16x8"
     options = dict(causal=True, sinks=1, mesh=mesh, axis_name="sp", layout="documents")
@@ -136,6 +135,37 @@ def test_layer_on_global_arrays_with_a_declared_packing_equals_the_dense_layer_a
 
     undeclared, _ = layers(**options)
     assert loops(undeclared) == 3 * loops(ring) > 0
+
+
+def test_explain_says_what_the_layer_runs():
+    """`RingSelfAttention.explain`: the loader's plan for the heads the layer's projections make. In the documents
+    layout, given arrays, the tile the rows choose (16 for these rows, as the packing declared gives); given
+    shapes, the plan before the choice. On local shards, the key holds the layer's heads, value dim and sinks."""
+    from flax import nnx
+
+    from tuner.flax import RingSelfAttention
+
+    mesh = Mesh(np.array(jax.devices()[:RING]), ("sp",))
+    packing = "64,32x2,16x8"
+    ids = jnp.asarray(Packing.parse(packing).segment_ids(256, 2))
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((2, 256, 64)), jnp.float32)
+    options = dict(num_kv_heads=2, axis_name="sp", mesh=mesh, layout="documents", rngs=nnx.Rngs(0))
+    declared = RingSelfAttention(64, 4, packing=packing, **options).explain(x, segment_ids=ids)
+    assert declared.key.packing is not None and declared.fwd_params.block_q == 16
+    assert "without packing=" not in declared.reason
+    undeclared = RingSelfAttention(64, 4, **options)
+    rows = undeclared.explain(x, segment_ids=ids)
+    assert rows.fwd_params.block_q == 16 and "packed rows without packing=: tiles of at most 16" in rows.reason
+    shapes = undeclared.explain(jax.ShapeDtypeStruct(x.shape, x.dtype), segment_ids=ids)
+    assert shapes.fwd_params.block_q == 64 and "as each step's rows choose" in shapes.reason
+
+    local = RingSelfAttention(64, 4, num_kv_heads=2, value_head_dim=8, sinks=2, axis_name="sp", layout="zigzag",
+                              rngs=nnx.Rngs(0))
+    key = local.explain(jax.ShapeDtypeStruct((2, 64, 64), jnp.float32), ring_size=RING).key
+    assert (key.heads, key.kv_heads, key.head_dim, key.value_head_dim, key.ring_size, key.features["sinks"]) == (
+        4, 2, 16, 8, RING, 2), key
+    with pytest.raises(ValueError, match="attention='dense' runs dense attention"):
+        RingSelfAttention(64, 4, attention="dense", rngs=nnx.Rngs(0)).explain(x)
 
 
 def test_bad_arguments_name_themselves():

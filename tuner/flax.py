@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
@@ -117,24 +118,55 @@ class RingSelfAttention(nnx.Module):
         layouts.check_layout(self.layout, length)
         return jnp.broadcast_to(layouts.local_positions(self.layout, length, size, rank), (batch, length))
 
-    def __call__(self, x, *, positions=None, segment_ids=None):
+    def explain(self, x, *, positions=None, segment_ids=None, ring_size: int | tuple[int, int] | None = None):
+        """The loader's decision for the attention of `self(x, positions=, segment_ids=)`, without running the
+        attention: which implementation and tiles it runs, and why (`TunedRingAttention.explain`). `x` is global
+        with `mesh=`, else one device's shard, with `ring_size` as the loader takes it. Given arrays, the
+        projections run, so that in the documents layout the plan names the tile the rows choose; given a
+        `jax.ShapeDtypeStruct`, the plan before that choice."""
+        if self.attention_kind == "dense":
+            raise ValueError("attention='dense' runs dense attention, not the loader: there is nothing to explain")
         b, t, _ = x.shape
-        if positions is None and self.laid_out:
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+            q, k, v = self._heads(x)
+        else:
+            q, k, v = jax.eval_shape(self._heads, x)
+        if positions is None:
+            self._check_positions_given()
+            positions = self.positions(b, t) if self.on_mesh else jax.ShapeDtypeStruct((b, t), jnp.int32)
+        return self.ring.explain(q, k, v, ring_size=ring_size, **self._per_call(positions, segment_ids))
+
+    def _check_positions_given(self) -> None:
+        if self.laid_out:
             raise ValueError("laid_out=True takes the positions the layout gave the tokens: pass positions= (the "
                              "ones tuner.layouts.lay_out_batch returned)")
-        if positions is None:
-            positions = self.positions(b, t)
-        q = self.query(x).reshape(b, t, self.num_heads, self.head_dim)
-        k = self.key(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = self.value(x).reshape(b, t, self.num_kv_heads, self.value_head_dim)
-        if self.use_rope:
-            q, k = rotary(q, positions, self.rope_base), rotary(k, positions, self.rope_base)
+
+    def _heads(self, x):
+        """The query, key and value heads of `x`, before the rotary embeddings."""
+        b, t, _ = x.shape
+        return (self.query(x).reshape(b, t, self.num_heads, self.head_dim),
+                self.key(x).reshape(b, t, self.num_kv_heads, self.head_dim),
+                self.value(x).reshape(b, t, self.num_kv_heads, self.value_head_dim))
+
+    def _per_call(self, positions, segment_ids) -> dict[str, Any]:
+        """The attention's per-call arrays: the tokens' positions and segment ids, and the sinks."""
         tokens = dict(q_positions=positions, kv_positions=positions, q_segment_ids=segment_ids,
                       kv_segment_ids=segment_ids, softmax_aux=None if self.sinks is None else self.sinks[...])
+        return {n: a for n, a in tokens.items() if a is not None}
+
+    def __call__(self, x, *, positions=None, segment_ids=None):
+        b, t, _ = x.shape
+        if positions is None:
+            self._check_positions_given()
+            positions = self.positions(b, t)
+        q, k, v = self._heads(x)
+        if self.use_rope:
+            q, k = rotary(q, positions, self.rope_base), rotary(k, positions, self.rope_base)
+        per_call = self._per_call(positions, segment_ids)
         if self.attention_kind == "dense":
-            attended = dense_attention(q, k, v, **tokens, **self.options)[0]
+            attended = dense_attention(q, k, v, **per_call, **self.options)[0]
         else:
-            attended = self.ring(q, k, v, **{n: a for n, a in tokens.items() if a is not None})
+            attended = self.ring(q, k, v, **per_call)
         return self.out(attended.reshape(b, t, self.num_heads * self.value_head_dim))
 
 
