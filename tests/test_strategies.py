@@ -95,6 +95,23 @@ def test_an_explicit_strategy_runs_and_matches_the_ring(strategy, tmp_path):
             np.testing.assert_allclose(got, want, rtol=0, atol=2e-5, err_msg=f"{caller} {strategy}: {name}")
 
 
+@pytest.mark.parametrize("strategy", ["ring", "all_to_all", "all_gather"])
+def test_a_gradient_of_the_gradient_is_refused_in_one_line_by_every_strategy(strategy, tmp_path):
+    """A second-order derivative (a gradient penalty, `jax.hessian`) differentiates the ring's backward pass,
+    whose loops jax cannot differentiate: refused with what to use instead, not jax's message about a
+    `lax.while_loop` of the library. First-order gradients are the other tests'."""
+    q, k, v = arrays(SMALL)
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=cpu_mesh(), strategy=strategy,
+                                    db=str(tmp_path / "t.sqlite"))
+
+    def penalty(k):
+        return (jax.grad(lambda q: attn(q, k, v).sum())(q) ** 2).sum()
+
+    with pytest.raises(NotImplementedError, match="ring attention has first-order gradients only: .* use "
+                                                  "tuner.semantics.reference.dense_attention"):
+        jax.jit(jax.grad(penalty)).lower(k)
+
+
 def test_strategy_ring_keeps_the_ring_and_auto_on_the_cpu_is_as_before(tmp_path):
     q, k, v = arrays(SMALL)
     for strategy in ("ring", "auto"):

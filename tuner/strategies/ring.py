@@ -309,7 +309,22 @@ def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sink
     return (primal, lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks, saved, lse, ring_mask)
 
 
-_ring.defvjp(_ring_fwd, _backward)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _first_order_backward(cfg: RingConfig, residuals, cotangents):
+    """`_backward`, which refuses to be differentiated itself: its loops have bounds read from the masks, which
+    jax cannot differentiate in reverse, and its error would name a `lax.while_loop` of this module."""
+    return _backward(cfg, residuals, cotangents)
+
+
+@_first_order_backward.defjvp
+def _backward_jvp(cfg: RingConfig, primals, tangents):
+    raise NotImplementedError(
+        "ring attention has first-order gradients only: a gradient of its gradient (jax.hessian, a gradient "
+        "penalty) differentiates its backward pass, which is not differentiable; use "
+        "tuner.semantics.reference.dense_attention where second-order derivatives are needed")
+
+
+_ring.defvjp(_ring_fwd, _first_order_backward)
 
 
 def _varying(x, axis_name: Hashable | None):
