@@ -311,8 +311,9 @@ def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sink
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _first_order_backward(cfg: RingConfig, residuals, cotangents):
-    """`_backward`, which refuses to be differentiated itself: its loops have bounds read from the masks, which
-    jax cannot differentiate in reverse, and its error would name a `lax.while_loop` of this module."""
+    """`_backward`, which refuses to be differentiated itself: its loops run to bounds read from the masks,
+    which jax cannot differentiate in reverse (its error would name a `lax.while_loop` of this module), and
+    the compiled kernels have no derivatives of their own."""
     return _backward(cfg, residuals, cotangents)
 
 
