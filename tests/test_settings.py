@@ -127,6 +127,28 @@ def test_the_loader_under_the_setting_matches_float64(name, layout, tmp_path, mo
     check_loader(SETTINGS[name], layout)
 
 
+def test_under_explicit_sharding_arrays_placed_otherwise_are_resharded_to_the_sequence_axis(tmp_path, monkeypatch):
+    """An explicit-sharding mesh: `shard_map` takes only arrays sharded as its specs say (over auto axes it
+    reshards them itself). q, k, v, segment ids and positions all replicated run, match float64, and the
+    output comes back sharded over the sequence."""
+    monkeypatch.setenv("TUNER_HOME", str(tmp_path))
+    mesh = jax.make_mesh((RING,), ("sp",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:RING])
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, T, h, D)).astype(np.float32) for h in (H, HKV, HKV))
+    ids = dict(q_segment_ids=segment_ids(rng)[:1], q_positions=np.arange(T, dtype=np.int32)[None])
+    ids.update(kv_segment_ids=ids["q_segment_ids"], kv_positions=ids["q_positions"])
+    replicated = NamedSharding(mesh, P())
+    with jax.set_mesh(mesh):
+        attn = get_tuned_ring_attention(axis_name="sp", mesh=mesh, causal=True, sliding_window=WINDOW)
+        out = jax.jit(attn)(*(jax.device_put(x, replicated) for x in (q, k, v)),
+                            **{n: jax.device_put(x, replicated) for n, x in ids.items()})
+    assert tuple(out.sharding.spec)[:2] == (None, "sp")
+    with jax.enable_x64(True):
+        want, _ = dense_attention(*(jnp.asarray(x, jnp.float64) for x in (q, k, v)), causal=True,
+                                  sliding_window=WINDOW, **ids)
+    assert rel_err(np.asarray(out, np.float64), np.asarray(want)) <= 1e-5
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None,
                     reason="the Triton interpreter needs triton and torch (pip install -e '.[test]')")
 def test_the_triton_kernels_under_x64_in_their_interpreter(tmp_path, monkeypatch):
