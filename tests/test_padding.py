@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from tuner import get_tuned_ring_attention, layouts
+from tuner import get_tuned_ring_attention, layouts, registry
+from tuner.semantics.problem import Problem
 from tuner.semantics.reference import dense_attention
 
 T = 30  # divides no ring of 4 devices
@@ -53,6 +54,26 @@ def test_a_length_the_ring_does_not_divide_matches_dense(causal, layout, given):
         np.testing.assert_allclose(got, want, atol=1e-4)
     reason = attn.explain(q, k, v, **options).reason
     assert f"padded to 32 query and 32 key tokens (from {T} and {T}" in reason, reason  # 4 devices (x2) divide 32
+
+
+@pytest.mark.parametrize("causal, layout, given", [(False, "zigzag", ()), (True, "contiguous", ("positions",))])
+def test_a_length_the_ring_divides_is_not_padded_and_keeps_the_problem_search_tunes(causal, layout, given):
+    """Where nothing is padded, no segment ids are made for the pad tokens: a call without segment ids is the
+    problem `tuner search` tunes (its key, and so its cache entry), not a packed one."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("sp",))
+    x, kv = jnp.zeros((1, 32, 4, 8)), jnp.zeros((1, 32, 2, 8))
+    positions = jnp.asarray(np.arange(32)[None] * 3, jnp.int32)
+    options = dict(q_positions=positions, kv_positions=positions) if "positions" in given else {}
+    plan = get_tuned_ring_attention(axis_name="sp", causal=causal, mesh=mesh, layout=layout).explain(x, kv, kv,
+                                                                                                     **options)
+    problem = Problem(batch=1, seq_len=32, heads=4, kv_heads=2, head_dim=8, causal=causal, ring_size=4, layout=layout)
+    assert not plan.key.features["segments"] and "padded" not in plan.reason, plan.reason
+    assert plan.key.digest == registry.problem_key(problem, plan.backend, plan.key.device_kind).digest
+    if not given:
+        return
+    documents = get_tuned_ring_attention(axis_name="sp", causal=causal, mesh=mesh, layout="documents")
+    with pytest.raises(ValueError, match="layout='documents' lays out each row from its documents"):
+        documents(x, kv, kv, **options)  # given positions do not stand in for the segment ids it plans from
 
 
 def test_padded_lengths_and_the_local_shards_message():

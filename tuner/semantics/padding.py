@@ -86,7 +86,7 @@ class Padding:
             if q_seg is not None:
                 options["q_segment_ids"] = pad_to(q_seg, 1, self.q_to, "edge")
                 options["kv_segment_ids"] = pad_to(kv_seg, 1, self.kv_to, "edge")
-        else:
+        elif self.needed:  # unpadded, a call without segment ids keeps none: they would change its problem
             if q_seg is None:
                 q_seg = jnp.zeros((query.shape[0], self.q_len), jnp.int32)
                 kv_seg = jnp.zeros((key.shape[0], self.kv_len), jnp.int32)
