@@ -2,11 +2,13 @@
 
     python benchmarks/cpu_ring/ring_against.py --against HEAD~1
     python benchmarks/cpu_ring/ring_against.py --against HEAD~1 --seq-len 16384 --dtype bfloat16 --runs 15
+    python benchmarks/cpu_ring/ring_against.py --against HEAD~1 --loader --no-causal   # the loader's mesh= call
 
 Two worker processes, one importing this tree's `tuner` and one a checkout of `--against` (a `git worktree`
 in a temporary folder), each compile the same programs: `ring_attention` (scan backend, the default
 tiles) under `shard_map` over P simulated CPU devices, the forward and the gradient of a fixed projection
-of the output. Then the parent asks them for one timed call at a time, alternating, and reports the
+of the output; with `--loader`, the loader's call on global arrays (`get_tuned_ring_attention(mesh=)`,
+nothing tuned: an empty cache). Then the parent asks them for one timed call at a time, alternating, and reports the
 medians and the ratio this / that per program, with each side's compiled temporaries
 (`memory_analysis()`). Prints a table and writes JSON with `--out`.
 """
@@ -19,6 +21,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from revisions import ROOT, check_tree, checkout, environment  # noqa: E402
@@ -40,14 +43,18 @@ def worker(args: argparse.Namespace) -> None:
     from jax.sharding import PartitionSpec as P
 
     check_tree()
-    from tuner import ring_attention
+    from tuner import get_tuned_ring_attention, ring_attention
     mesh = Mesh(np.array(jax.devices()[:args.ring]), ("sp",))
     seq = P(None, "sp")
 
     def attend(q, k, v):
         return ring_attention(q, k, v, causal=args.causal, axis_name="sp", layout=args.layout, backend="scan")
 
-    ring = jax.shard_map(attend, mesh=mesh, in_specs=(seq, seq, seq), out_specs=seq)
+    if args.loader:
+        os.environ["TUNER_HOME"] = tempfile.mkdtemp()  # nothing tuned, on both sides
+        ring = get_tuned_ring_attention(axis_name="sp", mesh=mesh, causal=args.causal, layout=args.layout)
+    else:
+        ring = jax.shard_map(attend, mesh=mesh, in_specs=(seq, seq, seq), out_specs=seq)
 
     def both(q, k, v, w):
         return jax.grad(lambda q, k, v: jnp.vdot(ring(q, k, v).astype(jnp.float32), w), argnums=(0, 1, 2))(q, k, v)
@@ -79,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--layout", default="zigzag", choices=("contiguous", "zigzag", "striped"))
     parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--loader", action="store_true", help="time the loader's call on global arrays (mesh=)")
     parser.add_argument("--runs", type=int, default=11)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", help="write the results here as JSON")
@@ -111,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     print(f"ring of {args.ring}, T={args.seq_len}, H={args.heads}, D={args.head_dim}, {args.dtype}, "
-          f"{'causal' if args.causal else 'not causal'}, {args.layout}; medians of {args.runs}, interleaved; "
-          f"this tree / {args.against}")
+          f"{'causal' if args.causal else 'not causal'}, {args.layout}{', the loader' if args.loader else ''}; "
+          f"medians of {args.runs}, interleaved; this tree / {args.against}")
     print(f"{'program':<8} {'this ms':>9} {'that ms':>9} {'ratio':>6} {'this temp MiB':>14} {'that temp MiB':>14}")
     for name in PROGRAMS:
         this, that = (statistics.median(times[(side, name)]) for side in ("this", "that"))
