@@ -212,6 +212,43 @@ def test_a_problem_description_parses_back_to_the_problem(problem):
     assert Problem.parse(problem.describe()) == problem
 
 
+_searched = st.builds(
+    Problem, batch=st.integers(1, 2), seq_len=st.sampled_from([64, 256]), heads=st.sampled_from([2, 4]),
+    kv_heads=st.just(2), head_dim=st.sampled_from([8, 64]), value_head_dim=st.none() | st.just(16),
+    dtype=st.sampled_from(["float32", "bfloat16"]), causal=st.booleans(),
+    window=st.none() | st.tuples(st.integers(0, 40), st.integers(0, 40)), chunk_size=st.none() | st.integers(1, 64),
+    segments=st.integers(0, 3), softcap=st.none() | st.floats(0.1, 100.0), sinks=st.integers(0, 2),
+    ring_size=st.sampled_from([1, 2, 4]), layout=st.sampled_from(["contiguous", "zigzag", "striped"]))
+
+
+@settings(max_examples=25)
+@given(problem=_searched)
+def test_the_loader_call_a_search_prints_plans_the_searched_problem(problem, tmp_path_factory):
+    """What `tuner search` stores an entry under is what the loader call it prints (`usage.loader_call`) looks
+    up, for any problem: the same key, so the entry is found. Planned from shapes; nothing is compiled."""
+    from tuner.cli.usage import loader_call
+
+    db = str(tmp_path_factory.mktemp("cache") / "t.sqlite")
+    scope = {"jax": jax, "np": np, "Mesh": Mesh, "get_tuned_ring_attention": get_tuned_ring_attention}
+    lines = loader_call(problem, "scan")
+    exec("\n".join(lines[:-1] + [lines[-1].split(" = ")[0] + " = None"]).replace(
+        "get_tuned_ring_attention(", f"get_tuned_ring_attention(db={db!r}, "), scope)
+    dtype = jax.numpy.dtype(problem.dtype)
+    b, t = problem.batch, problem.seq_len
+    q = jax.ShapeDtypeStruct((b, t, problem.heads, problem.head_dim), dtype)
+    k = jax.ShapeDtypeStruct((b, t, problem.kv_heads, problem.head_dim), dtype)
+    v = jax.ShapeDtypeStruct((b, t, problem.kv_heads, problem.value_dim), dtype)
+    per_call = {}
+    if problem.segments:
+        ids = jax.ShapeDtypeStruct((b, t), np.int32)
+        per_call.update(q_segment_ids=ids, kv_segment_ids=ids)
+    if problem.sinks:
+        per_call["softmax_aux"] = jax.ShapeDtypeStruct((problem.heads,) + ((problem.sinks,) if problem.sinks > 1
+                                                                           else ()), np.float32)
+    plan = scope["attn"].explain(q, k, v, **per_call)
+    assert plan.key.digest == registry.problem_key(problem, "scan", plan.key.device_kind).digest, (lines, plan.reason)
+
+
 @pytest.mark.parametrize("text, message", [
     ("B=1 T=64", "not a problem description"),
     ("B=1 T=64 H=4 Hkv=2 D=8 float32 warp=9 | ring 4 x 16 tokens, zigzag", "unknown feature 'warp=9'"),
