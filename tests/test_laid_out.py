@@ -56,9 +56,9 @@ def test_attention_on_a_laid_out_batch_equals_the_per_call_layout(layout):
     want = per_call(q, k, v, q_segment_ids=segments, kv_segment_ids=segments)
     laid, positions = layouts.lay_out_batch({"q": q, "k": k, "v": v, "segment_ids": segments}, RING, layout)
     once = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, layout=layout, laid_out=True)
-    arrays = dict(q_segment_ids=laid["segment_ids"], kv_segment_ids=laid["segment_ids"])
-    if layout == "documents":
-        arrays.update(q_positions=positions, kv_positions=positions)
+    assert positions.shape == (2, T)  # every row's, as attention takes them, whatever the layout
+    arrays = dict(q_segment_ids=laid["segment_ids"], kv_segment_ids=laid["segment_ids"], q_positions=positions,
+                  kv_positions=positions)
     out = once(laid["q"], laid["k"], laid["v"], **arrays)
     restored = layouts.restore_batch({"out": out}, positions)["out"]
     np.testing.assert_allclose(restored, want, rtol=0, atol=2e-5)

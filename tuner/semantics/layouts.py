@@ -217,8 +217,18 @@ def lay_out_batch(batch: Mapping[str, Any], ring_size: int, layout: str = DOCUME
                              tile=tile)
     if mesh is None:
         order = plan(batch[segment_ids] if layout == DOCUMENTS else None, length)
-        return {n: _take_rows(x, order) for n, x in batch.items()}, order
+        return {n: _take_rows(x, order) for n, x in batch.items()}, _every_row(order, rows)
     return _lay_out_sharded(dict(batch), plan, mesh, axis_name, layout, segment_ids)
+
+
+def _every_row(order, rows: int):
+    """`order [B or 1, T]` as `[B, T]`: a fixed layout's one order given to every row, as attention takes
+    positions."""
+    if order.shape[0] == rows:
+        return order
+    if isinstance(order, np.ndarray):
+        return np.repeat(order, rows, axis=0)
+    return jnp.broadcast_to(order, (rows, order.shape[1]))
 
 
 def restore_batch(batch: Mapping[str, Any], positions, *, mesh=None, axis_name: Hashable | None = None
