@@ -90,3 +90,9 @@ def test_per_call_arrays_of_another_length_name_the_argument():
     attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh)
     with pytest.raises(ValueError, match=r"q_segment_ids must be \[batch, query length 30\]"):
         attn(x, x, x, q_segment_ids=jnp.zeros((1, 32), jnp.int32), kv_segment_ids=jnp.zeros((1, T), jnp.int32))
+    empty = jnp.zeros((0, T, 2, 8))  # checked before the padding and the layout's moves, which fail less clearly
+    for call in (attn, jax.jit(attn), attn.explain):
+        with pytest.raises(ValueError, match=r"query \(0, 30, 2, 8\), key .* must have no empty dimension"):
+            call(empty, empty, empty)
+    with pytest.raises(ValueError, match=r"query must have rank 4"):
+        attn(x[0], x, x)

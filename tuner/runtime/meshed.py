@@ -36,7 +36,7 @@ from tuner.runtime.sharded import SEQUENCE_OPTIONS
 from tuner.semantics import documents, layouts
 from tuner.semantics.documents import DOCUMENTS
 from tuner.semantics.padding import Padding
-from tuner.semantics.spec import AttentionSpec
+from tuner.semantics.spec import AttentionSpec, check_arrays
 from tuner.support.targets import compile_target
 
 DOCUMENTS_NOTE = ("documents layout: each row laid out from its segment ids, keyed as contiguous (every shard in "
@@ -67,6 +67,7 @@ class GlobalCall:
         return (self.mesh.shape[self.axis_name],) * 2
 
     def __call__(self, query, key, value, options: dict[str, Any]):
+        check_arrays(query, key, value)  # before the padding and the moves, which would fail on them less clearly
         split = self.split(query, key)
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((query, key, value, options))):
             return self._traced(query, key, value, split=split, **options)
@@ -109,6 +110,7 @@ class GlobalCall:
 
     def explain(self, query, key, value, options: dict[str, Any], a2a: int | None) -> Plan:
         """The plan of the call, with what the layout moves and the padding in its reason."""
+        check_arrays(query, key, value)
         padding = self._padding(query, key, options)
         planned_ = planned(padding, query, key, value, options, layout=self.layout)
         split = self.split(query, key)

@@ -237,26 +237,10 @@ def _check_int32_values(name: str, x: Any) -> None:
                          f"{values.min()} to {values.max()}")
 
 
-def check_inputs(
-    query: Any,
-    key: Any,
-    value: Any,
-    *,
-    q_segment_ids: Any,
-    kv_segment_ids: Any,
-    q_positions: Any,
-    kv_positions: Any,
-    softmax_aux: Any,
-    bias: Any,
-    ring_size: int,
-) -> None:
-    """Raise `ValueError` / `TypeError` naming the argument for every malformed input.
-
-    Shapes are the local shards: `query [B, Tq, H, D]`, `key [B, Tk, Hkv, D]`, `value [B, Tk, Hkv, Dv]` (the
-    value head dim may differ from the query/key one, as in multi-head latent attention); `bias` spans the
-    global key axis (`ring_size * Tk`). Positions not given come from a layout, which numbers at most
-    2**31 tokens.
-    """
+def check_arrays(query: Any, key: Any, value: Any) -> None:
+    """Raise `ValueError` / `TypeError` naming the argument where `query`, `key` and `value` are not three
+    non-empty float arrays of one dtype, `[B, Tq, H, D]`, `[B, Tk, Hkv, D]` and `[B, Tk, Hkv, Dv]` with `Hkv`
+    dividing `H`: shards or global arrays alike."""
     for name, x in (("query", query), ("key", key), ("value", value)):
         if getattr(x, "ndim", None) != 4:
             raise ValueError(f"{name} must have rank 4 [batch, length, heads, head_dim], got shape "
@@ -279,6 +263,31 @@ def check_inputs(
                          f"dimension")
     if h % hkv:
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hkv})")
+
+
+def check_inputs(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    q_segment_ids: Any,
+    kv_segment_ids: Any,
+    q_positions: Any,
+    kv_positions: Any,
+    softmax_aux: Any,
+    bias: Any,
+    ring_size: int,
+) -> None:
+    """Raise `ValueError` / `TypeError` naming the argument for every malformed input.
+
+    Shapes are the local shards: `query [B, Tq, H, D]`, `key [B, Tk, Hkv, D]`, `value [B, Tk, Hkv, Dv]` (the
+    value head dim may differ from the query/key one, as in multi-head latent attention); `bias` spans the
+    global key axis (`ring_size * Tk`). Positions not given come from a layout, which numbers at most
+    2**31 tokens.
+    """
+    check_arrays(query, key, value)
+    b, tq, h, _ = query.shape
+    tk = key.shape[1]
 
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("q_segment_ids and kv_segment_ids must be given together (or neither)")
