@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tuner import get_tuned_ring_attention, layouts
@@ -42,6 +42,22 @@ def test_a_batch_laid_out_on_the_host_and_on_the_devices_alike(layout):
     assert laid_d["features"].sharding.spec == P(None, "sp")
     back_d = jax.jit(lambda b, p: layouts.restore_batch(b, p, mesh=mesh, axis_name="sp"))(laid_d, positions_d)
     assert all(np.array_equal(np.asarray(back_d[n]), batch[n]) for n in batch)
+
+
+def test_on_an_explicit_sharding_mesh_a_replicated_batch_is_laid_out_as_on_the_host():
+    """Over explicit mesh axes `shard_map` refuses arrays not sharded as its specs say: the batch is resharded
+    over the sequence first (`tuner.support.placement`), then laid out and restored as on the host."""
+    batch = packed_batch()
+    laid, positions = layouts.lay_out_batch(batch, RING, "zigzag")
+    mesh = jax.make_mesh((RING,), ("sp",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:RING])
+    with jax.set_mesh(mesh):
+        replicated = {n: jax.device_put(x, NamedSharding(mesh, P())) for n, x in batch.items()}
+        laid_d, positions_d = jax.jit(lambda b: layouts.lay_out_batch(b, RING, "zigzag", mesh=mesh, axis_name="sp"))(
+            replicated)
+        back = jax.jit(lambda b, p: layouts.restore_batch(b, p, mesh=mesh, axis_name="sp"))(laid_d, positions_d)
+    np.testing.assert_array_equal(np.asarray(positions_d), positions)
+    assert all(np.array_equal(np.asarray(laid_d[n]), laid[n]) for n in batch)
+    assert all(np.array_equal(np.asarray(back[n]), batch[n]) for n in batch)
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "documents"])

@@ -18,13 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from tuner.semantics import documents, layouts, moves
 from tuner.semantics.documents import DOCUMENTS
 from tuner.semantics.spec import AttentionSpec
-from tuner.support import ordering
+from tuner.support import ordering, placement
 
 SEQUENCE_OPTIONS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")
 
@@ -106,23 +106,8 @@ def run(rings: list[Callable[..., Any]], how: Layout, split: Split, mesh: Mesh, 
 
     in_specs = (q_spec, kv_spec, kv_spec, {n: specs[n] for n in arrays})
     manual = set(mesh.axis_names) if split.manual else names
-    args = _placed(mesh, manual, (query, key, value, arrays), in_specs)
+    args = placement.for_shard_map(mesh, manual, (query, key, value, arrays), in_specs)
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=manual)(*args)
-
-
-def _placed(mesh: Mesh, manual: set, args: tuple, in_specs: tuple) -> tuple:
-    """`args` as `shard_map` takes them. Over explicit mesh axes it takes only arrays already sharded as its
-    `in_specs` say (over auto axes it moves them itself), so there each array is resharded to its spec: a
-    replicated array is cut locally, one sharded over another axis moves once, as over auto axes."""
-    if not any(t == AxisType.Explicit for n, t in zip(mesh.axis_names, mesh.axis_types) if n in manual):
-        return args
-    *arrays, options = args
-    *specs, option_specs = in_specs
-
-    def place(x, spec: P):
-        return jax.sharding.reshard(x, NamedSharding(mesh, spec))
-
-    return (*map(place, arrays, specs), {n: place(x, option_specs[n]) for n, x in options.items()})
 
 
 def describe(how: Layout, axis_name: Hashable, shard: int, devices: int) -> str:

@@ -38,7 +38,7 @@ from jax import lax
 from tuner.semantics import documents, moves
 from tuner.semantics.documents import DEFAULT_TILE, DOCUMENTS, lay_out_rows, restore_rows
 from tuner.semantics.padding import Padding, padded_length
-from tuner.support import ordering
+from tuner.support import ordering, placement
 from tuner.support.checks import check_int
 from tuner.support.targets import compile_target
 from tuner.semantics.spec import LAYOUTS, AttentionSpec
@@ -283,9 +283,10 @@ def _on_devices(body, mesh, axis_name, arrays: dict, *extra):
         return moves.fixed(layout, axis_name, shard, lax.axis_size(axis_name), order, platform=platform,
                            other_axes=other_axes)
 
-    return jax.shard_map(functools.partial(body, move_of), mesh=mesh, in_specs=({n: seq for n in arrays},
-                                                                                  *(seq,) * len(extra)),
-                         out_specs=seq, axis_names=names)(arrays, *extra)
+    in_specs = ({n: seq for n in arrays}, *(seq,) * len(extra))
+    args = placement.for_shard_map(mesh, names, (arrays, *extra), in_specs)
+    return jax.shard_map(functools.partial(body, move_of), mesh=mesh, in_specs=in_specs, out_specs=seq,
+                         axis_names=names)(*args)
 
 
 def _lay_out_sharded(batch: dict, plan, mesh, axis_name, layout: str, segment_ids: str | None):
