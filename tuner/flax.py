@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 
 from tuner.semantics import layouts
 from tuner.support.checks import check_int
-from tuner.runtime.dispatch import get_tuned_ring_attention
+from tuner.runtime.dispatch import Decision, get_tuned_ring_attention
 from tuner.semantics.reference import dense_attention
 from tuner.strategies.ring import ring_geometry
 
@@ -118,7 +118,8 @@ class RingSelfAttention(nnx.Module):
         layouts.check_layout(self.layout, length)
         return jnp.broadcast_to(layouts.local_positions(self.layout, length, size, rank), (batch, length))
 
-    def explain(self, x, *, positions=None, segment_ids=None, ring_size: int | tuple[int, int] | None = None):
+    def explain(self, x, *, positions=None, segment_ids=None, ring_size: int | tuple[int, int] | None = None
+                ) -> Decision:
         """The loader's decision for the attention of `self(x, positions=, segment_ids=)`, without running the
         attention: which implementation and tiles it runs, and why (`TunedRingAttention.explain`). `x` is global
         with `mesh=`, else one device's shard, with `ring_size` as the loader takes it. Given arrays, the
