@@ -230,9 +230,8 @@ def test_the_loader_call_a_search_prints_plans_the_searched_problem(problem, tmp
 
     db = str(tmp_path_factory.mktemp("cache") / "t.sqlite")
     scope = {"jax": jax, "np": np, "Mesh": Mesh, "get_tuned_ring_attention": get_tuned_ring_attention}
-    lines = loader_call(problem, "scan")
-    exec("\n".join(lines[:-1] + [lines[-1].split(" = ")[0] + " = None"]).replace(
-        "get_tuned_ring_attention(", f"get_tuned_ring_attention(db={db!r}, "), scope)
+    lines = loader_call(problem, "scan")  # the mesh (on a ring), the loader, then its call on arrays
+    exec("\n".join(lines[:-1]).replace("get_tuned_ring_attention(", f"get_tuned_ring_attention(db={db!r}, "), scope)
     dtype = jax.numpy.dtype(problem.dtype)
     b, t = problem.batch, problem.seq_len
     q = jax.ShapeDtypeStruct((b, t, problem.heads, problem.head_dim), dtype)
