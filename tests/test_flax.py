@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("flax") is None,
                                 reason="needs flax (pip install -e '.[flax]')")
 
 RING = 4
+PACKING = "64,32x2,16x8"  # two rows of 256 tokens, documents of 64 tokens down to 16: tiles of 16 waste least
 
 
 def layers(**options):
@@ -38,6 +39,11 @@ def layers(**options):
         drawn = jnp.asarray(np.random.default_rng(2).standard_normal((4, options["sinks"])), jnp.float32)
         ring.sinks[...] = dense.sinks[...] = drawn
     return ring, dense
+
+
+def packed_ids():
+    """The segment ids `[2, 256]` of rows packed as PACKING."""
+    return jnp.asarray(Packing.parse(PACKING).segment_ids(256, 2))
 
 
 def compare(got_out, want_out, got_grads, want_grads):
@@ -114,11 +120,10 @@ def test_layer_on_global_arrays_with_a_declared_packing_equals_the_dense_layer_a
     from flax import nnx
 
     mesh = Mesh(np.array(jax.devices()[:RING]), ("sp",))
-    packing = "64,32x2,16x8"
     options = dict(causal=True, sinks=1, mesh=mesh, axis_name="sp", layout="documents")
-    ring, dense = layers(packing=packing, **options)
+    ring, dense = layers(packing=PACKING, **options)
     x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 256, 64)), jnp.float32)
-    ids = jnp.asarray(Packing.parse(packing).segment_ids(256, 2))
+    ids = packed_ids()
 
     def loss(model):
         out = model(x, segment_ids=ids)
@@ -146,11 +151,10 @@ def test_explain_says_what_the_layer_runs():
     from tuner.flax import RingSelfAttention
 
     mesh = Mesh(np.array(jax.devices()[:RING]), ("sp",))
-    packing = "64,32x2,16x8"
-    ids = jnp.asarray(Packing.parse(packing).segment_ids(256, 2))
+    ids = packed_ids()
     x = jnp.asarray(np.random.default_rng(4).standard_normal((2, 256, 64)), jnp.float32)
     options = dict(num_kv_heads=2, axis_name="sp", mesh=mesh, layout="documents", rngs=nnx.Rngs(0))
-    declared = RingSelfAttention(64, 4, packing=packing, **options).explain(x, segment_ids=ids)
+    declared = RingSelfAttention(64, 4, packing=PACKING, **options).explain(x, segment_ids=ids)
     assert declared.key.packing is not None and declared.fwd_params.block_q == 16
     assert "without packing=" not in declared.reason
     undeclared = RingSelfAttention(64, 4, **options)

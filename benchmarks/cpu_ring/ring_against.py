@@ -8,8 +8,8 @@ Two worker processes, one importing this tree's `tuner` and one a checkout of `-
 in a temporary folder), each compile the same programs: `ring_attention` (scan backend, the default
 tiles) under `shard_map` over P simulated CPU devices, the forward and the gradient of a fixed projection
 of the output; with `--loader`, the loader's call on global arrays (`get_tuned_ring_attention(mesh=)`,
-nothing tuned: an empty cache). Then the parent asks them for one timed call at a time, alternating, and reports the
-medians and the ratio this / that per program, with each side's compiled temporaries
+nothing tuned: an empty cache). Then the parent asks them for one timed call at a time, alternating, and
+reports the medians and the ratio this / that per program, with each side's compiled temporaries
 (`memory_analysis()`). Prints a table and writes JSON with `--out`.
 """
 
