@@ -90,6 +90,10 @@ def test_per_call_arrays_of_another_length_name_the_argument():
     attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh)
     with pytest.raises(ValueError, match=r"q_segment_ids must be \[batch, query length 30\]"):
         attn(x, x, x, q_segment_ids=jnp.zeros((1, 32), jnp.int32), kv_segment_ids=jnp.zeros((1, T), jnp.int32))
+    for shape in ((1, 2, T, T - 1), (1, 2, T + 1, T), (1, 3, T, T)):  # the padding would have hidden the first two
+        with pytest.raises(ValueError, match=r"bias must have shape \[batch, heads, query length, key length\] = "
+                                             r"\(1, 2, 30, 30\)"):
+            attn(x, x, x, bias=jnp.zeros(shape))
     empty = jnp.zeros((0, T, 2, 8))  # checked before the padding and the layout's moves, which fail less clearly
     for call in (attn, jax.jit(attn), attn.explain):
         with pytest.raises(ValueError, match=r"query \(0, 30, 2, 8\), key .* must have no empty dimension"):
