@@ -282,6 +282,9 @@ def test_bad_options_are_named():
         get_tuned_ring_attention(chunk_size=0)
     with pytest.raises(ValueError, match="ring_size"):
         get_tuned_ring_attention(axis_name="sp").explain(*arrays(PROBLEM))
+    for flag in ("return_lse", "interpret"):  # a truthy string or 1 would have been taken as True
+        with pytest.raises(ValueError, match=f"{flag} must be True or False, got 'yes'"):
+            get_tuned_ring_attention()(*arrays(PROBLEM), **{flag: "yes"})
 
 
 def test_a_position_mask_gives_the_scan_default_its_masked_tile(monkeypatch):

@@ -47,7 +47,9 @@ def test_masks_and_scalars():
     _raises(ValueError, "chunk_size must be a positive int", chunk_size=0)
     _raises(ValueError, "logits_soft_cap must be a positive float", logits_soft_cap=-1.0)
     _raises(ValueError, "softmax_scale must be a positive float", softmax_scale=0.0)
-    _raises(ValueError, "causal must be a bool", causal="yes")
+    _raises(ValueError, "causal must be True or False", causal="yes")
+    _raises(ValueError, "return_lse must be True or False", return_lse="no")  # truthy: would have returned the lse
+    _raises(ValueError, "interpret must be True or False", interpret=1)
 
 
 def test_segments_positions_sinks_bias():

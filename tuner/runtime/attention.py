@@ -16,6 +16,7 @@ from tuner.semantics import layouts
 from tuner.runtime import plan, record
 from tuner import registry
 from tuner.kernels.params import BwdParams, FwdParams
+from tuner.support.checks import check_bool
 from tuner.strategies.ring import block_kernel, group_size, ring_geometry, run_ring
 from tuner.semantics.spec import normalize_window
 from tuner.support.targets import compile_target
@@ -79,6 +80,7 @@ def ring_attention(
     if strategy == "auto":
         raise ValueError(f"strategy must be one of {', '.join(registry.STRATEGIES)} (ring_attention reads no "
                          f"cache: strategy='auto' is get_tuned_ring_attention's), got 'auto'")
+    interpret, return_lse = check_bool("interpret", interpret), check_bool("return_lse", return_lse)
     for name, params, kind in (("fwd_params", fwd_params, FwdParams), ("bwd_params", bwd_params, BwdParams)):
         if params is not None and not isinstance(params, kind):
             raise ValueError(f"{name} must be a {kind.__name__} or None, got {type(params).__name__}")

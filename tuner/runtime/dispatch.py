@@ -41,7 +41,7 @@ from tuner.semantics.packing import Packing
 from tuner.runtime import agreement, configured, measured, meshed, modelled, plan, record
 from tuner import registry
 from tuner.cache import LOADER_BUSY_TIMEOUT_S, Cache, CacheError, writes
-from tuner.support.checks import check_int
+from tuner.support.checks import check_bool, check_int
 from tuner.runtime.plan import Plan
 from tuner.strategies.ring import group_size, ring_geometry
 from tuner.semantics.spec import LocalShapes, build_spec, normalize_window
@@ -286,6 +286,9 @@ def _check_call_options(options: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise TypeError(f"unknown per-call option(s) {', '.join(unknown)}; per-call options are "
                         f"{', '.join(CALL_OPTIONS)} (set masks when calling get_tuned_ring_attention)")
+    for name in ("return_lse", "interpret"):
+        if name in options:
+            check_bool(name, options[name])
     return options
 
 

@@ -37,6 +37,7 @@ from tuner.semantics import documents, layouts
 from tuner.semantics.documents import DOCUMENTS
 from tuner.semantics.padding import Padding
 from tuner.semantics.spec import AttentionSpec, check_arrays
+from tuner.support.checks import check_bool
 from tuner.support.targets import compile_target
 
 DOCUMENTS_NOTE = ("documents layout: each row laid out from its segment ids, keyed as contiguous (every shard in "
@@ -211,8 +212,7 @@ class GlobalCall:
 def check_arguments(mesh: Mesh | None, axis_name: Hashable, layout: str | None, laid_out: bool) -> None:
     """`ValueError` naming the argument, where the loader's `mesh`, `axis_name`, `layout` and `laid_out` do not
     make a call on global arrays (or, without `mesh`, ask for one)."""
-    if not isinstance(laid_out, bool):
-        raise ValueError(f"laid_out must be True or False, got {laid_out!r}")
+    check_bool("laid_out", laid_out)
     if laid_out and mesh is None:
         raise ValueError("laid_out=True says the global arrays given with mesh= are already laid out: pass mesh=; "
                          "on local shards, pass layout= instead")

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tuner.support.checks import check_int
+from tuner.support.checks import check_bool, check_int
 
 FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 LAYOUTS = ("contiguous", "zigzag", "striped")
@@ -187,8 +187,7 @@ def build_spec(
     laid out by a layout: `layout_span`); the window is then clipped to it (`clip_window`), so a window
     at least as long as the sequence gives the spec of no window, and so does a chunk that long.
     """
-    if not isinstance(causal, (bool, np.bool_)):
-        raise ValueError(f"causal must be a bool, got {causal!r}")
+    check_bool("causal", causal)
     chunk_size = check_int32_length("chunk_size", chunk_size, numeric=True)
     _check_optional_positive_float("logits_soft_cap", logits_soft_cap)
     _check_optional_positive_float("softmax_scale", softmax_scale)

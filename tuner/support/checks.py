@@ -1,7 +1,8 @@
-"""Integer argument checks, written once for every options class and entry point of the package.
+"""Integer and flag argument checks, written once for every options class and entry point of the package.
 
 Tile params, problems, search options, layer and loader arguments all take sizes and counts that must
-be positive (or non-negative) ints; they all raise the same `ValueError`, naming the argument.
+be positive (or non-negative) ints, and flags that must be bools; they all raise the same `ValueError`,
+naming the argument.
 """
 
 from __future__ import annotations
@@ -30,3 +31,11 @@ def check_int(name: str, value: Any, *, non_negative: bool = False, optional: bo
         kind = "a non-negative int" if non_negative else "a positive int"
         raise ValueError(f"{name} must be {kind}{' or None' if optional else ''}, got {value!r}")
     return int(value)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """`value` as a bool, or `ValueError` naming `name` unless it is one (a NumPy bool counts): a flag given
+    `"no"` or `0` would otherwise pass as whatever its truth is."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
