@@ -1,6 +1,8 @@
 """Any global length with `mesh=`: the loader pads to a length the layout splits, runs and strips the
 padding (`tuner.runtime.padding`); output, lse and gradients match the float64 dense reference."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +10,7 @@ import pytest
 from jax.sharding import Mesh
 
 from tuner import get_tuned_ring_attention, layouts, registry
+from tuner.models import hlo
 from tuner.semantics.problem import Problem
 from tuner.semantics.reference import dense_attention
 
@@ -54,6 +57,36 @@ def test_a_length_the_ring_does_not_divide_matches_dense(causal, layout, given):
         np.testing.assert_allclose(got, want, atol=1e-4)
     reason = attn.explain(q, k, v, **options).reason
     assert f"padded to 32 query and 32 key tokens (from {T} and {T}" in reason, reason  # 4 devices (x2) divide 32
+
+
+def test_a_bias_and_sinks_the_devices_share_get_their_summed_gradients():
+    """A key-padding bias `[B, 1, 1, T]` (every query's, so every device holds it whole) and sinks: their
+    gradients are the sums of every device's part (a custom VJP that ordered the bias returned it unsummed,
+    which jax refused), they match float64, and on the CPU the backward's all-reduces run one at a time."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("sp",))
+    rng = np.random.default_rng(2)
+    q = jnp.asarray(rng.standard_normal((2, T, 4, 8)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, T, 2, 8)), jnp.float32) for _ in range(2))
+    bias, sinks = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in ((2, 1, 1, T), (4,)))
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh)
+
+    def loss(attend, q, k, v, bias, sinks):
+        return jnp.sum(attend(q, k, v, bias=bias, softmax_aux=sinks) ** 2)
+
+    def dense(q, k, v, bias, softmax_aux):
+        return dense_attention(q, k, v, causal=True, bias=bias, softmax_aux=softmax_aux)[0]
+
+    step = jax.jit(jax.grad(functools.partial(loss, attn), argnums=(0, 1, 2, 3, 4)))
+    grads = step(q, k, v, bias, sinks)
+    with jax.enable_x64(True):
+        want = jax.jit(jax.grad(functools.partial(loss, dense), argnums=(0, 1, 2, 3, 4)))(
+            *(jnp.asarray(x, jnp.float64) for x in (q, k, v, bias, sinks)))
+    for name, got, ref in zip(("dq", "dk", "dv", "dbias", "dsinks"), grads, want):
+        assert got.shape == ref.shape
+        np.testing.assert_allclose(got, ref, atol=1e-4, err_msg=name)
+    text = step.lower(q, k, v, bias, sinks).compile().as_text()
+    assert {kind: hlo.unordered_collectives(text, kind) for kind in ("all-reduce", "collective-permute")} == {
+        "all-reduce": [], "collective-permute": []}
 
 
 @pytest.mark.parametrize("causal, layout, given", [(False, "zigzag", ()), (True, "contiguous", ("positions",))])

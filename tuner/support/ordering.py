@@ -65,10 +65,15 @@ def _ordered_bwd(residuals, ct):
     # The cotangent of `x` waits for the forward values of `deps`, and the cotangents of `deps` wait for
     # it: the transposed collectives run after the forward ones, one at a time, in the reverse order. A
     # cotangent that varies over fewer mesh axes than `x` (a loss's constant seed) is marked as varying
-    # over `x`'s first, so that it can wait too.
+    # over `x`'s first, so that it can wait too. One that varies over more (an `x` replicated over axes
+    # that `deps` vary over, such as a bias broadcast over the queries) is summed over them: `x` was the
+    # same on each of their devices, and each device's use of it adds to its gradient.
     deps, like_x = residuals
-    ct = vma.like(ct, like_x)
-    return _waiting(ct, deps), jax.tree.map(lambda d: _waiting(jnp.zeros_like(d), ct), deps)
+    ct_x = _waiting(vma.like(ct, like_x), deps)
+    extra = tuple(sorted(vma.varying_axes(ct_x) - vma.varying_axes(like_x), key=str))
+    if extra:
+        ct_x = jax.lax.psum(ct_x, extra)
+    return ct_x, jax.tree.map(lambda d: _waiting(jnp.zeros_like(d), ct_x), deps)
 
 
 _ordered.defvjp(_ordered_fwd, _ordered_bwd)
