@@ -191,6 +191,8 @@ def test_bad_arguments_name_themselves():
         RingSelfAttention(16, 2, sinks=-1, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="packing: "):
         RingSelfAttention(16, 2, packing="many", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="use_rope must be True or False, got 'no'"):
+        RingSelfAttention(16, 2, use_rope="no", rngs=nnx.Rngs(0))
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from tuner.semantics import layouts
-from tuner.support.checks import check_int
+from tuner.support.checks import check_bool, check_int
 from tuner.runtime.dispatch import Decision, get_tuned_ring_attention
 from tuner.semantics.reference import dense_attention
 from tuner.strategies.ring import ring_geometry
@@ -70,6 +70,7 @@ class RingSelfAttention(nnx.Module):
         for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
             check_int(name, value)
         check_int("sinks", sinks, non_negative=True)
+        check_bool("use_rope", use_rope)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
         if head_dim is None:
