@@ -282,6 +282,8 @@ def test_bad_input_names_the_argument():
         layouts.document_order(np.ones((1, 8), np.int32), 2, tile=0)
     with pytest.raises(ValueError, match=r"segment_ids must be \[batch, length\]"):
         layouts.document_order(np.ones(8, np.int32), 2)
+    with pytest.raises(ValueError, match="causal must be True or False, got 'no'"):
+        layouts.document_order(np.ones((1, 8), np.int32), 2, causal="no")
 
 
 def test_a_declared_tile_shortens_every_tiled_default_and_only_with_segment_ids():

@@ -164,6 +164,8 @@ def test_bad_options_name_the_field():
         Problem(heads=6, kv_heads=4)
     with pytest.raises(ValueError, match="ring_size"):
         Problem(seq_len=1001, ring_size=4)
+    with pytest.raises(ValueError, match="causal must be True or False, got 1"):
+        Problem(causal=1)
 
 
 def _competitor(db, name: str) -> optuna.Study:

@@ -39,7 +39,7 @@ from tuner.semantics import documents, moves
 from tuner.semantics.documents import DEFAULT_TILE, DOCUMENTS, lay_out_rows, restore_rows
 from tuner.semantics.padding import Padding, padded_length
 from tuner.support import ordering, placement
-from tuner.support.checks import check_int
+from tuner.support.checks import check_bool, check_int
 from tuner.support.targets import compile_target
 from tuner.semantics.spec import LAYOUTS, AttentionSpec
 
@@ -141,6 +141,7 @@ def document_order(segment_ids, ring_size: int, *, causal: bool = True, window: 
     as `q_positions`/`kv_positions` (lay given positions out instead), and `restore_rows` the output.
     Works on traced segment ids inside `jax.jit`; NumPy in gives NumPy out, for a data pipeline."""
     ring_size = check_int("ring_size", ring_size, numeric=True)
+    check_bool("causal", causal)
     tiles = (tile, tile) if isinstance(tile, int) else tuple(tile)
     if len(tiles) != 2:
         raise ValueError(f"tile must be an int or a (query, key) pair of ints, got {tile!r}")
@@ -195,6 +196,7 @@ def lay_out_batch(batch: Mapping[str, Any], ring_size: int, layout: str = DOCUME
     arrays sharded over `axis_name` along the sequence stay so, each device sending its tokens where they
     belong (`tuner.semantics.moves`); only the segment ids are gathered whole, for the plan."""
     ring_size = check_int("ring_size", ring_size, numeric=True)
+    check_bool("causal", causal)
     if layout not in (*LAYOUTS, DOCUMENTS):
         raise ValueError(f"layout must be one of {', '.join((*LAYOUTS, DOCUMENTS))}, got {layout!r}")
     if not batch:

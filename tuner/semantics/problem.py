@@ -17,7 +17,7 @@ from typing import Any
 
 from tuner.semantics import layouts
 from tuner.semantics.packing import Packing
-from tuner.support.checks import check_int
+from tuner.support.checks import check_bool, check_int
 from tuner.semantics.spec import (INT32_MAX, LAYOUTS, AttentionSpec, LocalShapes, check_int32_length, clip_window,
                         normalize_window)
 
@@ -70,6 +70,7 @@ class Problem:
     def __post_init__(self) -> None:
         for name in ("batch", "seq_len", "heads", "kv_heads", "head_dim", "ring_size", "a2a_size"):
             check_int(name, getattr(self, name))
+        check_bool("causal", self.causal)
         if check_int("value_head_dim", self.value_head_dim, optional=True) == self.head_dim:
             object.__setattr__(self, "value_head_dim", None)
         if self.dtype not in DTYPES:
@@ -87,7 +88,7 @@ class Problem:
         if self.seq_len > INT32_MAX + 1:
             raise ValueError(f"seq_len must be at most 2**31 (int32 positions), got {self.seq_len}")
         window = normalize_window(self.window, name="window")
-        object.__setattr__(self, "window", clip_window(window, self.seq_len - 1, causal=bool(self.causal)))
+        object.__setattr__(self, "window", clip_window(window, self.seq_len - 1, causal=self.causal))
         if check_int32_length("chunk_size", self.chunk_size) is not None and self.chunk_size >= self.seq_len:
             object.__setattr__(self, "chunk_size", None)  # one chunk holds the whole sequence: no chunk mask
         if self.softcap is not None and not self.softcap > 0:
