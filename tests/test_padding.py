@@ -59,6 +59,42 @@ def test_a_length_the_ring_does_not_divide_matches_dense(causal, layout, given):
     assert f"padded to 32 query and 32 key tokens (from {T} and {T}" in reason, reason  # 4 devices (x2) divide 32
 
 
+@pytest.mark.parametrize("layout, lengths, axes", [
+    ("striped", (36, 52), ("sp",)),  # query shards of 9 tokens move by a permutation made for their length
+    ("striped", (30, 50), ("sp",)),  # padded to 32 and 52: key shards of 13, which no all-to-all splits in 4
+    ("zigzag", (32, 64), ("sp", "a2a")),  # over two axes (the hybrid) every layout moves by a permutation
+])
+def test_queries_and_keys_of_different_lengths_each_move_in_their_own_layout(layout, lengths, axes):
+    """Cross-attention lengths: the keys' side (keys, values, their segment ids) is laid out for its own
+    length. It moved by the queries' permutation, which gave wrong outputs without an error, or failed."""
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape((4,) if len(axes) == 1 else (2, 2)), axes)
+    rng = np.random.default_rng(3)
+    (tq, tk), two_axes = lengths, len(axes) == 2
+    q = jnp.asarray(rng.standard_normal((1, tq, 4, 8)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((1, tk, 4, 8)), jnp.float32) for _ in range(2))
+    floats = {} if two_axes else {"bias": jnp.asarray(rng.standard_normal((1, 4, tq, tk)), jnp.float32)}
+    ids = dict(q_segment_ids=jnp.asarray(rng.integers(0, 2, (1, tq)), jnp.int32),
+               kv_segment_ids=jnp.asarray(rng.integers(0, 2, (1, tk)), jnp.int32))
+    attn = get_tuned_ring_attention(axis_name=axes if two_axes else axes[0], causal=True, mesh=mesh, layout=layout,
+                                    strategy="hybrid" if two_axes else "ring")
+
+    def loss(attend, q, k, v, floats):
+        out = attend(q, k, v, **floats, **ids)
+        return jnp.sum(out ** 2), out
+
+    def dense(q, k, v, **options):
+        return dense_attention(q, k, v, causal=True, **options)[0]
+
+    argnums = (0, 1, 2, 3)
+    (_, out), grads = jax.jit(jax.value_and_grad(functools.partial(loss, attn), argnums, has_aux=True))(q, k, v, floats)
+    with jax.enable_x64(True):
+        f64 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), (q, k, v, floats))
+        (_, want), want_grads = jax.jit(jax.value_and_grad(functools.partial(loss, dense), argnums, has_aux=True))(*f64)
+    np.testing.assert_allclose(out, want, atol=1e-5)
+    for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(got, ref, atol=1e-4)
+
+
 def test_a_bias_and_sinks_the_devices_share_get_their_summed_gradients():
     """A key-padding bias `[B, 1, 1, T]` (every query's, so every device holds it whole) and sinks: their
     gradients are the sums of every device's part (a custom VJP that ordered the bias returned it unsummed,

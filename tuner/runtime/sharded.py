@@ -92,8 +92,11 @@ def run(rings: list[Callable[..., Any]], how: Layout, split: Split, mesh: Mesh, 
 
     def body(q, k, v, arrays):
         move, chosen, arrays = _move_of(how, axis_name, q.shape[1], arrays)
+        key_move = _key_move(how, axis_name, move, q.shape[1], k.shape[1])
         moving = [n for n in SEQUENCE_OPTIONS if n in arrays and not _given_by(how, n, options)]
-        q, k, v, *moved = _in_order(move.lay_out, [q, k, v, *(arrays[n] for n in moving)], after=chosen)
+        lay_outs = [(move if name == "query" or name.startswith("q_") else key_move).lay_out
+                    for name in ["query", "key", "value", *moving]]
+        q, k, v, *moved = _in_order(lay_outs, [q, k, v, *(arrays[n] for n in moving)], after=chosen)
         arrays = {**arrays, **dict(zip(moving, moved))}
         if "bias" in arrays:
             arrays["bias"] = _bias(ordering.ordered(arrays["bias"], moved[-1:] or v), move, how)
@@ -121,9 +124,9 @@ def describe(how: Layout, axis_name: Hashable, shard: int, devices: int) -> str:
     return f"laid out in the step ({what}): {moves.Move(kind, axis_name, method=method).describe()}"
 
 
-def _in_order(move: Callable[..., Any], xs: list, after=None) -> list:
-    """`move` of each array of `xs`, one after the other on the CPU, the first after `after`
-    (`tuner.support.ordering`)."""
+def _in_order(move: Callable[..., Any] | list[Callable[..., Any]], xs: list, after=None) -> list:
+    """`move` of each array of `xs` (or `move[i]` of `xs[i]`), one after the other on the CPU, the first after
+    `after` (`tuner.support.ordering`)."""
     return ordering.in_order(move, xs, () if after is None else after)
 
 
@@ -165,6 +168,15 @@ def _move_of(how: Layout, axis_name: Hashable, shard: int, arrays: dict[str, Any
     return moves.permutation(order, axis_name, platform=how.platform, other_axes=how.other_axes), chosen, arrays
 
 
+def _key_move(how: Layout, axis_name: Hashable, move: moves.Move, q_shard: int, kv_shard: int) -> moves.Move:
+    """The move of the key side (keys, values, their segment ids and positions): the queries' `move`, unless
+    their shards differ in length under a fixed layout, whose permutation or collectives depend on the length
+    (the documents layout takes one length; arrays laid out by the caller do not move)."""
+    if kv_shard == q_shard or how.laid_out or how.layout == DOCUMENTS:
+        return move
+    return _move_of(how, axis_name, kv_shard, {})[0]
+
+
 def _laid_out_choice(how: Layout, axis_name: Hashable, arrays: dict[str, Any]):
     """The ring the rows of a call laid out by the caller choose, where there are several: from their
     segment ids put back in token order by their positions."""
@@ -185,9 +197,9 @@ def _bias(bias, move: moves.Move, how: Layout):
         bias = move.lay_out(bias, axis=2)
     if bias.shape[3] == 1 or how.laid_out or how.layout == "contiguous":
         return bias
-    if move.how == "permutation":
+    if how.layout == DOCUMENTS:
         return documents.lay_out_rows(bias, move.order, axis=3)
-    return layouts.lay_out(bias, how.layout, how.ring, axis=3)
+    return layouts.lay_out(bias, how.layout, how.ring, axis=3)  # the keys' order, whatever their length
 
 
 __all__ = ["Layout", "SEQUENCE_OPTIONS", "Split", "describe", "run"]

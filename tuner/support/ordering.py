@@ -91,12 +91,13 @@ def ordered(x, deps):
 
 
 def in_order(collective, xs: list, after=()) -> list:
-    """`collective` applied to each array of `xs` (None passes through), one after the other on the CPU,
-    the first after the arrays of `after`."""
+    """`collective` applied to each array of `xs` (or, given a list, `collective[i]` to `xs[i]`; None passes
+    through), one after the other on the CPU, the first after the arrays of `after`."""
+    collectives = collective if isinstance(collective, list) else [collective] * len(xs)
     done, results = after, []
-    for x in xs:
+    for apply, x in zip(collectives, xs, strict=True):
         if x is not None:
-            x = done = collective(ordered(x, done))
+            x = done = apply(ordered(x, done))
         results.append(x)
     return results
 
