@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from jax.sharding import Mesh
 
 from tuner import get_tuned_ring_attention, layouts, registry
@@ -59,31 +61,35 @@ def test_a_length_the_ring_does_not_divide_matches_dense(causal, layout, given):
     assert f"padded to 32 query and 32 key tokens (from {T} and {T}" in reason, reason  # 4 devices (x2) divide 32
 
 
-@pytest.mark.parametrize("layout, lengths, axes", [
-    ("striped", (36, 52), ("sp",)),  # query shards of 9 tokens move by a permutation made for their length
-    ("striped", (30, 50), ("sp",)),  # padded to 32 and 52: key shards of 13, which no all-to-all splits in 4
-    ("zigzag", (32, 64), ("sp", "a2a")),  # over two axes (the hybrid) every layout moves by a permutation
-])
-def test_queries_and_keys_of_different_lengths_each_move_in_their_own_layout(layout, lengths, axes):
-    """Cross-attention lengths: the keys' side (keys, values, their segment ids) is laid out for its own
-    length. It moved by the queries' permutation, which gave wrong outputs without an error, or failed."""
+@given(st.integers(1, 70), st.integers(1, 70), st.sampled_from(["contiguous", "zigzag", "striped"]),
+       st.sampled_from([("sp",), ("sp", "a2a")]), st.booleans(), st.sampled_from([None, (5, 0), (3, 9)]),
+       st.booleans(), st.sampled_from([None, "full", "keys"]))
+def test_any_lengths_in_any_fixed_layout_match_float64(tq, tk, layout, axes, causal, window, packed, bias):
+    """Global arrays of any query and key lengths (cross-attention too), over one axis of 4 devices or two of
+    2x2 (the hybrid, which takes no bias): output and gradients against the float64 dense reference. The
+    keys' side moved by the queries' permutation in the striped layout and over two axes: wrong outputs
+    without an error, or a failed reshape."""
     mesh = Mesh(np.array(jax.devices()[:4]).reshape((4,) if len(axes) == 1 else (2, 2)), axes)
-    rng = np.random.default_rng(3)
-    (tq, tk), two_axes = lengths, len(axes) == 2
+    rng = np.random.default_rng(tq * 71 + tk)
     q = jnp.asarray(rng.standard_normal((1, tq, 4, 8)), jnp.float32)
-    k, v = (jnp.asarray(rng.standard_normal((1, tk, 4, 8)), jnp.float32) for _ in range(2))
-    floats = {} if two_axes else {"bias": jnp.asarray(rng.standard_normal((1, 4, tq, tk)), jnp.float32)}
-    ids = dict(q_segment_ids=jnp.asarray(rng.integers(0, 2, (1, tq)), jnp.int32),
-               kv_segment_ids=jnp.asarray(rng.integers(0, 2, (1, tk)), jnp.int32))
-    attn = get_tuned_ring_attention(axis_name=axes if two_axes else axes[0], causal=True, mesh=mesh, layout=layout,
-                                    strategy="hybrid" if two_axes else "ring")
+    k, v = (jnp.asarray(rng.standard_normal((1, tk, 2, 8)), jnp.float32) for _ in range(2))
+    ids, floats = {}, {}
+    if packed:
+        ids = dict(q_segment_ids=jnp.asarray(np.sort(rng.integers(0, 3, (1, tq))), jnp.int32),
+                   kv_segment_ids=jnp.asarray(np.sort(rng.integers(0, 3, (1, tk))), jnp.int32))
+    if bias and len(axes) == 1:
+        shape = (1, 4, tq, tk) if bias == "full" else (1, 1, 1, tk)  # every query's, as a key-padding bias
+        floats["bias"] = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    mask = dict(causal=causal, sliding_window=window)
+    attn = get_tuned_ring_attention(axis_name=axes if len(axes) == 2 else axes[0], mesh=mesh, layout=layout,
+                                    strategy="hybrid" if len(axes) == 2 else "ring", **mask)
 
     def loss(attend, q, k, v, floats):
         out = attend(q, k, v, **floats, **ids)
         return jnp.sum(out ** 2), out
 
     def dense(q, k, v, **options):
-        return dense_attention(q, k, v, causal=True, **options)[0]
+        return dense_attention(q, k, v, **mask, **options)[0]
 
     argnums = (0, 1, 2, 3)
     (_, out), grads = jax.jit(jax.value_and_grad(functools.partial(loss, attn), argnums, has_aux=True))(q, k, v, floats)
@@ -91,7 +97,7 @@ def test_queries_and_keys_of_different_lengths_each_move_in_their_own_layout(lay
         f64 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), (q, k, v, floats))
         (_, want), want_grads = jax.jit(jax.value_and_grad(functools.partial(loss, dense), argnums, has_aux=True))(*f64)
     np.testing.assert_allclose(out, want, atol=1e-5)
-    for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(got, ref, atol=1e-4)
 
 
@@ -143,6 +149,16 @@ def test_a_length_the_ring_divides_is_not_padded_and_keeps_the_problem_search_tu
     documents = get_tuned_ring_attention(axis_name="sp", causal=causal, mesh=mesh, layout="documents")
     with pytest.raises(ValueError, match="layout='documents' lays out each row from its documents"):
         documents(x, kv, kv, **options)  # given positions do not stand in for the segment ids it plans from
+
+
+def test_explain_names_the_keys_move_where_their_length_gives_another():
+    mesh = Mesh(np.array(jax.devices()[:4]), ("sp",))
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, layout="striped")
+    q, kv = jnp.zeros((1, 32, 2, 8)), jnp.zeros((1, 52, 2, 8))  # shards of 8 and 13 tokens
+    reason = attn.explain(q, kv, kv).reason
+    assert reason.endswith("laid out in the step (striped): queries: one all-to-all each way; keys and values: P-1 "
+                           "collective permutes of one shard each way, row by row (no ragged all-to-all here)"), reason
+    assert attn.explain(q, q, q).reason.endswith("laid out in the step (striped): one all-to-all each way")
 
 
 def test_padded_lengths_and_the_local_shards_message():

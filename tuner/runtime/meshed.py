@@ -120,7 +120,7 @@ class GlobalCall:
         if tile is not None:
             decision = self.plan(*planned_, a2a, packed_tile=tile, split=split, expect=True)
         size, _ = self.sizes()
-        moved = sharded.describe(self._how(split), self.axis_name, padding.q_to // size, size)
+        moved = sharded.describe(self._how(split), self.axis_name, padding.q_to // size, size, padding.kv_to // size)
         notes = ([DOCUMENTS_NOTE] if self.layout == DOCUMENTS else []) + (
             [padding.describe()] if padding.needed else []) + [moved]
         return dataclasses.replace(decision, reason="; ".join([decision.reason, *notes]))

@@ -113,15 +113,22 @@ def run(rings: list[Callable[..., Any]], how: Layout, split: Split, mesh: Mesh, 
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=manual)(*args)
 
 
-def describe(how: Layout, axis_name: Hashable, shard: int, devices: int) -> str:
-    """What the body moves, for `explain()`."""
+def describe(how: Layout, axis_name: Hashable, shard: int, devices: int, kv_shard: int | None = None) -> str:
+    """What the body moves, for `explain()` (`kv_shard`: the keys' shard, where its length is their own)."""
     if how.laid_out:
         return f"arrays laid out by the caller ({how.layout}): nothing permuted"
     documents_ = how.layout == DOCUMENTS
-    kind = "permutation" if documents_ else moves.kind(how.layout, isinstance(axis_name, tuple), shard, devices)
-    method = moves.method_for(how.platform, how.other_axes, permutation=kind == "permutation")
     what = f"{DOCUMENTS}, each row from its segment ids" if documents_ else how.layout
-    return f"laid out in the step ({what}): {moves.Move(kind, axis_name, method=method).describe()}"
+
+    def collectives(length: int) -> str:
+        kind = "permutation" if documents_ else moves.kind(how.layout, isinstance(axis_name, tuple), length, devices)
+        method = moves.method_for(how.platform, how.other_axes, permutation=kind == "permutation")
+        return moves.Move(kind, axis_name, method=method).describe()
+
+    queries = collectives(shard)
+    keys = queries if kv_shard in (None, shard) else collectives(kv_shard)
+    moved = queries if keys == queries else f"queries: {queries}; keys and values: {keys}"
+    return f"laid out in the step ({what}): {moved}"
 
 
 def _in_order(move: Callable[..., Any] | list[Callable[..., Any]], xs: list, after=None) -> list:
