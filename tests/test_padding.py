@@ -1,5 +1,6 @@
-"""Any global length with `mesh=`: the loader pads to a length the layout splits, runs and strips the
-padding (`tuner.runtime.padding`); output, lse and gradients match the float64 dense reference."""
+"""Any global length with `mesh=`, queries and keys of lengths of their own too: the loader pads to a length
+the layout splits, lays each side out for its length, runs and strips the padding
+(`tuner.semantics.padding`); output, lse and gradients match the float64 dense reference."""
 
 import functools
 
