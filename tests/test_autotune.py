@@ -212,7 +212,7 @@ def test_record_doctor_and_search_from_cover_a_recorded_program(tmp_path, monkey
     assert "0 of 2 tunable problem(s) covered" in capsys.readouterr().out
     assert main(["search", "--from", str(out), "--device", "cpu", "--trials", "1", "--runs", "1"]) == 0
     table = capsys.readouterr().out
-    assert "tuned (fwd+bwd, 1 trials)" in table and "tuned (fwd, 1 trials)" in table
+    assert "tuned (fwd+bwd, 1 trial)" in table and "tuned (fwd, 1 trial)" in table
     assert "2 of 2 tunable problem(s) covered" in table
     assert main(["doctor", str(out)]) == 0
 

@@ -144,10 +144,11 @@ def tune(calls: Sequence[Call], *, device: str | None = None, trials: int = 12,
         except (RuntimeError, ValueError) as error:
             outcomes[number] = Outcome(call, problem, call.source, None, None, f"search failed: {error_line(error)}")
             continue
+        ran = f"{result.trials_run} trial{'' if result.trials_run == 1 else 's'}"
         if result.decided_by:
-            note = f"tuned by worker {result.decided_by} ({chosen.objective}, {result.trials_run} trials)"
+            note = f"tuned by worker {result.decided_by} ({chosen.objective}, {ran})"
         elif result.stored:
-            note = f"tuned ({chosen.objective}, {result.trials_run} trials)"
+            note = f"tuned ({chosen.objective}, {ran})"
         else:
             note = "tuned; the cache kept a better row from another search"
         outcomes[number] = Outcome(call, problem, call.source, None, result.speedup, note)
