@@ -59,7 +59,8 @@ def test_a_fitted_packing_is_the_rows_own_or_the_log_normal_they_were_drawn_from
         assert Packing.parse(fitted.describe()) == fitted
     near_equal = np.stack([np.repeat(np.arange(8), 8), np.repeat(np.arange(16), 4)])  # equal lengths, counts differ
     assert Packing.fit(near_equal) == Packing("lognormal", count=12, sigma=0.05)
-    for bad in (np.zeros((2, 2, 4), np.int32), np.zeros((2, 0), np.int32), np.zeros(4, np.float32)):
+    for bad in (np.zeros((2, 2, 4), np.int32), np.zeros((2, 0), np.int32), np.zeros((0, 4), np.int32),
+                np.zeros(4, np.float32)):  # no rows gave an IndexError
         with pytest.raises(ValueError, match="segment_ids must be integer ids of shape"):
             Packing.fit(bad)
 

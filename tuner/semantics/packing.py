@@ -159,7 +159,7 @@ class Packing:
 def _rows(segment_ids: np.ndarray) -> list[list[int]]:
     """The lengths of each row's documents (runs of equal ids) of `[B, T]` or `[T]` segment ids."""
     ids = np.asarray(segment_ids)
-    if ids.ndim not in (1, 2) or ids.shape[-1] == 0 or not np.issubdtype(ids.dtype, np.integer):
+    if ids.ndim not in (1, 2) or 0 in ids.shape or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"segment_ids must be integer ids of shape [B, T] or [T], got {ids.dtype} {list(ids.shape)}")
     rows = []
     for row in ids.reshape(-1, ids.shape[-1]):
