@@ -101,3 +101,10 @@ def test_laid_out_arguments_are_checked():
         layouts.lay_out_batch({"tokens": np.zeros((1, T), np.int32)}, RING, "documents")
     with pytest.raises(ValueError, match="multiple of 16"):
         layouts.lay_out_batch({"tokens": np.zeros((1, T - 8), np.int32)}, RING, "zigzag")
+    batch = {"segment_ids": np.zeros((2, T))}  # float ids were laid out as ints
+    with pytest.raises(TypeError, match="segment_ids must have an integer dtype, got float64"):
+        layouts.lay_out_batch(batch, RING, "documents")
+    with pytest.raises(ValueError, match=r"window must have sides that are ints from 0"):  # an OverflowError in jit
+        layouts.lay_out_batch({"segment_ids": np.zeros((2, T), np.int32)}, RING, "documents", window=(-1, 0))
+    with pytest.raises(ValueError, match=r"positions must be \[B, T\] \(or \[1, T\]\) for the arrays of batch"):
+        layouts.restore_batch(batch, np.zeros((2, T // 2), np.int32))  # half the positions were taken as all

@@ -41,7 +41,7 @@ from tuner.semantics.padding import Padding, padded_length
 from tuner.support import ordering, placement
 from tuner.support.checks import check_bool, check_int
 from tuner.support.targets import compile_target
-from tuner.semantics.spec import LAYOUTS, AttentionSpec
+from tuner.semantics.spec import LAYOUTS, AttentionSpec, normalize_window
 
 
 def check_layout(layout: str, local_length: int, *, name: str = "layout") -> None:
@@ -149,6 +149,10 @@ def document_order(segment_ids, ring_size: int, *, causal: bool = True, window: 
         check_int("tile", t, numeric=True)
     if np.ndim(segment_ids) != 2:
         raise ValueError(f"segment_ids must be [batch, length], got shape {np.shape(segment_ids)}")
+    dtype = segment_ids.dtype if hasattr(segment_ids, "dtype") else np.asarray(segment_ids).dtype
+    if not np.issubdtype(dtype, np.integer):
+        raise TypeError(f"segment_ids must have an integer dtype, got {dtype}")
+    window = normalize_window(window, name="window")
     length = np.shape(segment_ids)[1]
     if length % ring_size:
         raise ValueError(f"segment_ids: the documents layout splits each row evenly, so its length ({length}) must "
@@ -237,6 +241,11 @@ def restore_batch(batch: Mapping[str, Any], positions, *, mesh=None, axis_name: 
                   ) -> dict[str, Any]:
     """`lay_out_batch` undone: every array of `batch` (`[B, T, ...]`, laid out) back in token order, from the
     `positions` it returned. With `mesh` and `axis_name`, on the devices, as `lay_out_batch` does."""
+    shapes = {name: np.shape(x) for name, x in batch.items()}
+    rows, length = np.shape(positions)[0], np.shape(positions)[-1]
+    if np.ndim(positions) != 2 or any(len(s) < 2 or s[1] != length or rows not in (1, s[0]) for s in shapes.values()):
+        raise ValueError(f"positions must be [B, T] (or [1, T]) for the arrays of batch [B, T, ...]: positions "
+                         f"{np.shape(positions)}, batch {shapes}")
     if mesh is None:
         back = np.argsort(np.asarray(positions), axis=1) if isinstance(positions, np.ndarray) else \
             jnp.argsort(positions, axis=1)
