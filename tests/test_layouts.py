@@ -33,10 +33,18 @@ def test_zigzag_holds_chunk_r_and_its_mirror():
 def test_zigzag_needs_even_local_length():
     with pytest.raises(ValueError, match="even"):
         layouts.global_order("zigzag", 12, 4)
+    with pytest.raises(ValueError, match="even, got 7"):  # gave 7 positions, two of them one chunk's
+        layouts.local_positions("zigzag", 7, 4, 0)
 
 
 def test_unknown_layout_and_bad_lengths():
     with pytest.raises(ValueError, match="layout must be one of"):
         layouts.global_order("spiral", 8, 2)
+    with pytest.raises(ValueError, match="layout must be one of"):  # was taken as zigzag
+        layouts.local_positions("documents", 8, 2, 0)
+    with pytest.raises(ValueError, match="length must be a non-negative int, got -3"):
+        layouts.padded_length(-3, 4, "zigzag")
+    with pytest.raises(ValueError, match=r"order must be \[B, T\] with T the length of axis 1"):  # took 16 of 32
+        layouts.lay_out_rows(jnp.zeros((1, 32)), jnp.zeros((1, 16), jnp.int32))
     with pytest.raises(ValueError, match="multiple of ring_size"):
         layouts.lay_out(jnp.zeros((1, 10)), "contiguous", 4)

@@ -226,6 +226,9 @@ def busiest(order, segments, ring: int, spec: AttentionSpec, tiles: tuple[int, i
 def lay_out_rows(x, order, *, axis: int = 1):
     """`x` with its sequence `axis` permuted row by row into `order` (`[B, T]`, from `document_order`);
     a batch dimension of 1 on either side is broadcast to the other's."""
+    if order.ndim != 2 or order.shape[1] != x.shape[axis]:
+        raise ValueError(f"order must be [B, T] with T the length of axis {axis} of x {tuple(x.shape)}, got "
+                         f"{tuple(order.shape)}")
     rows = max(x.shape[0], order.shape[0])
     x = jnp.broadcast_to(x, (rows,) + x.shape[1:])
     order = jnp.broadcast_to(order, (rows, order.shape[1]))

@@ -82,6 +82,7 @@ def local_positions_np(layout: str, local_length: int, ring_size: int, rank: int
 
 def local_positions(layout: str, local_length: int, ring_size: int, rank) -> jnp.ndarray:
     """Global positions (int32 `[local_length]`) of the tokens device `rank` holds; `rank` may be traced."""
+    check_layout(layout, local_length)
     t = lax.iota(jnp.int32, local_length)
     if layout == "contiguous":
         return rank * local_length + t

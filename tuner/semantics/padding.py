@@ -33,6 +33,7 @@ KEY_SIDE = ("kv_segment_ids", "kv_positions")
 def padded_length(length: int, devices: int, layout: str) -> int:
     """The shortest global length of at least `length` that `layout` splits evenly over `devices`: a
     multiple of `devices`, of twice that for zigzag (each device holds two equal chunks)."""
+    check_int("length", length, non_negative=True, numeric=True)
     multiple = check_int("devices", devices, numeric=True) * (2 if layout == "zigzag" else 1)
     return -(-length // multiple) * multiple
 
