@@ -280,6 +280,8 @@ def test_bad_options_are_named():
         get_tuned_ring_attention(mesh=Mesh(np.array(jax.devices()[:2]), ("sp",)))
     with pytest.raises(ValueError, match="chunk_size"):
         get_tuned_ring_attention(chunk_size=0)
+    with pytest.raises(ValueError, match="db must be the path of a cache file"):  # failed in the first call
+        get_tuned_ring_attention(db=3)
     with pytest.raises(ValueError, match="ring_size"):
         get_tuned_ring_attention(axis_name="sp").explain(*arrays(PROBLEM))
     for flag in ("return_lse", "interpret"):  # a truthy string or 1 would have been taken as True

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Hashable
 from typing import Any
 
@@ -69,6 +70,8 @@ class TunedRingAttention:
         if layout is not None and (not isinstance(layout, str) or layout not in LOADER_LAYOUTS):
             raise ValueError(f"layout must be one of {', '.join(LOADER_LAYOUTS)} or None, got {layout!r}")
         meshed.check_arguments(mesh, axis_name, layout, laid_out)
+        if db is not None and not isinstance(db, (str, os.PathLike)):
+            raise ValueError(f"db must be the path of a cache file (a str or os.PathLike) or None, got {db!r}")
         if backend != "auto":
             registry.get(backend)
         strategy = plan.check_strategy(strategy, backend, axis_name)
@@ -302,7 +305,7 @@ def get_tuned_ring_attention(
     softmax_scale: float | None = None,
     layout: str | None = None,
     backend: str = "auto",
-    db: str | None = None,
+    db: str | os.PathLike | None = None,
     mesh: Mesh | None = None,
     strategy: str = "auto",
     packing: str | None = None,
