@@ -242,9 +242,8 @@ def restore_batch(batch: Mapping[str, Any], positions, *, mesh=None, axis_name: 
                   ) -> dict[str, Any]:
     """`lay_out_batch` undone: every array of `batch` (`[B, T, ...]`, laid out) back in token order, from the
     `positions` it returned. With `mesh` and `axis_name`, on the devices, as `lay_out_batch` does."""
-    shapes = {name: np.shape(x) for name, x in batch.items()}
-    rows, length = np.shape(positions)[0], np.shape(positions)[-1]
-    if np.ndim(positions) != 2 or any(len(s) < 2 or s[1] != length or rows not in (1, s[0]) for s in shapes.values()):
+    shapes, given = {name: np.shape(x) for name, x in batch.items()}, np.shape(positions)
+    if len(given) != 2 or any(len(s) < 2 or s[1] != given[1] or given[0] not in (1, s[0]) for s in shapes.values()):
         raise ValueError(f"positions must be [B, T] (or [1, T]) for the arrays of batch [B, T, ...]: positions "
                          f"{np.shape(positions)}, batch {shapes}")
     if mesh is None:
