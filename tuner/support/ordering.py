@@ -69,11 +69,12 @@ def _ordered_bwd(residuals, ct):
     # that `deps` vary over, such as a bias broadcast over the queries) is summed over them: `x` was the
     # same on each of their devices, and each device's use of it adds to its gradient.
     deps, like_x = residuals
-    ct_x = _waiting(vma.like(ct, like_x), deps)
+    ct = vma.like(ct, like_x)
+    ct_x = _waiting(ct, deps)
     extra = tuple(sorted(vma.varying_axes(ct_x) - vma.varying_axes(like_x), key=str))
     if extra:
-        ct_x = jax.lax.psum(ct_x, extra)
-    return ct_x, jax.tree.map(lambda d: _waiting(jnp.zeros_like(d), ct_x), deps)
+        ct = ct_x = jax.lax.psum(ct_x, extra)  # the cotangents of `deps` then wait for the sum
+    return ct_x, jax.tree.map(lambda d: _waiting(jnp.zeros_like(d), ct), deps)
 
 
 _ordered.defvjp(_ordered_fwd, _ordered_bwd)
