@@ -41,7 +41,7 @@ from tuner.semantics.padding import Padding, padded_length
 from tuner.support import ordering, placement
 from tuner.support.checks import check_bool, check_int
 from tuner.support.targets import compile_target
-from tuner.semantics.spec import LAYOUTS, AttentionSpec, normalize_window
+from tuner.semantics.spec import LAYOUTS, AttentionSpec, check_int_dtype, normalize_window
 
 
 def check_layout(layout: str, local_length: int, *, name: str = "layout") -> None:
@@ -150,9 +150,7 @@ def document_order(segment_ids, ring_size: int, *, causal: bool = True, window: 
         check_int("tile", t, numeric=True)
     if np.ndim(segment_ids) != 2:
         raise ValueError(f"segment_ids must be [batch, length], got shape {np.shape(segment_ids)}")
-    dtype = segment_ids.dtype if hasattr(segment_ids, "dtype") else np.asarray(segment_ids).dtype
-    if not np.issubdtype(dtype, np.integer):
-        raise TypeError(f"segment_ids must have an integer dtype, got {dtype}")
+    check_int_dtype("segment_ids", segment_ids if hasattr(segment_ids, "dtype") else np.asarray(segment_ids))
     window = normalize_window(window, name="window")
     length = np.shape(segment_ids)[1]
     if length % ring_size:

@@ -24,7 +24,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from tuner.support.checks import check_int
-from tuner.semantics.spec import INT32_MIN
+from tuner.semantics.spec import INT32_MIN, check_bias_shape
 
 QUERY_SIDE = ("q_segment_ids", "q_positions")
 KEY_SIDE = ("kv_segment_ids", "kv_positions")
@@ -57,12 +57,9 @@ class Padding:
                 x = options.get(name)
                 if x is not None and (len(x.shape) != 2 or x.shape[1] != length):
                     raise ValueError(f"{name} must be [batch, {side} length {length}], got shape {tuple(x.shape)}")
-        bias = options.get("bias")
-        if bias is not None:
-            want = (query.shape[0], query.shape[2], q_len, kv_len)
-            if len(bias.shape) != 4 or any(got not in (1, full) for got, full in zip(bias.shape, want)):
-                raise ValueError(f"bias must have shape [batch, heads, query length, key length] = {want} or be "
-                                 f"broadcastable to it (size-1 dims), got {tuple(bias.shape)}")
+        if options.get("bias") is not None:
+            check_bias_shape(options["bias"], (query.shape[0], query.shape[2], q_len, kv_len),
+                             "batch, heads, query length, key length")
         by_position = (causal and q_len == kv_len and options.get("q_positions") is None
                        and options.get("kv_positions") is None)
         return cls(q_len, kv_len, padded_length(q_len, devices, layout), padded_length(kv_len, devices, layout),

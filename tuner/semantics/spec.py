@@ -218,9 +218,17 @@ def _check_float(name: str, x: Any) -> None:
         raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
 
 
-def _check_int(name: str, x: Any) -> None:
+def check_int_dtype(name: str, x: Any) -> None:
+    """`TypeError` naming `name` unless the array `x` holds integers (segment ids, positions)."""
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"{name} must have an integer dtype, got {x.dtype}")
+
+
+def check_bias_shape(bias: Any, want: tuple[int, int, int, int], axes: str) -> None:
+    """`ValueError` unless `bias` is `want` (its `axes`, named in the message) or broadcastable to it."""
+    if len(bias.shape) != 4 or any(got not in (1, full) for got, full in zip(bias.shape, want)):
+        raise ValueError(f"bias must have shape [{axes}] = {want} or be broadcastable to it (size-1 dims), got "
+                         f"{tuple(bias.shape)}")
 
 
 def _check_int32_values(name: str, x: Any) -> None:
@@ -294,7 +302,7 @@ def check_inputs(
                        ("q_positions", q_positions, tq), ("kv_positions", kv_positions, tk)):
         if x is None:
             continue
-        _check_int(name, x)
+        check_int_dtype(name, x)
         if x.shape != (b, t):
             raise ValueError(f"{name} must have shape [batch, length] = {(b, t)}, got {x.shape}")
     for name, x, t in (("q_positions", q_positions, tq), ("kv_positions", kv_positions, tk)):
@@ -311,7 +319,4 @@ def check_inputs(
                              f"got {softmax_aux.shape}")
     if bias is not None:
         _check_float("bias", bias)
-        want = (b, h, tq, tk * ring_size)
-        if bias.ndim != 4 or any(got not in (1, full) for got, full in zip(bias.shape, want)):
-            raise ValueError(f"bias must have shape [batch, heads, q_length, global kv_length] = {want} "
-                             f"or be broadcastable to it (size-1 dims), got {bias.shape}")
+        check_bias_shape(bias, (b, h, tq, tk * ring_size), "batch, heads, q_length, global kv_length")
