@@ -112,6 +112,32 @@ def test_a_gradient_of_the_gradient_is_refused_in_one_line_by_every_strategy(str
         jax.jit(jax.grad(penalty)).lower(k)
 
 
+def test_global_arrays_take_jax_s_transforms_outside_any_jit(tmp_path):
+    """`jax.vjp` and `jax.vmap` of the loader on global arrays, called outside any jit, match the same
+    transforms under `jax.jit`; forward mode (`jax.jvp`, and `jax.linearize`'s linear map) is refused in jax's
+    words for a custom VJP. (Before, outside any jit, they ran the `shard_map` primitive by primitive and
+    failed inside jax: "unhashable type: 'list'".)"""
+    q, k, v = arrays(SMALL)
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=cpu_mesh(), layout="zigzag",
+                                    db=str(tmp_path / "t.sqlite"))
+
+    def transforms(q, k, v):
+        out, pullback = jax.vjp(lambda k: attn(q, k, v), k)
+        batched = jax.vmap(lambda v: attn(q, k, v))(jnp.stack([v, 2 * v]))
+        return out, *pullback(q), batched
+
+    eager, jitted = transforms(q, k, v), jax.jit(transforms)(q, k, v)
+    for name, got, want in zip(("output", "pulled back", "vmapped"), eager, jitted):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5, err_msg=name)
+    np.testing.assert_allclose(eager[2], np.stack([eager[0], 2 * eager[0]]), rtol=0, atol=1e-5)  # linear in v
+    forward_mode = r"can't apply forward-mode autodiff \(jvp\) to a custom_vjp function"
+    with pytest.raises(TypeError, match=forward_mode):
+        jax.jvp(lambda q: attn(q, k, v), (q,), (q,))
+    _, linear = jax.linearize(lambda q: attn(q, k, v), q)
+    with pytest.raises(TypeError, match=forward_mode):
+        linear(q)
+
+
 def test_strategy_ring_keeps_the_ring_and_auto_on_the_cpu_is_as_before(tmp_path):
     q, k, v = arrays(SMALL)
     for strategy in ("ring", "auto"):

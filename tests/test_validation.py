@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tuner import BwdParams, FwdParams, ring_attention
+from tuner import BwdParams, FwdParams, get_tuned_ring_attention, ring_attention
 
 B, T, H, HKV, D = 2, 8, 4, 2, 8
 
@@ -35,6 +35,7 @@ def test_rank_and_shapes():
 
 def test_dtypes():
     q, k, v = _arrays()
+    _raises(TypeError, "query must be an array \\(jax or NumPy\\), got list", qkv=(np.asarray(q).tolist(), k, v))
     _raises(TypeError, "query must be float16, bfloat16 or float32", qkv=(q.astype(jnp.int32), k, v))
     _raises(TypeError, "share a dtype", qkv=(q, k.astype(jnp.bfloat16), v))
     seg = jnp.zeros((B, T), jnp.float32)
@@ -50,6 +51,20 @@ def test_masks_and_scalars():
     _raises(ValueError, "causal must be True or False", causal="yes")
     _raises(ValueError, "return_lse must be True or False", return_lse="no")  # truthy: would have returned the lse
     _raises(ValueError, "interpret must be True or False", interpret=1)
+
+
+def test_a_scale_may_be_a_concrete_jax_scalar_but_not_a_traced_one(tmp_path):
+    q, k, v = _arrays()
+    want = ring_attention(q, k, v, softmax_scale=0.25, logits_soft_cap=5.0)
+    got = ring_attention(q, k, v, softmax_scale=1 / jnp.sqrt(16.0), logits_soft_cap=jnp.asarray(5))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    loader = get_tuned_ring_attention(softmax_scale=1 / jnp.sqrt(16.0), logits_soft_cap=jnp.asarray(5),
+                                      db=str(tmp_path / "t.sqlite"))
+    np.testing.assert_array_equal(np.asarray(jax.jit(loader)(q, k, v)), np.asarray(want))
+    with pytest.raises(ValueError, match="softmax_scale must be known when the call is traced"):
+        jax.jit(lambda q, scale: ring_attention(q, k, v, softmax_scale=scale))(q, 0.25)
+    _raises(ValueError, "softmax_scale must be a positive float", softmax_scale=jnp.asarray(-1.0))
+    _raises(ValueError, "logits_soft_cap must be a positive float", logits_soft_cap=jnp.ones(2))
 
 
 def test_segments_positions_sinks_bias():

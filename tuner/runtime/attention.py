@@ -18,7 +18,7 @@ from tuner import registry
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.support.checks import check_bool
 from tuner.strategies.ring import block_kernel, group_size, ring_geometry, run_ring
-from tuner.semantics.spec import normalize_window
+from tuner.semantics.spec import normalize_window, optional_positive_float
 from tuner.support.targets import compile_target
 
 
@@ -87,7 +87,8 @@ def ring_attention(
     arrays = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_positions=q_positions,
                   kv_positions=kv_positions, softmax_aux=softmax_aux, bias=bias)
     mask = dict(causal=causal, sliding_window=sliding_window, chunk_size=chunk_size,
-                logits_soft_cap=logits_soft_cap, softmax_scale=softmax_scale)
+                logits_soft_cap=optional_positive_float("logits_soft_cap", logits_soft_cap),
+                softmax_scale=optional_positive_float("softmax_scale", softmax_scale))
     strategy = plan.check_strategy(strategy, backend, axis_name)
     size, group = ring_geometry(axis_name)[0], group_size(axis_name)
     resolved = plan.resolve(query, key, value, ring_size=size, layout=layout, backend=backend, strategy=strategy,

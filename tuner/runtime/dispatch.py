@@ -45,7 +45,7 @@ from tuner.cache import LOADER_BUSY_TIMEOUT_S, Cache, CacheError, writes
 from tuner.support.checks import check_bool, check_int
 from tuner.runtime.plan import Plan
 from tuner.strategies.ring import group_size, ring_geometry
-from tuner.semantics.spec import LocalShapes, build_spec, normalize_window
+from tuner.semantics.spec import LocalShapes, build_spec, normalize_window, optional_positive_float
 from tuner.support.targets import compile_target
 
 log = logging.getLogger("tuner.runtime.dispatch")
@@ -80,8 +80,9 @@ class TunedRingAttention:
         self.axis_name, self.layout, self.backend, self.mesh = axis_name, layout, backend, mesh
         self.strategy = strategy
         self.options = dict(causal=causal, sliding_window=normalize_window(sliding_window),
-                            chunk_size=chunk_size, logits_soft_cap=logits_soft_cap,
-                            softmax_scale=softmax_scale)
+                            chunk_size=chunk_size,
+                            logits_soft_cap=optional_positive_float("logits_soft_cap", logits_soft_cap),
+                            softmax_scale=optional_positive_float("softmax_scale", softmax_scale))
         build_spec(jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32), has_segments=False, bias=None,
                    softmax_aux=None, **self.options)  # the scalar options fail here, not at trace time
         if packing is not None:

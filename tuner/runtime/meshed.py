@@ -40,6 +40,7 @@ from tuner.semantics.spec import AttentionSpec, check_arrays
 from tuner.support.checks import check_bool
 from tuner.support.targets import compile_target
 
+STATIC = ("return_lse", "interpret", "rows_tile", "split")  # the jitted call's static arguments
 DOCUMENTS_NOTE = ("documents layout: each row laid out from its segment ids, keyed as contiguous (every shard in "
                   "token order, positions given)")
 
@@ -71,7 +72,11 @@ class GlobalCall:
         check_arrays(query, key, value)  # before the padding and the moves, which would fail on them less clearly
         split = self.split(query, key)
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((query, key, value, options))):
-            return self._traced(query, key, value, split=split, **options)
+            # under a jax.jit of its own (a new function each call, so that the loader decides at every trace, as
+            # it would without): the caller's transforms then see one jitted call, not shard_map's primitives
+            # one by one, which jax.linearize outside any jit cannot run
+            traced = jax.jit(functools.partial(self._traced), static_argnames=STATIC)
+            return traced(query, key, value, split=split, **options)
         tile = self.rows_tile(query, key, value, options, split)
         return self._jitted()(query, key, value, rows_tile=tile, split=split, **options)
 
@@ -168,8 +173,7 @@ class GlobalCall:
         rows choose), made again after a cache write in this process, so that the loader decides again as
         it does under the caller's own trace."""
         if self._compiled is None or self._compiled[0] != writes():
-            self._compiled = (writes(), jax.jit(self._traced, static_argnames=("return_lse", "interpret",
-                                                                               "rows_tile", "split")))
+            self._compiled = (writes(), jax.jit(self._traced, static_argnames=STATIC))
         return self._compiled[1]
 
     def _padding(self, query, key, options: dict[str, Any]) -> Padding:

@@ -160,12 +160,19 @@ def check_int32_length(name: str, value: Any, *, numeric: bool = False) -> int |
     return length
 
 
-def _check_optional_positive_float(name: str, value: Any) -> None:
+def optional_positive_float(name: str, value: Any) -> float | None:
+    """`value` as a float: a Python or NumPy number, or a concrete scalar jax array (`1 / jnp.sqrt(d)`)."""
     if value is None:
-        return
-    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+        return None
+    if isinstance(value, jax.core.Tracer):
+        raise ValueError(f"{name} must be known when the call is traced (it is a constant of the kernels), got a "
+                         f"traced value: compute it with Python or NumPy, outside the jitted function")
+    if isinstance(value, jax.Array) and value.shape == () and not jnp.issubdtype(value.dtype, jnp.bool_):
+        value = value.item()
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
     if not ok or not math.isfinite(float(value)) or value <= 0:
         raise ValueError(f"{name} must be a positive float, got {value!r}")
+    return float(value)
 
 
 def build_spec(
@@ -189,10 +196,10 @@ def build_spec(
     """
     check_bool("causal", causal)
     chunk_size = check_int32_length("chunk_size", chunk_size, numeric=True)
-    _check_optional_positive_float("logits_soft_cap", logits_soft_cap)
-    _check_optional_positive_float("softmax_scale", softmax_scale)
+    softcap = optional_positive_float("logits_soft_cap", logits_soft_cap)
+    softmax_scale = optional_positive_float("softmax_scale", softmax_scale)
     head_dim = query.shape[-1]
-    scale = float(softmax_scale) if softmax_scale is not None else head_dim**-0.5
+    scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
     num_sinks = 0
     if softmax_aux is not None:
         num_sinks = 1 if softmax_aux.ndim == 1 else softmax_aux.shape[1]
@@ -206,7 +213,7 @@ def build_spec(
         causal=bool(causal),
         window=window,
         chunk_size=chunk_size,
-        softcap=float(logits_soft_cap) if logits_soft_cap is not None else None,
+        softcap=softcap,
         has_segments=has_segments,
         has_bias=bias is not None,
         num_sinks=num_sinks,
@@ -249,6 +256,8 @@ def check_arrays(query: Any, key: Any, value: Any) -> None:
     non-empty float arrays of one dtype, `[B, Tq, H, D]`, `[B, Tk, Hkv, D]` and `[B, Tk, Hkv, Dv]` with `Hkv`
     dividing `H`: shards or global arrays alike."""
     for name, x in (("query", query), ("key", key), ("value", value)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array (jax or NumPy), got {type(x).__name__}")
         if getattr(x, "ndim", None) != 4:
             raise ValueError(f"{name} must have rank 4 [batch, length, heads, head_dim], got shape "
                              f"{getattr(x, 'shape', None)}")
