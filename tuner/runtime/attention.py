@@ -19,6 +19,7 @@ from tuner.kernels.params import BwdParams, FwdParams
 from tuner.support.checks import check_bool
 from tuner.strategies.ring import block_kernel, group_size, ring_geometry, run_ring
 from tuner.semantics.spec import normalize_window, optional_positive_float
+from tuner.support.jitted import call_jitted
 from tuner.support.targets import compile_target
 
 
@@ -110,9 +111,10 @@ def ring_attention(
                   reason=f"{' and '.join(given) or 'no params'} given by the caller, the rest "
                          f"{chosen.name}'s defaults; ring_attention does not read the cache")
     with record.scope(noted):
-        return record.watch(noted, run_ring(
-            query, key, value, spec=resolved.spec, backend=chosen.name, fwd_params=fwd_params, bwd_params=bwd_params,
-            axis_name=axis_name, layout=layout, interpret=interpret, return_lse=return_lse, **arrays))
+        return record.watch(noted, call_jitted(
+            run_ring, dict(spec=resolved.spec, backend=chosen.name, fwd_params=fwd_params, bwd_params=bwd_params,
+                           axis_name=axis_name, layout=layout, interpret=interpret, return_lse=return_lse),
+            query, key, value, **arrays))
 
 
 def _run_strategy(query, key, value, resolved: plan.Resolved, arrays: dict, mask: dict, fwd_params: FwdParams | None,
@@ -132,9 +134,10 @@ def _run_strategy(query, key, value, resolved: plan.Resolved, arrays: dict, mask
                   reason=f"strategy {implementation.name}: {' and '.join(named) or 'no params'} given by the caller, "
                          f"the rest its defaults; ring_attention does not read the cache")
     with record.scope(noted):
-        return record.watch(noted, implementation.attend(
-            query, key, value, spec=resolved.spec, config=config, axis_name=axis_name, layout=layout,
-            interpret=interpret, return_lse=return_lse, **arrays))
+        return record.watch(noted, call_jitted(
+            implementation.attend, dict(spec=resolved.spec, config=config, axis_name=axis_name, layout=layout,
+                                        interpret=interpret, return_lse=return_lse),
+            query, key, value, **arrays))
 
 
 def _note(query, key, value, arrays: dict, mask: dict, resolved: plan.Resolved, sizes: tuple[int, int],

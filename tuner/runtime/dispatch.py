@@ -43,6 +43,7 @@ from tuner.runtime import agreement, configured, measured, meshed, modelled, pla
 from tuner import registry
 from tuner.cache import LOADER_BUSY_TIMEOUT_S, Cache, CacheError, writes
 from tuner.support.checks import check_bool, check_int
+from tuner.support.jitted import call_jitted
 from tuner.runtime.plan import Plan
 from tuner.strategies.ring import group_size, ring_geometry
 from tuner.semantics.spec import LocalShapes, build_spec, normalize_window, optional_positive_float
@@ -173,11 +174,12 @@ class TunedRingAttention:
         return rank, positions
 
     def _attend(self, query, key, value, options: dict[str, Any], decision: Decision):
-        interpret = bool(options.get("interpret"))
-        arrays = {n: v for n, v in options.items() if n != "interpret"}
-        call = dict(spec=decision.spec, axis_name=self.axis_name, layout=decision.layout, interpret=interpret, **arrays)
+        arrays = {n: v for n, v in options.items() if n in plan.ARRAY_OPTIONS}
+        call = dict(spec=decision.spec, axis_name=self.axis_name, layout=decision.layout,
+                    interpret=bool(options.get("interpret")), return_lse=bool(options.get("return_lse")))
         try:
-            return registry.get(decision.backend).attend(query, key, value, config=decision.config, **call)
+            return call_jitted(registry.get(decision.backend).attend, dict(config=decision.config, **call),
+                               query, key, value, **arrays)
         except Exception as error:  # noqa: BLE001 - a variant that fails to build falls back (module docstring)
             fallback = registry.fallback_for(registry.get(decision.backend))
             if fallback.name == decision.backend and decision.source in ("default", "fallback"):
@@ -188,7 +190,7 @@ class TunedRingAttention:
             placement = configured.Placement(LocalShapes.of_shards(query, key, value),
                                              ring_geometry(self.axis_name)[0], group_size(self.axis_name))
             config = fallback.default_config(registry.tile_shapes(fallback, *placement), decision.spec)
-            return fallback.attend(query, key, value, config=config, **call)
+            return call_jitted(fallback.attend, dict(config=config, **call), query, key, value, **arrays)
 
     def _note(self, query, key, value, ring_size: int, a2a_size: int, options: dict[str, Any], decision: Decision
               ) -> record.Call:

@@ -38,6 +38,7 @@ from tuner.semantics.documents import DOCUMENTS
 from tuner.semantics.padding import Padding
 from tuner.semantics.spec import AttentionSpec, check_arrays
 from tuner.support.checks import check_bool
+from tuner.support.jitted import call_jitted
 from tuner.support.targets import compile_target
 
 STATIC = ("return_lse", "interpret", "rows_tile", "split")  # the jitted call's static arguments
@@ -72,11 +73,11 @@ class GlobalCall:
         check_arrays(query, key, value)  # before the padding and the moves, which would fail on them less clearly
         split = self.split(query, key)
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((query, key, value, options))):
-            # under a jax.jit of its own (a new function each call, so that the loader decides at every trace, as
-            # it would without): the caller's transforms then see one jitted call, not shard_map's primitives
-            # one by one, which jax.linearize outside any jit cannot run
-            traced = jax.jit(functools.partial(self._traced), static_argnames=STATIC)
-            return traced(query, key, value, split=split, **options)
+            # one jitted call for the caller's transforms, not shard_map's primitives one by one (which jax.jvp and
+            # jax.linearize outside any jit fail on inside jax)
+            static = {n: v for n, v in options.items() if n in STATIC}
+            arrays = {n: v for n, v in options.items() if n not in STATIC}
+            return call_jitted(self._traced, dict(split=split, **static), query, key, value, **arrays)
         tile = self.rows_tile(query, key, value, options, split)
         return self._jitted()(query, key, value, rows_tile=tile, split=split, **options)
 
