@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tuner import BwdParams, FwdParams, get_tuned_ring_attention, ring_attention
+from tuner import BwdParams, FwdParams, get_tuned_ring_attention, layouts, ring_attention
 
 B, T, H, HKV, D = 2, 8, 4, 2, 8
 
@@ -90,6 +90,35 @@ def test_layout_backend_params():
         FwdParams(block_q=0)
     with pytest.raises(ValueError, match="both be set"):
         BwdParams(block_q_dq=16)
+
+
+def test_an_axis_name_no_shard_map_binds_is_named_with_the_fix(tmp_path, monkeypatch):
+    """Outside any `shard_map`, or inside one without that axis: a `ValueError` naming `axis_name` and what to
+    do, not jax's bare "unbound axis name"."""
+    monkeypatch.setenv("TUNER_HOME", str(tmp_path))
+    q, k, v = _arrays()
+    mesh = jax.make_mesh((2, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                         devices=jax.devices()[:4])
+    seq = jax.sharding.PartitionSpec(None, ("a", "b"))
+
+    def sharded(fn):
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(seq,) * 3, out_specs=seq))
+
+    fix = "call this inside a shard_map over a mesh with that axis, or call get_tuned_ring_attention"
+    calls = {
+        "'a'": lambda: ring_attention(q, k, v, axis_name="a"),
+        "'zz'": lambda: sharded(lambda q, k, v: ring_attention(q, k, v, axis_name="zz"))(q, k, v),
+        r"\('a', 'zz'\)": lambda: sharded(lambda q, k, v: ring_attention(q, k, v, axis_name=("a", "zz"),
+                                                                          strategy="hybrid"))(q, k, v),
+        r"\('zz', 'b'\)": lambda: sharded(get_tuned_ring_attention(axis_name=("zz", "b"), layout="contiguous"))(
+            q, k, v),
+        "'b'": lambda: get_tuned_ring_attention(axis_name="b", layout="contiguous")(q, k, v),
+        r"\('a', 'b'\)": lambda: layouts.grouped_positions("contiguous", T, ("a", "b")),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=f"axis_name={name} names an axis that no enclosing jax.shard_map "
+                                             f"binds .*: {fix}"):
+            call()
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])

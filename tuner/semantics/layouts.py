@@ -38,7 +38,7 @@ from jax import lax
 from tuner.semantics import documents, moves
 from tuner.semantics.documents import DEFAULT_TILE, DOCUMENTS, lay_out_rows, restore_rows
 from tuner.semantics.padding import Padding, padded_length
-from tuner.support import ordering, placement
+from tuner.support import axes, ordering, placement
 from tuner.support.checks import check_bool, check_int
 from tuner.support.targets import compile_target
 from tuner.semantics.spec import LAYOUTS, AttentionSpec, check_int_dtype, normalize_window
@@ -113,9 +113,10 @@ def grouped_positions(layout: str, length: int, axis_name: tuple) -> jnp.ndarray
     axes `(ring_axis, group_axis)`, inside `shard_map` over both: its group index's cut of its ring position's
     chunk of `layout` (`PartitionSpec(None, (ring_axis, group_axis))`)."""
     ring_axis, group_axis = check_axes(axis_name)
+    devices = axes.bound_size(axis_name)  # ring positions x groups; ValueError naming axis_name where unbound
     groups = lax.axis_size(group_axis)
     check_layout(layout, groups * length)
-    chunk = local_positions(layout, groups * length, lax.axis_size(ring_axis), lax.axis_index(ring_axis))
+    chunk = local_positions(layout, groups * length, devices // groups, lax.axis_index(ring_axis))
     return lax.dynamic_slice_in_dim(chunk, lax.axis_index(group_axis) * length, length)
 
 

@@ -44,7 +44,7 @@ from jax.ad_checkpoint import checkpoint_name
 from tuner.semantics import layouts, masks
 from tuner.support import ordering
 from tuner import registry
-from tuner.support import vma, work
+from tuner.support import axes, vma, work
 from tuner.kernels.base import Backend
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.semantics.spec import AttentionSpec
@@ -79,12 +79,12 @@ def ring_geometry(axis_name: Hashable | None) -> tuple[int, Any]:
     """(ring size, this device's index on the ring); (1, 0) without an axis."""
     if axis_name is None:
         return 1, 0
-    return lax.axis_size(axis_name), lax.axis_index(axis_name)
+    return axes.bound_size(axis_name), lax.axis_index(axis_name)
 
 
 def group_size(axis_name: Hashable | None) -> int | None:
     """The size of the second axis of a pair `axis_name` (a call over two mesh axes), else None."""
-    return lax.axis_size(axis_name[1]) if isinstance(axis_name, tuple) else None
+    return axes.bound_size(axis_name[1]) if isinstance(axis_name, tuple) else None
 
 
 def _travelling(k, v, kv_pos, kv_seg) -> tuple:
