@@ -14,7 +14,6 @@ the hybrid, all-to-all and all-gather over them under x64, rank promotion `raise
 from __future__ import annotations
 
 import contextlib
-import gc
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,27 +43,12 @@ class Setting:
     dtype: str = "float32"
 
 
-@contextlib.contextmanager
-def leak_checks():
-    """`jax.checking_leaks()`, with the objects alive before it out of the garbage collector's sight
-    (`gc.freeze`). jax collects garbage at the end of every trace still alive then (10 in the loader's
-    gradient here), and a full collection walks the whole heap: after the test files before it in a worker,
-    20 s of this test. The traces the call makes, and any tracer they leak, are new objects, which the
-    collections and jax's search for leaked tracers still see."""
-    gc.freeze()
-    try:
-        with jax.checking_leaks():
-            yield
-    finally:
-        gc.unfreeze()
-
-
 SETTINGS = {
     "x64": Setting(lambda mesh: jax.enable_x64(True)),
     "rank_promotion_raise": Setting(lambda mesh: jax.numpy_rank_promotion("raise")),
     "explicit_sharding": Setting(jax.set_mesh, AxisType.Explicit),
     "debug_nans": Setting(lambda mesh: jax.debug_nans(True)),
-    "tracer_leaks": Setting(lambda mesh: leak_checks()),
+    "tracer_leaks": Setting(lambda mesh: jax.checking_leaks()),
     "matmul_precision_highest": Setting(lambda mesh: jax.default_matmul_precision("highest")),
     "transfer_guard_disallow": Setting(lambda mesh: jax.transfer_guard("disallow")),
     "bfloat16_sharded": Setting(lambda mesh: contextlib.nullcontext(), dtype="bfloat16"),
