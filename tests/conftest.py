@@ -1,5 +1,5 @@
-"""Test setup: 8 simulated CPU devices (before jax is imported), the order of the test files, and the
-hypothesis profiles.
+"""Test setup: 8 simulated CPU devices (before jax is imported), the order of the test files, the
+hypothesis profiles, and the heap frozen after each test.
 
     python -m pytest -q                     # everything (what CI runs)
     python -m pytest -q -m "not slow"       # the fast tier, while editing
