@@ -93,8 +93,9 @@ def test_layout_backend_params():
 
 
 def test_an_axis_name_no_shard_map_binds_is_named_with_the_fix(tmp_path, monkeypatch):
-    """Outside any `shard_map`, or inside one without that axis: a `ValueError` naming `axis_name` and what to
-    do, not jax's bare "unbound axis name"."""
+    """Outside any `shard_map`, inside one without that axis, or under a `jax.vmap` that names it: a
+    `ValueError` naming `axis_name` and what to do, not jax's bare "unbound axis name" or an
+    `AssertionError` from inside jax."""
     monkeypatch.setenv("TUNER_HOME", str(tmp_path))
     q, k, v = _arrays()
     mesh = jax.make_mesh((2, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
@@ -114,6 +115,8 @@ def test_an_axis_name_no_shard_map_binds_is_named_with_the_fix(tmp_path, monkeyp
             q, k, v),
         "'b'": lambda: get_tuned_ring_attention(axis_name="b", layout="contiguous")(q, k, v),
         r"\('a', 'b'\)": lambda: layouts.grouped_positions("contiguous", T, ("a", "b")),
+        "'v'": lambda: jax.vmap(lambda q, k, v: ring_attention(q, k, v, axis_name="v"), axis_name="v")(
+            *(x[None] for x in (q, k, v))),
     }
     for name, call in calls.items():
         with pytest.raises(ValueError, match=f"axis_name={name} names an axis that no enclosing jax.shard_map "
