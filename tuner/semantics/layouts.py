@@ -39,6 +39,7 @@ from tuner.semantics import documents, moves
 from tuner.semantics.documents import DEFAULT_TILE, DOCUMENTS, lay_out_rows, restore_rows
 from tuner.semantics.padding import Padding, padded_length
 from tuner.support import axes, ordering, placement
+from tuner.support.axes import sequence_axes
 from tuner.support.checks import check_bool, check_int
 from tuner.support.targets import compile_target
 from tuner.semantics.spec import LAYOUTS, AttentionSpec, check_int_dtype, normalize_window
@@ -91,11 +92,6 @@ def local_positions(layout: str, local_length: int, ring_size: int, rank) -> jnp
     half = local_length // 2
     chunk = jnp.where(t < half, rank, 2 * ring_size - 1 - rank)
     return chunk * half + t % half
-
-
-def sequence_axes(axis_name) -> tuple:
-    """The mesh axes a call's `axis_name` shards the sequence over: the one axis, or the pair."""
-    return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
 def check_axes(axis_name) -> tuple:

@@ -83,8 +83,9 @@ def ring_geometry(axis_name: Hashable | None) -> tuple[int, Any]:
 
 
 def group_size(axis_name: Hashable | None) -> int | None:
-    """The size of the second axis of a pair `axis_name` (a call over two mesh axes), else None."""
-    return axes.bound_size(axis_name[1]) if isinstance(axis_name, tuple) else None
+    """The size of the second axis of a pair `axis_name` (a call over two mesh axes), else None. Its callers ask
+    `ring_geometry` first, which names an unbound `axis_name`."""
+    return lax.axis_size(axis_name[1]) if isinstance(axis_name, tuple) else None
 
 
 def _travelling(k, v, kv_pos, kv_seg) -> tuple:
