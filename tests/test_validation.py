@@ -80,6 +80,24 @@ def test_segments_positions_sinks_bias():
     _raises(ValueError, "bias must have shape", bias=jnp.zeros((H, T, T)))
 
 
+def test_the_loader_names_a_lone_segment_ids_array_and_a_list_before_reading_shapes(tmp_path, monkeypatch):
+    """On global arrays (`mesh=`) the padding read the segment ids' shapes before the pair was checked: a lone
+    `q_segment_ids` or a list raised `AttributeError` from inside the library. Every path names them now."""
+    monkeypatch.setenv("TUNER_HOME", str(tmp_path))
+    q, k, v = _arrays()
+    seg = jnp.zeros((B, T), jnp.int32)
+    mesh = jax.make_mesh((2,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+    for attn in (get_tuned_ring_attention(axis_name="sp", mesh=mesh), get_tuned_ring_attention()):
+        for call in (attn, attn.explain):
+            with pytest.raises(ValueError, match="must be given together .*pass the same array as both"):
+                call(q, k, v, q_segment_ids=seg)
+            with pytest.raises(TypeError, match="kv_segment_ids must be an array \\(jax or NumPy\\), got list"):
+                call(q, k, v, q_segment_ids=seg, kv_segment_ids=np.asarray(seg).tolist())
+            with pytest.raises(TypeError, match="q_positions must be an array \\(jax or NumPy\\), got tuple"):
+                call(q, k, v, q_positions=tuple(range(T)))
+    _raises(TypeError, "bias must be an array", bias=[[0.0]])
+
+
 def test_layout_backend_params():
     _raises(ValueError, "layout must be one of contiguous, zigzag, striped", layout="spiral")
     _raises(ValueError, "even", layout="zigzag", qkv=tuple(x[:, :7] for x in _arrays()))

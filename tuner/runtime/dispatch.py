@@ -46,7 +46,7 @@ from tuner.support.checks import check_bool, check_int
 from tuner.support.jitted import call_jitted
 from tuner.runtime.plan import Plan
 from tuner.strategies.ring import group_size, ring_geometry
-from tuner.semantics.spec import LocalShapes, build_spec, normalize_window, optional_positive_float
+from tuner.semantics.spec import LocalShapes, build_spec, check_call_arrays, normalize_window, optional_positive_float
 from tuner.support.targets import compile_target
 
 log = logging.getLogger("tuner.runtime.dispatch")
@@ -295,6 +295,7 @@ def _check_call_options(options: dict[str, Any]) -> dict[str, Any]:
     for name in ("return_lse", "interpret"):
         if name in options:
             check_bool(name, options[name])
+    check_call_arrays(**{name: options.get(name) for name in plan.ARRAY_OPTIONS})
     return options
 
 

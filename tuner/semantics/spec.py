@@ -281,6 +281,18 @@ def check_arrays(query: Any, key: Any, value: Any) -> None:
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hkv})")
 
 
+def check_call_arrays(**arrays: Any) -> None:
+    """`TypeError` naming the argument for a per-call option (segment ids, positions, `softmax_aux`, `bias`)
+    given as something other than an array, and `ValueError` unless the segment ids come as a pair: before
+    anything reads their shapes, on shards and global arrays alike."""
+    for name, x in arrays.items():
+        if x is not None and not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            raise TypeError(f"{name} must be an array (jax or NumPy), got {type(x).__name__}")
+    if (arrays.get("q_segment_ids") is None) != (arrays.get("kv_segment_ids") is None):
+        raise ValueError("q_segment_ids and kv_segment_ids must be given together (or neither): for "
+                         "self-attention pass the same array as both")
+
+
 def check_inputs(
     query: Any,
     key: Any,
@@ -302,11 +314,11 @@ def check_inputs(
     2**31 tokens.
     """
     check_arrays(query, key, value)
+    check_call_arrays(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_positions=q_positions,
+                      kv_positions=kv_positions, softmax_aux=softmax_aux, bias=bias)
     b, tq, h, _ = query.shape
     tk = key.shape[1]
 
-    if (q_segment_ids is None) != (kv_segment_ids is None):
-        raise ValueError("q_segment_ids and kv_segment_ids must be given together (or neither)")
     for name, x, t in (("q_segment_ids", q_segment_ids, tq), ("kv_segment_ids", kv_segment_ids, tk),
                        ("q_positions", q_positions, tq), ("kv_positions", kv_positions, tk)):
         if x is None:
