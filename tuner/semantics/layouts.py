@@ -185,11 +185,12 @@ def lay_out_batch(batch: Mapping[str, Any], ring_size: int, layout: str = DOCUME
     """A training batch laid out for a ring of `ring_size` positions, once: `(laid_out, positions)`.
 
     Every array of `batch` (`[B, T, ...]` in token order: tokens, labels, loss weights, segment ids, your
-    own positions) has its axis 1 put in the layout's device-major order, as the loader would in every
-    call; `positions [B, T]` int32 is the token index each slot now holds. Pass `positions` as
-    `q_positions`/`kv_positions` (and to rotary embeddings) and the laid-out segment ids to attention made
-    with `laid_out=True`. `layout` is a fixed layout or `"documents"`, planned per row from
-    `batch[segment_ids]` for the masks `causal` and `window` and the kernel's `tile` (`document_order`).
+    own positions; a value may be a pytree of them, as a nested mapping) has its axis 1 put in the
+    layout's device-major order, as the loader would in every call; `positions [B, T]` int32 is the token
+    index each slot now holds. Pass `positions` as `q_positions`/`kv_positions` (and to rotary embeddings)
+    and the laid-out segment ids to attention made with `laid_out=True`. `layout` is a fixed layout or
+    `"documents"`, planned per row from `batch[segment_ids]` for the masks `causal` and `window` and the
+    kernel's `tile` (`document_order`).
 
     Without `mesh`, on the host: NumPy in, NumPy out (jax arrays work too, gathered where they are). With
     `mesh` and `axis_name` (its sequence axis, or the pair of a call over two axes), on the devices: the
@@ -199,28 +200,42 @@ def lay_out_batch(batch: Mapping[str, Any], ring_size: int, layout: str = DOCUME
     check_bool("causal", causal)
     if layout not in (*LAYOUTS, DOCUMENTS):
         raise ValueError(f"layout must be one of {', '.join((*LAYOUTS, DOCUMENTS))}, got {layout!r}")
-    if not batch:
-        raise ValueError("batch must hold at least one array [B, T, ...]")
-    shapes = {name: np.shape(x) for name, x in batch.items()}
-    rows, length = next(iter(shapes.values()))[:2]
-    wrong = {n: s for n, s in shapes.items() if len(s) < 2 or s[:2] != (rows, length)}
-    if wrong:
-        raise ValueError(f"every array of batch must be [B, T, ...] with one B and T: {shapes}")
+    leaves, tree = _batch_leaves(batch)
+    rows, length = np.shape(leaves[0])[:2]
     devices = ring_size if mesh is None else _mesh_devices(mesh, axis_name, ring_size)
     multiple = devices * (2 if layout == "zigzag" else 1)
     if length % multiple:
         raise ValueError(f"batch: the {layout} layout over {devices} devices needs a length that is a multiple of "
                          f"{multiple}, got {length}: pack rows of padded_length({length}, {devices}, {layout!r}) "
                          f"tokens")
-    if layout == DOCUMENTS and (segment_ids is None or segment_ids not in batch):
+    if layout == DOCUMENTS and (segment_ids is None or segment_ids not in batch or np.ndim(batch[segment_ids]) != 2):
         raise ValueError(f"segment_ids: the documents layout plans each row from its segment ids, but batch has no "
-                         f"array {segment_ids!r}: pass the key of its [B, T] segment ids")
+                         f"[B, T] array {segment_ids!r}: pass the key of its [B, T] segment ids")
     plan = functools.partial(_batch_order, layout=layout, ring_size=ring_size, causal=causal, window=window,
                              tile=tile)
     if mesh is None:
         order = plan(batch[segment_ids] if layout == DOCUMENTS else None, length)
-        return {n: _take_rows(x, order) for n, x in batch.items()}, _every_row(order, rows)
-    return _lay_out_sharded(dict(batch), plan, mesh, axis_name, layout, segment_ids)
+        return tree.unflatten([_take_rows(x, order) for x in leaves]), _every_row(order, rows)
+    ids = next(i for i, x in enumerate(leaves) if x is batch[segment_ids]) if layout == DOCUMENTS else None
+    laid, positions = _lay_out_sharded(leaves, plan, mesh, axis_name, layout, ids)
+    return tree.unflatten(laid), positions
+
+
+def _batch_leaves(batch: Mapping[str, Any]) -> tuple[list[Any], Any]:
+    """The arrays of `batch` (a mapping whose values are arrays or pytrees of arrays) and its tree structure;
+    `ValueError` naming every leaf that is not `[B, T, ...]` with the first leaf's B and T."""
+    if not isinstance(batch, Mapping) or not batch:
+        raise ValueError(f"batch must be a mapping of arrays [B, T, ...] (pytrees of them allowed), got {batch!r:.80}")
+    paths, tree = jax.tree_util.tree_flatten_with_path(dict(batch))
+    for path, x in paths:
+        if not hasattr(x, "shape"):
+            raise ValueError(f"batch{jax.tree_util.keystr(path)} is a {type(x).__name__}, not an array: every leaf of "
+                             f"batch must be an array [B, T, ...] (a list is a tree of leaves to jax: np.asarray it)")
+    shapes = {jax.tree_util.keystr(path): np.shape(x) for path, x in paths}
+    first = next(iter(shapes.values()))
+    if any(len(s) < 2 or len(first) < 2 or s[:2] != first[:2] for s in shapes.values()):
+        raise ValueError(f"every array of batch must be [B, T, ...] with one B and T, got {shapes}")
+    return [x for _, x in paths], tree
 
 
 def _every_row(order, rows: int):
@@ -237,15 +252,16 @@ def restore_batch(batch: Mapping[str, Any], positions, *, mesh=None, axis_name: 
                   ) -> dict[str, Any]:
     """`lay_out_batch` undone: every array of `batch` (`[B, T, ...]`, laid out) back in token order, from the
     `positions` it returned. With `mesh` and `axis_name`, on the devices, as `lay_out_batch` does."""
-    shapes, given = {name: np.shape(x) for name, x in batch.items()}, np.shape(positions)
-    if len(given) != 2 or any(len(s) < 2 or s[1] != given[1] or given[0] not in (1, s[0]) for s in shapes.values()):
-        raise ValueError(f"positions must be [B, T] (or [1, T]) for the arrays of batch [B, T, ...]: positions "
-                         f"{np.shape(positions)}, batch {shapes}")
+    leaves, tree = _batch_leaves(batch)
+    shape, given = np.shape(leaves[0]), np.shape(positions)
+    if len(given) != 2 or given[1] != shape[1] or given[0] not in (1, shape[0]):
+        raise ValueError(f"positions must be [B, T] (or [1, T]) for the arrays of batch [B, T, ...] = "
+                         f"{shape[:2]}, got {given}")
     if mesh is None:
         back = np.argsort(np.asarray(positions), axis=1) if isinstance(positions, np.ndarray) else \
             jnp.argsort(positions, axis=1)
-        return {n: _take_rows(x, back) for n, x in batch.items()}
-    return _restore_sharded(dict(batch), positions, mesh, axis_name)
+        return tree.unflatten([_take_rows(x, back) for x in leaves])
+    return tree.unflatten(_restore_sharded(leaves, positions, mesh, axis_name))
 
 
 def _batch_order(segment_ids, length: int, *, layout: str, ring_size: int, causal: bool, window, tile):
@@ -289,35 +305,35 @@ def _on_devices(body, mesh, axis_name, arrays: dict, *extra):
         return moves.fixed(layout, axis_name, shard, lax.axis_size(axis_name), order, platform=platform,
                            other_axes=other_axes)
 
-    in_specs = ({n: seq for n in arrays}, *(seq,) * len(extra))
+    in_specs = ([seq] * len(arrays), *(seq,) * len(extra))
     args = placement.for_shard_map(mesh, names, (arrays, *extra), in_specs)
     return jax.shard_map(functools.partial(body, move_of), mesh=mesh, in_specs=in_specs, out_specs=seq,
                          axis_names=names)(*args)
 
 
-def _lay_out_sharded(batch: dict, plan, mesh, axis_name, layout: str, segment_ids: str | None):
+def _lay_out_sharded(arrays: list, plan, mesh, axis_name, layout: str, segment_ids: int | None):
+    """The laid-out `arrays` and the positions; `segment_ids`: the index of the segment ids among them."""
     def body(move_of, arrays):
-        shard = next(iter(arrays.values())).shape[1]
+        shard = arrays[0].shape[1]
         total = shard * lax.axis_size(axis_name)
         rows = None
         if layout == DOCUMENTS:  # the plan reads whole rows of segment ids: 4 bytes a token
             rows = lax.all_gather(arrays[segment_ids], axis_name, axis=1, tiled=True)
         order = jnp.asarray(plan(rows, total))
         move = move_of(order, layout, shard)
-        laid = ordering.in_order(move.lay_out, list(arrays.values()))
         mine = lax.dynamic_slice_in_dim(order, lax.axis_index(axis_name) * shard, shard, axis=1)
-        batch_rows = next(iter(arrays.values())).shape[0]
-        return dict(zip(arrays, laid)), jnp.broadcast_to(mine, (batch_rows, shard)).astype(jnp.int32)
+        positions = jnp.broadcast_to(mine, (arrays[0].shape[0], shard)).astype(jnp.int32)
+        return ordering.in_order(move.lay_out, arrays), positions
 
-    return _on_devices(body, mesh, axis_name, batch)
+    return _on_devices(body, mesh, axis_name, arrays)
 
 
-def _restore_sharded(batch: dict, positions, mesh, axis_name):
+def _restore_sharded(arrays: list, positions, mesh, axis_name):
     def body(move_of, arrays, positions):
         move = move_of(lax.all_gather(positions, axis_name, axis=1, tiled=True))  # 4 bytes a token
-        return dict(zip(arrays, ordering.in_order(move.restore, list(arrays.values()))))
+        return ordering.in_order(move.restore, arrays)
 
-    return _on_devices(body, mesh, axis_name, batch, jnp.asarray(positions, jnp.int32))
+    return _on_devices(body, mesh, axis_name, arrays, jnp.asarray(positions, jnp.int32))
 
 
 __all__ = ["DOCUMENTS", "LAYOUTS", "Padding", "check_axes", "check_layout", "document_order", "global_order",
