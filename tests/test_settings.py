@@ -6,9 +6,10 @@ tolerances (bfloat16: 2e-2 forward, 4e-2 gradients). The problem: packed documen
 grouped-query heads and a sliding window, in the zigzag layout under every setting, and in the documents
 layout (its plan, permutations and per-row tile: three rings compiled, 20 s a case) under the three
 settings that broke it before issue 56. The Triton kernels (their interpreter) run under x64, and the
-cudnn kernel (its XLA twin, bfloat16, no segment ids: cuDNN takes none) under x64 and rank promotion
-`raise`, the Pallas TPU kernels (interpret mode, through `ring_attention` under `shard_map`) under x64, and
-the hybrid, all-to-all and all-gather over them under x64, rank promotion `raise` and NaN checks.
+cudnn kernel (its XLA twin, bfloat16, no segment ids: cuDNN takes none) under x64, rank promotion
+`raise` and strict dtype promotion, the Pallas TPU kernels (interpret mode, through `ring_attention` under
+`shard_map`) under x64, and the hybrid, all-to-all and all-gather over them under x64, rank promotion
+`raise` and NaN checks.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Setting:
 SETTINGS = {
     "x64": Setting(lambda mesh: jax.enable_x64(True)),
     "rank_promotion_raise": Setting(lambda mesh: jax.numpy_rank_promotion("raise")),
+    "dtype_promotion_strict": Setting(lambda mesh: jax.numpy_dtype_promotion("strict")),
     "explicit_sharding": Setting(jax.set_mesh, AxisType.Explicit),
     "debug_nans": Setting(lambda mesh: jax.debug_nans(True)),
     "tracer_leaks": Setting(lambda mesh: jax.checking_leaks()),
@@ -156,7 +158,7 @@ def test_the_triton_kernels_under_x64_in_their_interpreter(tmp_path, monkeypatch
     check_loader(SETTINGS["x64"], "zigzag", backend="triton")
 
 
-@pytest.mark.parametrize("name", ["x64", "rank_promotion_raise"])
+@pytest.mark.parametrize("name", ["x64", "rank_promotion_raise", "dtype_promotion_strict"])
 def test_the_cudnn_kernel_under_the_setting_with_its_xla_twin(name, tmp_path, monkeypatch):
     monkeypatch.setenv("TUNER_HOME", str(tmp_path))
     check_loader(SETTINGS[name], "zigzag", backend="cudnn", dtype="bfloat16", packed=False)

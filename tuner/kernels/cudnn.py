@@ -130,7 +130,7 @@ def _engine_backward(engine, spec: AttentionSpec, q, k, v, o, lse, do, delta, *,
     dq, dk, dv = (x.astype(F32) for x in engine.backward(q, k, v, o, lse, do, **call))
     do32, o32 = do.astype(F32), o.astype(F32)
     difference = jnp.einsum("bqhd,bqhd->bhq", do32, o32) - delta  # [B, H, Tq]: cuDNN's delta less the ring's
-    resolution = jnp.finfo(q.dtype).eps * jnp.einsum("bqhd,bqhd->bhq", jnp.abs(do32), jnp.abs(o32))
+    resolution = float(jnp.finfo(q.dtype).eps) * jnp.einsum("bqhd,bqhd->bhq", jnp.abs(do32), jnp.abs(o32))
 
     def corrected(grads):
         dq, dk = grads
