@@ -158,10 +158,23 @@ def test_the_triton_kernels_under_x64_in_their_interpreter(tmp_path, monkeypatch
     check_loader(SETTINGS["x64"], "zigzag", backend="triton")
 
 
-@pytest.mark.parametrize("name", ["x64", "rank_promotion_raise", "dtype_promotion_strict"])
-def test_the_cudnn_kernel_under_the_setting_with_its_xla_twin(name, tmp_path, monkeypatch):
+def together(*names: str) -> Setting:
+    """The settings `names` (over auto axes, float32 inputs) turned on at once."""
+    def context(mesh):
+        stack = contextlib.ExitStack()
+        for name in names:
+            stack.enter_context(SETTINGS[name].context(mesh))
+        return stack
+
+    return Setting(context)
+
+
+@pytest.mark.parametrize("names", [("x64",), ("rank_promotion_raise", "dtype_promotion_strict")],
+                         ids=["x64", "rank_promotion_raise+dtype_promotion_strict"])
+def test_the_cudnn_kernel_under_the_setting_with_its_xla_twin(names, tmp_path, monkeypatch):
+    """Two programs of 15 s of compiling each: the promotion settings share one."""
     monkeypatch.setenv("TUNER_HOME", str(tmp_path))
-    check_loader(SETTINGS[name], "zigzag", backend="cudnn", dtype="bfloat16", packed=False)
+    check_loader(together(*names), "zigzag", backend="cudnn", dtype="bfloat16", packed=False)
 
 
 def test_the_pallas_tpu_kernels_under_x64_in_interpret_mode():
