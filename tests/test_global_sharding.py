@@ -64,7 +64,8 @@ def test_the_mesh_path_keeps_the_sequence_sharded_on_one_axis(layout, backward):
 @pytest.mark.parametrize("layout", ["zigzag", "striped", "documents"])
 def test_a_batch_on_a_data_axis_stays_sharded_there(layout):
     """The mesh's other axes stay automatic: no all-to-all (XLA gathers a data axis around one); the
-    striped layout and the documents' permutation move by collective permutes, row by row."""
+    striped layout and the documents' permutation move by collective permutes (the permutation's pass each
+    shard around the ring)."""
     result = global_memory.compile_case(Case(layout, "ring", "2x4", True, TOKENS), jax.devices())
     check(result)
     assert result.out_spec == "P('dp', 'sp')" and "all-to-all" not in result.collectives

@@ -158,7 +158,8 @@ def test_explain_names_the_keys_move_where_their_length_gives_another():
     q, kv = jnp.zeros((1, 32, 2, 8)), jnp.zeros((1, 52, 2, 8))  # shards of 8 and 13 tokens
     reason = attn.explain(q, kv, kv).reason
     assert reason.endswith("laid out in the step (striped): queries: one all-to-all each way; keys and values: P-1 "
-                           "collective permutes of one shard each way, row by row (no ragged all-to-all here)"), reason
+                           "collective permutes of one shard each way, passed around the ring (no ragged all-to-all "
+                           "here)"), reason
     assert attn.explain(q, q, q).reason.endswith("laid out in the step (striped): one all-to-all each way")
 
 

@@ -13,10 +13,11 @@ buffer in flight, and each token travels once:
   a token), carried out by one `ragged_all_to_all` where the platform has it (TPU, GPU).
 
 XLA:CPU has no ragged all-to-all, and where the mesh has axes left to XLA's partitioner (automatic, not
-manual in the `shard_map`) it gathers their shards around an all-to-all. There (`ROTATION`) the rows move
-by `P - 1` rounds of `ppermute`, row by row: round s sends each device's tokens for the device s places
-on, in a shard-sized buffer for a permutation (every token still moves once; the buffer carries the
-padding) and in 1/P of a shard for the striped layout.
+manual in the `shard_map`) it gathers their shards around an all-to-all. There (`ROTATION`) a permutation
+passes each device's shard around the ring, as the ring attention passes keys: `P - 1` rounds of a
+`ppermute` to the next device, in a loop, each device keeping the tokens that belong to it as the shards
+go by (one shard in flight; the program holds one round, whatever `P`). The striped layout sends in
+round s, to the device s places on, the 1/P of a shard that belongs there.
 
 Both directions are differentiable; the gradient of a move is the opposite move. On the CPU each
 collective waits for the one before it (`tuner.support.ordering`).
@@ -82,7 +83,7 @@ class Move:
         if self.how == "striped":
             return "one all-to-all each way" if one else "P-1 collective permutes of 1/P of a shard each way"
         return ("one ragged all-to-all each way" if one else
-                "P-1 collective permutes of one shard each way, row by row (no ragged all-to-all here)")
+                "P-1 collective permutes of one shard each way, passed around the ring (no ragged all-to-all here)")
 
     def _move(self, x, axis: int, forward: bool):
         if self.how == "contiguous":
@@ -212,15 +213,19 @@ def _permute(x, dest, source, axes: Hashable, method: str):
     to_device, to_slot, from_device = mine // length, mine % length, wanted // length
     if method == ONE_COLLECTIVE:
         return _ragged(x, dest, to_device, to_slot, from_device, axes, devices, me)
-    out = jnp.zeros_like(x)
-    for shift in range(devices):  # round `shift`: to the device that many places on, row by row
-        going = to_device == (me + shift) % devices
-        buffer = _take(x, jnp.argsort(jnp.where(going, to_slot, length + to_slot), axis=1))
-        if shift:
-            buffer = lax.ppermute(ordering.after(buffer, out), axes, _shifted(devices, shift))
-        coming = from_device == (me - shift) % devices  # they arrive in slot order
-        out = jnp.where(_expand(coming, x.ndim), _take(buffer, jnp.cumsum(coming, axis=1) - 1), out)
-    return out
+    kept = wanted % length  # where in its own shard each of my slots' tokens sits
+
+    def keep(passes, visiting, out):
+        """`out` with the tokens of `visiting`, the shard of the device `passes` places back, that are mine."""
+        mine = _expand(from_device == (me - passes) % devices, x.ndim)
+        return jnp.where(mine, _take(visiting, kept), out)
+
+    def round_(passes, carry):
+        visiting, out = carry
+        visiting = lax.ppermute(ordering.after(visiting, out), axes, _shifted(devices, 1))
+        return visiting, keep(passes, visiting, out)
+
+    return lax.fori_loop(1, devices, round_, (x, keep(0, x, jnp.zeros_like(x))))[1]
 
 
 def _ragged(x, dest, to_device, to_slot, from_device, axes: Hashable, devices: int, me):
