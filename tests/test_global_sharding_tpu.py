@@ -3,7 +3,8 @@ sequence axis) at 131072 tokens, bf16, GQA 8/2, D=128, the Pallas kernels: the r
 `tests/test_global_sharding.py`, for the layouts with collectives of their own on the TPU (zigzag's collective
 permutes, the documents layout's ragged all-to-all), forward and forward+backward (the documents layout's
 forward+backward only: its program holds the forward's moves). Contiguous moves nothing, and the striped
-layout's all-to-all is the CPU test's. Slow tier: about 100 s of compiling.
+layout's all-to-all is the CPU test's. Slow tier: about 100 s of compiling. And a mesh with a data axis
+that neither the batch nor the heads divide, lowered (2 s).
 `benchmarks/memory/global_memory.py --tpu v5e:2x2 --tokens 131072 524288` prints every layout's table."""
 
 import importlib.util
@@ -11,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytestmark = [pytest.mark.slow,
@@ -40,3 +42,24 @@ def test_on_the_tpu_compiler_at_131072_tokens(layout, backward):
         assert result.collectives.get("ragged-all-to-all", 0) >= 8, result.collectives
     else:
         assert "all-to-all" not in result.collectives and "all-gather" not in result.collectives, result.collectives
+
+
+def test_a_batch_and_heads_the_data_axis_does_not_divide_run_replicated_over_it():
+    """On a (dp, sp) mesh, one row and three heads under `jax.jit` (auto axes: no sharding to read): the
+    batch cannot be split over dp, nor the heads, so the ring runs replicated over dp, manual over both
+    axes. It was left to XLA's partitioner over dp, which cannot partition a Mosaic kernel: jax refused
+    to lower it. Lowered for the TPU (the refusal came from lowering), forward and backward."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tuner import get_tuned_ring_attention
+
+    mesh = Mesh(np.array(global_memory.tpu_devices("v5e:2x2")).reshape(2, 2), ("dp", "sp"))
+    sequence = NamedSharding(mesh, P(None, "sp"))
+    q = jax.ShapeDtypeStruct((1, 2048, 3, 128), jnp.bfloat16, sharding=sequence)
+    attn = get_tuned_ring_attention(axis_name="sp", mesh=mesh, causal=True)
+    step = jax.jit(jax.grad(lambda q, k, v: attn(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+    text = step.trace(q, q, q).lower().as_text()
+    assert "tpu_custom_call" in text and text.count("collective_permute") >= 4

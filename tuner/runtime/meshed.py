@@ -86,7 +86,8 @@ class GlobalCall:
         they have them (arrays, `jax.ShapeDtypeStruct`s, traced arrays of an explicit-sharding mesh). Under a
         trace of auto-sharded arrays XLA decides later: on the CPU the other axes are left to it (every kernel
         there is XLA's to partition); elsewhere, where Mosaic and Triton kernels are not, the batch is taken to
-        be split over them (else the heads), as data parallelism (else tensor parallelism) does."""
+        be split over them (else the heads), as data parallelism (else tensor parallelism) does, and where
+        neither divides, replicated over them."""
         names = set(layouts.sequence_axes(self.axis_name))
         others = tuple(n for n in self.mesh.axis_names if n not in names)
         if not others:
@@ -102,7 +103,7 @@ class GlobalCall:
             return sharded.Split(batch=entry)
         if query.shape[2] % count == 0 and key.shape[2] % count == 0:
             return sharded.Split(q_heads=entry, kv_heads=entry)
-        return sharded.Split(manual=False)
+        return sharded.Split()  # replicated over them: each group of devices runs the same ring
 
     def plan(self, query, key, value, options: dict[str, Any], a2a: int | None = None, *,
              packed_tile: int | None = None, split: sharded.Split | None = None, expect: bool = False) -> Plan:
