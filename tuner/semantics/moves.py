@@ -3,7 +3,7 @@
 Arrays come in sharded evenly over the sequence axes in token order: device `d` holds tokens
 `[d*T_l, (d+1)*T_l)`, the contiguous layout. `Move.lay_out` sends every token to the device and slot its
 layout gives it; `Move.restore` sends it back. Each device only ever holds its own shard and the one
-buffer in flight, and each token travels once:
+buffer in flight, and with one collective each token travels once:
 
 - `contiguous`: nothing moves;
 - `zigzag` over one axis: each device's two half-shards go where they belong, two `ppermute`s;
@@ -16,8 +16,9 @@ XLA:CPU has no ragged all-to-all, and where the mesh has axes left to XLA's part
 manual in the `shard_map`) it gathers their shards around an all-to-all. There (`ROTATION`) a permutation
 passes each device's shard around the ring, as the ring attention passes keys: `P - 1` rounds of a
 `ppermute` to the next device, in a loop, each device keeping the tokens that belong to it as the shards
-go by (one shard in flight; the program holds one round, whatever `P`). The striped layout sends in
-round s, to the device s places on, the 1/P of a shard that belongs there.
+go by (one shard in flight, `P - 1` shards sent by each device; the program holds one round, whatever
+`P`). The striped layout sends in round s, to the device s places on, the 1/P of a shard that belongs
+there.
 
 Both directions are differentiable; the gradient of a move is the opposite move. On the CPU each
 collective waits for the one before it (`tuner.support.ordering`).
