@@ -238,14 +238,23 @@ def train(config: Config, progress: bool = True, autotune_trials: int = 0) -> li
     return losses
 
 
+HELP = {
+    "embed_dim": "the model's width", "hidden_size": "the MLP's hidden width", "num_heads": "query heads a layer",
+    "num_kv_heads": "key/value heads a layer (grouped-query attention where fewer)", "num_layers": "decoder layers",
+    "max_seq_len": "the longest sequence the model is built for", "needles": "how many needle ids the task draws from",
+    "noise": "how many noise ids fill the sequence", "queries": "QUERY tokens at the end of a sequence (or document)",
+    "batch": "rows a step", "seq_len": "tokens a row", "devices": "simulated CPU devices in the ring",
+    "steps": "training steps", "seed": "the seed of the weights and the data", "dropout": "dropout rate",
+    "learning_rate": "Adam's learning rate", "rope_base": "the rotary embeddings' base",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     defaults = Config()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name in ("embed_dim", "hidden_size", "num_heads", "num_kv_heads", "num_layers", "max_seq_len", "needles",
-                 "noise", "queries", "batch", "seq_len", "devices", "steps", "seed"):
-        parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
-    for name in ("dropout", "learning_rate", "rope_base"):
-        parser.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
+    for name, kind in ((n, type(getattr(defaults, n))) for n in HELP):
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name),
+                            help=f"{HELP[name]} (default: %(default)s)")
     parser.add_argument("--packed", action="store_true",
                         help="rows of packed documents, laid out once per batch in the documents layout")
     parser.add_argument("--per-call", action="store_true",
