@@ -133,13 +133,16 @@ def test_layer_on_global_arrays_with_a_declared_packing_equals_the_dense_layer_a
     (_, want), want_grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(dense)
     compare(got, want, nnx.state(got_grads, nnx.Param), nnx.state(want_grads, nnx.Param))
 
-    def loops(layer) -> int:
+    def lowered(layer) -> tuple[int, int]:
+        """The rings the layer's program holds (the plans its loader traced: one per tile the rows may
+        choose in the step) and its loops (the rings', and the moves' that every program shares)."""
         graphdef, state = nnx.split(layer)
         text = jax.jit(lambda s: nnx.merge(graphdef, s)(x, segment_ids=ids)).lower(state).as_text()
-        return text.count("stablehlo.while")
+        return len(layer.ring.traced), text.count("stablehlo.while")
 
     undeclared, _ = layers(**options)
-    assert loops(undeclared) == 3 * loops(ring) > 0
+    (rings, loops), (declared_rings, declared_loops) = lowered(undeclared), lowered(ring)
+    assert (rings, declared_rings) == (3, 1) and loops > declared_loops > 0
 
 
 def test_explain_says_what_the_layer_runs():
