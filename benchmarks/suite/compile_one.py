@@ -1,8 +1,11 @@
 """Compile one program of the kind the suite compiles most, and say how long it took and how large it is:
 the gradient of the loader's call on global arrays over 4 simulated CPU devices (2 x 256 tokens, GQA 4/2,
-D=16, causal, a window, packed documents), as `tests/test_settings.py` compiles it.
+D=16, causal, a window, packed documents), as `tests/test_settings.py` compiles it. `--packing` declares
+the rows' packing to the loader (the documents layout then compiles one ring, not one per default tile);
+`--devices` sets the ring's size.
 
     python benchmarks/suite/compile_one.py --layout zigzag
+    python benchmarks/suite/compile_one.py --layout documents --packing lognormal:4,sigma=0.9 --devices 8
     XLA_FLAGS=--xla_llvm_disable_expensive_passes=true python benchmarks/suite/compile_one.py --layout documents
     perf record -g python benchmarks/suite/compile_one.py     # where the compile's time goes
 
@@ -36,14 +39,18 @@ B, T, H, HKV, D = 2, 256, 4, 2, 16
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layout", default="zigzag", choices=["contiguous", "zigzag", "striped", "documents"])
+    parser.add_argument("--packing", help="the packing declared to the loader (e.g. lognormal:4,sigma=0.9)")
+    parser.add_argument("--devices", type=int, default=4, choices=[2, 4, 8], help="the ring's size (default: 4)")
     args = parser.parse_args(argv)
-    mesh = jax.make_mesh((4,), ("sp",), devices=jax.devices()[:4], axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh((args.devices,), ("sp",), devices=jax.devices()[:args.devices],
+                         axis_types=(jax.sharding.AxisType.Auto,))
     rng = np.random.default_rng(0)
     sharded = NamedSharding(mesh, P(None, "sp"))
     q, k, v = (jax.device_put(rng.standard_normal((B, T, h, D)).astype(np.float32), sharded) for h in (H, HKV, HKV))
     cuts = [np.sort(rng.choice(np.arange(1, T), 4, replace=False)) for _ in range(B)]
     ids = jax.device_put(np.asarray([np.searchsorted(c, np.arange(T), side="right") for c in cuts], np.int32), sharded)
-    attn = get_tuned_ring_attention(axis_name="sp", mesh=mesh, causal=True, sliding_window=(96, 0), layout=args.layout)
+    attn = get_tuned_ring_attention(axis_name="sp", mesh=mesh, causal=True, sliding_window=(96, 0), layout=args.layout,
+                                    packing=args.packing)
 
     def loss(q, k, v, ids):
         return jnp.sum(attn(q, k, v, q_segment_ids=ids, kv_segment_ids=ids))
