@@ -63,3 +63,7 @@ def test_a_batch_and_heads_the_data_axis_does_not_divide_run_replicated_over_it(
     step = jax.jit(jax.grad(lambda q, k, v: attn(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
     text = step.trace(q, q, q).lower().as_text()
     assert "tpu_custom_call" in text and text.count("collective_permute") >= 4
+    plan = attn.explain(jax.ShapeDtypeStruct(q.shape, q.dtype), q, q)  # a trace's: no sharding to read
+    assert "batch and heads replicated over 'dp': every device along it runs the same ring" in plan.reason
+    two_rows = jax.ShapeDtypeStruct((2, 2048, 3, 128), jnp.bfloat16)
+    assert "replicated" not in attn.explain(two_rows, two_rows, two_rows).reason  # the batch split over dp

@@ -128,9 +128,18 @@ class GlobalCall:
             decision = self.plan(*planned_, a2a, packed_tile=tile, split=split, expect=True)
         size, _ = self.sizes()
         moved = sharded.describe(self._how(split), self.axis_name, padding.q_to // size, size, padding.kv_to // size)
-        notes = ([DOCUMENTS_NOTE] if self.layout == DOCUMENTS else []) + (
+        notes = ([DOCUMENTS_NOTE] if self.layout == DOCUMENTS else []) + self._replicated(split) + (
             [padding.describe()] if padding.needed else []) + [moved]
         return dataclasses.replace(decision, reason="; ".join([decision.reason, *notes]))
+
+    def _replicated(self, split: sharded.Split) -> list[str]:
+        """The note, for `explain()`, that every device along the mesh's other axes runs the same ring, where
+        it holds the whole batch and every head."""
+        others = [n for n in self.mesh.axis_names if n not in layouts.sequence_axes(self.axis_name)]
+        if not others or not split.manual or any(e is not None for e in (split.batch, split.q_heads, split.kv_heads)):
+            return []
+        return [f"batch and heads replicated over {', '.join(map(repr, others))}: every device along "
+                f"{'them' if len(others) > 1 else 'it'} runs the same ring"]
 
     def rows_tile(self, query, key, value, options: dict[str, Any], split: sharded.Split | None = None
                   ) -> int | None:
