@@ -4,7 +4,7 @@ sequence axis) at 131072 tokens, bf16, GQA 8/2, D=128, the Pallas kernels: the r
 permutes, the documents layout's ragged all-to-all), forward and forward+backward (the documents layout's
 forward+backward only: its program holds the forward's moves). Contiguous moves nothing, and the striped
 layout's all-to-all is the CPU test's. Slow tier: about 100 s of compiling. And a mesh with a data axis
-that neither the batch nor the heads divide, lowered (2 s).
+that neither the batch nor the heads divide, lowered (2 s), and a batch laid out over a data axis.
 `benchmarks/memory/global_memory.py --tpu v5e:2x2 --tokens 131072 524288` prints every layout's table."""
 
 import importlib.util
@@ -27,6 +27,10 @@ _SPEC = importlib.util.spec_from_file_location("global_memory",
 global_memory = importlib.util.module_from_spec(_SPEC)
 sys.modules["global_memory"] = global_memory  # its dataclasses look their module up
 _SPEC.loader.exec_module(global_memory)
+_LAY_OUT = importlib.util.spec_from_file_location(
+    "lay_out_memory", Path(__file__).parents[1] / "benchmarks" / "memory" / "lay_out_memory.py")
+lay_out_memory = importlib.util.module_from_spec(_LAY_OUT)
+_LAY_OUT.loader.exec_module(lay_out_memory)
 
 
 @pytest.mark.parametrize("layout, backward", [("zigzag", False), ("zigzag", True), ("documents", True)],
@@ -67,3 +71,16 @@ def test_a_batch_and_heads_the_data_axis_does_not_divide_run_replicated_over_it(
     assert "batch and heads replicated over 'dp': every device along it runs the same ring" in plan.reason
     two_rows = jax.ShapeDtypeStruct((2, 2048, 3, 128), jnp.bfloat16)
     assert "replicated" not in attn.explain(two_rows, two_rows, two_rows).reason  # the batch split over dp
+
+
+def test_a_batch_laid_out_over_a_data_axis_holds_one_shard_in_flight():
+    """`lay_out_batch` on the devices of a (dp, sp) mesh, dp left automatic: the documents permutation moves
+    by collective permutes (no ragged all-to-all there), each shard passed around the ring in a loop. The
+    TPU compiler's program (v5e 4x4, 2x8, 2 x 131072 tokens of width 1024, bfloat16): the P - 1 shards it
+    sends, and at most a shard held beyond what it takes and gives (P - 1 rounds written out held 13)."""
+    memory, collectives = lay_out_memory.compile_lay_out(global_memory.tpu_devices("v5e:4x4"), (2, 8), 2, 131072,
+                                                         1024, "documents")
+    shard = 131072 // 8 * 1024 * 2  # one row of one device's tokens, bfloat16 (each of dp's 2 devices holds one row)
+    assert collectives["collective-permute"] >= 7 * shard, collectives
+    assert memory.temp_size_in_bytes <= shard, memory
+
