@@ -105,7 +105,7 @@ def test_a_nested_batch_is_laid_out_leaf_by_leaf_as_a_flat_one():
     np.testing.assert_array_equal(np.asarray(laid_d["inputs"]["tokens"]), laid["tokens"])
     back = jax.jit(lambda b, p: layouts.restore_batch(b, p, mesh=mesh, axis_name="sp"))(laid_d, positions_d)
     np.testing.assert_array_equal(np.asarray(back["inputs"]["features"][0]), flat["features"])
-    with pytest.raises(ValueError, match=r"batch\['segment_ids'\]\[0\]\[0\] is a int, not an array"):
+    with pytest.raises(ValueError, match=r"batch\['segment_ids'\]\[0\]\[0\] is of type int, not an array"):
         layouts.lay_out_batch({**flat, "segment_ids": flat["segment_ids"].tolist()}, RING, "documents")
 
 

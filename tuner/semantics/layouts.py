@@ -229,8 +229,9 @@ def _batch_leaves(batch: Mapping[str, Any]) -> tuple[list[Any], Any]:
     paths, tree = jax.tree_util.tree_flatten_with_path(dict(batch))
     for path, x in paths:
         if not hasattr(x, "shape"):
-            raise ValueError(f"batch{jax.tree_util.keystr(path)} is a {type(x).__name__}, not an array: every leaf of "
-                             f"batch must be an array [B, T, ...] (a list is a tree of leaves to jax: np.asarray it)")
+            raise ValueError(f"batch{jax.tree_util.keystr(path)} is of type {type(x).__name__}, not an array: "
+                             f"every leaf of batch must be an array [B, T, ...] (a list is a tree of leaves to jax: "
+                             f"np.asarray it)")
     shapes = {jax.tree_util.keystr(path): np.shape(x) for path, x in paths}
     first = next(iter(shapes.values()))
     if any(len(s) < 2 or len(first) < 2 or s[:2] != first[:2] for s in shapes.values()):
