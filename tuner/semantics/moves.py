@@ -218,8 +218,8 @@ def _permute(x, dest, source, axes: Hashable, method: str):
 
     def keep(passes, visiting, out):
         """`out` with the tokens of `visiting`, the shard of the device `passes` places back, that are mine."""
-        mine = _expand(from_device == (me - passes) % devices, x.ndim)
-        return jnp.where(mine, _take(visiting, kept), out)
+        from_there = _expand(from_device == (me - passes) % devices, x.ndim)
+        return jnp.where(from_there, _take(visiting, kept), out)
 
     def round_(passes, carry):
         visiting, out = carry
