@@ -88,8 +88,7 @@ class GlobalCall:
         there is XLA's to partition); elsewhere, where Mosaic and Triton kernels are not, the batch is taken to
         be split over them (else the heads), as data parallelism (else tensor parallelism) does, and where
         neither divides, replicated over them."""
-        names = set(layouts.sequence_axes(self.axis_name))
-        others = tuple(n for n in self.mesh.axis_names if n not in names)
+        names, others = set(layouts.sequence_axes(self.axis_name)), self._other_axes()
         if not others:
             return sharded.Split()
         specs = [_spec(x, self.mesh) for x in (query, key)]
@@ -132,11 +131,16 @@ class GlobalCall:
             [padding.describe()] if padding.needed else []) + [moved]
         return dataclasses.replace(decision, reason="; ".join([decision.reason, *notes]))
 
+    def _other_axes(self) -> tuple:
+        """The mesh's axes other than the sequence's, in the mesh's order."""
+        names = layouts.sequence_axes(self.axis_name)
+        return tuple(n for n in self.mesh.axis_names if n not in names)
+
     def _replicated(self, split: sharded.Split) -> list[str]:
         """The note, for `explain()`, that every device along the mesh's other axes runs the same ring, where
         it holds the whole batch and every head."""
-        others = [n for n in self.mesh.axis_names if n not in layouts.sequence_axes(self.axis_name)]
-        if not others or not split.manual or any(e is not None for e in (split.batch, split.q_heads, split.kv_heads)):
+        others = self._other_axes()
+        if not others or split != sharded.Split():
             return []
         return [f"batch and heads replicated over {', '.join(map(repr, others))}: every device along "
                 f"{'them' if len(others) > 1 else 'it'} runs the same ring"]
@@ -193,7 +197,7 @@ class GlobalCall:
                           layout="contiguous" if self.layout == DOCUMENTS else self.layout)
 
     def _how(self, split: sharded.Split, orders: tuple = (), branch_of: tuple = ()) -> sharded.Layout:
-        automatic = not split.manual and bool(set(self.mesh.axis_names) - set(layouts.sequence_axes(self.axis_name)))
+        automatic = not split.manual and bool(self._other_axes())
         return sharded.Layout(self.layout, self.sizes()[1], compile_target(self.mesh)[0], automatic, self.laid_out,
                               self._rows_spec, orders, branch_of)
 
