@@ -79,6 +79,37 @@ def test_the_strategies_that_take_a_mesh_keep_it_sharded(strategy):
     check(global_memory.compile_case(case, jax.devices()))
 
 
+@pytest.mark.parametrize("devices, rows", [(4, 1), (3, 2)], ids=["one-order-for-all-rows", "an-order-a-row"])
+def test_the_ragged_exchange_puts_every_token_in_its_slot(devices, rows):
+    """The ragged all-to-all's plan (`moves.ragged_exchange`, off the CPU), carried out in NumPy as the
+    collective does it: every device's tokens land in the slots of the permutation, for one order shared
+    by the rows and for an order a row; where a device sends nothing to another, and where it keeps some
+    of its own. XLA:CPU has no ragged all-to-all to run it."""
+    from tuner.semantics import moves
+    from tuner.support.permutations import inverse
+
+    batch, length = 2, 6
+    rng = np.random.default_rng(devices)
+    home = np.concatenate([np.arange(length), length + rng.permutation((devices - 1) * length)])
+    dest = np.stack([rng.permutation(devices * length), home][:rows]).astype(np.int32)  # home: 0 sends nothing
+    source = np.asarray(inverse(dest))
+    tokens = np.arange(batch * devices * length).reshape(batch, devices * length)  # each token its own name
+    plan = jax.jit(moves.ragged_exchange, static_argnums=(2, 3, 4, 5))
+    plans = [jax.tree.map(np.asarray, plan(dest, source, me, batch, length, devices)) for me in range(devices)]
+    buffers = [np.full(batch * length, -1) for _ in range(devices)]
+    for me, sent in enumerate(plans):
+        shard = tokens[:, me * length:(me + 1) * length].ravel()[sent.send]
+        for there in range(devices):
+            start, size = sent.send_starts[there], sent.send_sizes[there]
+            assert plans[there].arrival_sizes[me] == size
+            buffers[there][sent.starts_there[there]:sent.starts_there[there] + size] = shard[start:start + size]
+    want = np.empty_like(tokens)
+    want[np.arange(batch)[:, None], np.broadcast_to(dest, tokens.shape)] = tokens
+    for me, received in enumerate(plans):
+        np.testing.assert_array_equal(buffers[me][received.arrival].reshape(batch, length),
+                                      want[:, me * length:(me + 1) * length])
+
+
 def test_a_permutation_lowers_for_cuda_to_one_ragged_all_to_all_each_way():
     """Off the CPU a permutation (the documents layout's) moves in one ragged all-to-all: lowered for CUDA
     here (XLA:CPU cannot compile one), forward and back, and its gradient the opposite moves."""

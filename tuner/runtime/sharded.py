@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from tuner.semantics import documents, layouts, moves
 from tuner.semantics.documents import DOCUMENTS
 from tuner.semantics.spec import AttentionSpec
-from tuner.support import ordering, placement
+from tuner.support import ordering, permutations, placement
 
 SEQUENCE_OPTIONS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")
 
@@ -191,7 +191,7 @@ def _laid_out_choice(how: Layout, axis_name: Hashable, arrays: dict[str, Any]):
         return None
     ids, positions = ordering.in_order(lambda x: lax.all_gather(x, axis_name, axis=1, tiled=True),
                                        [arrays["q_segment_ids"], arrays["q_positions"]])
-    rows = jnp.take_along_axis(ids, jnp.argsort(positions, axis=1), axis=1)
+    rows = jnp.take_along_axis(ids, permutations.inverse(positions), axis=1)
     return jnp.asarray(how.branch_of)[documents.rows_tile_choice(rows, how.spec, how.ring)]
 
 

@@ -43,6 +43,7 @@ import numpy as np
 from tuner.semantics import masks
 from tuner.semantics.packing import Packing
 from tuner.semantics.spec import AttentionSpec
+from tuner.support import permutations
 
 DOCUMENTS = "documents"
 DEFAULT_TILE = 128  # the tile the layout is planned for when the caller does not say
@@ -105,7 +106,7 @@ def chunk_costs(segments, spec: AttentionSpec, chunk: int):
 def deal(cost, ring: int):
     """The device of each chunk of costs `cost [n]`, dealt costliest first in snake order (0, 1, ...,
     P-1, P-1, ..., 0, 0, ...): the busiest device within the costliest chunk of the least busy one."""
-    rank = jnp.argsort(jnp.argsort(-cost, stable=True))
+    rank = permutations.inverse(jnp.argsort(-cost, stable=True))
     lap, seat = rank // ring, rank % ring
     return jnp.where(lap % 2 == 0, seat, ring - 1 - seat)
 
@@ -250,7 +251,7 @@ def _permute_forward(x, order, axis: int):
 
 
 def _permute_backward(axis: int, order, cotangent):
-    return permute(cotangent, jnp.argsort(order, axis=-1), axis), None
+    return permute(cotangent, permutations.inverse(order), axis), None
 
 
 permute.defvjp(_permute_forward, _permute_backward)
@@ -258,4 +259,4 @@ permute.defvjp(_permute_forward, _permute_backward)
 
 def restore_rows(x, order, *, axis: int = 1):
     """Inverse of `lay_out_rows`: the sequence `axis` of `x` back in token order."""
-    return lay_out_rows(x, jnp.argsort(order, axis=-1), axis=axis)
+    return lay_out_rows(x, permutations.inverse(order), axis=axis)

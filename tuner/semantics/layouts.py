@@ -38,7 +38,7 @@ from jax import lax
 from tuner.semantics import documents, moves
 from tuner.semantics.documents import DEFAULT_TILE, DOCUMENTS, lay_out_rows, restore_rows
 from tuner.semantics.padding import Padding, padded_length
-from tuner.support import axes, ordering, placement
+from tuner.support import axes, ordering, permutations, placement
 from tuner.support.axes import sequence_axes
 from tuner.support.checks import check_bool, check_int
 from tuner.support.targets import compile_target
@@ -260,7 +260,7 @@ def restore_batch(batch: Mapping[str, Any], positions, *, mesh=None, axis_name: 
                          f"{shape[:2]}, got {given}")
     if mesh is None:
         back = np.argsort(np.asarray(positions), axis=1) if isinstance(positions, np.ndarray) else \
-            jnp.argsort(positions, axis=1)
+            permutations.inverse(positions)
         return tree.unflatten([_take_rows(x, back) for x in leaves])
     return tree.unflatten(_restore_sharded(leaves, positions, mesh, axis_name))
 

@@ -29,12 +29,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tuner.support import ordering
+from tuner.support import ordering, permutations
 
 ONE_COLLECTIVE = "one collective"
 ROTATION = "rotation"
@@ -126,7 +127,7 @@ def permutation(order, axes: Hashable, *, platform: str, other_axes: bool) -> Mo
     """The move that puts global token `order[b, s]` at laid-out slot `s` of row `b` (`order` int32
     `[B or 1, T]`, the same on every device), on `platform`, in a mesh with or without `other_axes` than
     the sequence's."""
-    slots = jnp.argsort(order, axis=-1).astype(jnp.int32)
+    slots = permutations.inverse(jnp.asarray(order, jnp.int32))
     return Move("permutation", axes, order, slots, method_for(platform, other_axes, permutation=True))
 
 
@@ -209,12 +210,10 @@ def _permute(x, dest, source, axes: Hashable, method: str):
     inverse of `dest`. Only the shards move; `dest` and `source` are every device's."""
     devices, me = lax.axis_size(axes), lax.axis_index(axes)
     batch, length = x.shape[:2]
-    mine = _rows(lax.dynamic_slice_in_dim(dest, me * length, length, axis=1), batch)  # where my tokens go
-    wanted = _rows(lax.dynamic_slice_in_dim(source, me * length, length, axis=1), batch)  # what my slots hold
-    to_device, to_slot, from_device = mine // length, mine % length, wanted // length
     if method == ONE_COLLECTIVE:
-        return _ragged(x, dest, to_device, to_slot, from_device, axes, devices, me)
-    kept = wanted % length  # where in its own shard each of my slots' tokens sits
+        return _ragged(x, dest, source, axes, devices, me)
+    wanted = _rows(lax.dynamic_slice_in_dim(source, me * length, length, axis=1), batch)  # what my slots hold
+    from_device, kept = wanted // length, wanted % length  # where each of my slots' tokens sits
 
     def keep(passes, visiting, out):
         """`out` with the tokens of `visiting`, the shard of the device `passes` places back, that are mine."""
@@ -229,19 +228,66 @@ def _permute(x, dest, source, axes: Hashable, method: str):
     return lax.fori_loop(1, devices, round_, (x, keep(0, x, jnp.zeros_like(x))))[1]
 
 
-def _ragged(x, dest, to_device, to_slot, from_device, axes: Hashable, devices: int, me):
-    """`_permute` in one ragged all-to-all: every token of the shard sorted by (device, row, slot) it goes
-    to, each device's part sent at once; they arrive by (device, row, slot) they come from."""
+def _ragged(x, dest, source, axes: Hashable, devices: int, me):
+    """`_permute` in one ragged all-to-all (`ragged_exchange`)."""
     batch, length = x.shape[:2]
     flat = x.reshape(batch * length, *x.shape[2:])
-    row = lax.broadcasted_iota(jnp.int32, (batch, length), 0) * length
+    plan = ragged_exchange(dest, source, me, batch, length, devices)
+    moved = lax.ragged_all_to_all(flat[plan.send], jnp.zeros_like(flat), plan.send_starts, plan.send_sizes,
+                                  plan.starts_there, plan.arrival_sizes, axis_name=axes)
+    return moved[plan.arrival].reshape(x.shape)
+
+
+class RaggedExchange(NamedTuple):
+    """What one device does in a permutation's ragged all-to-all: it sends its tokens in the order `send`
+    (`[B * T_l]` indices into its flattened shard), device d's part `send_sizes[d]` long from
+    `send_starts[d]`, to land at `starts_there[d]` of d's buffer; the `arrival_sizes[s]` tokens from
+    device s arrive in sender order; slot i of its laid-out shard takes token `arrival[i]` of them."""
+
+    send: jax.Array
+    send_starts: jax.Array
+    send_sizes: jax.Array
+    starts_there: jax.Array
+    arrival_sizes: jax.Array
+    arrival: jax.Array
+
+
+def ragged_exchange(dest, source, me, batch: int, length: int, devices: int) -> RaggedExchange:
+    """Device `me`'s part of `_permute` (`dest`, `source` its arguments, `[1 or B, T]`) in one ragged
+    all-to-all of `batch` rows of `length` tokens a device: every token sent in the order of the (device,
+    row, slot) it goes to, so that the tokens arrive in the order of the (device, row, slot) they come
+    from. Both orders are counted (`_send_positions`, `_arrival_positions`), not sorted."""
+    mine = _rows(lax.dynamic_slice_in_dim(dest, me * length, length, axis=1), batch)  # where my tokens go
+    wanted = _rows(lax.dynamic_slice_in_dim(source, me * length, length, axis=1), batch)  # what my slots hold
     counts = _counts(dest, batch, length, devices)
-    send = jnp.argsort((to_device * batch * length + row + to_slot).ravel())
-    arrival = jnp.argsort((from_device * batch * length + row + lax.iota(jnp.int32, length)).ravel())
-    sizes = counts[me]
-    moved = lax.ragged_all_to_all(flat[send], jnp.zeros_like(flat), _starts(sizes), sizes,
-                                  _starts(counts, axis=0)[me], counts[:, me], axis_name=axes)
-    return moved[_inverse(arrival)].reshape(x.shape)
+    arrival_starts = _starts(counts, axis=0)  # [s, d]: where device s's tokens start in device d's buffer
+    send = permutations.inverse(_send_positions(source, me, batch, length, devices, mine // length,
+                                                mine % length))
+    arrival = _arrival_positions(wanted // length, arrival_starts[:, me], devices)
+    return RaggedExchange(send, _starts(counts[me]), counts[me], arrival_starts[me], counts[:, me], arrival)
+
+
+def _send_positions(source, me, batch: int, length: int, devices: int, to_device, to_slot):
+    """`[B * T_l]`: where each token of this device's shard sits among those it sends, ordered by the
+    (device, row, slot) each goes to; counted from the slots of the whole row that this device fills
+    (`source [1 or B, T]`, the token of each slot, is every device's)."""
+    rows = source.shape[0]
+    filled = (source // length == me).astype(jnp.int32).reshape(rows, devices, length)
+    earlier_in_row = jnp.cumsum(filled, axis=2) - filled  # my tokens before a slot, in its device's row
+    per_row = jnp.broadcast_to(filled.sum(axis=2), (batch, devices))  # what I send each device, row by row
+    before = _starts(per_row.sum(axis=0))[None] + _starts(per_row, axis=0)  # [B, P]: earlier devices and rows
+    row = lax.broadcasted_iota(jnp.int32, to_device.shape, 0)
+    return (before[row, to_device] + earlier_in_row[row % rows, to_device, to_slot]).ravel()
+
+
+def _arrival_positions(from_device, starts, devices: int):
+    """`[B * T_l]`: where each slot of this device's shard (`from_device [B, T_l]`, the device its token
+    comes from) finds its token among those that arrive: sender by sender from `starts [P]`, each sender's
+    in the order of the (row, slot) they fill here."""
+    senders = from_device.ravel()
+    one_hot = (senders[:, None] == lax.iota(jnp.int32, devices)[None]).astype(jnp.int32)
+    earlier = jnp.take_along_axis(jnp.cumsum(one_hot, axis=0) - one_hot, senders[:, None], axis=1)[:, 0]
+    return starts[senders] + earlier
 
 
 def _permute_forward(x, dest, source, axes, method):
@@ -284,10 +330,6 @@ def _counts(dest, batch: int, length: int, devices: int):
 def _starts(counts, axis: int = -1):
     """Exclusive running sums of `counts` along `axis`: where each part starts."""
     return jnp.cumsum(counts, axis=axis) - counts
-
-
-def _inverse(permutation):
-    return jnp.zeros_like(permutation).at[permutation].set(lax.iota(permutation.dtype, permutation.shape[0]))
 
 
 __all__ = ["METHODS", "Move", "ONE_COLLECTIVE", "ROTATION", "fixed", "kind", "method_for", "permutation"]
