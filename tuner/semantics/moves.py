@@ -332,4 +332,5 @@ def _starts(counts, axis: int = -1):
     return jnp.cumsum(counts, axis=axis) - counts
 
 
-__all__ = ["METHODS", "Move", "ONE_COLLECTIVE", "ROTATION", "fixed", "kind", "method_for", "permutation"]
+__all__ = ["METHODS", "Move", "ONE_COLLECTIVE", "ROTATION", "RaggedExchange", "fixed", "kind", "method_for",
+           "permutation", "ragged_exchange"]

@@ -2,8 +2,8 @@
 
 A layout is a permutation `order` of a row's token indices: slot `s` holds token `order[s]`. Its inverse,
 the slot of each token, is one scatter of the slots' indices (O(T) work, a small program), where
-`argsort(order)` is a sort: O(T log T), and on the TPU a sort of 32768 keys or more takes the compiler about
-6 s per sort in the program."""
+`argsort(order)` is a sort: O(T log T), and the TPU compiler takes 5 to 7 s over a sort of 32768 to 131072
+keys (0.3 to 0.9 s over the scatter)."""
 
 from __future__ import annotations
 
