@@ -80,6 +80,7 @@ class Result:
     out_spec: str  # the mesh= program's first output's sharding
     in_spec: str  # the query's
     unordered: int  # pairs of one collective kind that may be in flight at once (XLA:CPU cannot run them)
+    compile_seconds: tuple[float, float] = (0.0, 0.0)  # the two programs' compile times (mesh=, shard_map)
 
     @property
     def ratio(self) -> float:
@@ -138,7 +139,12 @@ def _programs(case: Case, devices):
 def compile_case(case: Case, devices) -> Result:
     """Compile the case's two programs and read them."""
     functions, arguments, spec = _programs(case, devices)
-    programs = [jax.jit(f).lower(*args).compile() for f, args in zip(functions, arguments)]
+    programs, seconds = [], []
+    for f, args in zip(functions, arguments):
+        lowered = jax.jit(f).lower(*args)
+        start = time.perf_counter()
+        programs.append(lowered.compile())
+        seconds.append(time.perf_counter() - start)
     text = programs[0].as_text()
     largest = [(gathers[0][1] if gathers else 0) / (case.batch * case.tokens)
                for gathers in (hlo.gathers(p.as_text()) for p in programs)]
@@ -148,7 +154,8 @@ def compile_case(case: Case, devices) -> Result:
     out = outs[0] if isinstance(outs, (tuple, list)) else outs
     return Result(case, _bytes(programs[0]), _bytes(programs[1]), *largest,
                   *counts, str(out.spec), str(spec),
-                  sum(len(hlo.unordered_collectives(text, kind)) for kind in KINDS[:3]) if _cpu(devices) else 0)
+                  sum(len(hlo.unordered_collectives(text, kind)) for kind in KINDS[:3]) if _cpu(devices) else 0,
+                  tuple(seconds))
 
 
 def time_case(case: Case, devices, repeats: int) -> tuple[float, float]:
@@ -249,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"{layout:<11} {strategy:<10} {mesh:<5} {'fwd+bwd' if backward else 'fwd':<8} "
                               f"{tokens:>7} {result.mesh_bytes / 2**20:>10.1f} {result.shard_map_bytes / 2**20:>10.1f} "
                               f"{result.ratio:>6.2f} {result.largest_gather_per_token:>12.1f} {result.out_spec:<22} "
-                              f"{result.collectives}{timed}", flush=True)
+                              f"{result.collectives} compile {result.compile_seconds[0]:.1f} s / "
+                              f"{result.compile_seconds[1]:.1f} s{timed}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": [{**asdict(r), "ratio": r.ratio} for r in rows], "timings": timings}, f, indent=1)
