@@ -80,7 +80,7 @@ class Result:
     out_spec: str  # the mesh= program's first output's sharding
     in_spec: str  # the query's
     unordered: int  # pairs of one collective kind that may be in flight at once (XLA:CPU cannot run them)
-    compile_seconds: tuple[float, float] = (0.0, 0.0)  # the two programs' compile times (mesh=, shard_map)
+    compile_seconds: tuple[float, float]  # the two programs' compile times (mesh=, shard_map)
 
     @property
     def ratio(self) -> float:

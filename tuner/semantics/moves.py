@@ -212,7 +212,7 @@ def _permute(x, dest, source, axes: Hashable, method: str):
     batch, length = x.shape[:2]
     if method == ONE_COLLECTIVE:
         return _ragged(x, dest, source, axes, devices, me)
-    wanted = _rows(lax.dynamic_slice_in_dim(source, me * length, length, axis=1), batch)  # what my slots hold
+    wanted = _mine(source, me, batch, length)  # what my slots hold
     from_device, kept = wanted // length, wanted % length  # where each of my slots' tokens sits
 
     def keep(passes, visiting, out):
@@ -257,8 +257,8 @@ def ragged_exchange(dest, source, me, batch: int, length: int, devices: int) -> 
     all-to-all of `batch` rows of `length` tokens a device: every token sent in the order of the (device,
     row, slot) it goes to, so that the tokens arrive in the order of the (device, row, slot) they come
     from. Both orders are counted (`_send_positions`, `_arrival_positions`), not sorted."""
-    mine = _rows(lax.dynamic_slice_in_dim(dest, me * length, length, axis=1), batch)  # where my tokens go
-    wanted = _rows(lax.dynamic_slice_in_dim(source, me * length, length, axis=1), batch)  # what my slots hold
+    mine = _mine(dest, me, batch, length)  # where my tokens go
+    wanted = _mine(source, me, batch, length)  # what my slots hold
     counts = _counts(dest, batch, length, devices)
     arrival_starts = _starts(counts, axis=0)  # [s, d]: where device s's tokens start in device d's buffer
     send = permutations.inverse(_send_positions(source, me, batch, length, devices, mine // length,
@@ -311,8 +311,9 @@ def _take(x, index):
     return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
-def _rows(x, batch: int):
-    return jnp.broadcast_to(x, (batch, x.shape[1]))
+def _mine(indices, me, batch: int, length: int):
+    """`[B, T_l]`: device `me`'s part of every device's `indices [1 or B, T]`, for each of its `batch` rows."""
+    return jnp.broadcast_to(lax.dynamic_slice_in_dim(indices, me * length, length, axis=1), (batch, length))
 
 
 def _expand(mask, ndim: int):
