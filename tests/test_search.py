@@ -23,6 +23,8 @@ from tuner.strategies.configs import TileConfig, TileSpace
 from tuner.semantics.problem import Problem
 from tuner.tuning.search import SearchOptions, search
 from tuner.tuning.study import counted, default_storage, fail_stale, open_storage, study_name
+from tuner.tuning.timing import Timing
+from tuner.tuning.trials import Trials
 
 TINY = Problem(batch=1, seq_len=64, heads=2, kv_heads=1, head_dim=16, causal=True, ring_size=2,
                layout="zigzag")
@@ -298,6 +300,31 @@ def test_the_cache_keeps_the_best_result_of_the_workers(faulty, tmp_path):
     replaced = search(TINY, device="cpu", backend="faulty", options=options, db=db)
     assert replaced.stored and replaced.stored_speedup == replaced.speedup
     assert [r["speedup"] for r in cache.rows()] == [replaced.speedup]
+
+
+def test_the_summary_says_whether_the_re_timing_confirmed_the_best_trial(tmp_path, monkeypatch):
+    """The trial times its candidate at half the default's time (the progress bar's 2.00x); the re-timing
+    at the end at twice it. The default stays, and the summary says that the bar's best trial was not
+    confirmed; where a trial wins, no such line is printed."""
+    options = SearchOptions(objective="fwd", trials=2, runs=1, final_runs=2)
+
+    def measure(self, candidates, runs, deadline):
+        ratio = 0.5 if runs == options.runs else 2.0
+        return {"default": (Timing(1.0, 1.0, 1.0, runs, 0.0), None),
+                **{name: (Timing(ratio, ratio, ratio, runs, 0.0), None) for name in candidates}}
+
+    monkeypatch.setattr(Trials, "measure", measure)
+    problem = Problem(batch=1, seq_len=128, heads=2, kv_heads=1, head_dim=16, causal=True, ring_size=2)
+    result = search(problem, device="cpu", backend="scan", db=tmp_path / "t.sqlite", options=options)
+    default, (trial, then, now) = result.retimed
+    assert (then, now, default, result.best_from, result.speedup) == (2.0, 0.5, ("default", None, 1.0), "default", 1.0)
+    summary = "\n".join(search_summary(result))
+    assert re.search(rf"^re-timed default 1.00x, {re.escape(trial)} 0.50x \(in its trial 2.00x\): side by side",
+                     summary, re.M), summary
+    kept = "default  kept: re-timed side by side, no trial beat it; the progress bar's best trial (2.00x)"
+    assert kept in summary
+    confirmed = dataclasses.replace(result, best_from=trial, retimed=[(trial, 2.0, 2.0), default])
+    assert kept not in "\n".join(search_summary(confirmed))
 
 
 def test_a_timeout_stores_the_best_verified_config_so_far_and_says_where_time_went(tmp_path):

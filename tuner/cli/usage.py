@@ -64,8 +64,9 @@ def loader_call(problem: Problem, backend: str | None = None) -> list[str]:
 
 def search_summary(result: SearchResult) -> list[str]:
     """The report of a finished search, line by line: the default and the winner timed side by side,
-    the study's trials, where the winner went (stored, or kept: a better row of the study's workers),
-    the study, the loader call that uses the entry and what to run next."""
+    the study's trials, every re-timed candidate against what its trial measured, where the winner went
+    (stored, or kept: a better row of the study's workers), the study, the loader call that uses the entry
+    and what to run next."""
     rows = []
     for name, measured, came in (("default", result.default, "default"), ("best", result.best, result.best_from)):
         times = [f"{t.median * 1e3:.1f}" if t is not None else "-" for t in (measured.fwd, measured.bwd)]
@@ -79,6 +80,14 @@ def search_summary(result: SearchResult) -> list[str]:
              f"{result.trials_run - result.trials_pruned - sum(result.failed.values())} complete, "
              f"{result.trials_pruned} pruned, failed: {failed}"]
     lines += [f"re-timing skipped {failure}" for failure in result.failures]
+    if result.retimed:
+        candidates = (f"{name} {now:.2f}x" + ("" if then is None else f" (in its trial {then:.2f}x)")
+                      for name, then, now in result.retimed)
+        lines.append(f"re-timed {', '.join(candidates)}: side by side at the end; the fastest is the winner")
+        confirmed = max((then for _, then, _ in result.retimed if then is not None), default=1.0)
+        if result.best_from == "default" and confirmed > 1.0:
+            lines.append(f"default  kept: re-timed side by side, no trial beat it; the progress bar's best trial "
+                         f"({confirmed:.2f}x) was not confirmed")
     if result.decided_by:
         lines.append(f"winner   decided by worker {result.decided_by}, which re-timed it first; every worker "
                      f"of the study stores this row")

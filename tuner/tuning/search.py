@@ -49,7 +49,7 @@ from tuner.tuning.shared import Shared, worker_name
 from tuner.tuning.options import SearchOptions
 from tuner.tuning.study import (counted, default_storage, enqueue, finished, make_sampler, open_storage,
                                 study_name, taken)
-from tuner.tuning.trials import Measured, Trials, near_best, retime
+from tuner.tuning.trials import Measured, Trials, near_best, retime, trial_speedups
 from tuner.tuning.warm import warm_start
 from tuner.tuning.workers import quiet_heartbeats, reconnecting, run_until_decided
 
@@ -85,6 +85,8 @@ class SearchResult:
     best_from: str = ""  # where the winner came from: "default", "trial N (its source)" or a combination
     trials_asked: int = 0  # the study's total, `SearchOptions.trials`
     ahead: float = 0.0  # seconds of compiling that ran beside other work (`SearchOptions.compile_ahead`)
+    # the re-timed candidates, fastest first: (name, the speedup its trial measured or None, re-timed speedup)
+    retimed: list[tuple[str, float | None, float]] = field(default_factory=list)
 
     @property
     def speedup(self) -> float:
@@ -206,8 +208,11 @@ def search(
                        speedup=default.seconds / winner.seconds, trials_run=len(trials), trials_pruned=pruned,
                        trials_failed=dict(counts), study=name,
                        near_best=near_best(state, trials, winner.config))
+        speedups = trial_speedups(state, trials)
+        retimed = sorted(([name, speedups.get(m.config), default.seconds / m.seconds] for name, m in measured.items()),
+                         key=lambda r: -r[2])
         mine = {"row": row, "default": default.to_dict(), "best": winner.to_dict(), "failures": failures,
-                "covered": state.exhausted, "best_from": min(measured, key=lambda n: measured[n].seconds)}
+                "covered": state.exhausted, "best_from": retimed[0][0], "retimed": retimed}
         decision = reconnecting(storage_url, lambda: shared.decide(name, mine, len(trials)), options.reconnect)
     return _result(problem, chosen, device_kind, key, options, storage_url, study, cache, decision, started,
                    new_trials, state)
@@ -232,7 +237,8 @@ def _result(problem: Problem, chosen: registry.Implementation, device_kind: str,
                         ahead=0.0 if state is None else max(0.0, state.gate.compiling - state.spent["compile"]),
                         timed_out=options.timeout is not None and len(trials) < options.trials
                         and not decision["covered"], trials_asked=options.trials,
-                        best_from=decision.get("best_from", ""))
+                        best_from=decision.get("best_from", ""),
+                        retimed=[tuple(r) for r in decision.get("retimed", [])])
 
 
 def study_of(problem: Problem, device: str, backend: str, options: SearchOptions

@@ -226,6 +226,18 @@ def retime(state: Trials, trials: list[optuna.trial.FrozenTrial]
     return {name: Measured(names[name], *timings[name]) for name in names}, failures
 
 
+def trial_speedups(state: Trials, trials: list[optuna.trial.FrozenTrial]) -> dict[Config, float]:
+    """The best speedup over the default that a complete trial of each config measured in its trial (the
+    progress bar's figure), the default's own trial left out: what the re-timing confirms or not."""
+    speedups: dict[Config, float] = {}
+    for t in trials:
+        if t.state == optuna.trial.TrialState.COMPLETE:
+            config = state.space.config(t.params, state.default)
+            if config != state.default:
+                speedups[config] = max(speedups.get(config, 0.0), 1 / t.value)
+    return speedups
+
+
 def near_best(state: Trials, trials: list[optuna.trial.FrozenTrial], winner: Config) -> list[Config]:
     """What the search keeps for warm starts (`tuner.cache.rows`): `winner`, then the configs of the complete
     trials within `NEAR` of the best trial's value, fastest first, at most `NEAR_BEST` in all."""
@@ -240,4 +252,4 @@ def near_best(state: Trials, trials: list[optuna.trial.FrozenTrial], winner: Con
     return configs[:NEAR_BEST]
 
 
-__all__ = ["DUPLICATES_IN_A_ROW", "Measured", "Trials", "near_best", "retime"]
+__all__ = ["DUPLICATES_IN_A_ROW", "Measured", "Trials", "near_best", "retime", "trial_speedups"]
