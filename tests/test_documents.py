@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from tuner import FwdParams, BwdParams, get_tuned_ring_attention, layouts, registry, ring_attention
-from tuner.semantics import documents
+from tuner.semantics import documents, masks
 from tuner.semantics.packing import Packing
 from tuner.semantics.reference import dense_attention
 from tuner.semantics.spec import AttentionSpec, LocalShapes
@@ -161,6 +161,38 @@ def test_the_plan_deals_within_one_chunk_and_its_host_estimate_is_its_count(leng
     busiest = jax.jit(documents.busiest, static_argnums=(2, 3, 4))
     counted = int(busiest(jnp.asarray(order), seg, ring, spec, (tile, tile)))
     assert documents.efficiency(lengths, spec, ring, tile) == pytest.approx(useful / (ring * counted))
+
+
+@pytest.mark.parametrize("causal, window", [(True, None), (False, None), (True, (5, 0)), (False, (3, 7))])
+def test_the_useful_logits_of_a_row_are_its_allowed_pairs(causal, window):
+    """`row_useful` counts each document's allowed (query, key) pairs from where the document starts and
+    ends: the pairs `masks.allowed` allows, counted one by one; documents of one token, and a row that
+    ends in a document of one."""
+    seg = segment_ids([1, 9, 4, 1, 30, 6, 1])[0]
+    spec = AttentionSpec(scale=1.0, causal=causal, window=window, has_segments=True)
+    token = np.arange(seg.shape[0])
+    want = int(np.asarray(masks.allowed(token, token, seg, seg, spec)).sum())
+    assert float(jax.jit(documents.row_useful, static_argnums=1)(jnp.asarray(seg), spec)) == want
+
+
+@pytest.mark.parametrize("tile", [8, 7, 40])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_the_busiest_device_counts_the_tile_pairs_its_shard_may_compute(tile, layout):
+    """`busiest` against the tiles' bounds taken one by one in NumPy: tiles that divide the shard, that
+    leave a shorter last tile in each shard, and one longer than the shard (cut to it)."""
+    ring, local = 4, 24
+    seg = segment_ids([10, 3, 50, 33])[0]
+    order = np.asarray(layouts.global_order(layout, ring * local, ring), np.int32)
+    spec = AttentionSpec(scale=1.0, causal=True, has_segments=True)
+    size = min(tile, local)
+    tiles = [order[d * local:][start:min(start + size, local)] for d in range(ring) for start in range(0, local, size)]
+    bounds = [np.array([f(x) for x in tiles]) for f in (np.min, np.max)]
+    ids = [np.array([f(seg[x]) for x in tiles]) for f in (np.min, np.max)]
+    may = np.asarray(masks.ranges_may_attend(bounds[0][:, None], bounds[1][:, None], bounds[0][None], bounds[1][None],
+                                             (ids[0][:, None], ids[1][:, None], ids[0][None], ids[1][None]), spec))
+    want = may.sum(axis=1).reshape(ring, -1).sum(axis=1).max() * size * size
+    busiest = jax.jit(documents.busiest, static_argnums=(2, 3, 4))
+    assert int(busiest(jnp.asarray(order), jnp.asarray(seg), ring, spec, (tile, tile))) == want
 
 
 def test_a_declared_packing_chooses_the_longest_tile_that_wastes_little():

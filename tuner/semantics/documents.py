@@ -43,7 +43,7 @@ import numpy as np
 from tuner.semantics import masks
 from tuner.semantics.packing import Packing
 from tuner.semantics.spec import AttentionSpec
-from tuner.support import permutations
+from tuner.support import counting, permutations
 
 DOCUMENTS = "documents"
 DEFAULT_TILE = 128  # the tile the layout is planned for when the caller does not say
@@ -73,9 +73,12 @@ def row_useful(segments, spec: AttentionSpec):
     so that long rows do not overflow; traced or not."""
     total = segments.shape[0]
     token = jnp.arange(total)
-    change = segments[1:] != segments[:-1]
-    first = jax.lax.cummax(jnp.where(jnp.concatenate([jnp.ones(1, bool), change]), token, 0))
-    last = jax.lax.cummin(jnp.where(jnp.concatenate([change, jnp.ones(1, bool)]), token, total - 1), reverse=True)
+    start = jnp.concatenate([jnp.ones(1, bool), segments[1:] != segments[:-1]])  # a document's first token
+    document = counting.counted_before(start) + start - 1  # each token's document, numbered in row order
+    # where each document starts (counted and scattered: a running max over the row costs the TPU compiler
+    # seconds); the documents after the last start at `total`, so that the last ends at the row's end
+    starts = jnp.full(total + 1, total).at[jnp.where(start, document, total + 1)].set(token, mode="drop")
+    first, last = starts[document], starts[document + 1] - 1
     left, right = (None, None) if spec.window is None else spec.window
     before, after = token - first, last - token
     reads = (before if left is None else jnp.minimum(before, left)) + 1
@@ -206,15 +209,20 @@ def busiest(order, segments, ring: int, spec: AttentionSpec, tiles: tuple[int, i
     tiles of these sizes (cut to the shard), skipping the tile pairs whose ranges cannot meet."""
     total = order.shape[0]
     local = total // ring
-    slot = jnp.arange(total)
     segments = segments[order]
 
     def bounds(tile: int):
+        """(lowest, highest) token and segment id of each tile of each shard: the shards' tiles are runs
+        of slots, so each is a reduction over a row of the shards cut in tiles (the last of a shard
+        padded), not a scatter."""
         per_shard = -(-local // tile)
-        index = slot // local * per_shard + slot % local // tile
-        count = ring * per_shard
-        return tuple(reduce(x, index, count) for x in (order, segments)
-                     for reduce in (jax.ops.segment_min, jax.ops.segment_max))
+
+        def tiled(x, fill):
+            shards = jnp.pad(x.reshape(ring, local), ((0, 0), (0, per_shard * tile - local)), constant_values=fill)
+            return shards.reshape(ring * per_shard, tile)
+
+        return tuple(reduce(tiled(x, fill), axis=1) for x in (order, segments)
+                     for reduce, fill in ((jnp.min, jnp.iinfo(x.dtype).max), (jnp.max, jnp.iinfo(x.dtype).min)))
 
     q_tile, kv_tile = (min(t, local) for t in tiles)
     q_lo, q_hi, q_seg_lo, q_seg_hi = bounds(q_tile)

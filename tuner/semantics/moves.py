@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tuner.support import ordering, permutations
+from tuner.support import counting, ordering, permutations
 
 ONE_COLLECTIVE = "one collective"
 ROTATION = "rotation"
@@ -273,7 +273,7 @@ def _send_positions(source, me, batch: int, length: int, devices: int, to_device
     (`source [1 or B, T]`, the token of each slot, is every device's)."""
     rows = source.shape[0]
     filled = (source // length == me).astype(jnp.int32).reshape(rows, devices, length)
-    earlier_in_row = jnp.cumsum(filled, axis=2) - filled  # my tokens before a slot, in its device's row
+    earlier_in_row = counting.counted_before(filled, axis=2)  # my tokens before a slot, in its device's row
     per_row = jnp.broadcast_to(filled.sum(axis=2), (batch, devices))  # what I send each device, row by row
     before = _starts(per_row.sum(axis=0))[None] + _starts(per_row, axis=0)  # [B, P]: earlier devices and rows
     row = lax.broadcasted_iota(jnp.int32, to_device.shape, 0)
@@ -286,7 +286,7 @@ def _arrival_positions(from_device, starts, devices: int):
     in the order of the (row, slot) they fill here."""
     senders = from_device.ravel()
     one_hot = (senders[:, None] == lax.iota(jnp.int32, devices)[None]).astype(jnp.int32)
-    earlier = jnp.take_along_axis(jnp.cumsum(one_hot, axis=0) - one_hot, senders[:, None], axis=1)[:, 0]
+    earlier = jnp.take_along_axis(counting.counted_before(one_hot, axis=0), senders[:, None], axis=1)[:, 0]
     return starts[senders] + earlier
 
 
