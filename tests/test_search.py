@@ -319,8 +319,8 @@ def test_the_summary_says_whether_the_re_timing_confirmed_the_best_trial(tmp_pat
     default, (trial, then, now) = result.retimed
     assert (then, now, default, result.best_from, result.speedup) == (2.0, 0.5, ("default", None, 1.0), "default", 1.0)
     summary = "\n".join(search_summary(result))
-    assert re.search(rf"^re-timed default 1.00x, {re.escape(trial)} 0.50x \(in its trial 2.00x\): side by side",
-                     summary, re.M), summary
+    retimed = rf"^re-timed side by side.*\n +default +1.00x\n +{re.escape(trial)} +0.50x  \(in its trial 2.00x\)$"
+    assert re.search(retimed, summary, re.M), summary
     kept = "default  kept: re-timed side by side, no trial beat it; the progress bar's best trial (2.00x)"
     assert kept in summary
     confirmed = dataclasses.replace(result, best_from=trial, retimed=[(trial, 2.0, 2.0), default])

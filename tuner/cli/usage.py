@@ -81,9 +81,10 @@ def search_summary(result: SearchResult) -> list[str]:
              f"{result.trials_pruned} pruned, failed: {failed}"]
     lines += [f"re-timing skipped {failure}" for failure in result.failures]
     if result.retimed:
-        candidates = (f"{name} {now:.2f}x" + ("" if then is None else f" (in its trial {then:.2f}x)")
-                      for name, then, now in result.retimed)
-        lines.append(f"re-timed {', '.join(candidates)}: side by side at the end; the fastest is the winner")
+        lines.append("re-timed side by side at the end, against the default; the fastest is the winner:")
+        width = max(len(name) for name, _, _ in result.retimed)
+        lines += [f"         {name:<{width}}  {now:.2f}x" + ("" if then is None else f"  (in its trial {then:.2f}x)")
+                  for name, then, now in result.retimed]
         confirmed = max((then for _, then, _ in result.retimed if then is not None), default=1.0)
         if result.best_from == "default" and confirmed > 1.0:
             lines.append(f"default  kept: re-timed side by side, no trial beat it; the progress bar's best trial "
