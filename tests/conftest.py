@@ -11,6 +11,9 @@ collection walked all of it: about 5% of a file's time, and 20 s of the test und
 which collects at the end of every trace still alive. The objects a test makes stay collectable during
 it; at the session's end the heap is unfrozen.
 
+Every worker gets an empty tuning cache of its own (`TUNER_HOME` in a temporary folder), whatever the
+user's `tuner search` stored.
+
 JAX's persistent compilation cache is off, even where `JAX_COMPILATION_CACHE_DIR` is set: on jax 0.10.2
 a multi-device CPU program loaded back from it is more likely to have two collectives of one kind in
 flight at once, which XLA:CPU cannot run (`benchmarks/cpu_ring/README.md`). The run's header says when the
@@ -19,6 +22,8 @@ variable was dropped.
 
 import gc
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -26,6 +31,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # second to load it is refused its lock file, whichever test files the workers happen to hold
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 _DROPPED_CACHE = os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)  # tuner subprocesses inherit the removal
+# a tuning cache of the run's own: the entries a user's `tuner search` stored in ~/.cache/tuner change the
+# tiles the loader picks, and with them what a test measures (the README's main command made a memory
+# bound fail); tests and their subprocesses see an empty cache unless they make one
+_TUNER_HOME = os.environ["TUNER_HOME"] = tempfile.mkdtemp(prefix="tuner-home-")
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
@@ -64,5 +73,6 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
-    """The heap unfrozen, so that the process's exit collects it."""
+    """The heap unfrozen, so that the process's exit collects it; the run's tuning cache removed."""
     gc.unfreeze()
+    shutil.rmtree(_TUNER_HOME, ignore_errors=True)
