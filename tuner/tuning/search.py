@@ -202,17 +202,17 @@ def search(
                                f"pruned, failed {dict(counts)}); nothing was written to the cache")
         measured, failures = retime(state, trials)
         default = measured["default"]
-        winner = min(measured.values(), key=lambda m: m.seconds)
+        fastest = sorted(measured, key=lambda n: measured[n].seconds)  # the winner first
+        winner = measured[fastest[0]]
         row = make_row(key, winner.config, versions=versions, tool_version=__version__,
                        objective=options.objective, best_s=winner.seconds, default_s=default.seconds,
                        speedup=default.seconds / winner.seconds, trials_run=len(trials), trials_pruned=pruned,
                        trials_failed=dict(counts), study=name,
                        near_best=near_best(state, trials, winner.config))
         speedups = trial_speedups(state, trials)
-        retimed = sorted(([name, speedups.get(m.config), default.seconds / m.seconds] for name, m in measured.items()),
-                         key=lambda r: -r[2])
+        retimed = [[n, speedups.get(measured[n].config), default.seconds / measured[n].seconds] for n in fastest]
         mine = {"row": row, "default": default.to_dict(), "best": winner.to_dict(), "failures": failures,
-                "covered": state.exhausted, "best_from": retimed[0][0], "retimed": retimed}
+                "covered": state.exhausted, "best_from": fastest[0], "retimed": retimed}
         decision = reconnecting(storage_url, lambda: shared.decide(name, mine, len(trials)), options.reconnect)
     return _result(problem, chosen, device_kind, key, options, storage_url, study, cache, decision, started,
                    new_trials, state)
