@@ -22,9 +22,10 @@ from jax.sharding import PartitionSpec as P
 from cases import Case, check_low_precision, rel_err
 from tuner.kernels import BACKENDS, cudnn, cudnn_engine
 from tuner.kernels.params import BwdParams, FwdParams
-from tuner.semantics import layouts
+from tuner.semantics import known, layouts
 from tuner.semantics.reference import dense_attention
 from tuner.semantics.spec import AttentionSpec
+from tuner.strategies import ring as ring_module
 from tuner.strategies.ring import run_ring
 
 B, T, H, HKV, D = 2, 128, 4, 2, 16
@@ -204,3 +205,81 @@ def test_the_ring_lowers_for_cuda_to_cudnn_s_custom_calls(causal, window):
     for _, types, _ in backward:  # q, k, v, the softmax statistics (float32 lse), do, o
         assert types[3] == f"tensor<1x4x{rows}xf32>", types
         assert types[4] == types[5] == f"tensor<1x{rows}x4x128xbf16>", types
+
+
+def _branches(jaxpr) -> list[int]:
+    """The branch count of every `cond` in `jaxpr` and the jaxprs inside it, the branches of a chunk pair's
+    4-way `switch` left unread (its scan kernel has branches of its own)."""
+    from jax.extend import core
+
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            found.append(len(eqn.params["branches"]))
+            if found[-1] == 4:
+                continue
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else (param,):
+                if isinstance(sub, (core.ClosedJaxpr, core.Jaxpr)):
+                    found += _branches(getattr(sub, "jaxpr", sub))
+    return found
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_the_kinds_the_trace_knows_are_those_every_device_finds(layout, window):
+    """For each group of ring steps the driver traces as one (step 0, the loop's, the last), a chunk pair whose
+    kind the trace knows has that kind on every device at every step of the group, by `_kind` on its positions."""
+    spec = AttentionSpec(scale=1.0, causal=True, window=None if window is None else (window, 0))
+    local, chunk, decided = 16, 8, 0
+
+    def found(ring: int, rank: int, source: int, i: int, j: int) -> int:
+        q_pos, kv_pos = (jnp.asarray(layouts.local_positions_np(layout, local, ring, r)[None, a:a + chunk], jnp.int32)
+                         for r, a in ((rank, i), (source, j)))
+        return int(cudnn._kind(spec, q_pos, kv_pos))
+
+    for ring in (1, 2, 4):
+        for steps in (range(1), range(1, ring - 1), range(ring - 1, ring)):
+            block = known.ring_block(layout, local, local, ring, steps)
+            pairs = [(i, j) for i in range(0, local, chunk) for j in range(0, local, chunk)] if block else []
+            for i, j in pairs:
+                kind = cudnn._known_kind(spec, block.chunk(i, chunk, j, chunk))
+                decided += kind is not None
+                every = {found(ring, rank, (rank - step) % ring, i, j) for rank in range(ring) for step in steps}
+                assert kind is None or every == {kind}, (ring, steps, i, j, kind, every)
+    assert decided >= 12  # at least the diagonal steps' four pairs on each ring
+
+
+def test_a_ring_on_its_layout_s_positions_branches_only_where_devices_differ(monkeypatch):
+    """Traced for a GPU: on one device the causal block is one cuDNN call with no branch (the backward keeps
+    the lse correction's); on a zigzag ring of 4 the diagonal step has none, and each other step one `switch`
+    for each of its two pairs that differ between devices (FULL on some, skipped on others). Passed positions,
+    the same values, are decided on the device: every step in a branch, every pair in a `switch`."""
+    monkeypatch.setattr(ring_module, "compile_target", lambda: ("gpu", "NVIDIA H100"))
+    spec = AttentionSpec(scale=0.125, causal=True)
+    q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
+
+    def single(q, k, v):
+        return run_ring(q, k, v, spec=spec, backend="cudnn", fwd_params=FwdParams(64, 64),
+                        bwd_params=BwdParams(64, 64), axis_name=None, layout="zigzag", interpret=True)
+
+    def loss(fn):
+        return lambda q, k, v: fn(q, k, v).astype(jnp.float32).sum()
+
+    assert _branches(jax.make_jaxpr(single)(q, q, q).jaxpr) == []
+    assert _branches(jax.make_jaxpr(jax.grad(loss(single), argnums=(0, 1, 2)))(q, q, q).jaxpr) == [2]
+
+    ring = 4
+    mesh = Mesh(np.array(jax.devices()[:ring]), ("sp",))
+
+    def sharded(passed: bool):
+        def local(q, k, v):
+            pos = layouts.local_positions("zigzag", q.shape[1], ring, jax.lax.axis_index("sp"))[None]
+            return run_ring(q, k, v, spec=spec, backend="cudnn", fwd_params=FwdParams(32, 32),
+                            bwd_params=BwdParams(32, 32), axis_name="sp", layout="zigzag", interpret=True,
+                            q_positions=pos if passed else None, kv_positions=pos if passed else None)
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"))
+
+    assert _branches(jax.make_jaxpr(sharded(False))(q, q, q).jaxpr) == [4] * 4  # the loop's step and the last
+    passed = _branches(jax.make_jaxpr(sharded(True))(q, q, q).jaxpr)
+    assert passed.count(2) == 3 and passed.count(4) == 3 * 4  # a branch a traced step, four pairs in each

@@ -26,6 +26,14 @@ each block's gradients into the running ones, where it keeps them, instead of re
                    interpret) -> grads                the block's dk, dv added into the accumulators
     grads_finish(grads, k, v) -> dk, dv               in k's and v's shape and dtype
     dq_finish(dq, q, *, params) -> dq_f32 [B,Tq,H,D]
+    knowing(known) -> kernel                          the kernel for steps whose positions the trace knows
+
+`knowing` gets a `tuner.semantics.known.KnownBlock` (or None): every pair of positions the step's blocks
+may have, when the ring's layout gives them (no explicit positions). A kernel that branches on the
+device by positions (cudnn: one cuDNN mask per chunk pair) decides there once, in the trace; a kernel
+that decides per tile inside its own loops (`DecidesOnDevice`) returns itself. The positions the steps
+get are the same either way. `decides_in_trace` says which of the two a kernel is: the ring driver keeps
+the forward's first step out of its loop only for a kernel that decides in the trace.
 
 The steps' `k` and `v` are `keys_start`'s (`fwd_start`, `grads_start` and the `*_finish` methods get
 the caller's). `CallerLayout` gives the layout methods (`keys_start`, `dq_start`, `dq_finish`,
@@ -58,6 +66,7 @@ from typing import Any, Protocol
 import jax.numpy as jnp
 
 from tuner.kernels.params import BwdParams, FwdParams
+from tuner.semantics.known import KnownBlock
 from tuner.semantics.spec import AttentionSpec, LocalShapes
 from tuner.support import vma
 
@@ -109,6 +118,7 @@ class Backend(Protocol):
 
     name: str
     masked_tile: int | None
+    decides_in_trace: bool
 
     def unavailable_reason(self, interpret: bool = False, platform: str | None = None) -> str | None:
         """None when this backend's kernels can be built for `platform` (default: the program being
@@ -170,6 +180,18 @@ class Backend(Protocol):
                        spec: AttentionSpec, params: BwdParams, interpret: bool) -> Any: ...
 
     def grads_finish(self, grads: Any, k, v) -> tuple: ...
+
+    def knowing(self, known: KnownBlock | None) -> Backend: ...
+
+
+class DecidesOnDevice:
+    """`knowing` of a kernel that decides per tile on the device, inside its own loops, with no branch
+    that knowing the positions in the trace would remove."""
+
+    decides_in_trace = False
+
+    def knowing(self, known: KnownBlock | None) -> DecidesOnDevice:
+        return self
 
 
 class CallerLayout:

@@ -34,6 +34,7 @@ different (192 and 128).
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ from tuner.kernels import cudnn_engine, scan_kernel
 from tuner.kernels.base import MergedBlocks, SearchSpace, merge, reject_settings, source_hash
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.semantics import masks
+from tuner.semantics.known import KnownBlock
 from tuner.semantics.spec import AttentionSpec, LocalShapes
 from tuner.support import vma
 from tuner.support.targets import compile_target
@@ -60,19 +62,30 @@ def _window(spec: AttentionSpec) -> int | None:
     return None if spec.window is None else spec.window[0]
 
 
-def _kind(spec: AttentionSpec, q_pos, kv_pos):
-    """The `SKIP` / `FULL` / `DIAGONAL` / `GENERAL` of a chunk pair, from its `[B, T]` positions: the
-    kind every row of the batch shares (one cuDNN call covers them all), else `GENERAL`."""
+def _row_kinds(spec: AttentionSpec, q_pos, kv_pos):
+    """The `SKIP` / `FULL` / `DIAGONAL` / `GENERAL` of a chunk pair in each row of its `[B, T]` positions."""
     q_lo, q_hi, k_lo, k_hi = q_pos.min(axis=1), q_pos.max(axis=1), kv_pos.min(axis=1), kv_pos.max(axis=1)
     may = masks.ranges_may_attend(q_lo, q_hi, k_lo, k_hi, None, spec)
     every = masks.ranges_fully_allowed(q_lo, q_hi, k_lo, k_hi, None, spec)
-    diagonal = jnp.bool_(False)
+    diagonal = jnp.zeros(may.shape, bool)
     if q_pos.shape[1] == kv_pos.shape[1]:
         steps = jnp.arange(q_pos.shape[1], dtype=q_pos.dtype)[None]
-        diagonal = jnp.all((q_pos == kv_pos) & (q_pos == q_pos[:, :1] + steps))
+        diagonal = jnp.all((q_pos == kv_pos) & (q_pos == q_pos[:, :1] + steps), axis=1)
     kind = jnp.where(diagonal, DIAGONAL, GENERAL)
-    kind = jnp.where(jnp.all(every), FULL, kind)
-    return jnp.where(~jnp.any(may), SKIP, kind).astype(jnp.int32)
+    kind = jnp.where(every, FULL, kind)
+    return jnp.where(may, kind, SKIP).astype(jnp.int32)
+
+
+def _kind(spec: AttentionSpec, q_pos, kv_pos):
+    """The kind every row of the batch shares (one cuDNN call covers them all), else `GENERAL`."""
+    kinds = _row_kinds(spec, q_pos, kv_pos)
+    return jnp.where(jnp.all(kinds == kinds[0]), kinds[0], GENERAL)
+
+
+def _known_kind(spec: AttentionSpec, known: KnownBlock | None) -> int | None:
+    """The kind of a chunk pair in every case the trace knows of (`tuner.semantics.known`), else None:
+    the device decides."""
+    return None if known is None else known.agreed(functools.partial(_row_kinds, spec))
 
 
 def _switch(kind, branches, reference, *operands):
@@ -89,8 +102,22 @@ def _chunks(x, size: int, axis: int = 1) -> list:
     return [lax.slice_in_dim(x, start, start + size, axis=axis) for start in range(0, x.shape[axis], size)]
 
 
-def forward(q, k, v, q_pos, kv_pos, *, spec: AttentionSpec, params: FwdParams, interpret: bool):
-    """`(o, lse)` in float32 of one query block against one key block (the kernel contract)."""
+def _decided(kind: int | None, spec: AttentionSpec, branches: tuple, reference, q_pos, kv_pos, *operands):
+    """A chunk pair's results: the branch of `kind`, the kind the trace knows, or with None a `lax.switch`
+    on the kind the device finds from the positions (`_switch`)."""
+    if kind is None:
+        return _switch(_kind(spec, q_pos, kv_pos), branches, reference, *operands, q_pos, kv_pos)
+    return jax.tree.map(lambda x: vma.like(x, reference), branches[kind](*operands, q_pos, kv_pos))
+
+
+def _cut(known: KnownBlock | None, q_start: int, q_size: int, kv_start: int, kv_size: int) -> KnownBlock | None:
+    return None if known is None else known.chunk(q_start, q_size, kv_start, kv_size)
+
+
+def forward(q, k, v, q_pos, kv_pos, *, spec: AttentionSpec, params: FwdParams, interpret: bool,
+            known: KnownBlock | None = None):
+    """`(o, lse)` in float32 of one query block against one key block (the kernel contract). A block
+    whose every known case is one kind runs as one call, whatever the chunks."""
     engine = cudnn_engine.engine(interpret)
     if not spec.has_position_mask:
         o, lse = engine.forward(q, k, v, scale=spec.scale, causal=False, window=None)
@@ -113,11 +140,19 @@ def forward(q, k, v, q_pos, kv_pos, *, spec: AttentionSpec, params: FwdParams, i
         return jnp.zeros((b, t, h, v_.shape[3]), F32), jnp.full((b, h, t), -jnp.inf, F32)
 
     branches = (skip, cudnn(False), cudnn(True), general)
+    whole = _known_kind(spec, known)
+    if whole is not None and whole != GENERAL:
+        return _decided(whole, spec, branches, q, q_pos, kv_pos, q, k, v)
     outs, lses = [], []
-    for q_, qp in zip(_chunks(q, size_q), _chunks(q_pos, size_q)):
-        o, lse = (vma.like(x, q) for x in skip(q_, k, v, qp, kv_pos))
-        for k_, v_, kp in zip(_chunks(k, size_kv), _chunks(v, size_kv), _chunks(kv_pos, size_kv)):
-            o, lse = merge(o, lse, *_switch(_kind(spec, qp, kp), branches, q, q_, k_, v_, qp, kp))
+    for i, (q_, qp) in enumerate(zip(_chunks(q, size_q), _chunks(q_pos, size_q))):
+        row = None  # the running (o, lse) of this query chunk; None while it has read nothing
+        for j, (k_, v_, kp) in enumerate(zip(_chunks(k, size_kv), _chunks(v, size_kv), _chunks(kv_pos, size_kv))):
+            kind = _known_kind(spec, _cut(known, i * size_q, size_q, j * size_kv, size_kv))
+            if kind == SKIP:
+                continue
+            pair = _decided(kind, spec, branches, q, qp, kp, q_, k_, v_)
+            row = pair if row is None else merge(*row, *pair)
+        o, lse = row if row is not None else (vma.like(x, q) for x in skip(q_, k, v, qp, kv_pos))
         outs.append(o)
         lses.append(lse)
     return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=2)
@@ -144,8 +179,9 @@ def _engine_backward(engine, spec: AttentionSpec, q, k, v, o, lse, do, delta, *,
 
 
 def backward(q, k, v, o, lse, do, delta, q_pos, kv_pos, *, spec: AttentionSpec, params: BwdParams,
-             interpret: bool):
-    """`(dq, dk, dv)` in float32 of one query block against one key block (the kernel contract)."""
+             interpret: bool, known: KnownBlock | None = None):
+    """`(dq, dk, dv)` in float32 of one query block against one key block (the kernel contract). A block
+    whose every known case is one kind runs as one call, whatever the chunks."""
     engine = cudnn_engine.engine(interpret)
     if not spec.has_position_mask:
         return _engine_backward(engine, spec, q, k, v, o, lse, do, delta, causal=False, window=None)
@@ -167,27 +203,50 @@ def backward(q, k, v, o, lse, do, delta, q_pos, kv_pos, *, spec: AttentionSpec, 
     def skip(q_, k_, v_, *rest):
         return jnp.zeros(q_.shape, F32), jnp.zeros(k_.shape, F32), jnp.zeros(v_.shape, F32)
 
+    def zeros(x):
+        return vma.like(jnp.zeros(x.shape, F32), q)
+
     branches = (skip, cudnn(False), cudnn(True), general)
+    whole = _known_kind(spec, known)
+    if whole is not None and whole != GENERAL:
+        return _decided(whole, spec, branches, q, q_pos, kv_pos, q, k, v, o, lse, do, delta)
     key_chunks = list(zip(_chunks(k, size_kv), _chunks(v, size_kv), _chunks(kv_pos, size_kv)))
-    dks = [vma.like(jnp.zeros(k_.shape, F32), q) for k_, _, _ in key_chunks]
-    dvs = [vma.like(jnp.zeros(v_.shape, F32), q) for _, v_, _ in key_chunks]
+    dks, dvs = [None] * len(key_chunks), [None] * len(key_chunks)  # None while no pair added into them
     dqs = []
     query_chunks = zip(*(_chunks(x, size_q) for x in (q, o, do, q_pos)), _chunks(lse, size_q, 2),
                        _chunks(delta, size_q, 2))
-    for q_, o_, do_, qp, lse_, delta_ in query_chunks:
-        dq = vma.like(jnp.zeros(q_.shape, F32), q)
+    for i, (q_, o_, do_, qp, lse_, delta_) in enumerate(query_chunks):
+        dq = None
         for j, (k_, v_, kp) in enumerate(key_chunks):
-            dq_c, dk_c, dv_c = _switch(_kind(spec, qp, kp), branches, q, q_, k_, v_, o_, lse_, do_, delta_, qp, kp)
-            dq, dks[j], dvs[j] = dq + dq_c, dks[j] + dk_c, dvs[j] + dv_c
-        dqs.append(dq)
+            kind = _known_kind(spec, _cut(known, i * size_q, size_q, j * size_kv, size_kv))
+            if kind == SKIP:
+                continue
+            dq_c, dk_c, dv_c = _decided(kind, spec, branches, q, qp, kp, q_, k_, v_, o_, lse_, do_, delta_)
+            dq = dq_c if dq is None else dq + dq_c
+            dks[j] = dk_c if dks[j] is None else dks[j] + dk_c
+            dvs[j] = dv_c if dvs[j] is None else dvs[j] + dv_c
+        dqs.append(zeros(q_) if dq is None else dq)
+    dks = [zeros(k_) if dk is None else dk for dk, (k_, _, _) in zip(dks, key_chunks)]
+    dvs = [zeros(v_) if dv is None else dv for dv, (_, v_, _) in zip(dvs, key_chunks)]
     return jnp.concatenate(dqs, axis=1), jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1)
 
 
 class CudnnBackend(MergedBlocks):
-    """cuDNN's flash attention per chunk pair of a ring step (module docstring)."""
+    """cuDNN's flash attention per chunk pair of a ring step (module docstring); `known`, the positions the
+    trace knows the steps' blocks have (`knowing`), or None."""
 
     name = "cudnn"
     masked_tile = None  # the default chunks hold under every mask
+    decides_in_trace = True
+
+    def __init__(self, known: KnownBlock | None = None):
+        self.known = known
+
+    def knowing(self, known: KnownBlock | None) -> CudnnBackend:
+        """This kernel for steps whose positions the trace knows: each chunk pair that is one kind in every
+        known case runs that kind's call with no branch on the device, and a block that is one kind
+        as a whole runs as one call."""
+        return CudnnBackend(known)
 
     def unavailable_reason(self, interpret: bool = False, platform: str | None = None) -> str | None:
         module, reason = cudnn_engine.private_module()
@@ -263,10 +322,10 @@ class CudnnBackend(MergedBlocks):
 
     def block_fwd(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec,
                   params: FwdParams, interpret: bool = False):
-        return forward(q, k, v, q_pos, kv_pos, spec=spec, params=params, interpret=interpret)
+        return forward(q, k, v, q_pos, kv_pos, spec=spec, params=params, interpret=interpret, known=self.known)
 
     def block_bwd(self, q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *,
                   spec: AttentionSpec, params: BwdParams, interpret: bool = False):
         dq, dk, dv = backward(q, k, v, o, lse, do, delta, q_pos, kv_pos, spec=spec, params=params,
-                              interpret=interpret)
+                              interpret=interpret, known=self.known)
         return dq, dk, dv, None

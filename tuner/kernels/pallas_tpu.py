@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from tuner.kernels import codegen
 from tuner.semantics import masks
 from tuner.support import vma
-from tuner.kernels.base import CallerLayout, SearchSpace, reject_settings, source_hash
+from tuner.kernels.base import CallerLayout, DecidesOnDevice, SearchSpace, reject_settings, source_hash
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.semantics.spec import AttentionSpec, LocalShapes
 from tuner.kernels.pallas_tiling import COMPUTE_TILES, KV_TILES, Q_TILES, bwd_tiles, fwd_tiles, kernel_calls
@@ -121,7 +121,7 @@ def _mask_values(spec: AttentionSpec) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 
 
-class PallasTpuBackend(CallerLayout):
+class PallasTpuBackend(DecidesOnDevice, CallerLayout):
     """Generated Pallas kernels for TPUs (or Pallas's TPU interpret mode on the CPU for checks)."""
 
     name = "pallas_tpu"

@@ -13,7 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from tuner.kernels import scan_kernel, scan_tiling
-from tuner.kernels.base import AddedGrads, SearchSpace, reject_settings, source_hash
+from tuner.kernels.base import AddedGrads, DecidesOnDevice, SearchSpace, reject_settings, source_hash
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.semantics.spec import AttentionSpec, LocalShapes
 
@@ -21,7 +21,7 @@ TILE_BYTES_LIMIT = 256 * 2**20
 SHORT_SHARD = 1024  # up to this local length the default forward takes query tiles of 128 (default_params)
 
 
-class ScanBackend(AddedGrads):
+class ScanBackend(DecidesOnDevice, AddedGrads):
     """Pure-JAX blockwise attention; honours every feature on every platform."""
 
     name = "scan"

@@ -26,7 +26,7 @@ from typing import Any
 import jax
 
 from tuner.kernels import codegen, triton_compile, triton_launch
-from tuner.kernels.base import MergedBlocks, SearchSpace, reject_settings, source_hash
+from tuner.kernels.base import DecidesOnDevice, MergedBlocks, SearchSpace, reject_settings, source_hash
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.kernels.triton_compile import resources, ruled_out
 from tuner.kernels.triton_launch import (TEMPLATE, _constants, _dtype_name, launch_constants, launches,
@@ -79,7 +79,7 @@ def standard_variants() -> list[codegen.Variant]:
             for f in codegen.STANDARD_FEATURES for dtype in ("bfloat16", "float16", "float32") for d in (64, 128)]
 
 
-class TritonBackend(MergedBlocks):
+class TritonBackend(DecidesOnDevice, MergedBlocks):
     """Generated Triton kernels; NVIDIA GPUs (or Triton's interpreter on the CPU for checks)."""
 
     name = "triton"

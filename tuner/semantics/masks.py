@@ -80,6 +80,12 @@ def ranges_may_attend(q_lo, q_hi, k_lo, k_hi, segments, spec: AttentionSpec):
     return possible
 
 
+def rows_may_attend(q_pos, kv_pos, spec: AttentionSpec):
+    """Per row of `[N, Tq]` query and `[N, Tk]` key positions, whether some query may read some key
+    (`ranges_may_attend` of the rows' ranges; no segment ids)."""
+    return ranges_may_attend(*_bounds(q_pos), *_bounds(kv_pos), None, spec)
+
+
 def ranges_fully_allowed(q_lo, q_hi, k_lo, k_hi, segments, spec: AttentionSpec):
     """Elementwise bool: every query with a position in [q_lo, q_hi] may read every key in [k_lo, k_hi]
     (with `segments = (q_seg_lo, q_seg_hi, k_seg_lo, k_seg_hi)`: all of them in one and the same

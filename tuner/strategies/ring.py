@@ -10,7 +10,9 @@ float32. The kernel keeps that state in its own layout (`fwd_start`, `fwd_step`,
 contract, `tuner.kernels.base`): the scan and Pallas kernels merge each block into it in place; the
 others return a block output, merged by `logaddexp`. There is no send after the last step. A step
 whose visiting shard is wholly excluded by the masks is skipped: which ones, `masks.ring_mask`
-resolves once before the ring turns, from every shard's position bounds. Sinks join the softmax once,
+resolves once before the ring turns, from every shard's position bounds. Where no positions were passed,
+the layout's are known in the trace (`tuner.semantics.known`): what every device decides alike at a step
+is decided there, with no branch, and the kernel gets them (`knowing`). Sinks join the softmax once,
 at the end.
 
 Backward replays the same steps with the final (sink-inclusive) lse and `delta = rowsum(dout * out)`:
@@ -41,7 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from tuner.semantics import layouts, masks
+from tuner.semantics import known, layouts, masks
 from tuner.support import ordering
 from tuner import registry
 from tuner.support import axes, vma, work
@@ -64,6 +66,7 @@ class RingConfig:
     bwd_params: BwdParams
     axis_name: Hashable | None
     interpret: bool
+    layout: str | None  # the layout whose positions every shard holds; None where positions were passed
 
 
 def block_kernel(name: str) -> Backend:
@@ -131,15 +134,23 @@ def _sink_lse(sinks):
     return sinks if sinks.ndim == 1 else jax.nn.logsumexp(sinks, axis=-1)
 
 
-def _visits(cfg: RingConfig, ring_mask: masks.RingMask, step, size: int):
-    """Whether step `step`'s kernel runs, as the predicate of the branch around it, or None for no
-    branch. With a mask, the mask's answer. Without one the kernel always runs, but on a TPU it still
-    goes in a branch, under a predicate the compiler cannot fold (`optimization_barrier`): the TPU
-    scheduler overlaps the step's transfers with a branch, while a bare kernel it ran before starting
-    them on v6e (tests/test_tpu_compile.py). Elsewhere no branch: a GPU branch waits on its predicate."""
+def _visits(cfg: RingConfig, ring_mask: masks.RingMask, step, size: int, block: known.KnownBlock | None):
+    """Whether step `step`'s kernel runs: False when it never does, else the predicate of the branch
+    around it, or None for no branch. With a mask, the mask's answer, decided in the trace where every
+    known case of the step's `block` agrees (no segment ids), else on the device. Where the kernel always
+    runs, it still goes in a branch, under a predicate the compiler cannot fold (`optimization_barrier`):
+    the TPU scheduler overlaps the step's transfers with a branch, and ran a bare kernel before starting
+    them on v6e (tests/test_tpu_compile.py); XLA:CPU updates the running state in place through a branch
+    (the scan ring's forward held 1.69x its floor without, 1.41x with: tests/test_memory.py). On a GPU no
+    branch: it waits on its predicate."""
     if cfg.spec.has_mask:
-        return ring_mask.visits[step]
-    if size > 1 and compile_target()[0] == "tpu":
+        visited = None if block is None or cfg.spec.has_segments else block.agreed(
+            functools.partial(masks.rows_may_attend, spec=cfg.spec))
+        if visited is None:
+            return ring_mask.visits[step]
+        if not visited:
+            return False
+    if size > 1 and compile_target()[0] != "gpu":
         return lax.optimization_barrier(jnp.asarray(step) < size)
     return None
 
@@ -159,19 +170,24 @@ def _forward(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks
     size, rank = ring_geometry(cfg.axis_name)
     kv_len = k.shape[1]
 
-    def block(visiting, step, state):
+    def block(visiting, step, state, steps: range):
+        """Step `step` (one of `steps`, whose positions the trace may know) merged into `state`."""
         k_, v_, kv_pos_, kv_seg_ = _arrived(visiting)
         source = (rank - step) % size
+        block_known = known.ring_block(cfg.layout, q.shape[1], kv_len, size, steps)
+        kernel = backend.knowing(block_known)
 
         def compute(state):
             work.record("blocks", 1)
-            return backend.fwd_step(state, q, k_, v_, q_pos, kv_pos_, q_seg, kv_seg_,
-                                    _bias_columns(bias, source, kv_len), spec=cfg.spec, params=cfg.fwd_params,
-                                    interpret=cfg.interpret)
+            return kernel.fwd_step(state, q, k_, v_, q_pos, kv_pos_, q_seg, kv_seg_,
+                                   _bias_columns(bias, source, kv_len), spec=cfg.spec, params=cfg.fwd_params,
+                                   interpret=cfg.interpret)
 
-        visits = _visits(cfg, ring_mask, step, size)
+        visits = _visits(cfg, ring_mask, step, size, block_known)
         if visits is None:
             return compute(state)
+        if visits is False:
+            return state
         return lax.cond(visits, compute, lambda state: state, state)
 
     ring_mask = masks.ring_mask(q_pos, kv_pos, q_seg, kv_seg, cfg.spec, cfg.axis_name, size, rank)
@@ -179,13 +195,21 @@ def _forward(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks
         state = backend.fwd_start(q, k, v, params=cfg.fwd_params)
         visiting = _travelling(*backend.keys_start(k, v, params=cfg.fwd_params), kv_pos, kv_seg)
         if size > 1:
+            # Step 0 (each device's own keys) apart from the loop for a kernel that decides from known
+            # positions, which every device has alike there; for the others, only a kernel copy to compile.
+            first = 1 if backend.decides_in_trace else 0
+            if first:
+                arriving = _send_to_next(visiting, cfg.axis_name, size)
+                visiting, state = arriving, block(visiting, 0, state, range(1))
+
             def step(i, carry):
                 visiting, state = carry
                 arriving = _send_to_next(visiting, cfg.axis_name, size)
-                return arriving, block(visiting, i, state)
+                return arriving, block(visiting, i, state, range(first, size - 1))
 
-            visiting, state = lax.fori_loop(0, size - 1, step, (visiting, state))
-        out, lse = backend.fwd_finish(block(visiting, size - 1, state), q)
+            if size - 1 > first:
+                visiting, state = lax.fori_loop(first, size - 1, step, (visiting, state))
+        out, lse = backend.fwd_finish(block(visiting, size - 1, state, range(size - 1, size)), q)
 
     if sinks is not None:
         final_lse = jnp.logaddexp(lse, _sink_lse(sinks)[None, :, None])
@@ -210,37 +234,48 @@ def _backward(cfg: RingConfig, residuals, cotangents):
     def varying(tree):
         return jax.tree.map(lambda x: vma.like(x, q), tree)
 
-    def block(visiting, step, dq, dbias):
+    def block(visiting, step, dq, dbias, steps: range):
         """A step's first part, which does not read the dk/dv accumulators: dq (and dbias) accumulate here;
-        what the kernel leaves for `accumulate` is returned."""
+        what the kernel leaves for `accumulate` is returned. `steps` as in the forward's `block`."""
         k_, v_, kv_pos_, kv_seg_ = _arrived(visiting)
         source = (rank - step) % size
+        block_known = known.ring_block(cfg.layout, q.shape[1], kv_len, size, steps)
+        kernel = backend.knowing(block_known)
 
         def compute(carry):
             dq, dbias = carry
             work.record("blocks", 1)
-            dq, dbias_b, pending = backend.bwd_step(dq, rows, k_, v_, out, lse, delta, q_pos, kv_pos_, q_seg,
-                                                    kv_seg_, _bias_columns(bias, source, kv_len), **kernel_args)
+            dq, dbias_b, pending = kernel.bwd_step(dq, rows, k_, v_, out, lse, delta, q_pos, kv_pos_, q_seg,
+                                                   kv_seg_, _bias_columns(bias, source, kv_len), **kernel_args)
             if dbias is not None:
                 dbias = _add_bias_columns(dbias, dbias_b, source, kv_len)
             return dq, dbias, varying(pending)
 
-        visits = _visits(cfg, ring_mask, step, size)
+        def idle(carry):
+            return (*carry, varying(backend.bwd_idle(k_, v_)))
+
+        visits = _visits(cfg, ring_mask, step, size, block_known)
         if visits is None:
             return compute((dq, dbias))
-        return lax.cond(visits, compute, lambda c: (*c, varying(backend.bwd_idle(k_, v_))), (dq, dbias))
+        if visits is False:
+            return idle((dq, dbias))
+        return lax.cond(visits, compute, idle, (dq, dbias))
 
-    def accumulate(visiting, step, grads, pending):
+    def accumulate(visiting, step, grads, pending, steps: range):
         """A step's second part: the block's dk, dv added into the accumulators of the keys at hand."""
         k_, v_, kv_pos_, kv_seg_ = _arrived(visiting)
+        block_known = known.ring_block(cfg.layout, q.shape[1], kv_len, size, steps)
+        kernel = backend.knowing(block_known)
 
         def compute(grads, pending):
-            return backend.bwd_accumulate(grads, pending, rows, k_, v_, lse, delta, q_pos, kv_pos_, q_seg, kv_seg_,
-                                          **kernel_args)
+            return kernel.bwd_accumulate(grads, pending, rows, k_, v_, lse, delta, q_pos, kv_pos_, q_seg, kv_seg_,
+                                         **kernel_args)
 
-        visits = _visits(cfg, ring_mask, step, size) if _idle_together(cfg.spec) else None
+        visits = _visits(cfg, ring_mask, step, size, block_known) if _idle_together(cfg.spec) else None
         if visits is None:
             return compute(grads, pending)
+        if visits is False:
+            return grads
         return lax.cond(visits, compute, lambda grads, pending: grads, grads, pending)
 
     def send(tree, after: tuple = ()):
@@ -256,24 +291,26 @@ def _backward(cfg: RingConfig, residuals, cotangents):
         # On the CPU the first send waits for lse and dout, as the kernel does, so that it cannot meet
         # the forward ring's sends or a later layer's in flight (`tuner.support.ordering`).
         arriving = send(visiting, after=(lse, dout)) if size > 1 else visiting
-        dq, dbias, pending = block(visiting, 0, dq, dbias)
-        outgoing = accumulate(visiting, 0, varying(backend.grads_start(k, v, params=cfg.bwd_params)), pending)
+        dq, dbias, pending = block(visiting, 0, dq, dbias, range(1))
+        outgoing = accumulate(visiting, 0, varying(backend.grads_start(k, v, params=cfg.bwd_params)), pending,
+                              range(1))
         if size > 1:
             def step(i, carry):
                 visiting, outgoing, dq, dbias = carry
                 arriving = send(visiting)
                 incoming = send(outgoing, after=jax.tree.leaves(arriving)[-1:])
-                dq, dbias, pending = block(visiting, i, dq, dbias)
+                dq, dbias, pending = block(visiting, i, dq, dbias, range(1, size - 1))
                 # the second part after the first, so that the accumulators arrive while the first runs
                 incoming, dq = lax.optimization_barrier((incoming, dq))
-                return arriving, accumulate(visiting, i, incoming, pending), dq, dbias
+                return arriving, accumulate(visiting, i, incoming, pending, range(1, size - 1)), dq, dbias
 
             visiting, outgoing, dq, dbias = lax.fori_loop(1, size - 1, step, (arriving, outgoing, dq, dbias))
             incoming = send(outgoing, after=jax.tree.leaves(visiting)[-1:])  # a ring of 2 has no loop
-            dq, dbias, pending = block(visiting, size - 1, dq, dbias)
+            last = range(size - 1, size)
+            dq, dbias, pending = block(visiting, size - 1, dq, dbias, last)
             incoming, dq = lax.optimization_barrier((incoming, dq))
             # One last hop brings the finished accumulators home, already in the gradients' dtype.
-            finished = backend.grads_finish(accumulate(visiting, size - 1, incoming, pending), k, v)
+            finished = backend.grads_finish(accumulate(visiting, size - 1, incoming, pending, last), k, v)
             dk, dv = send(finished, after=jax.tree.leaves(incoming)[-1:])
             # On the CPU dq and dk wait for dv, the last send, so that the ring of an earlier layer,
             # which needs them, cannot start sending while it is in flight (`tuner.support.ordering`).
@@ -349,7 +386,8 @@ def run_ring(query, key, value, *, spec: AttentionSpec, backend: str, fwd_params
     """The ring of block kernel `backend` with these tiles for a call already resolved to `spec`
     (`tuner.runtime.plan.resolve`; the arrays checked there): what `ring_attention` and the loader run."""
     size, rank = ring_geometry(axis_name)
-    cfg = RingConfig(spec, backend, fwd_params, bwd_params, axis_name, bool(interpret))
+    passed = q_positions is not None or kv_positions is not None or isinstance(axis_name, tuple)
+    cfg = RingConfig(spec, backend, fwd_params, bwd_params, axis_name, bool(interpret), None if passed else layout)
     batch = query.shape[0]
     q_pos = _positions(q_positions, layout, query.shape[1], batch, size, rank)
     kv_pos = _positions(kv_positions, layout, key.shape[1], batch, size, rank)

@@ -1,0 +1,63 @@
+"""Positions known when the program is traced.
+
+Without explicit positions, every device's shard holds the positions its layout gives it
+(`layouts.local_positions_np`). So the ring driver knows, before anything runs, which positions a ring
+step may pair: one case for each device of the ring at that step (and for each step of a loop, where the
+step is a loop index). Whatever all those cases decide alike (the step visits its keys, a chunk pair of
+the block is on the diagonal) is decided once, in the trace, instead of on the device at every step.
+
+On a GPU this matters: a branch the device decides (`lax.cond`, `lax.switch`) waits for its predicate,
+and its results are materialized at its boundary, where XLA could otherwise fuse them into what follows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from tuner.semantics import layouts
+
+LIMIT = 1 << 22  # positions a side at most (cases x tokens); past it, the device decides
+
+
+@dataclass(frozen=True, eq=False)
+class KnownBlock:
+    """Every pair of positions a block may have: case `n` pairs queries at `q[n]` with keys at `kv[n]`
+    (int32 NumPy, `[N, Tq]` and `[N, Tk]`), in every batch row."""
+
+    q: np.ndarray
+    kv: np.ndarray
+
+    def chunk(self, q_start: int, q_size: int, kv_start: int, kv_size: int) -> KnownBlock:
+        """The cases of the chunk pair of queries `[q_start, q_start + q_size)` and keys
+        `[kv_start, kv_start + kv_size)`."""
+        return KnownBlock(self.q[:, q_start:q_start + q_size], self.kv[:, kv_start:kv_start + kv_size])
+
+    def agreed(self, rule: Callable) -> int | None:
+        """The one value `rule(q, kv)` gives every case, as a Python int (a bool is 0 or 1), or None when
+        the cases differ. `rule` takes `[N, T]` positions and returns `[N]` values: the device's own rule,
+        run here on the known positions, in the trace (`jax.ensure_compile_time_eval`)."""
+        with jax.ensure_compile_time_eval():
+            values = np.asarray(rule(self.q, self.kv))
+        return int(values[0]) if bool((values == values[0]).all()) else None
+
+
+def ring_block(layout: str | None, q_len: int, kv_len: int, size: int, steps: Iterable[int]) -> KnownBlock | None:
+    """The `KnownBlock` of ring steps `steps` of a ring of `size` devices, each holding `q_len` queries
+    and `kv_len` keys in `layout`: at step s, device r's queries meet the keys of device (r - s) mod size.
+    None without a layout (positions were passed), or when it would hold more than `LIMIT` positions a
+    side."""
+    steps = tuple(steps)
+    if layout is None or not steps or size * len(steps) * max(q_len, kv_len) > LIMIT:
+        return None
+    ranks = range(size)
+    q = np.stack([layouts.local_positions_np(layout, q_len, size, rank) for rank in ranks for _ in steps])
+    kv = np.stack([layouts.local_positions_np(layout, kv_len, size, (rank - step) % size)
+                   for rank in ranks for step in steps])
+    return KnownBlock(q.astype(np.int32), kv.astype(np.int32))
+
+
+__all__ = ["KnownBlock", "LIMIT", "ring_block"]
