@@ -9,6 +9,7 @@ bfloat16 case goes through `ring_attention` and is held to twice dense bfloat16'
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -259,15 +260,24 @@ def test_a_ring_on_its_layout_s_positions_branches_only_where_devices_differ(mon
     spec = AttentionSpec(scale=0.125, causal=True)
     q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
 
-    def single(q, k, v):
+    def single(q, k, v, interpret=True):
         return run_ring(q, k, v, spec=spec, backend="cudnn", fwd_params=FwdParams(64, 64),
-                        bwd_params=BwdParams(64, 64), axis_name=None, layout="zigzag", interpret=True)
+                        bwd_params=BwdParams(64, 64), axis_name=None, layout="zigzag", interpret=interpret)
 
     def loss(fn):
         return lambda q, k, v: fn(q, k, v).astype(jnp.float32).sum()
 
     assert _branches(jax.make_jaxpr(single)(q, q, q).jaxpr) == []
     assert _branches(jax.make_jaxpr(jax.grad(loss(single), argnums=(0, 1, 2)))(q, q, q).jaxpr) == [2]
+    # with cuDNN's primitives, lowered for CUDA: one causal call over the whole shard each way (and the
+    # lse correction's backward, in its branch)
+    on_gpu = functools.partial(single, interpret=False)
+    both = jax.jit(jax.value_and_grad(loss(on_gpu), argnums=(0, 1, 2))).trace(q, q, q).lower(
+        lowering_platforms=("cuda",)).as_text()
+    calls = [(target, types[0], config["mask_type"]) for target, types, config in _custom_calls(both)]
+    assert sorted(calls) == [("__cudnn$fmhaSoftmax", "tensor<1x256x4x64xbf16>", "CAUSAL"),
+                             ("__cudnn$fmhaSoftmaxBackward", "tensor<1x256x4x64xbf16>", "CAUSAL"),
+                             ("__cudnn$fmhaSoftmaxBackward", "tensor<1x256x4x64xbf16>", "CAUSAL")], calls
 
     ring = 4
     mesh = Mesh(np.array(jax.devices()[:ring]), ("sp",))

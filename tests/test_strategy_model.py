@@ -82,11 +82,10 @@ PROBLEM = Problem(batch=1, seq_len=256, heads=8, kv_heads=2, head_dim=16, dtype=
                   ring_size=8, layout="zigzag")
 
 
-def compiled_bytes(strategy: str, backward: bool) -> dict[str, int]:
-    """`hlo.collective_bytes` of `strategy` on PROBLEM's shards under `shard_map` over 8 CPU devices: the
+def compiled_bytes(strategy: str, backward: bool, p: Problem = PROBLEM) -> dict[str, int]:
+    """`hlo.collective_bytes` of `strategy` on `p`'s shards under `shard_map` over 8 CPU devices: the
     forward, or the value and gradient of a weighted sum of the output (a training step: the output is
     used, and dout is not a constant)."""
-    p = PROBLEM
     mesh = Mesh(np.array(jax.devices()[:p.ring_size]), ("sp",))
     seq = P(None, "sp")
     mask = dict(causal=True, sliding_window=None, chunk_size=None, logits_soft_cap=None, softmax_scale=None)
@@ -113,11 +112,14 @@ def compiled_bytes(strategy: str, backward: bool) -> dict[str, int]:
     return hlo.collective_bytes(lowered.compile().as_text())
 
 
-@pytest.mark.parametrize("strategy", ["ring", "all_to_all", "all_gather"])
-def test_model_bytes_are_the_compiled_programs(strategy):
+@pytest.mark.parametrize(("strategy", "layout"), [("ring", "zigzag"), ("ring", "contiguous"), ("all_to_all", "zigzag"),
+                                                  ("all_gather", "zigzag")])
+def test_model_bytes_are_the_compiled_programs(strategy, layout):
+    """Zigzag's ring decides every step in the trace and gathers no position bounds; contiguous's does."""
     assert strategy == "ring" or strategy in registry.names(), f"{strategy} is not registered"
-    want = [compiled_bytes(strategy, backward) for backward in (False, True)]
-    got = [predict(PROBLEM, strategy, "h100", backward=backward).bytes for backward in (False, True)]
+    problem = dataclasses.replace(PROBLEM, layout=layout)
+    want = [compiled_bytes(strategy, backward, problem) for backward in (False, True)]
+    got = [predict(problem, strategy, "h100", backward=backward).bytes for backward in (False, True)]
 
     def backward_alone(fwd: dict[str, int], step: dict[str, int]) -> dict[str, int]:
         return {kind: step[kind] - fwd[kind] for kind in fwd}

@@ -14,6 +14,11 @@ and each chunk pair is classified from its positions when the step runs (`_kind`
               the scan kernel, exact for every mask, and slower; `auto` and the search choose by
               measurement, so a layout that lands here loses to the Triton kernels
 
+Where the ring knows the positions in the trace (`knowing`: the layout's, none passed), a pair whose kind
+is the same on every device at that step runs its branch directly, and a block of one kind as a whole
+runs as one call; the others are classified on the device, under `lax.switch` (`_kind`). A GPU branch
+waits for its predicate and writes its results out in float32 at its boundary.
+
 Without a position mask a block is one cuDNN call, whatever the tiles. Chunk results merge into the
 running output and lse in float32 (cuDNN returns each chunk's output in the input dtype); the backward's
 dq, dk and dv add up in float32.
@@ -111,6 +116,7 @@ def _decided(kind: int | None, spec: AttentionSpec, branches: tuple, reference, 
 
 
 def _cut(known: KnownBlock | None, q_start: int, q_size: int, kv_start: int, kv_size: int) -> KnownBlock | None:
+    """The known cases of one chunk pair of the block."""
     return None if known is None else known.chunk(q_start, q_size, kv_start, kv_size)
 
 

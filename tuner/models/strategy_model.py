@@ -11,7 +11,8 @@ heads, D head size, `item` bytes per element; T = S / P tokens per device):
   in the input dtype (the sums are finished: the ring casts them before that hop). A ring of 2 sends no
   K,V in the backward: its one send is the forward's, same operands, and XLA merges the two. With a mask,
   the driver all-gathers every shard's position bounds once (`masks.ring_mask`; XLA:TPU builds that as a
-  small all-reduce, which `hlo.collective_bytes` does not read).
+  small all-reduce, which `hlo.collective_bytes` does not read), unless the trace decides every step from
+  the layout's positions (zigzag or striped under a causal mask: every step runs; `tuner.semantics.known`).
 - "all_to_all" (`tuner.strategies.all_to_all`, Ulysses): q, k, v exchanged to head groups (kv heads repeated to a
   multiple of P, `kv_repeats`), the whole sequence attended on H / P heads, the output exchanged back; the
   backward exchanges dout in and dq, dk, dv back, in the input dtype (the inner ring returns its gradients
@@ -50,6 +51,7 @@ The platforms' rates, memory and tiles: `tuner.models.platforms`.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -58,7 +60,7 @@ import numpy as np
 from tuner.models.hlo import COLLECTIVE_KINDS
 from tuner.models.platforms import Platform, get_platform
 from tuner.registry import STRATEGIES
-from tuner.semantics import documents, layouts
+from tuner.semantics import documents, known, layouts, masks
 from tuner.semantics.problem import Problem
 from tuner.strategies.all_to_all import kv_repeats
 from tuner.strategies.configs import masked_side
@@ -210,16 +212,32 @@ def _exchanged_tiles(problem: Problem, platform: Platform) -> tuple[int, int]:
     return _capped(tiles, documents.declared_tile(problem.packing, problem.seq_len, problem.ring_size, problem.spec))
 
 
+def _steps_undecided(problem: Problem, size: int, tokens: int, groups: tuple[range, ...]) -> bool:
+    """Whether some group of steps the ring driver traces as one has a visit the trace cannot decide from the
+    layout's positions (`tuner.semantics.known`), so that the driver all-gathers every shard's bounds."""
+    if problem.segments or problem.layout == documents.DOCUMENTS:
+        return True
+    rule = functools.partial(masks.rows_may_attend, spec=problem.spec)
+    blocks = [known.ring_block(problem.layout, tokens, tokens, size, steps) for steps in groups if steps]
+    return any(block is None or block.agreed(rule) is None for block in blocks)
+
+
 def _ring(acc: _Pass, problem: Problem, size: int, heads: int, kv_heads: int, tokens: int, backward: bool,
-          share: float) -> None:
+          share: float, passed_positions: bool = False) -> None:
     """A ring of `size` devices of `tokens` tokens each, on `heads` query and `kv_heads` key/value heads, the
-    slowest device computing `share` of its logits."""
+    slowest device computing `share` of its logits; `passed_positions` where its caller passes positions
+    (the hybrid), not the layout's."""
     b, d, ints, item = problem.batch, problem.head_dim, 2 if problem.segments else 1, ITEMSIZE[problem.dtype]
     shard = b * tokens * (2 * kv_heads * d * item + 4 * ints)
     grads = b * tokens * 2 * kv_heads * d * 4
     block = _block_seconds(problem, acc.platform, heads, tokens, tokens, share)
-    if problem.spec.has_mask:
-        acc.wait(False, acc.collective("all-gather", size * 2 * ints * b * 4, size))
+    if problem.spec.has_mask and size > 1:  # the driver's groups of steps (`tuner.strategies.ring`)
+        forward = (range(size - 1), range(size - 1, size))
+        backward_steps = (range(1), range(1, size - 1), range(size - 1, size))
+        if passed_positions or _steps_undecided(problem, size, tokens, forward):
+            acc.wait(False, acc.collective("all-gather", size * 2 * ints * b * 4, size))
+        elif backward and _steps_undecided(problem, size, tokens, backward_steps):
+            acc.wait(True, acc.collective("all-gather", size * 2 * ints * b * 4, size))
     acc.compute_for(False, size * block)
     for _ in range(size - 1):
         acc.wait(False, acc.collective("collective-permute", shard, size), overlap=block)
@@ -296,7 +314,7 @@ def _predict(problem: Problem, strategy: str, platform: Platform, backward: bool
         # laid out over its ring positions
         chunks = [layouts.global_order(problem.layout, s, p)] if rows == 1 else _shards(problem, rows)
         _ring(acc, problem, rows, h // group, kv_heads // group, s // rows, backward,
-              _work_share(problem, chunks, chunks, _exchanged_tiles(problem, platform)))
+              _work_share(problem, chunks, chunks, _exchanged_tiles(problem, platform)), passed_positions=True)
         gathered = 2 * b * (s // rows) * (h + kv_heads) // group * d * item  # q, k, v and out of the head group
     return Prediction(strategy, platform.name, acc.seconds[0], acc.seconds[1], acc.compute, acc.bytes, acc.link,
                       gathered, axes)
