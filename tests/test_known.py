@@ -28,3 +28,18 @@ def test_a_rule_is_agreed_only_when_every_case_gives_the_same_value():
     assert block.agreed(lambda q, kv: q.min(axis=1) > kv.max(axis=1)) is None
     assert block.agreed(lambda q, kv: q.min(axis=1) != kv.min(axis=1)) == 1
     assert block.agreed(lambda q, kv: q.shape[1] + 0 * q.min(axis=1)) == 4
+
+
+def test_the_trace_s_decisions_pass_a_transfer_guard_that_refuses_every_transfer():
+    """Deciding in the trace runs the rules on the layout's positions, constants of the program: a caller's
+    `jax.transfer_guard("disallow")` has nothing to refuse there."""
+    import jax
+    import jax.numpy as jnp
+
+    from tuner import ring_attention
+
+    q = jnp.ones((1, 64, 2, 16), jnp.bfloat16)
+    attend = jax.jit(lambda q, k, v: ring_attention(q, k, v, causal=True, backend="cudnn", interpret=True))
+    with jax.transfer_guard("disallow"):
+        out = attend(q, q, q)
+    assert out.shape == q.shape
