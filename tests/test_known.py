@@ -1,7 +1,10 @@
 """The positions a ring step pairs, known in the trace (`tuner.semantics.known`)."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from tuner import ring_attention
 from tuner.semantics import known, layouts
 
 
@@ -33,11 +36,6 @@ def test_a_rule_is_agreed_only_when_every_case_gives_the_same_value():
 def test_the_trace_s_decisions_pass_a_transfer_guard_that_refuses_every_transfer():
     """Deciding in the trace runs the rules on the layout's positions, constants of the program: a caller's
     `jax.transfer_guard("disallow")` has nothing to refuse there."""
-    import jax
-    import jax.numpy as jnp
-
-    from tuner import ring_attention
-
     q = jnp.ones((1, 64, 2, 16), jnp.bfloat16)
     attend = jax.jit(lambda q, k, v: ring_attention(q, k, v, causal=True, backend="cudnn", interpret=True))
     with jax.transfer_guard("disallow"):

@@ -51,7 +51,6 @@ The platforms' rates, memory and tiles: `tuner.models.platforms`.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
@@ -60,7 +59,7 @@ import numpy as np
 from tuner.models.hlo import COLLECTIVE_KINDS
 from tuner.models.platforms import Platform, get_platform
 from tuner.registry import STRATEGIES
-from tuner.semantics import documents, known, layouts, masks
+from tuner.semantics import documents, known, layouts
 from tuner.semantics.problem import Problem
 from tuner.strategies.all_to_all import kv_repeats
 from tuner.strategies.configs import masked_side
@@ -215,11 +214,10 @@ def _exchanged_tiles(problem: Problem, platform: Platform) -> tuple[int, int]:
 def _steps_undecided(problem: Problem, size: int, tokens: int, groups: tuple[range, ...]) -> bool:
     """Whether some group of steps the ring driver traces as one has a visit the trace cannot decide from the
     layout's positions (`tuner.semantics.known`), so that the driver all-gathers every shard's bounds."""
-    if problem.segments or problem.layout == documents.DOCUMENTS:
+    if problem.layout == documents.DOCUMENTS:
         return True
-    rule = functools.partial(masks.rows_may_attend, spec=problem.spec)
-    blocks = [known.ring_block(problem.layout, tokens, tokens, size, steps) for steps in groups if steps]
-    return any(block is None or block.agreed(rule) is None for block in blocks)
+    return any(known.visited(known.ring_block(problem.layout, tokens, tokens, size, steps), problem.spec) is None
+               for steps in groups if steps)
 
 
 def _ring(acc: _Pass, problem: Problem, size: int, heads: int, kv_heads: int, tokens: int, backward: bool,

@@ -12,13 +12,15 @@ and its results are materialized at its boundary, where XLA could otherwise fuse
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import jax
 import numpy as np
 
-from tuner.semantics import layouts
+from tuner.semantics import layouts, masks
+from tuner.semantics.spec import AttentionSpec
 
 LIMIT = 1 << 22  # positions a side at most (cases x tokens); past it, the device decides
 
@@ -46,6 +48,17 @@ class KnownBlock:
         return int(values[0]) if bool((values == values[0]).all()) else None
 
 
+def visited(block: KnownBlock | None, spec: AttentionSpec) -> int | None:
+    """Whether the steps of `block` read their keys, 1 or 0, where every case agrees (the rule `masks.ring_mask`
+    decides by on the device, `masks.rows_may_attend`); None where they differ, nothing is known, or segment
+    ids (never known in the trace) may exclude keys. Without a mask, 1."""
+    if not spec.has_mask:
+        return 1
+    if block is None or spec.has_segments:
+        return None
+    return block.agreed(functools.partial(masks.rows_may_attend, spec=spec))
+
+
 def ring_block(layout: str | None, q_len: int, kv_len: int, size: int, steps: Iterable[int]) -> KnownBlock | None:
     """The `KnownBlock` of ring steps `steps` of a ring of `size` devices, each holding `q_len` queries
     and `kv_len` keys in `layout`: at step s, device r's queries meet the keys of device (r - s) mod size.
@@ -61,4 +74,4 @@ def ring_block(layout: str | None, q_len: int, kv_len: int, size: int, steps: It
     return KnownBlock(q.astype(np.int32), kv.astype(np.int32))
 
 
-__all__ = ["KnownBlock", "LIMIT", "ring_block"]
+__all__ = ["KnownBlock", "LIMIT", "ring_block", "visited"]

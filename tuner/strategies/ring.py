@@ -134,22 +134,24 @@ def _sink_lse(sinks):
     return sinks if sinks.ndim == 1 else jax.nn.logsumexp(sinks, axis=-1)
 
 
-def _visits(cfg: RingConfig, ring_mask: masks.RingMask, step, size: int, block: known.KnownBlock | None):
+def _group(cfg: RingConfig, backend: Backend, q_len: int, kv_len: int, size: int, steps: range) -> tuple:
+    """(the kernel, `known.visited`) of ring steps `steps`, from the positions the trace knows they pair."""
+    block = known.ring_block(cfg.layout, q_len, kv_len, size, steps)
+    return backend.knowing(block), known.visited(block, cfg.spec)
+
+
+def _visits(cfg: RingConfig, ring_mask: masks.RingMask, step, size: int, visited: int | None):
     """Whether step `step`'s kernel runs: False when it never does, else the predicate of the branch
-    around it, or None for no branch. With a mask, the mask's answer, decided in the trace where every
-    known case of the step's `block` agrees (no segment ids), else on the device. Where the kernel always
-    runs, it still goes in a branch, under a predicate the compiler cannot fold (`optimization_barrier`):
-    the TPU scheduler overlaps the step's transfers with a branch, and ran a bare kernel before starting
-    them on v6e (tests/test_tpu_compile.py); XLA:CPU updates the running state in place through a branch
-    (the scan ring's forward held 1.69x its floor without, 1.41x with: tests/test_memory.py). On a GPU no
-    branch: it waits on its predicate."""
-    if cfg.spec.has_mask:
-        visited = None if block is None or cfg.spec.has_segments else block.agreed(
-            functools.partial(masks.rows_may_attend, spec=cfg.spec))
-        if visited is None:
-            return ring_mask.visits[step]
-        if not visited:
-            return False
+    around it, or None for no branch: `visited` where the trace decided it (`_group`), else the mask's answer.
+    A kernel that always runs still goes in a branch, under a predicate the compiler cannot fold: the TPU
+    scheduler overlaps the step's transfers with a branch, and ran a bare kernel first on v6e
+    (tests/test_tpu_compile.py); XLA:CPU updates the running state in place through a branch (the scan
+    ring's forward held 1.69x its floor without, 1.41x with: tests/test_memory.py). Not on a GPU: a GPU
+    branch waits on its predicate."""
+    if visited is None:
+        return ring_mask.visits[step]
+    if not visited:
+        return False
     if size > 1 and compile_target()[0] != "gpu":
         return lax.optimization_barrier(jnp.asarray(step) < size)
     return None
@@ -174,8 +176,7 @@ def _forward(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks
         """Step `step` (one of `steps`, whose positions the trace may know) merged into `state`."""
         k_, v_, kv_pos_, kv_seg_ = _arrived(visiting)
         source = (rank - step) % size
-        block_known = known.ring_block(cfg.layout, q.shape[1], kv_len, size, steps)
-        kernel = backend.knowing(block_known)
+        kernel, visited = _group(cfg, backend, q.shape[1], kv_len, size, steps)
 
         def compute(state):
             work.record("blocks", 1)
@@ -183,7 +184,7 @@ def _forward(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks
                                    _bias_columns(bias, source, kv_len), spec=cfg.spec, params=cfg.fwd_params,
                                    interpret=cfg.interpret)
 
-        visits = _visits(cfg, ring_mask, step, size, block_known)
+        visits = _visits(cfg, ring_mask, step, size, visited)
         if visits is None:
             return compute(state)
         if visits is False:
@@ -234,13 +235,14 @@ def _backward(cfg: RingConfig, residuals, cotangents):
     def varying(tree):
         return jax.tree.map(lambda x: vma.like(x, q), tree)
 
+    group = functools.cache(functools.partial(_group, cfg, backend, q.shape[1], kv_len, size))  # a step's two parts
+
     def block(visiting, step, dq, dbias, steps: range):
         """A step's first part, which does not read the dk/dv accumulators: dq (and dbias) accumulate here;
         what the kernel leaves for `accumulate` is returned. `steps` as in the forward's `block`."""
         k_, v_, kv_pos_, kv_seg_ = _arrived(visiting)
         source = (rank - step) % size
-        block_known = known.ring_block(cfg.layout, q.shape[1], kv_len, size, steps)
-        kernel = backend.knowing(block_known)
+        kernel, visited = group(steps)
 
         def compute(carry):
             dq, dbias = carry
@@ -254,7 +256,7 @@ def _backward(cfg: RingConfig, residuals, cotangents):
         def idle(carry):
             return (*carry, varying(backend.bwd_idle(k_, v_)))
 
-        visits = _visits(cfg, ring_mask, step, size, block_known)
+        visits = _visits(cfg, ring_mask, step, size, visited)
         if visits is None:
             return compute((dq, dbias))
         if visits is False:
@@ -264,14 +266,13 @@ def _backward(cfg: RingConfig, residuals, cotangents):
     def accumulate(visiting, step, grads, pending, steps: range):
         """A step's second part: the block's dk, dv added into the accumulators of the keys at hand."""
         k_, v_, kv_pos_, kv_seg_ = _arrived(visiting)
-        block_known = known.ring_block(cfg.layout, q.shape[1], kv_len, size, steps)
-        kernel = backend.knowing(block_known)
+        kernel, visited = group(steps)
 
         def compute(grads, pending):
             return kernel.bwd_accumulate(grads, pending, rows, k_, v_, lse, delta, q_pos, kv_pos_, q_seg, kv_seg_,
                                          **kernel_args)
 
-        visits = _visits(cfg, ring_mask, step, size, block_known) if _idle_together(cfg.spec) else None
+        visits = _visits(cfg, ring_mask, step, size, visited) if _idle_together(cfg.spec) else None
         if visits is None:
             return compute(grads, pending)
         if visits is False:
