@@ -252,32 +252,39 @@ def test_the_kinds_the_trace_knows_are_those_every_device_finds(layout, window):
 
 
 def test_a_ring_on_its_layout_s_positions_branches_only_where_devices_differ(monkeypatch):
-    """Traced for a GPU: on one device the causal block is one cuDNN call with no branch (the backward keeps
-    the lse correction's); on a zigzag ring of 4 the diagonal step has none, and each other step one `switch`
+    """Traced for a GPU: on one device the causal block is one cuDNN call with no branch (the backward has the
+    lse correction's only where the caller reads the lse); on a zigzag ring of 4 the diagonal step has none, and each other step one `switch`
     for each of its two pairs that differ between devices (FULL on some, skipped on others). Passed positions,
     the same values, are decided on the device: every step in a branch, every pair in a `switch`."""
     monkeypatch.setattr(ring_module, "compile_target", lambda: ("gpu", "NVIDIA H100"))
     spec = AttentionSpec(scale=0.125, causal=True)
     q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
 
-    def single(q, k, v, interpret=True):
+    def single(q, k, v, interpret=True, return_lse=False):
         return run_ring(q, k, v, spec=spec, backend="cudnn", fwd_params=FwdParams(64, 64),
-                        bwd_params=BwdParams(64, 64), axis_name=None, layout="zigzag", interpret=interpret)
+                        bwd_params=BwdParams(64, 64), axis_name=None, layout="zigzag", interpret=interpret,
+                        return_lse=return_lse)
 
-    def loss(fn):
-        return lambda q, k, v: fn(q, k, v).astype(jnp.float32).sum()
+    def loss(fn, read_lse=False):
+        def total(q, k, v):
+            out, lse = fn(q, k, v, return_lse=True)
+            return out.astype(jnp.float32).sum() + (lse.sum() if read_lse else 0)
+        return total
+
+    def grad_branches(read_lse):
+        return _branches(jax.make_jaxpr(jax.grad(loss(single, read_lse), argnums=(0, 1, 2)))(q, q, q).jaxpr)
 
     assert _branches(jax.make_jaxpr(single)(q, q, q).jaxpr) == []
-    assert _branches(jax.make_jaxpr(jax.grad(loss(single), argnums=(0, 1, 2)))(q, q, q).jaxpr) == [2]
-    # with cuDNN's primitives, lowered for CUDA: one causal call over the whole shard each way (and the
-    # lse correction's backward, in its branch)
+    assert grad_branches(read_lse=False) == [] and grad_branches(read_lse=True) == [2]
+    # with cuDNN's primitives, lowered for CUDA: one causal call over the whole shard each way, and the lse
+    # correction's backward (in its branch) only where the lse is read
     on_gpu = functools.partial(single, interpret=False)
-    both = jax.jit(jax.value_and_grad(loss(on_gpu), argnums=(0, 1, 2))).trace(q, q, q).lower(
-        lowering_platforms=("cuda",)).as_text()
-    calls = [(target, types[0], config["mask_type"]) for target, types, config in _custom_calls(both)]
-    assert sorted(calls) == [("__cudnn$fmhaSoftmax", "tensor<1x256x4x64xbf16>", "CAUSAL"),
-                             ("__cudnn$fmhaSoftmaxBackward", "tensor<1x256x4x64xbf16>", "CAUSAL"),
-                             ("__cudnn$fmhaSoftmaxBackward", "tensor<1x256x4x64xbf16>", "CAUSAL")], calls
+    for read_lse, backward_calls in ((False, 1), (True, 2)):
+        both = jax.jit(jax.value_and_grad(loss(on_gpu, read_lse), argnums=(0, 1, 2))).trace(q, q, q).lower(
+            lowering_platforms=("cuda",)).as_text()
+        calls = [(target, types[0], config["mask_type"]) for target, types, config in _custom_calls(both)]
+        assert sorted(calls) == [("__cudnn$fmhaSoftmax", "tensor<1x256x4x64xbf16>", "CAUSAL")] + [
+            ("__cudnn$fmhaSoftmaxBackward", "tensor<1x256x4x64xbf16>", "CAUSAL")] * backward_calls, calls
 
     ring = 4
     mesh = Mesh(np.array(jax.devices()[:ring]), ("sp",))

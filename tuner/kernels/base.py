@@ -26,14 +26,16 @@ each block's gradients into the running ones, where it keeps them, instead of re
                    interpret) -> grads                the block's dk, dv added into the accumulators
     grads_finish(grads, k, v) -> dk, dv               in k's and v's shape and dtype
     dq_finish(dq, q, *, params) -> dq_f32 [B,Tq,H,D]
-    knowing(known) -> kernel                          the kernel for steps whose positions the trace knows
+    knowing(known, *, lse_cotangent) -> kernel        the kernel for what the trace knows of the steps
 
 `knowing` gets a `tuner.semantics.known.KnownBlock` (or None): every pair of positions the step's blocks
 may have, when the ring's layout gives them (no explicit positions). A kernel that branches on the
 device by positions (cudnn: one cuDNN mask per chunk pair) decides there once, in the trace; a kernel
 that decides per tile inside its own loops (`DecidesOnDevice`) returns itself. The positions the steps
 get are the same either way. `decides_in_trace` says which of the two a kernel is: the ring driver keeps
-the forward's first step out of its loop only for a kernel that decides in the trace.
+the forward's first step out of its loop only for a kernel that decides in the trace. In a backward,
+`lse_cotangent` False says that the caller never read the lse: `delta` is then `rowsum(do * o)`, which
+a kernel that computes it itself (cuDNN) need not reconcile with its own.
 
 The steps' `k` and `v` are `keys_start`'s (`fwd_start`, `grads_start` and the `*_finish` methods get
 the caller's). `CallerLayout` gives the layout methods (`keys_start`, `dq_start`, `dq_finish`,
@@ -181,16 +183,16 @@ class Backend(Protocol):
 
     def grads_finish(self, grads: Any, k, v) -> tuple: ...
 
-    def knowing(self, known: KnownBlock | None) -> Backend: ...
+    def knowing(self, known: KnownBlock | None, *, lse_cotangent: bool = True) -> Backend: ...
 
 
 class DecidesOnDevice:
     """`knowing` of a kernel that decides per tile on the device, inside its own loops, with no branch
-    that knowing the positions in the trace would remove."""
+    that knowing the positions in the trace would remove, and that reads `delta` as it comes."""
 
     decides_in_trace = False
 
-    def knowing(self, known: KnownBlock | None) -> DecidesOnDevice:
+    def knowing(self, known: KnownBlock | None, *, lse_cotangent: bool = True) -> DecidesOnDevice:
         return self
 
 

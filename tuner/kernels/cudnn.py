@@ -27,7 +27,11 @@ The backward takes the final output and lse, as every kernel's does. cuDNN compu
 o)` itself, while the ring's delta also holds the lse's cotangent (and was summed before `do` was rounded
 to the input dtype). Where the two differ by more than the input dtype's resolution of delta, a second
 call adds the difference: cuDNN's backward with zero values, `do` a unit vector and `o` the difference
-along it gives exactly `d logits = p * difference`, whose dq and dk are the missing terms.
+along it gives exactly `d logits = p * difference`, whose dq and dk are the missing terms. That check is
+a branch on the device. Where the caller never read the lse (its cotangent reaches the ring's `custom_vjp`
+as a symbolic zero), the ring says so (`knowing(..., lse_cotangent=False)`): the two deltas then differ
+by rounding only (at most half the dtype's resolution, with sinks' float32 output), the check could never
+fire, and the backward has neither it nor its branch.
 
 `interpret=True` runs the same code with the XLA twin engine (`cudnn_engine.XlaEngine`): the CPU's
 tests run this module's chunking, classification, merges and the lse correction against float64.
@@ -165,10 +169,13 @@ def forward(q, k, v, q_pos, kv_pos, *, spec: AttentionSpec, params: FwdParams, i
 
 
 def _engine_backward(engine, spec: AttentionSpec, q, k, v, o, lse, do, delta, *, causal: bool,
-                     window: int | None):
-    """dq, dk, dv (float32) of one chunk pair by `engine`, with the lse correction (module docstring)."""
+                     window: int | None, correct: bool):
+    """dq, dk, dv (float32) of one chunk pair by `engine`, with the lse correction where `correct` (module
+    docstring)."""
     call = dict(scale=spec.scale, causal=causal, window=window)
     dq, dk, dv = (x.astype(F32) for x in engine.backward(q, k, v, o, lse, do, **call))
+    if not correct:
+        return dq, dk, dv
     do32, o32 = do.astype(F32), o.astype(F32)
     difference = jnp.einsum("bqhd,bqhd->bhq", do32, o32) - delta  # [B, H, Tq]: cuDNN's delta less the ring's
     resolution = float(jnp.finfo(q.dtype).eps) * jnp.einsum("bqhd,bqhd->bhq", jnp.abs(do32), jnp.abs(o32))
@@ -185,19 +192,21 @@ def _engine_backward(engine, spec: AttentionSpec, q, k, v, o, lse, do, delta, *,
 
 
 def backward(q, k, v, o, lse, do, delta, q_pos, kv_pos, *, spec: AttentionSpec, params: BwdParams,
-             interpret: bool, known: KnownBlock | None = None):
+             interpret: bool, known: KnownBlock | None = None, lse_cotangent: bool = True):
     """`(dq, dk, dv)` in float32 of one query block against one key block (the kernel contract). A block
-    whose every known case is one kind runs as one call, whatever the chunks."""
+    whose every known case is one kind runs as one call, whatever the chunks; without `lse_cotangent`
+    (`delta` is `rowsum(do * o)`), no pair has the lse correction."""
     engine = cudnn_engine.engine(interpret)
     if not spec.has_position_mask:
-        return _engine_backward(engine, spec, q, k, v, o, lse, do, delta, causal=False, window=None)
+        return _engine_backward(engine, spec, q, k, v, o, lse, do, delta, causal=False, window=None,
+                                correct=lse_cotangent)
     window = _window(spec)
     size_q, size_kv = min(params.block_q_dkv, q.shape[1]), min(params.block_kv_dkv, k.shape[1])
 
     def cudnn(masked: bool):
         def run(q_, k_, v_, o_, lse_, do_, delta_, qp, kp):
             return _engine_backward(engine, spec, q_, k_, v_, o_, lse_, do_, delta_, causal=masked,
-                                    window=window if masked else None)
+                                    window=window if masked else None, correct=lse_cotangent)
         return run
 
     def general(q_, k_, v_, o_, lse_, do_, delta_, qp, kp):
@@ -245,14 +254,15 @@ class CudnnBackend(MergedBlocks):
     masked_tile = None  # the default chunks hold under every mask
     decides_in_trace = True
 
-    def __init__(self, known: KnownBlock | None = None):
+    def __init__(self, known: KnownBlock | None = None, lse_cotangent: bool = True):
         self.known = known
+        self.lse_cotangent = lse_cotangent
 
-    def knowing(self, known: KnownBlock | None) -> CudnnBackend:
+    def knowing(self, known: KnownBlock | None, *, lse_cotangent: bool = True) -> CudnnBackend:
         """This kernel for steps whose positions the trace knows: each chunk pair that is one kind in every
         known case runs that kind's call with no branch on the device, and a block that is one kind
-        as a whole runs as one call."""
-        return CudnnBackend(known)
+        as a whole runs as one call. Without an lse cotangent, the backward has no lse correction."""
+        return CudnnBackend(known, lse_cotangent)
 
     def unavailable_reason(self, interpret: bool = False, platform: str | None = None) -> str | None:
         module, reason = cudnn_engine.private_module()
@@ -333,5 +343,5 @@ class CudnnBackend(MergedBlocks):
     def block_bwd(self, q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *,
                   spec: AttentionSpec, params: BwdParams, interpret: bool = False):
         dq, dk, dv = backward(q, k, v, o, lse, do, delta, q_pos, kv_pos, spec=spec, params=params,
-                              interpret=interpret, known=self.known)
+                              interpret=interpret, known=self.known, lse_cotangent=self.lse_cotangent)
         return dq, dk, dv, None

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.custom_derivatives import SymbolicZero
 
 from tuner.semantics import known, layouts, masks
 from tuner.support import ordering
@@ -49,6 +50,7 @@ from tuner import registry
 from tuner.support import axes, vma, work
 from tuner.kernels.base import Backend
 from tuner.kernels.params import BwdParams, FwdParams
+from tuner.strategies.ring_inputs import add_bias_columns, bias_columns, sinks_grad, with_sinks
 from tuner.semantics.spec import AttentionSpec
 from tuner.support.targets import compile_target
 
@@ -114,30 +116,12 @@ def _send_to_next(tree, axis_name: Hashable, size: int, after: tuple = ()):
     return treedef.unflatten(ordering.in_order(lambda x: lax.ppermute(x, axis_name, perm), leaves, after))
 
 
-def _bias_columns(bias, source, kv_len: int):
-    """The columns of a global-key-axis bias that belong to the shard of ring position `source`."""
-    if bias is None or bias.shape[-1] == 1:
-        return bias
-    return lax.dynamic_slice_in_dim(bias, source * kv_len, kv_len, axis=-1)
-
-
-def _add_bias_columns(dbias, block_dbias, source, kv_len: int):
-    if dbias.shape[-1] == 1:
-        return dbias + block_dbias
-    current = lax.dynamic_slice_in_dim(dbias, source * kv_len, kv_len, axis=-1)
-    return lax.dynamic_update_slice_in_dim(dbias, current + block_dbias, source * kv_len, axis=-1)
-
-
-def _sink_lse(sinks):
-    """logsumexp of each head's sinks, `[H]`, float32."""
-    sinks = sinks.astype(F32)
-    return sinks if sinks.ndim == 1 else jax.nn.logsumexp(sinks, axis=-1)
-
-
-def _group(cfg: RingConfig, backend: Backend, q_len: int, kv_len: int, size: int, steps: range) -> tuple:
-    """(the kernel, `known.visited`) of ring steps `steps`, from the positions the trace knows they pair."""
+def _group(cfg: RingConfig, backend: Backend, q_len: int, kv_len: int, size: int, steps: range, *,
+           lse_cotangent: bool = True) -> tuple:
+    """(the kernel, `known.visited`) of ring steps `steps`, from the positions the trace knows they pair; in
+    a backward, whether the lse has a cotangent (the forward's kernel never reads it)."""
     block = known.ring_block(cfg.layout, q_len, kv_len, size, steps)
-    return backend.knowing(block), known.visited(block, cfg.spec)
+    return backend.knowing(block, lse_cotangent=lse_cotangent), known.visited(block, cfg.spec)
 
 
 def _visits(cfg: RingConfig, ring_mask: masks.RingMask, step, size: int, visited: int | None):
@@ -181,7 +165,7 @@ def _forward(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks
         def compute(state):
             work.record("blocks", 1)
             return kernel.fwd_step(state, q, k_, v_, q_pos, kv_pos_, q_seg, kv_seg_,
-                                   _bias_columns(bias, source, kv_len), spec=cfg.spec, params=cfg.fwd_params,
+                                   bias_columns(bias, source, kv_len), spec=cfg.spec, params=cfg.fwd_params,
                                    interpret=cfg.interpret)
 
         visits = _visits(cfg, ring_mask, step, size, visited)
@@ -212,11 +196,7 @@ def _forward(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks
                 visiting, state = lax.fori_loop(first, size - 1, step, (visiting, state))
         out, lse = backend.fwd_finish(block(visiting, size - 1, state, range(size - 1, size)), q)
 
-    if sinks is not None:
-        final_lse = jnp.logaddexp(lse, _sink_lse(sinks)[None, :, None])
-        out = out * jnp.swapaxes(jnp.exp(lse - final_lse), 1, 2)[..., None]
-        lse = final_lse
-    return out, lse, ring_mask
+    return (*with_sinks(out, lse, sinks), ring_mask)
 
 
 def _backward(cfg: RingConfig, residuals, cotangents):
@@ -225,8 +205,9 @@ def _backward(cfg: RingConfig, residuals, cotangents):
     backend = block_kernel(cfg.backend)
     size, rank = ring_geometry(cfg.axis_name)
     kv_len = k.shape[1]
-    # d lse folds into delta: d logits = p * (dp - delta + dlse).
-    delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(F32), out.astype(F32)) - dlse
+    delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(F32), out.astype(F32))
+    if dlse is not None:  # d lse folds into delta: d logits = p * (dp - delta + dlse)
+        delta = delta - dlse
     dout = dout.astype(q.dtype)
 
     rows = backend.bwd_start(q, dout, params=cfg.bwd_params)  # q and dout as the kernel reads them, made once
@@ -235,7 +216,8 @@ def _backward(cfg: RingConfig, residuals, cotangents):
     def varying(tree):
         return jax.tree.map(lambda x: vma.like(x, q), tree)
 
-    group = functools.cache(functools.partial(_group, cfg, backend, q.shape[1], kv_len, size))  # a step's two parts
+    group = functools.cache(functools.partial(_group, cfg, backend, q.shape[1], kv_len, size,  # a step's two parts
+                                              lse_cotangent=dlse is not None))
 
     def block(visiting, step, dq, dbias, steps: range):
         """A step's first part, which does not read the dk/dv accumulators: dq (and dbias) accumulate here;
@@ -248,9 +230,9 @@ def _backward(cfg: RingConfig, residuals, cotangents):
             dq, dbias = carry
             work.record("blocks", 1)
             dq, dbias_b, pending = kernel.bwd_step(dq, rows, k_, v_, out, lse, delta, q_pos, kv_pos_, q_seg,
-                                                   kv_seg_, _bias_columns(bias, source, kv_len), **kernel_args)
+                                                   kv_seg_, bias_columns(bias, source, kv_len), **kernel_args)
             if dbias is not None:
-                dbias = _add_bias_columns(dbias, dbias_b, source, kv_len)
+                dbias = add_bias_columns(dbias, dbias_b, source, kv_len)
             return dq, dbias, varying(pending)
 
         def idle(carry):
@@ -321,13 +303,8 @@ def _backward(cfg: RingConfig, residuals, cotangents):
     dk, dv = outgoing
     dq = backend.dq_finish(dq, q, params=cfg.bwd_params)
 
-    dsinks = None
-    if sinks is not None:
-        sinks32 = sinks.astype(F32).reshape(sinks.shape[0], -1)
-        p_sink = jnp.exp(sinks32[None, :, None, :] - lse[..., None])  # [B,H,Tq,n]
-        dsinks = -(p_sink * delta[..., None]).sum(axis=(0, 2)).reshape(sinks.shape).astype(sinks.dtype)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None,
-            None if bias is None else dbias.astype(bias.dtype), dsinks)
+            None if bias is None else dbias.astype(bias.dtype), sinks_grad(sinks, lse, delta))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -336,7 +313,8 @@ def _ring(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks):
     return out.astype(q.dtype), lse
 
 
-def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks):
+def _ring_fwd(cfg: RingConfig, *primals):
+    q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks = jax.tree.map(lambda x: x.value, primals)
     out, lse, ring_mask = _forward(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks)
     # With sinks the residual output stays float32: d sinks sums p_sink * rowsum(dout * out) over every
     # row, and a bf16/fp16-rounded out would put that dtype's rounding error into the sum.
@@ -364,7 +342,16 @@ def _backward_jvp(cfg: RingConfig, primals, tangents):
         "tuner.semantics.reference.dense_attention where second-order derivatives are needed")
 
 
-_ring.defvjp(_ring_fwd, _first_order_backward)
+def _ring_bwd(cfg: RingConfig, residuals, cotangents):
+    """`_first_order_backward`, with `dlse` None where the caller never read the lse (a symbolic zero): then the
+    trace knows that `delta` is `rowsum(dout * out)`, which cuDNN computes itself (`tuner.kernels.cudnn`)."""
+    dout, dlse = (None if isinstance(x, SymbolicZero) else x for x in cotangents)
+    if dout is None:  # only the lse was read
+        dout = vma.like(jnp.zeros(cotangents[0].shape, cotangents[0].dtype), residuals[0])
+    return _first_order_backward(cfg, residuals, (dout, dlse))
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd, symbolic_zeros=True)
 
 
 def _varying(x, axis_name: Hashable | None):
