@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from cases import Case, check_low_precision, rel_err
-from tuner.kernels import BACKENDS, cudnn, cudnn_engine
+from tuner.kernels import BACKENDS, cudnn_engine, cudnn_pairs
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.semantics import known, layouts
 from tuner.semantics.reference import dense_attention
@@ -116,13 +116,13 @@ def test_zigzag_halves_are_full_diagonal_or_skipped_and_interleaved_striped_halv
         q_pos = layouts.local_positions(layout, length // ring, ring, rank)[None]
         kv_pos = layouts.local_positions(layout, length // ring, ring, source)[None]
         half = length // ring // 2
-        return [int(cudnn._kind(spec, q_pos[:, i * half:(i + 1) * half], kv_pos[:, j * half:(j + 1) * half]))
+        return [int(cudnn_pairs.pair_kind(spec, q_pos[:, i * half:(i + 1) * half], kv_pos[:, j * half:(j + 1) * half]))
                 for i in range(2) for j in range(2)]
 
-    assert kinds("zigzag", 1, 1) == [cudnn.DIAGONAL, cudnn.SKIP, cudnn.FULL, cudnn.DIAGONAL]
-    assert kinds("zigzag", 2, 0) == [cudnn.FULL, cudnn.SKIP, cudnn.FULL, cudnn.SKIP]
-    assert kinds("zigzag", 0, 2) == [cudnn.SKIP, cudnn.SKIP, cudnn.FULL, cudnn.FULL]
-    assert kinds("striped", 1, 2) == [cudnn.GENERAL, cudnn.SKIP, cudnn.FULL, cudnn.GENERAL]
+    assert kinds("zigzag", 1, 1) == [cudnn_pairs.DIAGONAL, cudnn_pairs.SKIP, cudnn_pairs.FULL, cudnn_pairs.DIAGONAL]
+    assert kinds("zigzag", 2, 0) == [cudnn_pairs.FULL, cudnn_pairs.SKIP, cudnn_pairs.FULL, cudnn_pairs.SKIP]
+    assert kinds("zigzag", 0, 2) == [cudnn_pairs.SKIP, cudnn_pairs.SKIP, cudnn_pairs.FULL, cudnn_pairs.FULL]
+    assert kinds("striped", 1, 2) == [cudnn_pairs.GENERAL, cudnn_pairs.SKIP, cudnn_pairs.FULL, cudnn_pairs.GENERAL]
 
 
 def test_what_cudnn_cannot_express_is_refused_with_the_reason():
@@ -230,32 +230,48 @@ def _branches(jaxpr) -> list[int]:
 @pytest.mark.parametrize("window", [None, 5])
 def test_the_kinds_the_trace_knows_are_those_every_device_finds(layout, window):
     """For each group of ring steps the driver traces as one (step 0, the loop's, the last), a chunk pair whose
-    kind the trace knows has that kind on every device at every step of the group, by `_kind` on its positions."""
+    kind the trace knows has that kind on every device at every step of the group, by `pair_kind` on its
+    positions. Where the trace says that one of the undecided pairs runs (`plan`), exactly one does on every
+    device, of that kind, and `chosen_offsets` finds it there."""
     spec = AttentionSpec(scale=1.0, causal=True, window=None if window is None else (window, 0))
-    local, chunk, decided = 16, 8, 0
+    local, chunk, decided, chosen = 16, 8, 0, 0
+
+    def positions(ring: int, rank: int):
+        return jnp.asarray(layouts.local_positions_np(layout, local, ring, rank)[None], jnp.int32)
 
     def found(ring: int, rank: int, source: int, i: int, j: int) -> int:
-        q_pos, kv_pos = (jnp.asarray(layouts.local_positions_np(layout, local, ring, r)[None, a:a + chunk], jnp.int32)
-                         for r, a in ((rank, i), (source, j)))
-        return int(cudnn._kind(spec, q_pos, kv_pos))
+        q_pos, kv_pos = positions(ring, rank)[:, i:i + chunk], positions(ring, source)[:, j:j + chunk]
+        return int(cudnn_pairs.pair_kind(spec, q_pos, kv_pos))
 
     for ring in (1, 2, 4):
         for steps in (range(1), range(1, ring - 1), range(ring - 1, ring)):
             block = known.ring_block(layout, local, local, ring, steps)
             pairs = [(i, j) for i in range(0, local, chunk) for j in range(0, local, chunk)] if block else []
+            cases = [(rank, (rank - step) % ring) for rank in range(ring) for step in steps]
             for i, j in pairs:
-                kind = cudnn._known_kind(spec, block.chunk(i, chunk, j, chunk))
+                kind = cudnn_pairs.known_kind(spec, block.chunk(i, chunk, j, chunk))
                 decided += kind is not None
-                every = {found(ring, rank, (rank - step) % ring, i, j) for rank in range(ring) for step in steps}
+                every = {found(ring, rank, source, i, j) for rank, source in cases}
                 assert kind is None or every == {kind}, (ring, steps, i, j, kind, every)
+            _, candidates, one = cudnn_pairs.plan(spec, block, local, local, chunk, chunk) if block else (0, [], None)
+            chosen += one is not None
+            for rank, source in cases if one is not None else ():
+                runs = [(i * chunk, j * chunk) for i, j in candidates
+                        if found(ring, rank, source, i * chunk, j * chunk) != cudnn_pairs.SKIP]
+                assert len(runs) == 1 and found(ring, rank, source, *runs[0]) == one, (ring, rank, source, runs)
+                offsets = cudnn_pairs.chosen_offsets(spec, candidates, chunk, chunk, positions(ring, rank),
+                                                     positions(ring, source))
+                assert tuple(int(x) for x in offsets) == runs[0], (ring, rank, source, offsets, runs)
     assert decided >= 12  # at least the diagonal steps' four pairs on each ring
+    assert chosen >= (3 if layout == "zigzag" and window is None else 0)  # zigzag: the steps past the first
 
 
 def test_a_ring_on_its_layout_s_positions_branches_only_where_devices_differ(monkeypatch):
     """Traced for a GPU: on one device the causal block is one cuDNN call with no branch (the backward has the
-    lse correction's only where the caller reads the lse); on a zigzag ring of 4 the diagonal step has none, and each other step one `switch`
-    for each of its two pairs that differ between devices (FULL on some, skipped on others). Passed positions,
-    the same values, are decided on the device: every step in a branch, every pair in a `switch`."""
+    lse correction's only where the caller reads the lse). On a zigzag ring of 4, no branch either way: at
+    each step past the first, of the two pairs that differ between devices exactly one is FULL, and the
+    device runs that one, read at its offsets. Passed positions, the same values, are decided on the
+    device: every step in a branch, every pair in a `switch`."""
     monkeypatch.setattr(ring_module, "compile_target", lambda: ("gpu", "NVIDIA H100"))
     spec = AttentionSpec(scale=0.125, causal=True)
     q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
@@ -297,6 +313,10 @@ def test_a_ring_on_its_layout_s_positions_branches_only_where_devices_differ(mon
                             q_positions=pos if passed else None, kv_positions=pos if passed else None)
         return jax.shard_map(local, mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"))
 
-    assert _branches(jax.make_jaxpr(sharded(False))(q, q, q).jaxpr) == [4] * 4  # the loop's step and the last
+    def grad(fn):
+        return jax.grad(lambda q, k, v: fn(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+
+    assert _branches(jax.make_jaxpr(sharded(False))(q, q, q).jaxpr) == []
+    assert _branches(jax.make_jaxpr(grad(sharded(False)))(q, q, q).jaxpr) == []
     passed = _branches(jax.make_jaxpr(sharded(True))(q, q, q).jaxpr)
     assert passed.count(2) == 3 and passed.count(4) == 3 * 4  # a branch a traced step, four pairs in each

@@ -4,20 +4,14 @@ cuDNN computes a whole block under one of the masks it expresses, chosen when th
 none, or causal on the diagonal (top-left: key j for query i when j <= i), with a sliding window there.
 A ring step's block is not always one of those: in the zigzag layout a device's shard is two halves of
 the sequence, so a block pairs halves that are wholly visible, wholly hidden, or on the diagonal. So,
-under a position mask, the block is cut into `block_q` x `block_kv` chunks (half the shard by default)
-and each chunk pair is classified from its positions when the step runs (`_kind`):
-
-    SKIP      no query may read any key of the pair: nothing runs
-    FULL      every query may read every key: cuDNN without a mask
-    DIAGONAL  the pair's queries and keys hold the same consecutive positions: cuDNN causal (+ window)
-    GENERAL   anything else (a window cut off the diagonal, a striped shard, positions you passed):
-              the scan kernel, exact for every mask, and slower; `auto` and the search choose by
-              measurement, so a layout that lands here loses to the Triton kernels
-
-Where the ring knows the positions in the trace (`knowing`: the layout's, none passed), a pair whose kind
-is the same on every device at that step runs its branch directly, and a block of one kind as a whole
-runs as one call; the others are classified on the device, under `lax.switch` (`_kind`). A GPU branch
-waits for its predicate and writes its results out in float32 at its boundary.
+under a position mask, the block is cut into `block_q` x `block_kv` chunks (half the shard by default),
+and each chunk pair runs the call of its kind (`tuner.kernels.cudnn_pairs`): nothing (SKIP), cuDNN
+without a mask (FULL), cuDNN causal with the window's left side (DIAGONAL), or the scan kernel, exact
+for every mask and slower (GENERAL: a window cut off the diagonal, a striped shard, positions you
+passed; `auto` and the search choose by measurement, so a layout that lands here loses to the Triton
+kernels). What the trace knows of the positions (`knowing`) decides as much as it can there; the rest
+is decided on the device. A GPU branch waits for its predicate and writes its results out in float32
+at its boundary.
 
 Without a position mask a block is one cuDNN call, whatever the tiles. Chunk results merge into the
 running output and lse in float32 (cuDNN returns each chunk's output in the input dtype); the backward's
@@ -43,7 +37,6 @@ different (192 and 128).
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Any
 
@@ -51,17 +44,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tuner.kernels import cudnn_engine, scan_kernel
+from tuner.kernels import cudnn_engine, cudnn_pairs, scan_kernel
+from tuner.kernels.cudnn_pairs import GENERAL, added_at, at, chosen_offsets, chunks, decided, known_kind, plan
 from tuner.kernels.base import MergedBlocks, SearchSpace, merge, reject_settings, source_hash
 from tuner.kernels.params import BwdParams, FwdParams
-from tuner.semantics import masks
 from tuner.semantics.known import KnownBlock
 from tuner.semantics.spec import AttentionSpec, LocalShapes
 from tuner.support import vma
 from tuner.support.targets import compile_target
 
 F32 = jnp.float32
-SKIP, FULL, DIAGONAL, GENERAL = range(4)
 GENERAL_TILE = 128  # the scan kernel's tiles on a GENERAL chunk pair
 DTYPES = ("bfloat16", "float16")
 
@@ -69,59 +61,6 @@ DTYPES = ("bfloat16", "float16")
 def _window(spec: AttentionSpec) -> int | None:
     """The keys back from a query that cuDNN's causal mask keeps on a DIAGONAL chunk pair of `spec`."""
     return None if spec.window is None else spec.window[0]
-
-
-def _row_kinds(spec: AttentionSpec, q_pos, kv_pos):
-    """The `SKIP` / `FULL` / `DIAGONAL` / `GENERAL` of a chunk pair in each row of its `[B, T]` positions."""
-    q_lo, q_hi, k_lo, k_hi = q_pos.min(axis=1), q_pos.max(axis=1), kv_pos.min(axis=1), kv_pos.max(axis=1)
-    may = masks.ranges_may_attend(q_lo, q_hi, k_lo, k_hi, None, spec)
-    every = masks.ranges_fully_allowed(q_lo, q_hi, k_lo, k_hi, None, spec)
-    diagonal = jnp.zeros(may.shape, bool)
-    if q_pos.shape[1] == kv_pos.shape[1]:
-        steps = jnp.arange(q_pos.shape[1], dtype=q_pos.dtype)[None]
-        diagonal = jnp.all((q_pos == kv_pos) & (q_pos == q_pos[:, :1] + steps), axis=1)
-    kind = jnp.where(diagonal, DIAGONAL, GENERAL)
-    kind = jnp.where(every, FULL, kind)
-    return jnp.where(may, kind, SKIP).astype(jnp.int32)
-
-
-def _kind(spec: AttentionSpec, q_pos, kv_pos):
-    """The kind every row of the batch shares (one cuDNN call covers them all), else `GENERAL`."""
-    kinds = _row_kinds(spec, q_pos, kv_pos)
-    return jnp.where(jnp.all(kinds == kinds[0]), kinds[0], GENERAL)
-
-
-def _known_kind(spec: AttentionSpec, known: KnownBlock | None) -> int | None:
-    """The kind of a chunk pair in every case the trace knows of (`tuner.semantics.known`), else None:
-    the device decides."""
-    return None if known is None else known.agreed(functools.partial(_row_kinds, spec))
-
-
-def _switch(kind, branches, reference, *operands):
-    """`lax.switch` over `branches`, each one's results varying over `reference`'s manual axes (so that
-    the zeros of `SKIP` match the kernels' results inside `shard_map`)."""
-    def varying(branch):
-        return lambda *args: jax.tree.map(lambda x: vma.like(x, reference), branch(*args))
-
-    return lax.switch(kind, [varying(branch) for branch in branches], *operands)
-
-
-def _chunks(x, size: int, axis: int = 1) -> list:
-    """`x` cut along `axis` into pieces of `size`."""
-    return [lax.slice_in_dim(x, start, start + size, axis=axis) for start in range(0, x.shape[axis], size)]
-
-
-def _decided(kind: int | None, spec: AttentionSpec, branches: tuple, reference, q_pos, kv_pos, *operands):
-    """A chunk pair's results: the branch of `kind`, the kind the trace knows, or with None a `lax.switch`
-    on the kind the device finds from the positions (`_switch`)."""
-    if kind is None:
-        return _switch(_kind(spec, q_pos, kv_pos), branches, reference, *operands, q_pos, kv_pos)
-    return jax.tree.map(lambda x: vma.like(x, reference), branches[kind](*operands, q_pos, kv_pos))
-
-
-def _cut(known: KnownBlock | None, q_start: int, q_size: int, kv_start: int, kv_size: int) -> KnownBlock | None:
-    """The known cases of one chunk pair of the block."""
-    return None if known is None else known.chunk(q_start, q_size, kv_start, kv_size)
 
 
 def forward(q, k, v, q_pos, kv_pos, *, spec: AttentionSpec, params: FwdParams, interpret: bool,
@@ -150,22 +89,30 @@ def forward(q, k, v, q_pos, kv_pos, *, spec: AttentionSpec, params: FwdParams, i
         return jnp.zeros((b, t, h, v_.shape[3]), F32), jnp.full((b, h, t), -jnp.inf, F32)
 
     branches = (skip, cudnn(False), cudnn(True), general)
-    whole = _known_kind(spec, known)
+    whole = known_kind(spec, known)
     if whole is not None and whole != GENERAL:
-        return _decided(whole, spec, branches, q, q_pos, kv_pos, q, k, v)
+        return decided(whole, spec, branches, q, q_pos, kv_pos, q, k, v)
+    kinds, candidates, one = plan(spec, known, q.shape[1], k.shape[1], size_q, size_kv)
+    key_chunks = list(zip(chunks(k, size_kv), chunks(v, size_kv), chunks(kv_pos, size_kv)))
     outs, lses = [], []
-    for i, (q_, qp) in enumerate(zip(_chunks(q, size_q), _chunks(q_pos, size_q))):
+    for i, (q_, qp) in enumerate(zip(chunks(q, size_q), chunks(q_pos, size_q))):
         row = None  # the running (o, lse) of this query chunk; None while it has read nothing
-        for j, (k_, v_, kp) in enumerate(zip(_chunks(k, size_kv), _chunks(v, size_kv), _chunks(kv_pos, size_kv))):
-            kind = _known_kind(spec, _cut(known, i * size_q, size_q, j * size_kv, size_kv))
-            if kind == SKIP:
-                continue
-            pair = _decided(kind, spec, branches, q, qp, kp, q_, k_, v_)
-            row = pair if row is None else merge(*row, *pair)
+        for j, (k_, v_, kp) in enumerate(key_chunks):
+            if (i, j) in kinds:
+                pair = decided(kinds[i, j], spec, branches, q, qp, kp, q_, k_, v_)
+                row = pair if row is None else merge(*row, *pair)
         o, lse = row if row is not None else (vma.like(x, q) for x in skip(q_, k, v, qp, kv_pos))
         outs.append(o)
         lses.append(lse)
-    return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=2)
+    o, lse = jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=2)
+    if one is None:
+        return o, lse
+    at_q, at_kv = chosen_offsets(spec, candidates, size_q, size_kv, q_pos, kv_pos)
+    pair = decided(one, spec, branches, q, at(q_pos, at_q, size_q), at(kv_pos, at_kv, size_kv),
+                   at(q, at_q, size_q), at(k, at_kv, size_kv), at(v, at_kv, size_kv))
+    o_, lse_ = merge(at(o, at_q, size_q), at(lse, at_q, size_q, 2), *pair)
+    return (lax.dynamic_update_slice_in_dim(o, o_, at_q, axis=1),
+            lax.dynamic_update_slice_in_dim(lse, lse_, at_q, axis=2))
 
 
 def _engine_backward(engine, spec: AttentionSpec, q, k, v, o, lse, do, delta, *, causal: bool,
@@ -222,28 +169,36 @@ def backward(q, k, v, o, lse, do, delta, q_pos, kv_pos, *, spec: AttentionSpec, 
         return vma.like(jnp.zeros(x.shape, F32), q)
 
     branches = (skip, cudnn(False), cudnn(True), general)
-    whole = _known_kind(spec, known)
+    whole = known_kind(spec, known)
     if whole is not None and whole != GENERAL:
-        return _decided(whole, spec, branches, q, q_pos, kv_pos, q, k, v, o, lse, do, delta)
-    key_chunks = list(zip(_chunks(k, size_kv), _chunks(v, size_kv), _chunks(kv_pos, size_kv)))
+        return decided(whole, spec, branches, q, q_pos, kv_pos, q, k, v, o, lse, do, delta)
+    kinds, candidates, one = plan(spec, known, q.shape[1], k.shape[1], size_q, size_kv)
+    key_chunks = list(zip(chunks(k, size_kv), chunks(v, size_kv), chunks(kv_pos, size_kv)))
     dks, dvs = [None] * len(key_chunks), [None] * len(key_chunks)  # None while no pair added into them
     dqs = []
-    query_chunks = zip(*(_chunks(x, size_q) for x in (q, o, do, q_pos)), _chunks(lse, size_q, 2),
-                       _chunks(delta, size_q, 2))
+    query_chunks = zip(*(chunks(x, size_q) for x in (q, o, do, q_pos)), chunks(lse, size_q, 2),
+                       chunks(delta, size_q, 2))
     for i, (q_, o_, do_, qp, lse_, delta_) in enumerate(query_chunks):
         dq = None
         for j, (k_, v_, kp) in enumerate(key_chunks):
-            kind = _known_kind(spec, _cut(known, i * size_q, size_q, j * size_kv, size_kv))
-            if kind == SKIP:
+            if (i, j) not in kinds:
                 continue
-            dq_c, dk_c, dv_c = _decided(kind, spec, branches, q, qp, kp, q_, k_, v_, o_, lse_, do_, delta_)
+            dq_c, dk_c, dv_c = decided(kinds[i, j], spec, branches, q, qp, kp, q_, k_, v_, o_, lse_, do_, delta_)
             dq = dq_c if dq is None else dq + dq_c
             dks[j] = dk_c if dks[j] is None else dks[j] + dk_c
             dvs[j] = dv_c if dvs[j] is None else dvs[j] + dv_c
         dqs.append(zeros(q_) if dq is None else dq)
     dks = [zeros(k_) if dk is None else dk for dk, (k_, _, _) in zip(dks, key_chunks)]
     dvs = [zeros(v_) if dv is None else dv for dv, (_, v_, _) in zip(dvs, key_chunks)]
-    return jnp.concatenate(dqs, axis=1), jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1)
+    dq, dk, dv = (jnp.concatenate(x, axis=1) for x in (dqs, dks, dvs))
+    if one is None:
+        return dq, dk, dv
+    at_q, at_kv = chosen_offsets(spec, candidates, size_q, size_kv, q_pos, kv_pos)
+    q_, o_, lse_, do_, delta_ = (at(x, at_q, size_q, axis) for x, axis in ((q, 1), (o, 1), (lse, 2), (do, 1),
+                                                                           (delta, 2)))
+    dq_c, dk_c, dv_c = decided(one, spec, branches, q, at(q_pos, at_q, size_q), at(kv_pos, at_kv, size_kv),
+                               q_, at(k, at_kv, size_kv), at(v, at_kv, size_kv), o_, lse_, do_, delta_)
+    return added_at(dq, dq_c, at_q), added_at(dk, dk_c, at_kv), added_at(dv, dv_c, at_kv)
 
 
 class CudnnBackend(MergedBlocks):
@@ -334,7 +289,7 @@ class CudnnBackend(MergedBlocks):
         return None
 
     def code_hash(self) -> str:
-        return source_hash(Path(__file__), Path(cudnn_engine.__file__))
+        return source_hash(Path(__file__), Path(cudnn_pairs.__file__), Path(cudnn_engine.__file__))
 
     def block_fwd(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec,
                   params: FwdParams, interpret: bool = False):
