@@ -113,15 +113,16 @@ def chosen_offsets(spec: AttentionSpec, pairs: list, size_q: int, size_kv: int, 
 
 
 def plan(spec: AttentionSpec, known: KnownBlock | None, q_len: int, kv_len: int, size_q: int, size_kv: int
-          ) -> tuple[dict, list, int | None]:
+         ) -> tuple[dict, list, int | None]:
     """The block's chunk pairs as the trace decides them: `{(i, j): kind}` of those that run by themselves
     (the kind the trace knows; None, a `switch` on the device), then the pairs of which one runs on each
-    device, and its kind (`one_of`), or `[]` and None."""
+    device, and its kind (`one_of`; chunks of equal sizes only), or `[]` and None."""
     kinds = {(i, j): known_kind(spec, cut(known, i * size_q, size_q, j * size_kv, size_kv))
              for i in range(-(-q_len // size_q)) for j in range(-(-kv_len // size_kv))}
     kinds = {pair: kind for pair, kind in kinds.items() if kind != SKIP}
     undecided = [pair for pair, kind in kinds.items() if kind is None]
-    one = one_of(spec, known, undecided, size_q, size_kv)
+    even = q_len % size_q == 0 and kv_len % size_kv == 0  # a shorter last chunk cannot be read at an offset
+    one = one_of(spec, known, undecided, size_q, size_kv) if even else None
     if one is None:
         return kinds, [], None
     return {pair: kind for pair, kind in kinds.items() if kind is not None}, undecided, one
