@@ -3,9 +3,13 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
 
 from tuner import ring_attention
+from tuner.kernels.params import BwdParams, FwdParams
 from tuner.semantics import known, layouts
+from tuner.semantics.spec import AttentionSpec
+from tuner.strategies.ring import run_ring
 
 
 def test_a_ring_block_lists_every_device_at_every_step_of_its_group():
@@ -41,3 +45,22 @@ def test_the_trace_s_decisions_pass_a_transfer_guard_that_refuses_every_transfer
     with jax.transfer_guard("disallow"):
         out = attend(q, q, q)
     assert out.shape == q.shape
+
+
+def test_an_eager_shard_map_decides_on_the_device_and_gives_the_jitted_results():
+    """Outside `jax.jit`, `shard_map` traces its body for each device, so the rules cannot be evaluated in the
+    trace (`agreed` gives None): the ring then decides on the device, with the jitted program's result. The
+    cudnn kernel's twin, which asks the trace the most (a step's visit, each chunk pair's kind, the pair
+    each device chooses)."""
+    ring = 2
+    mesh = Mesh(np.array(jax.devices()[:ring]), ("sp",))
+    spec = AttentionSpec(scale=0.25, causal=True)
+
+    def local(q, k, v):
+        return run_ring(q, k, v, spec=spec, backend="cudnn", fwd_params=FwdParams(8, 8), bwd_params=BwdParams(8, 8),
+                        axis_name="sp", layout="zigzag", interpret=True)
+
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"))
+    q, k, v = (jax.random.normal(key, (1, 32, 2, 16), jnp.bfloat16) for key in jax.random.split(jax.random.key(3), 3))
+    eager, jitted = sharded(q, k, v), jax.jit(sharded)(q, k, v)
+    np.testing.assert_allclose(np.asarray(eager, np.float32), np.asarray(jitted, np.float32), rtol=2e-2, atol=2e-2)

@@ -22,8 +22,8 @@ o)` itself, while the ring's delta also holds the lse's cotangent (and was summe
 to the input dtype). Where the two differ by more than the input dtype's resolution of delta, a second
 call adds the difference: cuDNN's backward with zero values, `do` a unit vector and `o` the difference
 along it gives exactly `d logits = p * difference`, whose dq and dk are the missing terms. That check is
-a branch on the device. Where the caller never read the lse (its cotangent reaches the ring's `custom_vjp`
-as a symbolic zero), the ring says so (`knowing(..., lse_cotangent=False)`): the two deltas then differ
+a branch on the device. Where the caller does not ask for the lse (`return_lse=False`, the default), its
+cotangent is zero and the ring says so (`knowing(..., lse_cotangent=False)`): the two deltas then differ
 by rounding only (at most half the dtype's resolution, with sinks' float32 output), the check could never
 fire, and the backward has neither it nor its branch.
 

@@ -42,9 +42,13 @@ class KnownBlock:
         """The one value `rule(q, kv)` gives every case, as a Python int (a bool is 0 or 1), or None when
         the cases differ. `rule` takes `[N, T]` positions and returns `[N]` values: the device's own rule,
         run here on the known positions, in the trace (`jax.ensure_compile_time_eval`; its inputs are the
-        program's constants, so a transfer guard of the caller's does not apply)."""
+        program's constants, so a transfer guard of the caller's does not apply). Also None where the trace
+        cannot evaluate it: an eager `shard_map` (not under `jax.jit`) traces it for each device."""
         with jax.ensure_compile_time_eval(), jax.transfer_guard("allow"):
-            values = np.asarray(rule(self.q, self.kv))
+            values = rule(self.q, self.kv)
+        if isinstance(values, jax.core.Tracer):
+            return None
+        values = np.asarray(values)
         return int(values[0]) if bool((values == values[0]).all()) else None
 
 

@@ -42,7 +42,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
-from jax.custom_derivatives import SymbolicZero
 
 from tuner.semantics import known, layouts, masks
 from tuner.support import ordering
@@ -69,6 +68,7 @@ class RingConfig:
     axis_name: Hashable | None
     interpret: bool
     layout: str | None  # the layout whose positions every shard holds; None where positions were passed
+    returns_lse: bool  # False: the caller drops the lse, so its cotangent is zero (the backward knows it)
 
 
 def block_kernel(name: str) -> Backend:
@@ -202,6 +202,7 @@ def _forward(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks
 def _backward(cfg: RingConfig, residuals, cotangents):
     q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks, out, lse, ring_mask = residuals
     dout, dlse = cotangents
+    dlse = dlse if cfg.returns_lse else None  # zero where the caller did not ask for the lse
     backend = block_kernel(cfg.backend)
     size, rank = ring_geometry(cfg.axis_name)
     kv_len = k.shape[1]
@@ -313,8 +314,7 @@ def _ring(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks):
     return out.astype(q.dtype), lse
 
 
-def _ring_fwd(cfg: RingConfig, *primals):
-    q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks = jax.tree.map(lambda x: x.value, primals)
+def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks):
     out, lse, ring_mask = _forward(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks)
     # With sinks the residual output stays float32: d sinks sums p_sink * rowsum(dout * out) over every
     # row, and a bf16/fp16-rounded out would put that dtype's rounding error into the sum.
@@ -342,16 +342,7 @@ def _backward_jvp(cfg: RingConfig, primals, tangents):
         "tuner.semantics.reference.dense_attention where second-order derivatives are needed")
 
 
-def _ring_bwd(cfg: RingConfig, residuals, cotangents):
-    """`_first_order_backward`, with `dlse` None where the caller never read the lse (a symbolic zero): then the
-    trace knows that `delta` is `rowsum(dout * out)`, which cuDNN computes itself (`tuner.kernels.cudnn`)."""
-    dout, dlse = (None if isinstance(x, SymbolicZero) else x for x in cotangents)
-    if dout is None:  # only the lse was read
-        dout = vma.like(jnp.zeros(cotangents[0].shape, cotangents[0].dtype), residuals[0])
-    return _first_order_backward(cfg, residuals, (dout, dlse))
-
-
-_ring.defvjp(_ring_fwd, _ring_bwd, symbolic_zeros=True)
+_ring.defvjp(_ring_fwd, _first_order_backward)
 
 
 def _varying(x, axis_name: Hashable | None):
@@ -375,7 +366,8 @@ def run_ring(query, key, value, *, spec: AttentionSpec, backend: str, fwd_params
     (`tuner.runtime.plan.resolve`; the arrays checked there): what `ring_attention` and the loader run."""
     size, rank = ring_geometry(axis_name)
     passed = q_positions is not None or kv_positions is not None or isinstance(axis_name, tuple)
-    cfg = RingConfig(spec, backend, fwd_params, bwd_params, axis_name, bool(interpret), None if passed else layout)
+    cfg = RingConfig(spec, backend, fwd_params, bwd_params, axis_name, bool(interpret), None if passed else layout,
+                     bool(return_lse))
     batch = query.shape[0]
     q_pos = _positions(q_positions, layout, query.shape[1], batch, size, rank)
     kv_pos = _positions(kv_positions, layout, key.shape[1], batch, size, rank)
