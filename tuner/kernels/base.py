@@ -34,8 +34,8 @@ device by positions (cudnn: one cuDNN mask per chunk pair) decides there once, i
 that decides per tile inside its own loops (`DecidesOnDevice`) returns itself. The positions the steps
 get are the same either way. `decides_in_trace` says which of the two a kernel is: the ring driver keeps
 the forward's first step out of its loop only for a kernel that decides in the trace. In a backward,
-`lse_cotangent` False says that the caller never read the lse: `delta` is then `rowsum(do * o)`, which
-a kernel that computes it itself (cuDNN) need not reconcile with its own.
+`lse_cotangent` False says that the caller did not ask for the lse, whose cotangent is then zero: `delta`
+is `rowsum(do * o)`, which a kernel that computes it itself (cuDNN) need not reconcile with its own.
 
 The steps' `k` and `v` are `keys_start`'s (`fwd_start`, `grads_start` and the `*_finish` methods get
 the caller's). `CallerLayout` gives the layout methods (`keys_start`, `dq_start`, `dq_finish`,
