@@ -36,7 +36,7 @@ def test_the_dry_run_writes_every_file_a_gpu_session_writes(tmp_path):
     assert run.returncode == 0, f"{run.stdout}\n{run.stderr}\n{log[-3000:]}"
     steps = dict(line.split() for line in (out / "steps.txt").read_text().splitlines())
     assert steps == {"environment": "0", "check-float32": "0", "check-bfloat16": "0", "timings": "0",
-                     "auto": "0"}, steps
+                     "auto": "0", "zigzag-step": "0"}, steps
 
     environment = json.loads((out / "environment.json").read_text())
     assert environment["jax"] and environment["jaxlib_extension_version"] and environment["cudnn_binding"] == "bound"
@@ -68,6 +68,13 @@ def test_the_dry_run_writes_every_file_a_gpu_session_writes(tmp_path):
         assert set(row["bench_s"]) == {"scan", "all_to_all"} and "harness" not in row, row
         assert row["auto_runs"] == min(row["bench_s"], key=row["bench_s"].get) and row["auto_runs_the_faster"], row
         assert row["auto_reason"].startswith("tuner bench --mechanisms measured"), row
+
+    # one zigzag step: the pair chosen on the device computes what the switch does, and each way was timed
+    zigzag = json.loads((out / "zigzag-step.json").read_text())
+    assert [r["objective"] for r in zigzag["rows"]] == ["fwd", "bwd"], zigzag
+    for row in zigzag["rows"]:
+        assert row["chosen_vs_switch_max_abs"] <= 1e-5 and all(row[w]["median_s"] > 0 for w in ("chosen", "switch",
+                                                                                                 "floor")), row
 
     # the harness's order of the two engines, which the GPU session compares the bench with
     problem = Problem(batch=1, seq_len=32, heads=4, kv_heads=4, head_dim=16, dtype="bfloat16", causal=True,

@@ -15,13 +15,15 @@
 #                            16k tokens, causal and not, forward and backward, interleaved, medians
 #   OUT/auto.json            on the same problems, `tuner bench --mechanisms triton,cudnn`, then which
 #                            engine backend="auto" runs: the one measured faster? (auto_pick.py)
+#   OUT/zigzag-step.json     one causal zigzag ring step past the first: the cudnn kernel's pair chosen on
+#                            the device, its `switch` per pair, and the two cuDNN calls alone (zigzag_step.py)
 #   OUT/session.log          what each step printed; OUT/steps.txt each step's exit status
 #
-# The steps run in the order of what they are worth: environment, bf16 check, timings, auto, float32 check.
-# Each has its own time limit, so a stuck step leaves the others' results; timings.json and auto.json are
-# written row by row. The last two get what the others left of the session's 8 minutes: auto if 30 s are
-# left, the float32 check if 150 s are (else steps.txt says "skipped"). The exit status is that of the
-# first step that failed.
+# The steps run in the order of what they are worth: environment, bf16 check, timings, auto, zigzag step,
+# float32 check. Each has its own time limit, so a stuck step leaves the others' results; timings.json and
+# auto.json are written row by row. The last three get what the others left of the session's 8 minutes:
+# auto and the zigzag step if 30 s are left, the float32 check if 150 s are (else steps.txt says
+# "skipped"). The exit status is that of the first step that failed.
 set -uo pipefail
 
 usage() {
@@ -55,12 +57,14 @@ if [ "$DRY" = 1 ]; then
     TIME=(--interpret --tokens 32 --hidden 64 --head-dims 16 --seq-lens 32 --runs 1 --calls 1 --warmup 0)
     LIMITS=(60 120 120 180)
     AUTO=(--engines scan,all_to_all --tokens 32 --hidden 64 --head-dim 16 --seq-lens 32 --runs 1 --calls 1)
+    ZIGZAG=(--interpret --shard 64 --heads 2 --head-dim 16 --runs 1 --calls 1)
     TOTAL=660
 else
     CHECK=(--tokens 2048 --hidden 2048 --head-dims 128 --seq-lens 1024 --group 4)
     TIME=(--tokens 16384 --hidden 2048 --head-dims 128 --seq-lens 4096,16384 --runs 7 --calls 3)
     LIMITS=(30 90 150 270)  # environment, bf16 check, the least the float32 check is started with, timings
     AUTO=(--tokens 16384 --hidden 2048 --head-dim 128 --seq-lens 4096,16384 --runs 5 --calls 3)
+    ZIGZAG=(--shard 8192 --heads 16 --head-dim 128 --runs 7 --calls 3)
     TOTAL=480
 fi
 START=$(date +%s)
@@ -100,6 +104,7 @@ step timings "${LIMITS[3]}" "${BENCH[@]}" "${TIME[@]}" --objectives fwd,bwd \
     --implementations ring,ring_cudnn,ring_cudnn_shard,cudnn --out "$OUT/timings.json"
 [ -f "$OUT/timings.json" ] && AUTO+=(--timings "$OUT/timings.json")
 last auto 30 "$PY" benchmarks/gpu/auto_pick.py "${AUTO[@]}" --out "$OUT/auto.json"
+last zigzag-step 30 "$PY" benchmarks/gpu/zigzag_step.py "${ZIGZAG[@]}" --out "$OUT/zigzag-step.json"
 # float32 last: cuDNN refuses it, so it checks the Triton ring, whose exact float32 kernels compile slowly
 # (35 to 41 s each for sm_90 on a 2-core CPU; on the H200 of 2026-11-30 the step ran out of its 90 s)
 last check-float32 "${LIMITS[2]}" "${CHECKED[@]}" --dtype float32 --out "$OUT/check-float32.json"
