@@ -116,12 +116,11 @@ def _send_to_next(tree, axis_name: Hashable, size: int, after: tuple = ()):
     return treedef.unflatten(ordering.in_order(lambda x: lax.ppermute(x, axis_name, perm), leaves, after))
 
 
-def _group(cfg: RingConfig, backend: Backend, q_len: int, kv_len: int, size: int, steps: range, *,
-           lse_cotangent: bool = True) -> tuple:
-    """(the kernel, `known.visited`) of ring steps `steps`, from the positions the trace knows they pair; in
-    a backward, whether the lse has a cotangent (the forward's kernel never reads it)."""
+def _group(cfg: RingConfig, backend: Backend, q_len: int, kv_len: int, size: int, steps: range) -> tuple:
+    """(the kernel, `known.visited`) of ring steps `steps`, from the positions the trace knows they pair and
+    whether the lse has a cotangent (the caller asked for it; only a backward reads that)."""
     block = known.ring_block(cfg.layout, q_len, kv_len, size, steps)
-    return backend.knowing(block, lse_cotangent=lse_cotangent), known.visited(block, cfg.spec)
+    return backend.knowing(block, lse_cotangent=cfg.returns_lse), known.visited(block, cfg.spec)
 
 
 def _visits(cfg: RingConfig, ring_mask: masks.RingMask, step, size: int, visited: int | None):
@@ -217,8 +216,7 @@ def _backward(cfg: RingConfig, residuals, cotangents):
     def varying(tree):
         return jax.tree.map(lambda x: vma.like(x, q), tree)
 
-    group = functools.cache(functools.partial(_group, cfg, backend, q.shape[1], kv_len, size,  # a step's two parts
-                                              lse_cotangent=dlse is not None))
+    group = functools.cache(functools.partial(_group, cfg, backend, q.shape[1], kv_len, size))  # a step's two parts
 
     def block(visiting, step, dq, dbias, steps: range):
         """A step's first part, which does not read the dk/dv accumulators: dq (and dbias) accumulate here;
