@@ -74,7 +74,7 @@ def row_useful(segments, spec: AttentionSpec):
     total = segments.shape[0]
     token = jnp.arange(total)
     start = jnp.concatenate([jnp.ones(1, bool), segments[1:] != segments[:-1]])  # a document's first token
-    document = counting.counted_before(start) + start - 1  # each token's document, numbered in row order
+    document = counting.counted_before(start) + start.astype(jnp.int32) - 1  # each token's document, in row order
     # where each document starts (counted and scattered: a running max over the row costs the TPU compiler
     # seconds); the documents after the last start at `total`, so that the last ends at the row's end
     starts = jnp.full(total + 1, total).at[jnp.where(start, document, total + 1)].set(token, mode="drop")
