@@ -1,8 +1,10 @@
 """End to end through the `tuner` command: search -> cache row -> the runtime loader picks it (exact)
 -> output equals the dense reference; list / show / export / import / clear / report / bench; resume
 after Ctrl-C; two workers on one study; a corrupt cache file; `tuner demo` and `tuner info`; bad input
-is one line and exit status 2."""
+is one line and exit status 2. A verb runs in this process (`main`, as the `tuner` script calls it) unless
+the test is about the process: Ctrl-C, workers side by side, the console script, a user's environment."""
 
+import functools
 import importlib.util
 import os
 import re
@@ -18,7 +20,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+from cli_run import in_process
 from tuner import get_tuned_ring_attention
+from tuner.cli import main
 from tuner.semantics.reference import dense_attention
 from tuner.support import libtpu
 
@@ -41,6 +45,12 @@ def stored_key(stdout: str) -> str:
     match = re.search(r"(?:stored|kept)\s+key ([0-9a-f]{16})", stdout)
     assert match, stdout
     return match.group(1)
+
+
+@pytest.fixture
+def cli(capsys):
+    """`in_process` with this test's output capture."""
+    return functools.partial(in_process, capsys)
 
 
 @pytest.fixture(scope="module")
@@ -82,57 +92,58 @@ def test_the_call_search_prints_hits_the_searched_entry_and_matches_dense(search
     decision = attn.explain(q, k, v)
     assert (decision.source, decision.key.digest) == ("exact", key)
     out = jax.jit(attn)(q, k, v)
-    with jax.enable_x64(True):
-        want = np.asarray(dense_attention(*(x.astype(jnp.float64) for x in (q, k, v)), causal=True)[0])
+    with jax.enable_x64(True):  # one program, not op by op
+        want = np.asarray(jax.jit(lambda *a: dense_attention(*(x.astype(jnp.float64) for x in a), causal=True)[0])(
+            q, k, v))
     assert np.linalg.norm(np.asarray(out, np.float64) - want) / np.linalg.norm(want) < 1e-5
 
 
-def test_list_show_export_clear_import(searched, tmp_path):
+def test_list_show_export_clear_import(searched, tmp_path, cli):
     home, result = searched
     key = stored_key(result.stdout)
-    listed = tuner("list", home=home)
+    listed = cli("list", home=home)
     assert listed.returncode == 0 and key in listed.stdout and " ok" in listed.stdout
-    shown = tuner("show", key[:6], home=home)
+    shown = cli("show", key[:6], home=home)
     assert shown.returncode == 0 and "fwd_params" in shown.stdout and "status" in shown.stdout
 
     other = tmp_path / "other"
     export = tmp_path / "entries.jsonl"
-    assert tuner("export", str(export), home=home).returncode == 0
-    imported = tuner("import", str(export), home=other)
+    assert cli("export", str(export), home=home).returncode == 0
+    imported = cli("import", str(export), home=other)
     assert imported.returncode == 0 and "imported 1 entry" in imported.stdout
-    assert key in tuner("list", home=other).stdout
-    cleared = tuner("clear", home=other)
+    assert key in cli("list", home=other).stdout
+    cleared = cli("clear", home=other)
     assert "deleted 1 entry" in cleared.stdout
-    assert "no tuned entries" in tuner("list", home=other).stdout
+    assert "no tuned entries" in cli("list", home=other).stdout
 
     good = export.read_text()
     export.write_text("{broken\n" + good)
-    bad = tuner("import", str(export), home=other)
+    bad = cli("import", str(export), home=other)
     assert bad.returncode == 2 and "entries.jsonl:1: rejected: not JSON" in bad.stderr
     assert "nothing was imported" in bad.stderr and "Traceback" not in bad.stderr
-    assert "no tuned entries" in tuner("list", home=other).stdout
-    skipping = tuner("import", str(export), "--skip-invalid", home=other)
+    assert "no tuned entries" in cli("list", home=other).stdout
+    skipping = cli("import", str(export), "--skip-invalid", home=other)
     assert skipping.returncode == 0 and "imported 1 entry" in skipping.stdout and "skipped 1 invalid" in skipping.stdout
 
 
-def test_report_writes_html(searched, tmp_path):
+def test_report_writes_html(searched, tmp_path, cli):
     home, result = searched
     page = tmp_path / "reports" / "today" / "report.html"  # its folder is created
-    done = tuner("report", stored_key(result.stdout)[:8], "--out", str(page), home=home)
+    done = cli("report", stored_key(result.stdout)[:8], "--out", str(page), home=home)
     assert done.returncode == 0, done.stderr
     text = page.read_text()
     assert "Optimization history" in text and "Parallel coordinates" in text and "plotly" in text
 
 
-def test_bench_times_tuned_default_scan_and_dense(searched):
+def test_bench_times_tuned_default_scan_and_dense(searched, cli):
     home, _ = searched
-    result = tuner("bench", "--device", "cpu", *PROBLEM, "--runs", "2", "--calls", "2", home=home)
+    result = cli("bench", "--device", "cpu", *PROBLEM, "--runs", "2", "--calls", "2", home=home)
     assert result.returncode == 0, result.stderr
     assert "tuned (exact)" in result.stdout and "dense xla" in result.stdout
     assert re.search(r"dense xla .* 1\.00x", result.stdout)
 
 
-def test_interrupted_search_resumes(tmp_path):
+def test_interrupted_search_resumes(tmp_path, cli):
     args = ["search", "--device", "cpu", *PROBLEM, "--trials", "4", "--runs", "1", "--objective", "fwd"]
     env = {**os.environ, "TUNER_HOME": str(tmp_path)}
     env.pop("XLA_FLAGS", None)
@@ -156,13 +167,13 @@ def test_interrupted_search_resumes(tmp_path):
     assert proc.returncode == 130, err
     assert "run the same command again to resume" in err
 
-    again = tuner(*args, home=tmp_path)
+    again = cli(*args, home=tmp_path)
     assert again.returncode == 0, again.stderr
     done = re.search(r"(\d+) in the study \((\d+) run now\)", again.stdout)
     assert done and int(done.group(1)) == 4 and 1 <= int(done.group(2)) <= 3, again.stdout
 
 
-def test_two_workers_share_one_study(tmp_path):
+def test_two_workers_share_one_study(tmp_path, cli):
     """Two workers on one study run `--trials` between them (a trial started once the study had its
     total is surplus, a sampled config another trial holds is a duplicate: neither counts nor is a
     failure), no config is timed twice, and both print and store the one winner of the study."""
@@ -196,7 +207,7 @@ def test_two_workers_share_one_study(tmp_path):
     with sqlite3.connect(tmp_path / "tuning.sqlite") as conn:
         (speedup,) = conn.execute("SELECT speedup FROM tuned").fetchone()
     assert float(f"{speedup:.2f}") == measured, outputs
-    assert len(tuner("list", home=tmp_path).stdout.strip().splitlines()) == 3  # header, rule, one row
+    assert len(cli("list", home=tmp_path).stdout.strip().splitlines()) == 3  # header, rule, one row
 
 
 def test_a_postgresql_storage_without_its_driver_is_one_line_naming_the_extra(tmp_path):
@@ -213,10 +224,10 @@ def test_a_postgresql_storage_without_its_driver_is_one_line_naming_the_extra(tm
     assert "needs the database driver psycopg" in line and "pip install 'ring-tuner[distributed]'" in line, line
 
 
-def test_corrupt_cache_file_is_one_line_with_what_to_do(tmp_path):
+def test_corrupt_cache_file_is_one_line_with_what_to_do(tmp_path, cli):
     db = tmp_path / "tuning.sqlite"
     db.write_bytes(b"not sqlite at all" * 500)
-    result = tuner("list", "--db", str(db), home=tmp_path)
+    result = cli("list", "--db", str(db), home=tmp_path)
     assert result.returncode == 1
     assert "move it aside" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
@@ -240,8 +251,6 @@ def test_corrupt_cache_file_is_one_line_with_what_to_do(tmp_path):
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path, monkeypatch, capsys):
     """In this process (`main`, as the `tuner` script calls it); the console entry itself is checked below."""
-    from tuner.cli import main
-
     monkeypatch.setenv("TUNER_HOME", str(tmp_path))
     monkeypatch.delenv("TUNER_DB", raising=False)
     try:
@@ -276,15 +285,15 @@ def test_a_device_this_host_lacks_is_one_line_with_libtpu_installed_and_no_tpu(t
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
-def test_search_tunes_a_value_head_dim_and_a_packing_under_their_own_key(tmp_path):
+def test_search_tunes_a_value_head_dim_and_a_packing_under_their_own_key(tmp_path, cli):
     """`--value-head-dim` and `--documents`: the problem line, the loader call and the stored key (the one the
     loader looks up) say both dims and the packing."""
     from tuner import registry
     from tuner.semantics.problem import Problem
 
-    result = tuner("search", "--device", "cpu", "--seq-len", "64", "--heads", "2", "--kv-heads", "1", "--head-dim",
-                   "24", "--value-head-dim", "16", "--documents", "32,8x4", "--ring-size", "2", "--trials", "2",
-                   "--runs", "1", "--objective", "fwd", home=tmp_path)
+    result = cli("search", "--device", "cpu", "--seq-len", "64", "--heads", "2", "--kv-heads", "1", "--head-dim",
+                 "24", "--value-head-dim", "16", "--documents", "32,8x4", "--ring-size", "2", "--trials", "2",
+                 "--runs", "1", "--objective", "fwd", home=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "D=24 Dv=16 float32 causal segments=5 packing=32,8x4" in result.stdout
     assert 'packing="32,8x4"' in result.stdout and "k [1, 64, 1, 24], v [1, 64, 1, 16]" in result.stdout
@@ -292,17 +301,17 @@ def test_search_tunes_a_value_head_dim_and_a_packing_under_their_own_key(tmp_pat
     assert stored_key(result.stdout) == registry.problem_key(problem, "scan", "cpu").digest
 
 
-def test_demo_checks_and_times_a_ring(tmp_path):
-    result = tuner("demo", "--devices", "4", "--seq-len", "256", "--heads", "4", "--kv-heads", "2",
-                   "--head-dim", "16", "--runs", "2", home=tmp_path)
+def test_demo_checks_and_times_a_ring(tmp_path, cli):
+    result = cli("demo", "--devices", "4", "--seq-len", "256", "--heads", "4", "--kv-heads", "2",
+                 "--head-dim", "16", "--runs", "2", home=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "relative error vs dense float64 attention" in result.stdout and "(ok)" in result.stdout
     assert "ring" in result.stdout and "dense" in result.stdout
 
 
-def test_info_lists_backends_versions_and_the_cache(searched):
+def test_info_lists_backends_versions_and_the_cache(searched, cli):
     home, _ = searched
-    result = tuner("info", home=home)
+    result = cli("info", home=home)
     assert result.returncode == 0, result.stderr
     assert re.search(r"^scan\s+yes", result.stdout, re.M)
     assert "versions: jax" in result.stdout
@@ -331,7 +340,6 @@ def test_target_flags_refuse_what_they_cannot_do(monkeypatch, capsys):
     """`--target` compiles for TPU topologies or GPUs only in a dry run, says how to get libtpu where it
     is missing, names the GPU targets, and is not silently dropped by `--from`."""
     from tuner.tuning import compiled
-    from tuner.cli import main
 
     assert main(["search", "--device", "cpu", "--target", "v5e:2x2"]) == 2
     assert "use it with --dry-run and --device tpu or gpu" in capsys.readouterr().err

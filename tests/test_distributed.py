@@ -24,6 +24,7 @@ import pytest
 import sqlalchemy
 
 from tests import postgres
+from cli_run import in_process
 from tuner.cache import Cache
 from tuner.tuning.shared import CONFIGS, config_digest
 from tuner.tuning.study import DUPLICATE, SURPLUS, counted
@@ -209,7 +210,7 @@ def test_a_worker_killed_mid_trial_costs_that_trial_only(url, tmp_path):
     check_one_winner([h for h, w in zip(homes, workers) if w.pid != pid], [out for _, out, _ in outcomes])
 
 
-def test_a_restarted_server_loses_nothing(tmp_path):
+def test_a_restarted_server_loses_nothing(tmp_path, capsys):
     """Stop the server under 2 running workers and start it again 3 s later: each worker resumes and
     finishes, or stops with one line saying the storage was lost; every cache holds only valid rows."""
     server = postgres.Server().start()
@@ -225,7 +226,7 @@ def test_a_restarted_server_loses_nothing(tmp_path):
         outcomes = finish(workers)
         resumed = [code == 0 for code, _, _ in outcomes]
         for (code, _, err), home in zip(outcomes, homes):
-            listed = start(home, "list", "--db", str(home / "tuning.sqlite")).communicate(timeout=TIMEOUT_S)[0]
+            listed = in_process(capsys, "list", "--db", str(home / "tuning.sqlite"), home=home).stdout
             assert "invalid" not in listed, listed
             if code != 0:
                 assert err.strip().splitlines()[-1].startswith("tuner: error: lost the study storage"), err[-8000:]

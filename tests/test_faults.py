@@ -39,6 +39,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh
 
+from cli_run import in_process
 from tuner import BwdParams, FwdParams, get_tuned_ring_attention, registry
 from tuner.kernels import BACKENDS
 from tuner.cache import (COLUMNS, FEATURES, SOURCES, TABLE, VERSION_FIELDS, Cache, current_versions, make_row,
@@ -79,20 +80,26 @@ def _inputs():
 Q, K, V = _inputs()
 
 
-def _loss(attention, q, k, v):
-    return jnp.sum(jnp.sin(attention(q, k, v)))
+def with_grads(attention):
+    """A step that returns `attention`'s output and the gradients of the loss sum(sin(output)) over q, k and v,
+    from one program (a forward and a gradient program would each compile the forward pass)."""
+    def loss_and_out(*args):
+        out = attention(*args)
+        return jnp.sum(jnp.sin(out)), out
+
+    def step(*args):
+        (_, out), grads = jax.value_and_grad(loss_and_out, argnums=(0, 1, 2), has_aux=True)(*args)
+        return out, grads
+    return step
 
 
 @functools.cache
 def reference():
-    """Dense attention in float64 on the float32 inputs: the output and the gradients of `_loss`."""
+    """Dense attention in float64 on the float32 inputs: the output and the gradients (`with_grads`)."""
     with jax.enable_x64(True):
         q, k, v = (x.astype(jnp.float64) for x in (Q, K, V))
-        dense = lambda *a: dense_attention(*a, causal=True)[0]  # noqa: E731
-        out = np.asarray(jax.jit(dense)(q, k, v))
-        grads = jax.jit(jax.grad(lambda *a: _loss(dense, *a), argnums=(0, 1, 2)))(q, k, v)
-        grads = tuple(np.asarray(g) for g in grads)
-    return out, grads
+        out, grads = jax.jit(with_grads(lambda *a: dense_attention(*a, causal=True)[0]))(q, k, v)
+    return np.asarray(out), tuple(np.asarray(g) for g in grads)
 
 
 def _relative_error(got, want) -> float:
@@ -131,9 +138,10 @@ def jit_run(fn, *args) -> tuple[Any, float]:
 
 def run_step(attention, grad: bool = False) -> None:
     """The jitted step (and its gradient) against dense attention."""
-    out, _ = jit_run(attention, Q, K, V)
-    grads = jit_run(jax.grad(lambda *a: _loss(attention, *a), argnums=(0, 1, 2)), Q, K, V)[0] if grad else None
-    check_exact(out, grads)
+    if grad:
+        check_exact(*jit_run(with_grads(attention), Q, K, V)[0])
+    else:
+        check_exact(jit_run(attention, Q, K, V)[0])
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -661,7 +669,7 @@ def test_a_wal_writer_does_not_block_or_disturb_the_loader(tmp_path):
             f"INSERT INTO tuned (key, fwd_params) VALUES ('{broken['key']}', 'garbage')"):
         attention = loader(path)
         out, took = jit_run(attention, Q, K, V)
-        grads, _ = jit_run(jax.grad(lambda *a: _loss(attention, *a), argnums=(0, 1, 2)), Q, K, V)
+        (_, grads), _ = jit_run(with_grads(attention), Q, K, V)
     assert took < DECISION_BOUND_S, f"the trace waited {took:.2f} s"
     check_exact(out, grads)
     decision = attention.explain(Q, K, V)
@@ -796,12 +804,11 @@ def test_a_read_only_file_in_a_read_only_folder_is_readable():
 # --------------------------------------------------------------------------------------------------
 
 
-def tuner(*args: str, home: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TUNER_HOME": str(home)}
-    for name in ("XLA_FLAGS", "TUNER_DB"):
-        env.pop(name, None)
-    return subprocess.run([sys.executable, "-m", "tuner.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=str(REPO))
+@pytest.fixture
+def tuner(capsys):
+    """`tuner ARGS` as the script runs it, in this process (`cli_run.in_process`): no interpreter and
+    jax to start per command."""
+    return functools.partial(in_process, capsys)
 
 
 def one_line_error(result: subprocess.CompletedProcess, status: int, *named: str) -> None:
@@ -822,7 +829,7 @@ UNREADABLE = {"random bytes": _random_bytes, "truncated": _truncated}
 
 
 @pytest.mark.parametrize("name", UNREADABLE)
-def test_cli_on_an_unreadable_file_is_one_line(tmp_path, name):
+def test_cli_on_an_unreadable_file_is_one_line(tmp_path, name, tuner):
     path = tmp_path / "tuning.sqlite"
     UNREADABLE[name](path)
     for args in (("list",), ("show", KEY.digest[:6]), ("export", str(tmp_path / "out.jsonl"))):
@@ -865,7 +872,7 @@ def _invalid_rows() -> list[dict[str, Any]]:
             {**valid_row(Problem(**{**PROBLEM.__dict__, "batch": 8})), "best_s": None}]
 
 
-def test_cli_lists_shows_exports_invalid_rows(tmp_path):
+def test_cli_lists_shows_exports_invalid_rows(tmp_path, tuner):
     path = tmp_path / "tuning.sqlite"
     rows = _invalid_rows()
     rollback_database(path, rows)
@@ -904,7 +911,7 @@ def test_cli_lists_shows_exports_invalid_rows(tmp_path):
     assert info.returncode == 0 and f"({len(rows)} tuned, 0 stale, {len(rows) - 1} invalid)" in info.stdout
 
 
-def test_cli_lists_a_row_with_deeply_nested_features(tmp_path):
+def test_cli_lists_a_row_with_deeply_nested_features(tmp_path, tuner):
     path = tmp_path / "tuning.sqlite"
     row = {**valid_row(), "features": "[" * 100_000}
     rollback_database(path, [row])
@@ -913,7 +920,7 @@ def test_cli_lists_a_row_with_deeply_nested_features(tmp_path):
     assert row["key"] in listed.stdout and "invalid (features is not JSON" in listed.stdout
 
 
-def test_cli_import_reports_every_bad_line_and_imports_nothing(tmp_path):
+def test_cli_import_reports_every_bad_line_and_imports_nothing(tmp_path, tuner):
     rows = [valid_row(Problem(**{**PROBLEM.__dict__, "batch": b})) for b in (1, 2)]
     lines = {  # line number: (text, what the rejection says)
         1: (json.dumps(rows[0]), None),
@@ -974,11 +981,11 @@ BAD_FLAGS = {  # name: (arguments, with {file} a regular file; what the one line
 
 
 @pytest.mark.parametrize("name", BAD_FLAGS)
-def test_cli_bad_flags_are_one_line_and_exit_2(tmp_path, name):
+def test_cli_bad_flags_are_one_line_and_exit_2(tmp_path, name, tuner):
     args, named = BAD_FLAGS[name]
     file = _regular_file(tmp_path)
     start = time.perf_counter()
-    result = tuner(*(a.format(file=file) for a in args), home=tmp_path / "home", timeout=60)
+    result = tuner(*(a.format(file=file) for a in args), home=tmp_path / "home")
     took = time.perf_counter() - start
     one_line_error(result, 2, named.format(file=file))
     assert took < 20, f"{name} took {took:.1f} s: it should fail before any work"
@@ -1055,7 +1062,7 @@ def test_export_then_import_is_an_identity(tmp_path_factory, rows):
     assert again.read_bytes() == exported.read_bytes()
 
 
-def test_cli_export_then_import_is_an_identity(tmp_path):
+def test_cli_export_then_import_is_an_identity(tmp_path, tuner):
     rows = [valid_row(Problem(**{**PROBLEM.__dict__, "batch": b}), measured_at=f"2025-01-0{b}T00:00:00+00:00")
             for b in (1, 2, 3)]
     rows.append({**valid_row(Problem(**{**PROBLEM.__dict__, "layout": "striped", "dtype": "bfloat16"})),

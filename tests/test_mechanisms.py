@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from tests.test_cli import tuner
+from cli_run import in_process
 from tests.test_dispatch import PROBLEM, RING, arrays
 from tuner import get_tuned_ring_attention
 from tuner import registry
@@ -42,11 +42,11 @@ def test_gathered_mechanisms_equal_the_scan_ring(mechanism, problem):
 
 
 def test_jax_nn_rows_with_no_readable_key_are_zero():
-    q = jnp.ones((1, 4, 2, 8))
-    late = jnp.arange(10, 14, dtype=jnp.int32)[None]
-    out = gathered_attention(q, q, q, mechanism="jax_nn", axis_name=None, layout="contiguous",
-                             spec=AttentionSpec(scale=0.3, causal=True),
-                             q_positions=jnp.arange(4, dtype=jnp.int32)[None], kv_positions=late)
+    q = jnp.asarray(np.ones((1, 4, 2, 8), np.float32))
+    late = jnp.asarray(np.arange(10, 14, dtype=np.int32)[None])
+    out = jax.jit(lambda q, q_positions, kv_positions: gathered_attention(  # one program, not op by op
+        q, q, q, mechanism="jax_nn", axis_name=None, layout="contiguous", spec=AttentionSpec(scale=0.3, causal=True),
+        q_positions=q_positions, kv_positions=kv_positions))(q, jnp.asarray(np.arange(4, dtype=np.int32)[None]), late)
     assert np.all(np.asarray(out) == 0.0)
     with pytest.raises(ValueError, match="jax.nn.dot_product_attention has no a logits soft cap"):
         gathered_attention(q, q, q, mechanism="jax_nn", axis_name=None, layout="contiguous",
@@ -105,9 +105,9 @@ def test_a_stale_measurement_is_ignored(tmp_path):
     assert (decision.backend, decision.source) == ("scan", "default")
 
 
-def test_bench_mechanisms_records_the_winner_and_the_loader_uses_it(tmp_path):
+def test_bench_mechanisms_records_the_winner_and_the_loader_uses_it(tmp_path, capsys):
     args = ["--seq-len", "128", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--ring-size", "2"]
-    proc = tuner("bench", "--device", "cpu", "--mechanisms", "--runs", "2", *args, home=tmp_path)
+    proc = in_process(capsys, "bench", "--device", "cpu", "--mechanisms", "--runs", "2", *args, home=tmp_path)
     assert proc.returncode == 0, proc.stderr
     names = ("ring/scan", "dense", "jax_nn", "all_to_all", "all_gather")  # every implementation that runs on the CPU
     rows = {line.split()[0]: line for line in proc.stdout.splitlines() if line.split() and line.split()[0] in names}
@@ -126,17 +126,18 @@ def test_bench_mechanisms_records_the_winner_and_the_loader_uses_it(tmp_path):
     assert decision.reason.startswith(f"tuner bench --mechanisms measured {winner.group(1)} fastest")
 
 
-def test_bench_mechanisms_names_the_implementations_it_times(tmp_path):
+def test_bench_mechanisms_names_the_implementations_it_times(tmp_path, capsys):
     args = ["--device", "cpu", "--seq-len", "64", "--heads", "2", "--kv-heads", "2", "--head-dim", "8",
             "--ring-size", "2"]
-    wrong = tuner("bench", "--mechanisms", "scan,tritn", *args, home=tmp_path)
+    wrong = in_process(capsys, "bench", "--mechanisms", "scan,tritn", *args, home=tmp_path)
     assert wrong.returncode == 2, wrong.stderr
     assert "--mechanisms: unknown tritn (registered: scan, triton" in wrong.stderr, wrong.stderr
-    none = tuner("bench", "--mechanisms", "triton,cudnn", *args, home=tmp_path)
+    none = in_process(capsys, "bench", "--mechanisms", "triton,cudnn", *args, home=tmp_path)
     assert none.returncode == 1, none.stderr
     assert "no mechanism can run here: ring/triton cannot run here: no CUDA GPU" in none.stderr, none.stderr
 
-    proc = tuner("bench", "--mechanisms", "jax_nn,scan", "--runs", "1", *args, home=tmp_path)
+    proc = in_process(capsys, "bench", "--mechanisms", "jax_nn,scan", "--objective", "fwd", "--runs", "1", *args,
+                      home=tmp_path)  # forward only: half the programs to compile, the same names
     assert proc.returncode == 0, proc.stderr
     timed = {line.split()[0] for line in proc.stdout.splitlines()
              if line.split() and line.split()[0] in ("ring/scan", "dense", "jax_nn", "all_to_all", "all_gather")}

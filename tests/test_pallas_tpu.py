@@ -5,6 +5,7 @@ standard variant lowers for the TPU platform; the constraints, the contract and 
 tpu [--dry-run]`."""
 
 import dataclasses
+import functools
 import importlib.util
 import re
 
@@ -14,8 +15,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
+from cli_run import in_process
 from tests.cases import Case, check_case, check_low_precision, pallas_tpu_cases
-from tests.test_cli import tuner
 from tuner import BwdParams, FwdParams, ring_attention
 from tuner.kernels import codegen
 from tuner.semantics import masks
@@ -387,7 +388,13 @@ def test_search_runs_the_pallas_backend_in_the_interpreter(tmp_path):
 # --------------------------------------------------------------------------------------------------
 
 
-def test_search_on_tpu_without_one_exits_at_once_saying_what_to_do(tmp_path):
+@pytest.fixture
+def tuner(capsys):
+    """`tuner ARGS` run as the script runs it, in this process (`cli_run.in_process`)."""
+    return functools.partial(in_process, capsys)
+
+
+def test_search_on_tpu_without_one_exits_at_once_saying_what_to_do(tmp_path, tuner):
     proc = tuner("search", "--device", "tpu", home=tmp_path)
     assert proc.returncode == 2
     assert re.search(r"no tpu device here \(this machine has: cpu\).*--dry-run", proc.stderr), proc.stderr
@@ -396,7 +403,7 @@ def test_search_on_tpu_without_one_exits_at_once_saying_what_to_do(tmp_path):
 
 
 @pytest.mark.slow
-def test_dry_run_lowers_the_space_and_checks_samples(tmp_path):
+def test_dry_run_lowers_the_space_and_checks_samples(tmp_path, tuner):
     proc = tuner("search", "--device", "tpu", "--dry-run", "--seq-len", "512", "--heads", "2", "--kv-heads", "1",
                  "--head-dim", "16", "--ring-size", "2", "--samples", "2", home=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -411,7 +418,7 @@ def test_dry_run_lowers_the_space_and_checks_samples(tmp_path):
 
 
 @pytest.mark.slow
-def test_dry_run_of_all_to_all_checks_the_kernels_space_on_the_whole_sequence(tmp_path):
+def test_dry_run_of_all_to_all_checks_the_kernels_space_on_the_whole_sequence(tmp_path, tuner):
     """`--backend all_to_all_pallas_tpu`: the variants are the kernel's on what it runs inside all_to_all
     (the whole 256-token sequence of one head, not a device's 128 tokens), and the default runs in the
     interpreter through the exchange, against the scan reference."""

@@ -5,8 +5,10 @@ their reasons, the search goes on, and the winner lands in the cache."""
 import dataclasses
 import json
 import re
+import shutil
 import sqlite3
 import time
+from pathlib import Path
 
 import jax
 import optuna
@@ -61,6 +63,24 @@ class Faulty(MergedBlocks, ScanBackend):
 def faulty():
     with registry.registered(Ring(Faulty())):
         yield
+
+
+ONE_TRIAL = SearchOptions(objective="fwd", trials=1, runs=1, final_runs=1)
+
+
+@pytest.fixture(scope="module")
+def one_trial(tmp_path_factory):
+    """A search of TINY on the faulty backend that ran one trial (the default), in a folder of its own (the
+    cache and its studies): its result and a function that copies the folder for a test to go on from.
+    The tests that start from such a search share this one."""
+    folder = tmp_path_factory.mktemp("one_trial")
+    with registry.registered(Ring(Faulty())):
+        result = search(TINY, device="cpu", backend="faulty", options=ONE_TRIAL, db=folder / "tuning.sqlite")
+
+    def copy_to(path: Path) -> Path:
+        shutil.copytree(folder, path, dirs_exist_ok=True)
+        return path / "tuning.sqlite"
+    return result, copy_to
 
 
 def test_every_outcome_is_recorded_and_the_search_goes_on(faulty, tmp_path):
@@ -261,12 +281,11 @@ def test_a_trial_another_worker_failed_while_it_ran_is_dropped_and_the_search_go
 
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning",
                             "ignore:Heartbeat of storage is supposed to be used with Study.optimize")
-def test_a_dead_workers_trial_does_not_hold_its_place(faulty, tmp_path):
+def test_a_dead_workers_trial_does_not_hold_its_place(faulty, one_trial, tmp_path):
     """A running trial whose heartbeat is stale (its worker was killed) is failed by optuna and counts
     nowhere: the search runs the study's total without it."""
-    db = tmp_path / "tuning.sqlite"
-    first = search(TINY, device="cpu", backend="faulty", db=db,
-                   options=SearchOptions(objective="fwd", trials=1, runs=1, final_runs=1))
+    first, copy_to = one_trial
+    db = copy_to(tmp_path)
     url = default_storage(db)
     storage = optuna.storages.RDBStorage(url, heartbeat_interval=30, grace_period=120)
     dead = optuna.load_study(study_name=first.study, storage=storage).ask()
@@ -274,19 +293,17 @@ def test_a_dead_workers_trial_does_not_hold_its_place(faulty, tmp_path):
     with sqlite3.connect(url.removeprefix("sqlite:///")) as conn:
         conn.execute("UPDATE trial_heartbeats SET heartbeat = datetime('now', '-1 hour')")
 
-    second = search(TINY, device="cpu", backend="faulty", db=db,
-                    options=SearchOptions(objective="fwd", trials=2, runs=1, final_runs=1))
+    second = search(TINY, device="cpu", backend="faulty", db=db, options=dataclasses.replace(ONE_TRIAL, trials=2))
     assert (second.new_trials, second.trials_run) == (1, 2)
     stale = optuna.load_study(study_name=first.study, storage=url).trials[dead.number]
     assert stale.state == optuna.trial.TrialState.FAIL and "failure" not in stale.user_attrs
 
 
-def test_the_cache_keeps_the_best_result_of_the_workers(faulty, tmp_path):
+def test_the_cache_keeps_the_best_result_of_the_workers(faulty, one_trial, tmp_path):
     """A search stores its winner unless the cache holds a row of the same objective and versions with a
     higher or equal speedup (another worker's): then it keeps that row and says so."""
-    db = tmp_path / "tuning.sqlite"
-    options = SearchOptions(objective="fwd", trials=1, runs=1, final_runs=1)
-    first = search(TINY, device="cpu", backend="faulty", options=options, db=db)
+    first, copy_to = one_trial
+    db, options = copy_to(tmp_path), ONE_TRIAL
     assert first.stored and first.stored_speedup == first.speedup
     cache = Cache(db)
     (row,) = cache.rows()
