@@ -37,10 +37,10 @@ from tuner import get_tuned_ring_attention, ring_attention  # noqa: E402
 from tuner.cache import Cache  # noqa: E402
 from tuner.models import hlo  # noqa: E402
 
-RING, T, H, HKV, D = 4, 4 * 2048, 8, 2, 128
-# The compiled training steps: one tile a ring step (the transfers' overlap and the VMEM asked do not depend
-# on the tile count), compiled in a third of T's time.
-STEP_T = 4 * 512
+RING, H, HKV, D = 4, 8, 2, 128
+# The compiled programs: one tile a ring step (the kernel chosen, the transfers' overlap and the VMEM asked
+# do not depend on the tile count or its length), of 256 tokens: Mosaic's compile grows with the tile.
+STEP_T = 4 * 256
 
 
 @functools.cache
@@ -50,10 +50,11 @@ def topology_mesh(name: str) -> Mesh:
     return Mesh(np.array(topologies.get_topology_desc(platform="tpu", topology_name=name).devices), ("sp",))
 
 
-def structs(mesh: Mesh, length: int = T):
+def structs(mesh: Mesh):
+    """q, k, v of `STEP_T` tokens, the sequence sharded over the mesh."""
     sharding = NamedSharding(mesh, P(None, "sp"))
-    q = jax.ShapeDtypeStruct((1, length, H, D), jnp.bfloat16, sharding=sharding)
-    kv = jax.ShapeDtypeStruct((1, length, HKV, D), jnp.bfloat16, sharding=sharding)
+    q = jax.ShapeDtypeStruct((1, STEP_T, H, D), jnp.bfloat16, sharding=sharding)
+    kv = jax.ShapeDtypeStruct((1, STEP_T, HKV, D), jnp.bfloat16, sharding=sharding)
     return q, kv, kv
 
 
@@ -96,7 +97,7 @@ def test_every_ring_step_overlaps_its_transfers_forward_and_backward(topology, c
 @pytest.mark.parametrize("topology, vmem_mib", [("v5e:2x2", 128), other_generation("v5p:2x2x1", 64),
                                                 other_generation("v6e:2x2", 128)])
 def test_kernels_ask_for_the_vmem_of_the_target_chip(topology, vmem_mib):
-    kernels = hlo.kernel_vmem(compiled_ring(topology, True))
+    kernels = hlo.kernel_vmem(compiled_ring(topology, True, None))  # the overlap test's ring, compiled once
     assert {name.split(".")[0] for name in kernels} == {"ring_attention_fwd", "ring_attention_dkv",
                                                         "ring_attention_dq"}, kernels
     for name, (asked, used) in kernels.items():
@@ -127,7 +128,7 @@ def test_kernels_with_values_of_another_head_dim_use_no_more_vmem_than_estimated
 
 
 @functools.cache
-def compiled_ring(topology: str, causal: bool, window: int | None = None) -> str:
+def compiled_ring(topology: str, causal: bool, window: int | None) -> str:
     """The scheduled HLO of the gradient of a ring over `topology` (pallas_tpu kernels, zigzag; with a
     `window`, a sliding window of that many keys before each query, contiguous)."""
     mesh = topology_mesh(topology)
@@ -139,7 +140,7 @@ def compiled_ring(topology: str, causal: bool, window: int | None = None) -> str
 
     ring = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"))
     loss = jax.grad(lambda q, k, v: jnp.sum(ring(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
-    text = jax.jit(loss).lower(*structs(mesh, STEP_T)).compile().as_text()
+    text = jax.jit(loss).lower(*structs(mesh)).compile().as_text()
     assert "tpu_custom_call" in text  # the Pallas kernels, compiled by Mosaic
     return text
 
@@ -167,7 +168,7 @@ def test_the_tpu_dry_run_compiles_the_defaults_and_the_loader_uses_its_row(tmp_p
     [row] = Cache(db).rows()
     assert row["source"] == "compiled" and row["default_s"] is None
     mesh = topology_mesh("v5e:2x2")
-    q, kv, _ = structs(mesh, STEP_T)
+    q, kv, _ = structs(mesh)
     decision = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, db=str(db)).explain(q, kv, kv)
     assert (decision.backend, decision.source) == ("pallas_tpu", "compiled")
     assert json.loads(row["fwd_params"]) == dataclasses.asdict(decision.config.fwd)
