@@ -72,12 +72,11 @@ def test_never_more_work_than_the_best_fixed_layout(lengths, ring, causal):
     assert chosen <= min(fixed)
 
 
-def _counted(order: np.ndarray, seg: np.ndarray, ring: int, tile: int):
-    """The tile area each device computes for the laid-out row, counted by the ring itself."""
+def _counted(orders: list[np.ndarray], seg: np.ndarray, ring: int, tile: int) -> list[dict]:
+    """The tile area each device computes for the row laid out by each of `orders`, counted by the ring
+    itself: one program (the order and the laid-out ids are its arguments), run once an order."""
     mesh = Mesh(np.array(jax.devices()[:ring]), ("sp",))
     seq = P(None, "sp")
-    pos = jnp.asarray(order, jnp.int32)
-    laid = layouts.lay_out_rows(jnp.asarray(seg), pos)
 
     def local(q, k, v, s, p):
         return ring_attention(q, k, v, causal=True, axis_name="sp", layout="contiguous", backend="scan",
@@ -85,10 +84,16 @@ def _counted(order: np.ndarray, seg: np.ndarray, ring: int, tile: int):
                               q_segment_ids=s, kv_segment_ids=s, q_positions=p, kv_positions=p)
 
     x = jnp.zeros((1, seg.shape[1], 1, 8), jnp.float32)
+    rows = [(np.take_along_axis(seg, order, axis=1), order.astype(np.int32)) for order in orders]
     with count_work() as counts:
-        jax.block_until_ready(jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(seq,) * 5, out_specs=seq))(
-            x, x, x, laid, pos))
-    return counts["tile_area"]
+        ring_step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(seq,) * 5, out_specs=seq)).lower(
+            x, x, x, *rows[0]).compile()
+    works = []
+    for laid, pos in rows:
+        jax.block_until_ready(ring_step(x, x, x, laid, pos))
+        works.append(dict(counts["tile_area"]))
+        counts["tile_area"].clear()
+    return works
 
 
 def _loader_counted(packing: str, ring: int, declared: bool = True) -> tuple[dict, int]:
@@ -126,7 +131,8 @@ def test_the_loader_balances_the_ring_and_wastes_little(packing, declared, tile)
     assert imbalance <= 1.10 and efficiency >= 0.75, (imbalance, efficiency)
     if packing.startswith("512"):
         seg = segment_ids(Packing.parse(packing).row_lengths(1024))
-        fixed = [measure(_counted(layouts.global_order(name, 1024, 8)[None], seg, 8, tile)) for name in layouts.LAYOUTS]
+        orders = [layouts.global_order(name, 1024, 8)[None] for name in layouts.LAYOUTS]
+        fixed = [measure(work) for work in _counted(orders, seg, 8, tile)]
         assert max(e for _, e in fixed) < 0.7 * efficiency, fixed
 
 
@@ -153,14 +159,17 @@ def test_the_plan_deals_within_one_chunk_and_its_host_estimate_is_its_count(leng
     lengths = lengths + [total - sum(lengths)] if total > sum(lengths) else lengths
     spec = AttentionSpec(scale=1.0, causal=causal, has_segments=True)
     seg = jnp.asarray(segment_ids(lengths)[0])
-    order = np.asarray(jax.jit(documents.plan, static_argnums=(1, 2, 3))(seg, ring, spec, tile))
-    cost = np.asarray(jax.jit(documents.chunk_costs, static_argnums=(1, 2))(seg, spec, tile))
+
+    @jax.jit  # one program, not one a function
+    def planned(seg):
+        order = documents.plan(seg, ring, spec, tile)
+        return order, documents.chunk_costs(seg, spec, tile), documents.busiest(order, seg, ring, spec, (tile, tile))
+
+    order, cost, counted = (np.asarray(x) for x in planned(seg))
     loads = cost[order.reshape(ring, -1, tile)[:, :, 0] // tile].sum(axis=1)
     assert loads.max() - loads.min() <= cost.max()
     useful = documents.useful_logits(lengths, spec)
-    busiest = jax.jit(documents.busiest, static_argnums=(2, 3, 4))
-    counted = int(busiest(jnp.asarray(order), seg, ring, spec, (tile, tile)))
-    assert documents.efficiency(lengths, spec, ring, tile) == pytest.approx(useful / (ring * counted))
+    assert documents.efficiency(lengths, spec, ring, tile) == pytest.approx(useful / (ring * int(counted)))
 
 
 @pytest.mark.parametrize("causal, window", [(True, None), (False, None), (True, (5, 0)), (False, (3, 7))])
@@ -224,20 +233,20 @@ def _check_against_dense(rows: np.ndarray, ring: int, heads: tuple[int, int], ca
     attn = get_tuned_ring_attention(axis_name=axis, causal=causal, sliding_window=window, mesh=mesh,
                                     layout="documents")
 
-    def loss(q, k, v):
+    def loss(q, k, v, seg):  # the ids an argument: as constants XLA would fold the plan at compile time
         out, lse = attn(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, return_lse=True)
         return jnp.vdot(out, w), (out, lse)
 
-    def dense_loss(q, k, v):
+    def dense_loss(q, k, v, seg):
         out, lse = dense_attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, causal=causal,
                                    sliding_window=window)
         return jnp.vdot(out, w.astype(jnp.float64)), (out, lse)
 
-    (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v, seg)
     with jax.enable_x64(True):
-        f64 = [jnp.asarray(x, jnp.float64) for x in (q, k, v)]
+        f64 = [np.asarray(x, np.float64) for x in (q, k, v)]  # on the host: no cast program a shape
         (_, (ref_out, ref_lse)), ref_grads = jax.jit(jax.value_and_grad(dense_loss, argnums=(0, 1, 2),
-                                                                        has_aux=True))(*f64)
+                                                                        has_aux=True))(*f64, seg)
     np.testing.assert_allclose(out, ref_out, atol=1e-5)
     np.testing.assert_allclose(lse, ref_lse, atol=1e-5)
     for got, want in zip(grads, ref_grads):

@@ -40,19 +40,19 @@ def test_a_length_the_ring_does_not_divide_matches_dense(causal, layout, given):
         options.update(q_positions=jnp.asarray(POS, jnp.int32), kv_positions=jnp.asarray(POS, jnp.int32))
     attn = get_tuned_ring_attention(axis_name="sp", causal=causal, mesh=mesh, layout=layout)
 
-    def loss(q, k, v):
+    def loss(q, k, v, options):  # the ids and positions arguments, not constants for XLA to fold
         out, lse = attn(q, k, v, return_lse=True, **options)
         return jnp.sum(out ** 2) + jnp.sum(lse), (out, lse)
 
-    def dense_loss(q, k, v):
+    def dense_loss(q, k, v, options):
         out, lse = dense_attention(q, k, v, causal=causal, **options)
         return jnp.sum(out ** 2) + jnp.sum(lse), (out, lse)
 
-    (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v, options)
     with jax.enable_x64(True):
-        f64 = [jnp.asarray(x, jnp.float64) for x in (q, k, v)]
+        f64 = [np.asarray(x, np.float64) for x in (q, k, v)]  # on the host: no cast program a shape
         (_, (ref_out, ref_lse)), ref_grads = jax.jit(jax.value_and_grad(dense_loss, argnums=(0, 1, 2),
-                                                                        has_aux=True))(*f64)
+                                                                        has_aux=True))(*f64, options)
     assert out.shape == q.shape and lse.shape == (1, 4, T)
     np.testing.assert_allclose(out, ref_out, atol=1e-5)
     np.testing.assert_allclose(lse, ref_lse, atol=1e-5)
@@ -85,7 +85,7 @@ def test_any_lengths_in_any_fixed_layout_match_float64(tq, tk, layout, axes, cau
     attn = get_tuned_ring_attention(axis_name=axes if len(axes) == 2 else axes[0], mesh=mesh, layout=layout,
                                     strategy="hybrid" if len(axes) == 2 else "ring", **mask)
 
-    def loss(attend, q, k, v, floats):
+    def loss(attend, q, k, v, floats, ids):  # the ids an argument, not constants for XLA to fold
         out = attend(q, k, v, **floats, **ids)
         return jnp.sum(out ** 2), out
 
@@ -93,10 +93,12 @@ def test_any_lengths_in_any_fixed_layout_match_float64(tq, tk, layout, axes, cau
         return dense_attention(q, k, v, **mask, **options)[0]
 
     argnums = (0, 1, 2, 3)
-    (_, out), grads = jax.jit(jax.value_and_grad(functools.partial(loss, attn), argnums, has_aux=True))(q, k, v, floats)
+    ring_step = jax.value_and_grad(functools.partial(loss, attn), argnums, has_aux=True)
+    (_, out), grads = jax.jit(ring_step)(q, k, v, floats, ids)
     with jax.enable_x64(True):
-        f64 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), (q, k, v, floats))
-        (_, want), want_grads = jax.jit(jax.value_and_grad(functools.partial(loss, dense), argnums, has_aux=True))(*f64)
+        f64 = jax.tree.map(lambda x: np.asarray(x, np.float64), (q, k, v, floats))  # on the host
+        (_, want), want_grads = jax.jit(jax.value_and_grad(functools.partial(loss, dense), argnums, has_aux=True))(
+            *f64, ids)
     np.testing.assert_allclose(out, want, atol=1e-5)
     for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(got, ref, atol=1e-4)
@@ -119,15 +121,16 @@ def test_a_bias_and_sinks_the_devices_share_get_their_summed_gradients():
     def dense(q, k, v, bias, softmax_aux):
         return dense_attention(q, k, v, causal=True, bias=bias, softmax_aux=softmax_aux)[0]
 
-    step = jax.jit(jax.grad(functools.partial(loss, attn), argnums=(0, 1, 2, 3, 4)))
-    grads = step(q, k, v, bias, sinks)
+    arguments = (q, k, v, bias, sinks)
+    step = jax.jit(jax.grad(functools.partial(loss, attn), argnums=(0, 1, 2, 3, 4))).lower(*arguments).compile()
+    grads = step(*arguments)  # the program whose text is read below: compiled once
     with jax.enable_x64(True):
         want = jax.jit(jax.grad(functools.partial(loss, dense), argnums=(0, 1, 2, 3, 4)))(
-            *(jnp.asarray(x, jnp.float64) for x in (q, k, v, bias, sinks)))
+            *(np.asarray(x, np.float64) for x in arguments))
     for name, got, ref in zip(("dq", "dk", "dv", "dbias", "dsinks"), grads, want):
         assert got.shape == ref.shape
         np.testing.assert_allclose(got, ref, atol=1e-4, err_msg=name)
-    text = step.lower(q, k, v, bias, sinks).compile().as_text()
+    text = step.as_text()
     assert {kind: hlo.unordered_collectives(text, kind) for kind in ("all-reduce", "collective-permute")} == {
         "all-reduce": [], "collective-permute": []}
 

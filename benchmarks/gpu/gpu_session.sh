@@ -54,9 +54,9 @@ BENCH=("$PY" benchmarks/gpu/gpu_attention.py)
 if [ "$DRY" = 1 ]; then
     export JAX_PLATFORMS=cpu
     CHECK=(--interpret --tokens 32 --hidden 64 --head-dims 16 --seq-lens 32 --group 2)
-    TIME=(--interpret --tokens 32 --hidden 64 --head-dims 16 --seq-lens 32 --runs 1 --calls 1 --warmup 0)
+    TIME=(--interpret --tokens 32 --hidden 32 --head-dims 16 --seq-lens 32 --runs 1 --calls 1 --warmup 0)
     LIMITS=(60 120 120 180)
-    AUTO=(--engines scan,all_to_all --tokens 32 --hidden 64 --head-dim 16 --seq-lens 32 --runs 1 --calls 1)
+    AUTO=(--engines scan,all_to_all --tokens 32 --hidden 32 --head-dim 16 --seq-lens 32 --runs 1 --calls 1)
     ZIGZAG=(--interpret --shard 64 --heads 2 --head-dim 16 --runs 1 --calls 1)
     TOTAL=660
 else
