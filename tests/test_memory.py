@@ -39,7 +39,7 @@ def cpu_held(problem: Problem, objective: str) -> int:
     `Report.held` on the CPU), from one compile: `compiled_memory` compiles a second length for what a token
     more costs."""
     _, analysis = memory.analysis(problem, jax.devices()[:4], objective)
-    return analysis.temp_size_in_bytes + analysis.argument_size_in_bytes + analysis.output_size_in_bytes
+    return memory._held_of(analysis, "cpu")
 
 
 def test_memory_is_affine_in_the_shard_and_the_longest_sequence_fits():
