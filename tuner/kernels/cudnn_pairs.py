@@ -93,14 +93,16 @@ def one_of(spec: AttentionSpec, known: KnownBlock | None, pairs: list, size_q: i
     if known is None or len(pairs) < 2:
         return None
 
-    def rule(q, kv):
-        kinds = jnp.stack([row_kinds(spec, q[:, i * size_q:(i + 1) * size_q], kv[:, j * size_kv:(j + 1) * size_kv])
-                           for i, j in pairs])
-        runs = kinds != SKIP
-        return jnp.where(runs.sum(axis=0) == 1, jnp.max(jnp.where(runs, kinds, -1), axis=0), -1)
-
-    agreed = known.agreed(rule)
+    agreed = known.agreed(functools.partial(_one_running, spec, tuple(pairs), size_q, size_kv))
     return agreed if agreed in (FULL, DIAGONAL) else None
+
+
+def _one_running(spec: AttentionSpec, pairs: tuple, size_q: int, size_kv: int, q, kv):
+    """In each case, the kind of the one pair of `pairs` that runs; -1 where none or several do."""
+    kinds = jnp.stack([row_kinds(spec, q[:, i * size_q:(i + 1) * size_q], kv[:, j * size_kv:(j + 1) * size_kv])
+                       for i, j in pairs])
+    runs = kinds != SKIP
+    return jnp.where(runs.sum(axis=0) == 1, jnp.max(jnp.where(runs, kinds, -1), axis=0), -1)
 
 
 def chosen_offsets(spec: AttentionSpec, pairs: list, size_q: int, size_kv: int, q_pos, kv_pos) -> tuple:

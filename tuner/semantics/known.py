@@ -42,14 +42,34 @@ class KnownBlock:
         """The one value `rule(q, kv)` gives every case, as a Python int (a bool is 0 or 1), or None when
         the cases differ. `rule` takes `[N, T]` positions and returns `[N]` values: the device's own rule,
         run here on the known positions, in the trace (`jax.ensure_compile_time_eval`; its inputs are the
-        program's constants, so a transfer guard of the caller's does not apply). Also None where the trace
-        cannot evaluate it: an eager `shard_map` (not under `jax.jit`) traces it for each device."""
-        with jax.ensure_compile_time_eval(), jax.transfer_guard("allow"):
-            values = rule(self.q, self.kv)
+        program's constants, so a transfer guard of the caller's does not apply, nor the mesh of `jax.set_mesh`:
+        under explicit axes the rule's arrays took its sharding, and `jnp.ones` failed inside `shard_map`). It
+        runs as one program (`_program`), compiled once per rule and shape: op by op, a cudnn ring's first
+        trace compiled about fifty single operations. Also None where the trace cannot evaluate it: an eager
+        `shard_map` (not under `jax.jit`) traces it for each device."""
+        with jax.ensure_compile_time_eval(), jax.transfer_guard("allow"), jax.sharding.use_abstract_mesh(_NO_MESH):
+            values = _program(rule)(self.q, self.kv)
         if isinstance(values, jax.core.Tracer):
             return None
         values = np.asarray(values)
         return int(values[0]) if bool((values == values[0]).all()) else None
+
+
+_NO_MESH = jax.sharding.AbstractMesh((), ())
+_PROGRAMS: dict = {}
+
+
+def _program(rule: Callable) -> Callable:
+    """`rule` under `jax.jit`. A `functools.partial` of a function is kept by its function and arguments, so
+    that a new partial of the same rule reuses the program (jit keeps one per shape); other callables (a
+    lambda, a closure) are new each call and are not kept."""
+    if not isinstance(rule, functools.partial):
+        return jax.jit(rule)
+    key = rule.func, rule.args, tuple(sorted(rule.keywords.items()))
+    try:
+        return _PROGRAMS.setdefault(key, jax.jit(rule))
+    except TypeError:  # an argument that cannot be hashed
+        return jax.jit(rule)
 
 
 def visited(block: KnownBlock | None, spec: AttentionSpec) -> int | None:
