@@ -140,6 +140,7 @@ def packed_efficiencies(lengths: Sequence[int], spec: AttentionSpec, ring: int) 
 
 
 def _packed_efficiencies(segments, spec: AttentionSpec, ring: int):
+    """`row_efficiency` of `segments [T]` on each of `PACKED_TILES`, `[3]`."""
     return jnp.stack([row_efficiency(segments, spec, ring, tile) for tile in PACKED_TILES])
 
 
@@ -152,8 +153,7 @@ def _padded_row(lengths: Sequence[int], ring: int) -> np.ndarray:
 @functools.lru_cache(maxsize=64)
 def _row_program(function, length: int, *static):
     """`function(row, *static)` compiled for int32 rows of `length` tokens, to run now: one program, where op
-    by op each new row length compiled dozens of small ones (0.4 to 2 s for `row_efficiency`, which
-    `packed_tile` asks for three tiles)."""
+    by op each new row length compiled dozens of small ones (0.4 to 2 s for `row_efficiency`)."""
     row = jax.ShapeDtypeStruct((length,), jnp.int32)
     static_argnums = tuple(range(1, 1 + len(static)))
     return jax.jit(function, static_argnums=static_argnums).lower(row, *static).compile()

