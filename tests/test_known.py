@@ -1,5 +1,8 @@
 """The positions a ring step pairs, known in the trace (`tuner.semantics.known`)."""
 
+import importlib.util
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +13,11 @@ from tuner.kernels.params import BwdParams, FwdParams
 from tuner.semantics import known, layouts
 from tuner.semantics.spec import AttentionSpec
 from tuner.strategies.ring import run_ring
+
+_SPEC = importlib.util.spec_from_file_location("first_trace", Path(__file__).parents[1] / "benchmarks" / "suite"
+                                               / "first_trace.py")
+first_trace = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(first_trace)
 
 
 def test_a_ring_block_lists_every_device_at_every_step_of_its_group():
@@ -69,33 +77,13 @@ def test_an_eager_shard_map_decides_on_the_device_and_gives_the_jitted_results()
 def test_tracing_a_cudnn_ring_compiles_one_program_a_rule_and_shape():
     """The trace runs each rule on the known positions as one program (`KnownBlock.agreed`): lowering a
     causal zigzag ring of 4 over the cudnn kernel's twin (2 chunks a half, every step's pairs decided in the
-    trace) compiles 15 programs on jax 0.10.2 (8 of the rules, one a rule and chunk shape; 7 single operations
-    making constants), against 47 when the rules ran op by op. A partial of
-    the same rule made anew reuses its program: a second ring, traced from scratch, compiles nothing."""
-    compiles = []
-
-    def listen(event, seconds, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(seconds)
-
-    mesh = Mesh(np.array(jax.devices()[:4]), ("sp",))
-    spec = AttentionSpec(scale=0.25, causal=True)
-    q = jax.ShapeDtypeStruct((1, 128, 2, 16), jnp.bfloat16)
-
-    def lowered():
-        def local(q, k, v):
-            return run_ring(q, k, v, spec=spec, backend="cudnn", fwd_params=FwdParams(8, 8),
-                            bwd_params=BwdParams(8, 8), axis_name="sp", layout="zigzag", interpret=True)
-
-        sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"))
-        jax.jit(jax.grad(lambda q, k, v: sharded(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))).lower(q, q, q)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        lowered()
+    trace; `benchmarks/suite/first_trace.py`'s ring) compiles 15 programs on jax 0.10.2 (8 of the rules,
+    one a rule and chunk shape; 7 single operations making constants), against 47 when the rules ran op by
+    op. A partial of the same rule made anew reuses its program: a second ring, traced from scratch,
+    compiles nothing."""
+    with first_trace.compiles_counted() as compiles:
+        first_trace.lower_ring_gradient("cudnn")
         first = len(compiles)
-        lowered()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
+        first_trace.lower_ring_gradient("cudnn")
     assert 0 < first <= 16, f"the first trace compiled {first} programs"
     assert len(compiles) == first, f"the second trace compiled {len(compiles) - first} programs"
