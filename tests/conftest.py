@@ -20,6 +20,7 @@ flight at once, which XLA:CPU cannot run (`benchmarks/cpu_ring/README.md`). The 
 variable was dropped.
 """
 
+import functools
 import gc
 import os
 import shutil
@@ -39,6 +40,8 @@ _TUNER_HOME = os.environ["TUNER_HOME"] = tempfile.mkdtemp(prefix="tuner-home-")
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+from cli_run import in_process  # noqa: E402
+
 settings.register_profile(
     "ci", max_examples=6, deadline=None, derandomize=True, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -48,6 +51,13 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def cli(capsys):
+    """`tuner ARGS` as the script runs it, in this process, with this test's output capture
+    (`cli_run.in_process`): no interpreter and jax to start per command."""
+    return functools.partial(in_process, capsys)
 
 
 def pytest_report_header() -> str | None:

@@ -4,7 +4,6 @@ after Ctrl-C; two workers on one study; a corrupt cache file; `tuner demo` and `
 is one line and exit status 2. A verb runs in this process (`main`, as the `tuner` script calls it) unless
 the test is about the process: Ctrl-C, workers side by side, the console script, a user's environment."""
 
-import functools
 import importlib.util
 import os
 import re
@@ -20,7 +19,6 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from cli_run import in_process
 from tuner import get_tuned_ring_attention
 from tuner.cli import main
 from tuner.semantics.reference import dense_attention
@@ -45,12 +43,6 @@ def stored_key(stdout: str) -> str:
     match = re.search(r"(?:stored|kept)\s+key ([0-9a-f]{16})", stdout)
     assert match, stdout
     return match.group(1)
-
-
-@pytest.fixture
-def cli(capsys):
-    """`in_process` with this test's output capture."""
-    return functools.partial(in_process, capsys)
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh
 
-from cli_run import in_process
 from tuner import BwdParams, FwdParams, get_tuned_ring_attention, registry
 from tuner.kernels import BACKENDS
 from tuner.cache import (COLUMNS, FEATURES, SOURCES, TABLE, VERSION_FIELDS, Cache, current_versions, make_row,
@@ -804,13 +803,6 @@ def test_a_read_only_file_in_a_read_only_folder_is_readable():
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def tuner(capsys):
-    """`tuner ARGS` as the script runs it, in this process (`cli_run.in_process`): no interpreter and
-    jax to start per command."""
-    return functools.partial(in_process, capsys)
-
-
 def one_line_error(result: subprocess.CompletedProcess, status: int, *named: str) -> None:
     assert result.returncode == status, (result.returncode, result.stdout, result.stderr)
     assert "Traceback" not in result.stderr, result.stderr
@@ -829,13 +821,13 @@ UNREADABLE = {"random bytes": _random_bytes, "truncated": _truncated}
 
 
 @pytest.mark.parametrize("name", UNREADABLE)
-def test_cli_on_an_unreadable_file_is_one_line(tmp_path, name, tuner):
+def test_cli_on_an_unreadable_file_is_one_line(tmp_path, name, cli):
     path = tmp_path / "tuning.sqlite"
     UNREADABLE[name](path)
     for args in (("list",), ("show", KEY.digest[:6]), ("export", str(tmp_path / "out.jsonl"))):
-        one_line_error(tuner(*args, home=tmp_path), 1, str(path))
+        one_line_error(cli(*args, home=tmp_path), 1, str(path))
     assert not (tmp_path / "out.jsonl").exists()
-    info = tuner("info", home=tmp_path)
+    info = cli("info", home=tmp_path)
     assert info.returncode == 0 and "Traceback" not in info.stderr, info.stderr
     assert "cache: unusable: " in info.stdout and str(path) in info.stdout
 
@@ -872,11 +864,11 @@ def _invalid_rows() -> list[dict[str, Any]]:
             {**valid_row(Problem(**{**PROBLEM.__dict__, "batch": 8})), "best_s": None}]
 
 
-def test_cli_lists_shows_exports_invalid_rows(tmp_path, tuner):
+def test_cli_lists_shows_exports_invalid_rows(tmp_path, cli):
     path = tmp_path / "tuning.sqlite"
     rows = _invalid_rows()
     rollback_database(path, rows)
-    listed = tuner("list", home=tmp_path)
+    listed = cli("list", home=tmp_path)
     assert listed.returncode == 0 and "Traceback" not in listed.stderr, listed.stderr
     for row in rows:
         assert row["key"] in listed.stdout
@@ -887,14 +879,14 @@ def test_cli_lists_shows_exports_invalid_rows(tmp_path, tuner):
     assert any("invalid (fwd_params is not JSON" in line for line in statuses), listed.stdout
 
     bad = rows[2]["key"]
-    shown = tuner("show", bad[:10], home=tmp_path)
+    shown = cli("show", bad[:10], home=tmp_path)
     assert shown.returncode == 0 and "Traceback" not in shown.stderr, shown.stderr
     assert "best_s" in shown.stdout and "fast" in shown.stdout
     assert any(line.startswith("status") and "invalid (field 'best_s' must be float" in line
                for line in shown.stdout.splitlines()), shown.stdout
 
     out = tmp_path / "out.jsonl"
-    exported = tuner("export", str(out), home=tmp_path)
+    exported = cli("export", str(out), home=tmp_path)
     assert exported.returncode == 0 and "Traceback" not in exported.stderr, exported.stderr
     assert f"exported 1 entry to {out}, skipped {len(rows) - 1} invalid" in exported.stdout, exported.stdout
     warned = exported.stderr.strip().splitlines()
@@ -903,24 +895,24 @@ def test_cli_lists_shows_exports_invalid_rows(tmp_path, tuner):
         assert any(f"entry {row['key']} not exported: invalid (" in line for line in warned), (row["key"], warned)
     valid, rejected = parse_jsonl(out)
     assert [r["key"] for r in valid] == [rows[0]["key"]] and rejected == []
-    imported = tuner("import", str(out), home=tmp_path / "other")
+    imported = cli("import", str(out), home=tmp_path / "other")
     assert imported.returncode == 0 and "imported 1 entry" in imported.stdout, imported.stderr
     assert [r["key"] for r in Cache(tmp_path / "other" / "tuning.sqlite").rows()] == [rows[0]["key"]]
 
-    info = tuner("info", home=tmp_path)
+    info = cli("info", home=tmp_path)
     assert info.returncode == 0 and f"({len(rows)} tuned, 0 stale, {len(rows) - 1} invalid)" in info.stdout
 
 
-def test_cli_lists_a_row_with_deeply_nested_features(tmp_path, tuner):
+def test_cli_lists_a_row_with_deeply_nested_features(tmp_path, cli):
     path = tmp_path / "tuning.sqlite"
     row = {**valid_row(), "features": "[" * 100_000}
     rollback_database(path, [row])
-    listed = tuner("list", home=tmp_path)
+    listed = cli("list", home=tmp_path)
     assert listed.returncode == 0 and "Traceback" not in listed.stderr, listed.stderr[-2000:]
     assert row["key"] in listed.stdout and "invalid (features is not JSON" in listed.stdout
 
 
-def test_cli_import_reports_every_bad_line_and_imports_nothing(tmp_path, tuner):
+def test_cli_import_reports_every_bad_line_and_imports_nothing(tmp_path, cli):
     rows = [valid_row(Problem(**{**PROBLEM.__dict__, "batch": b})) for b in (1, 2)]
     lines = {  # line number: (text, what the rejection says)
         1: (json.dumps(rows[0]), None),
@@ -939,7 +931,7 @@ def test_cli_import_reports_every_bad_line_and_imports_nothing(tmp_path, tuner):
     source = tmp_path / "rows.jsonl"
     source.write_bytes(b"\n".join(t if isinstance(t, bytes) else t.encode() for t, _ in lines.values()) + b"\n")
     home = tmp_path / "home"
-    result = tuner("import", str(source), home=home)
+    result = cli("import", str(source), home=home)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     reported = result.stderr.strip().splitlines()
     bad = {n: why for n, (_, why) in lines.items() if why}
@@ -950,7 +942,7 @@ def test_cli_import_reports_every_bad_line_and_imports_nothing(tmp_path, tuner):
     assert "nothing was imported" in reported[-1]
     assert Cache(home / "tuning.sqlite").rows() == []
 
-    skipping = tuner("import", str(source), "--skip-invalid", home=home)
+    skipping = cli("import", str(source), "--skip-invalid", home=home)
     assert skipping.returncode == 0 and "imported 2 entries" in skipping.stdout, skipping.stderr
     assert f"skipped {len(bad)} invalid" in skipping.stdout
     assert sorted(r["key"] for r in Cache(home / "tuning.sqlite").rows()) == sorted(r["key"] for r in rows)
@@ -981,11 +973,11 @@ BAD_FLAGS = {  # name: (arguments, with {file} a regular file; what the one line
 
 
 @pytest.mark.parametrize("name", BAD_FLAGS)
-def test_cli_bad_flags_are_one_line_and_exit_2(tmp_path, name, tuner):
+def test_cli_bad_flags_are_one_line_and_exit_2(tmp_path, name, cli):
     args, named = BAD_FLAGS[name]
     file = _regular_file(tmp_path)
     start = time.perf_counter()
-    result = tuner(*(a.format(file=file) for a in args), home=tmp_path / "home")
+    result = cli(*(a.format(file=file) for a in args), home=tmp_path / "home")
     took = time.perf_counter() - start
     one_line_error(result, 2, named.format(file=file))
     assert took < 20, f"{name} took {took:.1f} s: it should fail before any work"
@@ -1062,17 +1054,17 @@ def test_export_then_import_is_an_identity(tmp_path_factory, rows):
     assert again.read_bytes() == exported.read_bytes()
 
 
-def test_cli_export_then_import_is_an_identity(tmp_path, tuner):
+def test_cli_export_then_import_is_an_identity(tmp_path, cli):
     rows = [valid_row(Problem(**{**PROBLEM.__dict__, "batch": b}), measured_at=f"2025-01-0{b}T00:00:00+00:00")
             for b in (1, 2, 3)]
     rows.append({**valid_row(Problem(**{**PROBLEM.__dict__, "layout": "striped", "dtype": "bfloat16"})),
                  "best_s": 1e-300, "trials_failed": json.dumps({"wrong: 1e-3": 2, "timeout": 1})})
     Cache(tmp_path / "one" / "tuning.sqlite").put_many(rows)
     first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
-    assert tuner("export", str(first), home=tmp_path / "one").returncode == 0
-    imported = tuner("import", str(first), home=tmp_path / "two")
+    assert cli("export", str(first), home=tmp_path / "one").returncode == 0
+    imported = cli("import", str(first), home=tmp_path / "two")
     assert imported.returncode == 0 and "imported 4 entries" in imported.stdout, imported.stderr
-    assert tuner("export", str(second), home=tmp_path / "two").returncode == 0
+    assert cli("export", str(second), home=tmp_path / "two").returncode == 0
     assert second.read_bytes() == first.read_bytes()
     assert sorted(Cache(tmp_path / "two" / "tuning.sqlite").rows(), key=lambda r: r["key"]) == \
         sorted(rows, key=lambda r: r["key"])

@@ -5,7 +5,6 @@ standard variant lowers for the TPU platform; the constraints, the contract and 
 tpu [--dry-run]`."""
 
 import dataclasses
-import functools
 import importlib.util
 import re
 
@@ -15,7 +14,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from cli_run import in_process
 from tests.cases import Case, check_case, check_low_precision, pallas_tpu_cases
 from tuner import BwdParams, FwdParams, ring_attention
 from tuner.kernels import codegen
@@ -388,24 +386,18 @@ def test_search_runs_the_pallas_backend_in_the_interpreter(tmp_path):
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def tuner(capsys):
-    """`tuner ARGS` run as the script runs it, in this process (`cli_run.in_process`)."""
-    return functools.partial(in_process, capsys)
-
-
-def test_search_on_tpu_without_one_exits_at_once_saying_what_to_do(tmp_path, tuner):
-    proc = tuner("search", "--device", "tpu", home=tmp_path)
+def test_search_on_tpu_without_one_exits_at_once_saying_what_to_do(tmp_path, cli):
+    proc = cli("search", "--device", "tpu", home=tmp_path)
     assert proc.returncode == 2
     assert re.search(r"no tpu device here \(this machine has: cpu\).*--dry-run", proc.stderr), proc.stderr
-    proc = tuner("search", "--device", "cpu", "--dry-run", home=tmp_path)
+    proc = cli("search", "--device", "cpu", "--dry-run", home=tmp_path)
     assert proc.returncode == 2 and "use it with --device tpu" in proc.stderr
 
 
 @pytest.mark.slow
-def test_dry_run_lowers_the_space_and_checks_samples(tmp_path, tuner):
-    proc = tuner("search", "--device", "tpu", "--dry-run", "--seq-len", "512", "--heads", "2", "--kv-heads", "1",
-                 "--head-dim", "16", "--ring-size", "2", "--samples", "2", home=tmp_path)
+def test_dry_run_lowers_the_space_and_checks_samples(tmp_path, cli):
+    proc = cli("search", "--device", "tpu", "--dry-run", "--seq-len", "512", "--heads", "2", "--kv-heads", "1",
+               "--head-dim", "16", "--ring-size", "2", "--samples", "2", home=tmp_path)
     assert proc.returncode == 0, proc.stderr
     summary = re.search(r"checked (\d+) variants: (\d+) lower for TPU \((\d+) Mosaic kernels\), (\d+) ruled out "
                         r"by the constraints, 0 failed to lower; 2 of 2 samples match", proc.stdout)
@@ -418,13 +410,13 @@ def test_dry_run_lowers_the_space_and_checks_samples(tmp_path, tuner):
 
 
 @pytest.mark.slow
-def test_dry_run_of_all_to_all_checks_the_kernels_space_on_the_whole_sequence(tmp_path, tuner):
+def test_dry_run_of_all_to_all_checks_the_kernels_space_on_the_whole_sequence(tmp_path, cli):
     """`--backend all_to_all_pallas_tpu`: the variants are the kernel's on what it runs inside all_to_all
     (the whole 256-token sequence of one head, not a device's 128 tokens), and the default runs in the
     interpreter through the exchange, against the scan reference."""
-    proc = tuner("search", "--device", "tpu", "--dry-run", "--backend", "all_to_all_pallas_tpu", "--seq-len", "256",
-                 "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--ring-size", "2", "--samples", "1",
-                 home=tmp_path)
+    proc = cli("search", "--device", "tpu", "--dry-run", "--backend", "all_to_all_pallas_tpu", "--seq-len", "256",
+               "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--ring-size", "2", "--samples", "1",
+               home=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "search space in all_to_all_pallas_tpu for" in proc.stderr
     checked = int(re.search(r"checked (\d+) variants: .* 1 of 1 samples match", proc.stdout).group(1))
