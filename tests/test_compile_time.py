@@ -1,19 +1,16 @@
 """`benchmarks/suite/compile_time.py`: the plugin times each XLA compile under the test that ran it, and the
 summary ranks tests and programs by the seconds recorded."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
 from jax._src import compiler
 
-_SPEC = importlib.util.spec_from_file_location(
-    "compile_time", Path(__file__).parent.parent / "benchmarks" / "suite" / "compile_time.py")
-compile_time = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(compile_time)
+import scripts
+
+compile_time = scripts.load("benchmarks/suite/compile_time.py")
 
 
 def test_each_compile_is_recorded_under_its_test_and_program(monkeypatch):

@@ -16,21 +16,16 @@ TPU compiler's programs are in `tests/test_global_sharding_tpu.py`. `benchmarks/
 the table.
 """
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import scripts
 
-_SPEC = importlib.util.spec_from_file_location("global_memory",
-                                               Path(__file__).parents[1] / "benchmarks" / "memory" / "global_memory.py")
-global_memory = importlib.util.module_from_spec(_SPEC)
-sys.modules["global_memory"] = global_memory  # its dataclasses look their module up
-_SPEC.loader.exec_module(global_memory)
+
+global_memory = scripts.load("benchmarks/memory/global_memory.py")
 Case = global_memory.Case
 
 TOKENS = 4096  # q, k, v large enough against the fixed cost of the documents plan; compiles in about a second

@@ -11,11 +11,11 @@ the heads divide, lowered, and a batch laid out over a data axis."""
 
 import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+
+import scripts
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
@@ -24,15 +24,8 @@ pytestmark = [pytest.mark.slow,
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # one host: libtpu's worker list, without a warning
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes may hold libtpu
 
-_SPEC = importlib.util.spec_from_file_location("global_memory",
-                                               Path(__file__).parents[1] / "benchmarks" / "memory" / "global_memory.py")
-global_memory = importlib.util.module_from_spec(_SPEC)
-sys.modules["global_memory"] = global_memory  # its dataclasses look their module up
-_SPEC.loader.exec_module(global_memory)
-_LAY_OUT = importlib.util.spec_from_file_location(
-    "lay_out_memory", Path(__file__).parents[1] / "benchmarks" / "memory" / "lay_out_memory.py")
-lay_out_memory = importlib.util.module_from_spec(_LAY_OUT)
-_LAY_OUT.loader.exec_module(lay_out_memory)
+global_memory = scripts.load("benchmarks/memory/global_memory.py")
+lay_out_memory = scripts.load("benchmarks/memory/lay_out_memory.py")
 
 
 @pytest.mark.parametrize("layout, backward", [("zigzag", False), ("zigzag", True), ("documents", True)],

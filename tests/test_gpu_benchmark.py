@@ -5,21 +5,12 @@ and the per-call timing it relies on."""
 import importlib.util
 import json
 import time
-from pathlib import Path
 
 import pytest
 
 from tuner.tuning.timing import DEVICE_WARMUP_S, attention_flops, run_interleaved, warmup_seconds_on
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("gpu_attention", ROOT / "benchmarks" / "gpu" / "gpu_attention.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
+import scripts
 
 INTERPRETER = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None,
@@ -29,7 +20,8 @@ INTERPRETER = pytest.mark.skipif(
 def run_interpreted(tmp_path, *args: str) -> tuple[int, dict]:
     """The benchmark with the kernels interpreted, at a tiny point: exit status and its JSON."""
     out = tmp_path / "result.json"
-    status = load_benchmark().main(["--interpret", "--head-dims", "16", "--seq-lens", "32", *args, "--out", str(out)])
+    status = scripts.load("benchmarks/gpu/gpu_attention.py").main(
+        ["--interpret", "--head-dims", "16", "--seq-lens", "32", *args, "--out", str(out)])
     return status, json.loads(out.read_text())
 
 
@@ -118,7 +110,7 @@ def test_tuned_tiles_are_the_search_row_of_the_point_on_this_device(tmp_path):
     from tuner.cache import Cache, make_row
     from tuner.semantics.problem import Problem, ProblemKey
 
-    bench = load_benchmark()
+    bench = scripts.load("benchmarks/gpu/gpu_attention.py")
     point = {"batch": 2, "seq_len": 256, "heads": 4, "head_dim": 64}
     problem = Problem(batch=2, seq_len=256, heads=4, kv_heads=4, head_dim=64, dtype="bfloat16", causal=True,
                       ring_size=1)
@@ -136,7 +128,7 @@ def test_tuned_tiles_are_the_search_row_of_the_point_on_this_device(tmp_path):
 
 
 def test_targets_are_checked_at_d128_from_4k_tokens():
-    bench = load_benchmark()
+    bench = scripts.load("benchmarks/gpu/gpu_attention.py")
     base = {"batch": 4, "heads": 16, "head_dim": 128, "causal": True}
     rows = [{**base, "seq_len": 4096, "objective": "fwd", "ratio_vs_cudnn": 0.7},
             {**base, "seq_len": 8192, "objective": "bwd", "ratio_vs_cudnn": 0.4},
@@ -150,7 +142,7 @@ def test_targets_are_checked_at_d128_from_4k_tokens():
 
 
 def test_the_cudnn_engine_s_targets_take_the_faster_of_its_two_chunkings():
-    bench = load_benchmark()
+    bench = scripts.load("benchmarks/gpu/gpu_attention.py")
     base = {"batch": 4, "heads": 16, "head_dim": 128, "causal": True, "seq_len": 4096}
     rows = [{**base, "objective": "fwd", "ring_cudnn_vs_cudnn": 0.7, "ring_cudnn_shard_vs_cudnn": 0.95},
             {**base, "objective": "bwd", "ring_cudnn_vs_cudnn": 0.8},
@@ -168,7 +160,7 @@ def test_the_cudnn_engine_s_targets_take_the_faster_of_its_two_chunkings():
     (["--seq-lens", "1k"], "--seq-lens must be comma-separated integers"),
 ])
 def test_bad_arguments_name_the_argument(args, message, capsys):
-    bench = load_benchmark()
+    bench = scripts.load("benchmarks/gpu/gpu_attention.py")
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--interpret", *args])
     said = capsys.readouterr().err + str(exit_info.value.code)
@@ -176,6 +168,6 @@ def test_bad_arguments_name_the_argument(args, message, capsys):
 
 
 def test_without_a_gpu_it_says_what_to_do(capsys):
-    bench = load_benchmark()
+    bench = scripts.load("benchmarks/gpu/gpu_attention.py")
     assert bench.main([]) == 2
     assert "no CUDA GPU visible to jax" in capsys.readouterr().err

@@ -5,9 +5,7 @@ roofline model that ranks what it admits, the defaults per architecture it chose
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
@@ -19,12 +17,11 @@ from tuner.models import gpu_model
 from tuner.semantics.problem import Problem
 from tuner.semantics.spec import AttentionSpec, LocalShapes
 
+import scripts
+
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[1]
-_SPEC = importlib.util.spec_from_file_location("triton_defaults", ROOT / "benchmarks" / "gpu" / "triton_defaults.py")
-triton_defaults = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(triton_defaults)
+triton_defaults = scripts.load("benchmarks/gpu/triton_defaults.py")
 
 
 def sweep_records() -> list[dict]:

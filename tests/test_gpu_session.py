@@ -13,16 +13,10 @@ import pytest
 
 from tuner.semantics.problem import Problem
 
+import scripts
+
 ROOT = Path(__file__).resolve().parents[1]
 SESSION = ROOT / "benchmarks" / "gpu" / "gpu_session.sh"
-
-
-def auto_pick():
-    """benchmarks/gpu/auto_pick.py, imported."""
-    spec = importlib.util.spec_from_file_location("auto_pick", ROOT / "benchmarks" / "gpu" / "auto_pick.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None,
@@ -79,7 +73,7 @@ def test_the_dry_run_writes_every_file_a_gpu_session_writes(tmp_path):
     # the harness's order of the two engines, which the GPU session compares the bench with
     problem = Problem(batch=1, seq_len=32, heads=2, kv_heads=2, head_dim=16, dtype="bfloat16", causal=True,
                       ring_size=1)
-    module = auto_pick()
+    module = scripts.load("benchmarks/gpu/auto_pick.py")
     rows = [r for r in timings["rows"] if r["causal"]]
     want = {engine: sum(r[name]["median_s"] for r in rows) for engine, name in (("triton", "ring"),
                                                                                  ("cudnn", "ring_cudnn"))}

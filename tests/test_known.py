@@ -1,7 +1,5 @@
 """The positions a ring step pairs, known in the trace (`tuner.semantics.known`)."""
 
-import importlib.util
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -14,10 +12,9 @@ from tuner.semantics import known, layouts
 from tuner.semantics.spec import AttentionSpec
 from tuner.strategies.ring import run_ring
 
-_SPEC = importlib.util.spec_from_file_location("first_trace", Path(__file__).parents[1] / "benchmarks" / "suite"
-                                               / "first_trace.py")
-first_trace = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(first_trace)
+import scripts
+
+first_trace = scripts.load("benchmarks/suite/first_trace.py")
 
 
 def test_a_ring_block_lists_every_device_at_every_step_of_its_group():

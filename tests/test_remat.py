@@ -8,8 +8,6 @@ Every strategy over a block kernel, traced only: what the policy saves of its ca
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -21,14 +19,13 @@ from jax.sharding import AxisType, Mesh
 import tuner
 from tuner.models import hlo
 
+import scripts
+
 RING, LAYERS, T, H, D = 4, 2, 2048, 4, 32
 POLICIES = {"none": "none (no jax.checkpoint)", "nothing": "jax.checkpoint, nothing saved",
             "residuals": "save_attention_residuals()"}  # the benchmark's names of the three
 
-_SPEC = importlib.util.spec_from_file_location("remat_step", Path(__file__).parents[1] / "benchmarks" / "remat"
-                                               / "remat_step.py")
-remat_step = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(remat_step)
+remat_step = scripts.load("benchmarks/remat/remat_step.py")
 
 
 def compiled_step(policy: str):

@@ -4,7 +4,6 @@ table of docs/samplers.md. Without noise, a grid walk finds the best; a warm rep
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -15,10 +14,9 @@ import pytest
 from tuner import registry
 from tuner.semantics.problem import Problem
 
-ROOT = Path(__file__).resolve().parent.parent
-_SPEC = importlib.util.spec_from_file_location("replay", ROOT / "benchmarks" / "search" / "replay.py")
-replay = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(replay)
+import scripts
+
+replay = scripts.load("benchmarks/search/replay.py")
 
 PROBLEM = Problem(batch=1, seq_len=256, heads=2, kv_heads=1, head_dim=16, causal=True, ring_size=2)
 
@@ -117,9 +115,7 @@ def test_a_replay_starts_from_the_default_of_its_device_kind_and_warms_from_the_
 def test_tiles_as_ranks_and_as_categories_walk_the_same_points(landscapes):
     """The search's space offers tiles as ranks; `benchmarks/search/ordered_tiles.py` compares it with categories.
     Both name every grid point by their own parameters, and a grid walk either way ends at the best."""
-    spec = importlib.util.spec_from_file_location("ordered_tiles", ROOT / "benchmarks" / "search" / "ordered_tiles.py")
-    ordered_tiles = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ordered_tiles)
+    ordered_tiles = scripts.load("benchmarks/search/ordered_tiles.py")
     recorded, _, _, space, default = replay.load(landscapes[0])
     categories = ordered_tiles.CategoryTileSpace(space.candidates)
     grid = space.grid(default, ("fwd",))
@@ -136,18 +132,11 @@ def test_tiles_as_ranks_and_as_categories_walk_the_same_points(landscapes):
         assert trace[-1] == 1.0
 
 
-def _landscape_script():
-    spec = importlib.util.spec_from_file_location("landscape", ROOT / "benchmarks" / "search" / "landscape.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_retiming_reaches_every_point_that_may_be_the_best():
     """A walk whose best (0.80) was a lucky draw of a point that takes 1.00: re-timing the points within 10%
     of the best value goes on until none is left, so the point that really takes 0.96 (walked 1.02, outside
     10% of the lucky 0.80) is re-timed too and comes out best; a point walked at 1.30 never is."""
-    landscape = _landscape_script()
+    landscape = scripts.load("benchmarks/search/landscape.py")
     truth = {"lucky": 1.00, "near": 0.96, "third": 0.99, "far": 1.25}
     walked = {"lucky": 0.80, "near": 1.02, "third": 0.87, "far": 1.30}
     points = [{"config": {"name": n}, "status": "ok", "rel": r} for n, r in walked.items()]

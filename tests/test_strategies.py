@@ -25,6 +25,8 @@ from tuner.semantics import layouts
 from tuner.cache import Cache, make_row  # noqa: E402
 from tuner.semantics.problem import Problem  # noqa: E402
 
+import scripts  # noqa: E402
+
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="libtpu is not installed: pip install -e '.[tpu]' compiles for TPU topologies")
 RING = 4
@@ -142,17 +144,10 @@ def test_an_eager_shard_map_compiles_the_ring_as_one_program(tmp_path):
     """Inside a `shard_map` called outside any jit, jax runs each primitive as a program of its own: `ring_attention`
     and the loader put their call under a jit of its own, so the ring is one program (at 256 tokens the forward
     compiles 7 programs, 89 before, the gradient 25, 241 before: `benchmarks/cpu_ring/eager_calls.py`)."""
-    compiles = []
-
-    def listen(event, seconds, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
     q, k, v = arrays(SMALL)
     seq = P(None, "sp")
     loader = get_tuned_ring_attention(axis_name="sp", causal=True, layout="zigzag", db=str(tmp_path / "t.sqlite"))
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with scripts.load("benchmarks/suite/first_trace.py").compiles_counted() as compiles:
         for attend in (ring_attention_of("ring"), lambda q, k, v: layouts.restore(jax.shard_map(
                 loader, mesh=cpu_mesh(), in_specs=(seq,) * 3, out_specs=seq)(
                     *(layouts.lay_out(x, "zigzag", RING) for x in (q, k, v))), "zigzag", RING)):
@@ -163,8 +158,6 @@ def test_an_eager_shard_map_compiles_the_ring_as_one_program(tmp_path):
             compiles.clear()
             jax.grad(lambda q, attend=attend: attend(q, k, v).sum())(q)
             assert len(compiles) <= 40, len(compiles)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def test_strategy_ring_keeps_the_ring_and_auto_on_the_cpu_is_as_before(tmp_path):

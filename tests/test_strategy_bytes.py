@@ -13,7 +13,6 @@ Skipped where libtpu is not installed (`pip install -e '.[tpu]'`)."""
 
 import importlib.util
 import os
-from pathlib import Path
 
 import pytest
 
@@ -26,10 +25,9 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes may 
 from tuner.models import hlo  # noqa: E402
 from tuner.semantics.problem import Problem  # noqa: E402
 
-_SPEC = importlib.util.spec_from_file_location(
-    "strategy_bytes", Path(__file__).parent.parent / "benchmarks" / "strategies" / "strategy_bytes.py")
-bench = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(bench)
+import scripts  # noqa: E402
+
+bench = scripts.load("benchmarks/strategies/strategy_bytes.py")
 
 TOPOLOGY = "v5e:2x2"
 PROBLEM = Problem(seq_len=1024, heads=8, kv_heads=2, head_dim=128, dtype="bfloat16", causal=True, ring_size=4,
