@@ -282,6 +282,19 @@ def test_a_device_this_host_lacks_is_one_line_with_libtpu_installed_and_no_tpu(t
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
+@pytest.mark.skipif(libtpu.tpu_chips() != 0, reason="TPU chips on this host, or jax counts them no more")
+def test_importing_the_library_quiets_libtpu_on_a_host_without_tpu():
+    """The README's example imports jax, then tuner, then asks for the devices: with libtpu installed and no
+    chip, jax started libtpu there and it printed its failed lookups, before any line of the user's."""
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("libtpu is not installed: pip install -e '.[tpu]'")
+    env = {name: value for name, value in os.environ.items() if name not in ("JAX_PLATFORMS", *libtpu.HOST)}
+    run = subprocess.run([sys.executable, "-c", "import jax, tuner; print(len(jax.devices()))"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+    assert int(run.stdout) >= 1
+
+
 def test_search_tunes_a_value_head_dim_and_a_packing_under_their_own_key(tmp_path, cli):
     """`--value-head-dim` and `--documents`: the problem line, the loader call and the stored key (the one the
     loader looks up) say both dims and the packing."""
