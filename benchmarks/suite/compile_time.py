@@ -6,8 +6,10 @@ and a summary of what it wrote.
 
 Each pytest process (every xdist worker) writes `<COMPILE_TIME_DIR>/compiles-<worker>.json`: one record a
 compile, with the test, the program's name (`jit_<function>`; a primitive's name, such as `jit_add`, is an
-operation run outside `jax.jit`, compiled on its own) and the seconds. Compiles in subprocesses that a
-test starts are not seen. It wraps `jax._src.compiler.backend_compile_and_load`, a private function of
+operation run outside `jax.jit`, compiled on its own) and the seconds; and `<COMPILE_TIME_DIR>/tests-<worker>.json`:
+when each test started and ended, from which the summary says how much of its time each worker spent in
+tests (the rest: starting, collecting, waiting for the last files). Compiles in subprocesses that a test
+starts are not seen. It wraps `jax._src.compiler.backend_compile_and_load`, a private function of
 jax 0.10: on another jax it may be missing, and the plugin then says so and records nothing.
 """
 
@@ -25,6 +27,7 @@ import pytest
 
 _records: list[tuple[str, str, float]] = []
 _test = ["(collection)"]
+_spans: list[tuple[str, float, float]] = []  # (test, start, end), wall-clock seconds
 
 
 def _program_name(module) -> str:
@@ -55,7 +58,9 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem):
     _test[0] = item.nodeid
+    start = time.time()
     yield
+    _spans.append((item.nodeid, start, time.time()))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -64,6 +69,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         Path(folder).mkdir(parents=True, exist_ok=True)
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         (Path(folder) / f"compiles-{worker}.json").write_text(json.dumps(_records))
+        (Path(folder) / f"tests-{worker}.json").write_text(json.dumps(_spans))
 
 
 def summary(folder: Path, top: int) -> str:
@@ -79,7 +85,24 @@ def summary(folder: Path, top: int) -> str:
     lines += [f"{s:7.1f}  {t}" for t, s in by_test.most_common(top)]
     lines += ["", "seconds  program"]
     lines += [f"{s:7.1f}  {p}" for p, s in by_program.most_common(top)]
-    return "\n".join(lines)
+    return "\n".join(lines + _workers(folder))
+
+
+def _workers(folder: Path) -> list[str]:
+    """A line per worker: the seconds its tests ran, against the run's span from the first test's start to
+    the last one's end (what is left is the worker's start, its collection and its wait at the end)."""
+    spans = {path.stem.removeprefix("tests-"): json.loads(path.read_text())
+             for path in sorted(folder.glob("tests-*.json"))}
+    spans = {worker: tests for worker, tests in spans.items() if tests}
+    if not spans:
+        return []
+    first = min(start for tests in spans.values() for _, start, _ in tests)
+    last = max(end for tests in spans.values() for _, _, end in tests)
+    lines = ["", f"workers: the run's tests from first start to last end {last - first:.0f} s"]
+    for worker, tests in spans.items():
+        ran = sum(end - start for _, start, end in tests)
+        lines.append(f"  {worker}: {len(tests)} tests ran {ran:.0f} s ({ran / (last - first):.0%})")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
