@@ -11,6 +11,7 @@ the heads divide, lowered, and a batch laid out over a data axis."""
 
 import importlib.util
 import os
+import re
 
 import numpy as np
 import pytest
@@ -80,3 +81,35 @@ def test_a_batch_laid_out_over_a_data_axis_holds_one_shard_in_flight():
     assert collectives["collective-permute"] >= 7 * shard, collectives
     assert memory.temp_size_in_bytes <= shard, memory
 
+
+
+def test_under_an_explicit_mesh_of_a_tpu_topology_the_trace_decides_without_running_anything():
+    """Under `jax.set_mesh` of a TPU topology's devices (explicit axes), a causal, windowed zigzag ring without
+    segment ids: the trace decides from the positions it knows which steps run (`tuner/semantics/known.py`).
+    Its rules ran as jax programs, which jax placed on the mesh's devices, and a topology's devices cannot run
+    one (`'Executable' object has no attribute 'local_devices'`). Lowered, forward and gradient: nothing
+    gathered but the shards' int32 position bounds (`masks.ring_mask`), and the output and gradients sharded
+    as the inputs."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AxisType, Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tuner import get_tuned_ring_attention
+
+    mesh = Mesh(np.array(global_memory.tpu_devices("v5e:2x2")), ("sp",), axis_types=(AxisType.Explicit,))
+    sequence = NamedSharding(mesh, P(None, "sp"))
+    q = jax.ShapeDtypeStruct((1, 2048, 8, 128), jnp.bfloat16, sharding=sequence)
+    kv = jax.ShapeDtypeStruct((1, 2048, 2, 128), jnp.bfloat16, sharding=sequence)
+    with jax.set_mesh(mesh):
+        attn = get_tuned_ring_attention(axis_name="sp", mesh=mesh, causal=True, sliding_window=(512, 0),
+                                        backend="pallas_tpu")
+        forward = jax.jit(attn).trace(q, kv, kv).lower()
+        gradient = jax.jit(jax.grad(lambda q, k, v: attn(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+                           ).trace(q, kv, kv).lower()
+    for lowered in (forward, gradient):
+        text = lowered.as_text()
+        gathered = re.findall(r'"stablehlo.all_gather".*-> tensor<([^>]*)>', text)
+        assert "tpu_custom_call" in text and all(shape.endswith("xi32") for shape in gathered), gathered
+        outputs = jax.tree.leaves(lowered.out_info)
+        assert outputs and all(tuple(x.sharding.spec)[:2] == (None, "sp") for x in outputs), outputs

@@ -62,3 +62,29 @@ def test_causal_contiguous_skips_the_shards_after_this_one():
     # device r visits the shard of position (r - s) mod P at step s: only sources <= r are attended to
     want = np.array([[(r - s) % RING <= r for s in range(RING)] for r in range(RING)])
     np.testing.assert_array_equal(np.asarray(resolved), want)
+
+
+@settings(max_examples=12)
+@given(spec=st.sampled_from(SPECS + [AttentionSpec(scale=1.0, causal=True, window=(2**31 - 1, 0))]),
+       seed=st.integers(0, 2**16), spread=st.sampled_from([4, 40, 2**31]))
+def test_the_range_rules_answer_alike_in_numpy_and_in_jax(spec, seed, spread):
+    """The trace runs the range rules in NumPy on the positions it knows (`tuner.semantics.known`), the device
+    in jax: on the same int32 bounds, out to the ends of the range, they answer alike; and so does the cudnn
+    kernel's kind of a chunk pair, which is built on them."""
+    from tuner.kernels import cudnn_pairs
+
+    rng = np.random.default_rng(seed)
+    q_pos, kv_pos = (np.sort(rng.integers(-spread, spread, (BATCH, LOCAL)), axis=1).astype(np.int32) for _ in range(2))
+    bounds = (q_pos.min(1), q_pos.max(1), kv_pos.min(1), kv_pos.max(1))
+    segments = tuple(np.asarray(rng.integers(0, 3, BATCH), np.int32) for _ in range(4)) if spec.has_segments else None
+
+    def rules(bounds, segments, q_pos, kv_pos):
+        kinds = () if spec.has_segments else (cudnn_pairs.row_kinds(spec, q_pos, kv_pos),)  # cuDNN takes no segments
+        return (masks.ranges_may_attend(*bounds, segments, spec), masks.ranges_fully_allowed(*bounds, segments, spec),
+                *kinds)
+
+    in_numpy = rules(bounds, segments, q_pos, kv_pos)
+    in_jax = jax.jit(rules)(bounds, segments, q_pos, kv_pos)
+    assert all(isinstance(x, np.ndarray) for x in in_numpy)
+    for got, want in zip(in_numpy, in_jax):
+        np.testing.assert_array_equal(got, np.asarray(want))

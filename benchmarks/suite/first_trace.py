@@ -5,9 +5,9 @@ chunks of 8: the kernel that asks the trace the most), and how many programs wer
     python benchmarks/suite/first_trace.py
     python benchmarks/suite/first_trace.py --backend scan
 
-Those programs are the rules the trace runs on the positions it knows (`tuner/semantics/known.py`) and
-single operations that make constants. Run it in a fresh process each time: a second trace in one process
-reuses them.
+Those programs were the rules the trace ran on the positions it knows (`tuner/semantics/known.py`), as jax
+programs, and single operations that made constants: 47, then 15; since the rules run in NumPy, none. Run
+it in a fresh process each time: a second trace in one process reuses what the first compiled.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from tuner.semantics import masks
@@ -34,16 +35,18 @@ SKIP, FULL, DIAGONAL, GENERAL = range(4)
 
 
 def row_kinds(spec: AttentionSpec, q_pos, kv_pos):
-    """The `SKIP` / `FULL` / `DIAGONAL` / `GENERAL` of a chunk pair in each row of its `[B, T]` positions."""
+    """The `SKIP` / `FULL` / `DIAGONAL` / `GENERAL` of a chunk pair in each row of its `[B, T]` positions, in the
+    library of the positions (NumPy on the positions the trace knows, `masks.namespace`)."""
+    xp = masks.namespace(q_pos, kv_pos)
     q_lo, q_hi, k_lo, k_hi = q_pos.min(axis=1), q_pos.max(axis=1), kv_pos.min(axis=1), kv_pos.max(axis=1)
     may = masks.ranges_may_attend(q_lo, q_hi, k_lo, k_hi, None, spec)
     every = masks.ranges_fully_allowed(q_lo, q_hi, k_lo, k_hi, None, spec)
-    diagonal = jnp.zeros(may.shape, bool)
+    diagonal = xp.zeros(may.shape, bool)
     if q_pos.shape[1] == kv_pos.shape[1]:
-        steps = jnp.arange(q_pos.shape[1], dtype=q_pos.dtype)[None]
-        diagonal = jnp.all((q_pos == kv_pos) & (q_pos == q_pos[:, :1] + steps), axis=1)
-    kinds = jnp.where(every, FULL, jnp.where(diagonal, DIAGONAL, GENERAL))
-    return jnp.where(may, kinds, SKIP).astype(jnp.int32)
+        steps = xp.arange(q_pos.shape[1], dtype=q_pos.dtype)[None]
+        diagonal = xp.all((q_pos == kv_pos) & (q_pos == q_pos[:, :1] + steps), axis=1)
+    kinds = xp.where(every, FULL, xp.where(diagonal, DIAGONAL, GENERAL))
+    return xp.where(may, kinds, SKIP).astype(xp.int32)
 
 
 def pair_kind(spec: AttentionSpec, q_pos, kv_pos):
@@ -98,11 +101,12 @@ def one_of(spec: AttentionSpec, known: KnownBlock | None, pairs: list, size_q: i
 
 
 def _one_running(spec: AttentionSpec, pairs: tuple, size_q: int, size_kv: int, q, kv):
-    """In each case, the kind of the one pair of `pairs` that runs; -1 where none or several do."""
-    kinds = jnp.stack([row_kinds(spec, q[:, i * size_q:(i + 1) * size_q], kv[:, j * size_kv:(j + 1) * size_kv])
-                       for i, j in pairs])
+    """In each case (the trace's known positions, NumPy), the kind of the one pair of `pairs` that runs; -1
+    where none or several do."""
+    kinds = np.stack([row_kinds(spec, q[:, i * size_q:(i + 1) * size_q], kv[:, j * size_kv:(j + 1) * size_kv])
+                      for i, j in pairs])
     runs = kinds != SKIP
-    return jnp.where(runs.sum(axis=0) == 1, jnp.max(jnp.where(runs, kinds, -1), axis=0), -1)
+    return np.where(runs.sum(axis=0) == 1, np.max(np.where(runs, kinds, -1), axis=0), -1)
 
 
 def chosen_offsets(spec: AttentionSpec, pairs: list, size_q: int, size_kv: int, q_pos, kv_pos) -> tuple:

@@ -4,7 +4,8 @@ Without explicit positions, every device's shard holds the positions its layout 
 (`layouts.local_positions_np`). So the ring driver knows, before anything runs, which positions a ring
 step may pair: one case for each device of the ring at that step (and for each step of a loop, where the
 step is a loop index). Whatever all those cases decide alike (the step visits its keys, a chunk pair of
-the block is on the diagonal) is decided once, in the trace, instead of on the device at every step.
+the block is on the diagonal) is decided once, in the trace, instead of on the device at every step. The
+trace runs the device's rules on those positions in NumPy (`KnownBlock.agreed`).
 
 On a GPU this matters: a branch the device decides (`lax.cond`, `lax.switch`) waits for its predicate,
 and its results are materialized at its boundary, where XLA could otherwise fuse them into what follows.
@@ -12,11 +13,9 @@ and its results are materialized at its boundary, where XLA could otherwise fuse
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import jax
 import numpy as np
 
 from tuner.semantics import layouts, masks
@@ -40,36 +39,13 @@ class KnownBlock:
 
     def agreed(self, rule: Callable) -> int | None:
         """The one value `rule(q, kv)` gives every case, as a Python int (a bool is 0 or 1), or None when
-        the cases differ. `rule` takes `[N, T]` positions and returns `[N]` values: the device's own rule,
-        run here on the known positions, in the trace (`jax.ensure_compile_time_eval`; its inputs are the
-        program's constants, so a transfer guard of the caller's does not apply, nor the mesh of `jax.set_mesh`:
-        under explicit axes the rule's arrays took its sharding, and `jnp.ones` failed inside `shard_map`). It
-        runs as one program (`_program`), compiled once per rule and shape: op by op, a cudnn ring's first
-        trace compiled 47 single operations. Also None where the trace cannot evaluate it: an eager
-        `shard_map` (not under `jax.jit`) traces it for each device."""
-        with jax.ensure_compile_time_eval(), jax.transfer_guard("allow"), jax.sharding.use_abstract_mesh(_NO_MESH):
-            values = _program(rule)(self.q, self.kv)
-        if isinstance(values, jax.core.Tracer):
-            return None
-        values = np.asarray(values)
+        the cases differ. `rule` takes `[N, T]` positions and returns `[N]` values: the device's own rule
+        (`tuner.semantics.masks`' range rules answer in the library of their arguments), run here in NumPy
+        on the known positions. Nothing is compiled, nothing is placed on a device, and no setting of the
+        caller's applies: no transfer guard, no mesh of `jax.set_mesh` (jax programs of the rules failed
+        there, under explicit axes, on a TPU topology's devices, which cannot run one)."""
+        values = np.asarray(rule(self.q, self.kv))
         return int(values[0]) if bool((values == values[0]).all()) else None
-
-
-_NO_MESH = jax.sharding.AbstractMesh((), ())
-_PROGRAMS: dict = {}
-
-
-def _program(rule: Callable) -> Callable:
-    """`rule` under `jax.jit`. A `functools.partial` of a function is kept by its function and arguments, so
-    that a new partial of the same rule reuses the program (jit keeps one per shape); other callables (a
-    lambda, a closure) are new each call and are not kept."""
-    if not isinstance(rule, functools.partial):
-        return jax.jit(rule)
-    key = rule.func, rule.args, tuple(sorted(rule.keywords.items()))
-    try:
-        return _PROGRAMS.setdefault(key, jax.jit(rule))
-    except TypeError:  # an argument that cannot be hashed
-        return jax.jit(rule)
 
 
 def visited(block: KnownBlock | None, spec: AttentionSpec) -> int | None:
@@ -80,7 +56,7 @@ def visited(block: KnownBlock | None, spec: AttentionSpec) -> int | None:
         return 1
     if block is None or spec.has_segments:
         return None
-    return block.agreed(functools.partial(masks.rows_may_attend, spec=spec))
+    return block.agreed(lambda q, kv: masks.rows_may_attend(q, kv, spec))
 
 
 def ring_block(layout: str | None, q_len: int, kv_len: int, size: int, steps: Iterable[int]) -> KnownBlock | None:

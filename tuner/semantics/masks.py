@@ -5,7 +5,9 @@ and segment ranges of a group of queries and a group of keys, whether *any* pair
 allowed; when it says no, the whole group is skipped: a tile pair (`tile_pairs`, `tile_schedule`), or a
 ring step (`ring_mask` resolves it once for every step). `ranges_fully_allowed` decides whether *every*
 pair is allowed; when it says yes, the tile is computed without building a mask. Both are conservative:
-they may fail to skip, or fail to drop the mask, but never give a wrong result.
+they may fail to skip, or fail to drop the mask, but never give a wrong result. The range rules take
+NumPy arrays as well as jax ones, and answer in the library of their arguments: the trace runs them in
+NumPy on the positions it knows (`tuner.semantics.known`), the device in jax.
 
 Positions are int32 and may lie anywhere in its range: no bound computed here can wrap around.
 """
@@ -15,9 +17,17 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from tuner.semantics.spec import INT32_MAX, INT32_MIN, AttentionSpec
+
+
+def namespace(*arrays):
+    """NumPy where every argument is a NumPy array or scalar (or a Python number), else jax.numpy: the library
+    the range rules compute in."""
+    numpy_types = (np.ndarray, np.generic, int, bool)
+    return np if all(isinstance(x, numpy_types) for x in arrays) else jnp
 
 
 def window_bounds(q_lo, q_hi, window: tuple[int, int]):
@@ -26,7 +36,8 @@ def window_bounds(q_lo, q_hi, window: tuple[int, int]):
     Clamped to the int32 range before they are formed, so neither bound can wrap: exact for any int32
     positions and sides from 0 to 2**31 - 1, as no key lies outside that range."""
     left, right = window
-    return jnp.maximum(q_lo, INT32_MIN + left) - left, jnp.minimum(q_hi, INT32_MAX - right) + right
+    xp = namespace(q_lo, q_hi)
+    return xp.maximum(q_lo, INT32_MIN + left) - left, xp.minimum(q_hi, INT32_MAX - right) + right
 
 
 def allowed(q_pos, k_pos, q_seg, k_seg, spec: AttentionSpec):
@@ -67,7 +78,8 @@ def ranges_may_attend(q_lo, q_hi, k_lo, k_hi, segments, spec: AttentionSpec):
     """Elementwise bool: some query with a position in [q_lo, q_hi] may read some key in [k_lo, k_hi]
     (and, with `segments = (q_seg_lo, q_seg_hi, k_seg_lo, k_seg_hi)`, segment ids in those ranges).
     Arguments broadcast: per batch row here, per tile pair in the Triton backend's schedule."""
-    possible = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_lo), jnp.shape(k_lo)), bool)
+    xp = namespace(q_lo, q_hi, k_lo, k_hi, *(segments or ()))
+    possible = xp.ones(np.broadcast_shapes(np.shape(q_lo), np.shape(k_lo)), bool)
     if spec.causal:
         possible &= k_lo <= q_hi
     if spec.window is not None:
@@ -90,7 +102,8 @@ def ranges_fully_allowed(q_lo, q_hi, k_lo, k_hi, segments, spec: AttentionSpec):
     """Elementwise bool: every query with a position in [q_lo, q_hi] may read every key in [k_lo, k_hi]
     (with `segments = (q_seg_lo, q_seg_hi, k_seg_lo, k_seg_hi)`: all of them in one and the same
     segment). Arguments broadcast like `ranges_may_attend`'s."""
-    every = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_lo), jnp.shape(k_lo)), bool)
+    xp = namespace(q_lo, q_hi, k_lo, k_hi, *(segments or ()))
+    every = xp.ones(np.broadcast_shapes(np.shape(q_lo), np.shape(k_lo)), bool)
     if spec.causal:
         every &= k_hi <= q_lo
     if spec.window is not None:
