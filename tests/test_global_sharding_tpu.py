@@ -87,9 +87,10 @@ def test_under_an_explicit_mesh_of_a_tpu_topology_the_trace_decides_without_runn
     """Under `jax.set_mesh` of a TPU topology's devices (explicit axes), a causal, windowed zigzag ring without
     segment ids: the trace decides from the positions it knows which steps run (`tuner/semantics/known.py`).
     Its rules ran as jax programs, which jax placed on the mesh's devices, and a topology's devices cannot run
-    one (`'Executable' object has no attribute 'local_devices'`). Lowered, forward and gradient: nothing
-    gathered but the shards' int32 position bounds (`masks.ring_mask`), and the output and gradients sharded
-    as the inputs."""
+    one (`'Executable' object has no attribute 'local_devices'`); so did a declared packing's tile, computed
+    on the host as the call is traced (`tuner/support/host.py`). Lowered, the ring's forward and gradient and
+    a packed documents-layout forward: nothing gathered but int32 ids and bounds (`masks.ring_mask`), and the
+    outputs and gradients sharded as the inputs."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import AxisType, Mesh, NamedSharding
@@ -101,13 +102,18 @@ def test_under_an_explicit_mesh_of_a_tpu_topology_the_trace_decides_without_runn
     sequence = NamedSharding(mesh, P(None, "sp"))
     q = jax.ShapeDtypeStruct((1, 2048, 8, 128), jnp.bfloat16, sharding=sequence)
     kv = jax.ShapeDtypeStruct((1, 2048, 2, 128), jnp.bfloat16, sharding=sequence)
+    ids = jax.ShapeDtypeStruct((1, 2048), jnp.int32, sharding=sequence)
     with jax.set_mesh(mesh):
         attn = get_tuned_ring_attention(axis_name="sp", mesh=mesh, causal=True, sliding_window=(512, 0),
                                         backend="pallas_tpu")
         forward = jax.jit(attn).trace(q, kv, kv).lower()
         gradient = jax.jit(jax.grad(lambda q, k, v: attn(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
                            ).trace(q, kv, kv).lower()
-    for lowered in (forward, gradient):
+        packed = get_tuned_ring_attention(axis_name="sp", mesh=mesh, causal=True, layout="documents",
+                                          packing="lognormal:4,sigma=0.9", backend="pallas_tpu")
+        documents = jax.jit(lambda q, k, v, ids: packed(q, k, v, q_segment_ids=ids, kv_segment_ids=ids)
+                            ).trace(q, kv, kv, ids).lower()
+    for lowered in (forward, gradient, documents):
         text = lowered.as_text()
         gathered = re.findall(r'"stablehlo.all_gather".*-> tensor<([^>]*)>', text)
         assert "tpu_custom_call" in text and all(shape.endswith("xi32") for shape in gathered), gathered

@@ -43,7 +43,7 @@ import numpy as np
 from tuner.semantics import masks
 from tuner.semantics.packing import Packing
 from tuner.semantics.spec import AttentionSpec
-from tuner.support import counting, permutations
+from tuner.support import counting, host, permutations
 
 DOCUMENTS = "documents"
 DEFAULT_TILE = 128  # the tile the layout is planned for when the caller does not say
@@ -90,7 +90,7 @@ def row_useful(segments, spec: AttentionSpec):
 def useful_logits(lengths: Sequence[int], spec: AttentionSpec) -> float:
     """`row_useful` of a row of documents of these `lengths`, computed now, even inside a trace."""
     row = _row(lengths, sum(lengths))
-    return float(_row_program(row_useful, row.shape[0], spec)(row))
+    return float(_run_row(row_useful, row, spec))
 
 
 def chunk_costs(segments, spec: AttentionSpec, chunk: int):
@@ -129,14 +129,14 @@ def efficiency(lengths: Sequence[int], spec: AttentionSpec, ring: int, tile: int
     """`row_efficiency` of a row of documents of these `lengths` (padded with one more document where the
     ring does not divide it, as a call on global arrays is), computed now, even inside a trace."""
     row = _padded_row(lengths, ring)
-    return float(_row_program(row_efficiency, row.shape[0], spec, ring, tile)(row))
+    return float(_run_row(row_efficiency, row, spec, ring, tile))
 
 
 def packed_efficiencies(lengths: Sequence[int], spec: AttentionSpec, ring: int) -> list[float]:
     """`efficiency` on each of `PACKED_TILES`, from one program compiled once per row length: a declared
     packing's tile is chosen in about 0.7x the time three programs, one a tile, took."""
     row = _padded_row(lengths, ring)
-    return np.asarray(_row_program(_packed_efficiencies, row.shape[0], spec, ring)(row)).tolist()
+    return np.asarray(_run_row(_packed_efficiencies, row, spec, ring)).tolist()
 
 
 def _packed_efficiencies(segments, spec: AttentionSpec, ring: int):
@@ -148,6 +148,13 @@ def _padded_row(lengths: Sequence[int], ring: int) -> np.ndarray:
     """The segment ids of a row of documents of these `lengths`, padded with one more to a multiple of `ring`."""
     total = sum(lengths)
     return _row(lengths, total + -total % ring)
+
+
+def _run_row(function, row: np.ndarray, *static):
+    """`function(row, *static)` run now, on the host (`tuner.support.host`: also inside a trace, under any
+    mesh of the caller's), by the program `_row_program` keeps."""
+    with host.on_host():
+        return np.asarray(_row_program(function, row.shape[0], *static)(row))
 
 
 @functools.lru_cache(maxsize=64)
@@ -182,7 +189,7 @@ def packed_tile(rows: Sequence[Sequence[int]], spec: AttentionSpec, ring: int) -
     """The default tile of a packed call whose rows hold documents of these lengths (`rows`: a list of
     rows' document lengths) over `ring` devices: `tile_choice` among `PACKED_TILES`, computed now."""
     worst = np.min([packed_efficiencies(row, spec, ring) for row in rows], axis=0)
-    with jax.ensure_compile_time_eval():
+    with jax.ensure_compile_time_eval(), host.on_host():
         return PACKED_TILES[int(tile_choice(jnp.asarray(worst)))]
 
 
