@@ -82,7 +82,6 @@ def test_a_batch_laid_out_over_a_data_axis_holds_one_shard_in_flight():
     assert memory.temp_size_in_bytes <= shard, memory
 
 
-
 def test_under_an_explicit_mesh_of_a_tpu_topology_the_trace_decides_without_running_anything():
     """Under `jax.set_mesh` of a TPU topology's devices (explicit axes), a causal, windowed zigzag ring without
     segment ids: the trace decides from the positions it knows which steps run (`tuner/semantics/known.py`).

@@ -1,6 +1,5 @@
 """The positions a ring step pairs, known in the trace (`tuner.semantics.known`)."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
