@@ -34,12 +34,10 @@ from tuner.cache import CacheError
 from tuner.cache.views import RequestError
 from tuner.cli.options import UsageError, fail
 from tuner.cli.parser import build_parser, check_positive
-from tuner.support import libtpu
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `tuner` command with `argv` (default: the process's arguments); returns the exit status."""
-    libtpu.quiet_without_chips()  # before jax starts: libtpu's failed lookups would fill stderr
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

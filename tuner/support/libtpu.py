@@ -3,9 +3,9 @@
 The TPU dry runs need libtpu (the TPU compiler), and the test extra installs it, so it is often present
 on CPU and GPU hosts. There jax still starts it when it looks for devices, and libtpu prints five lines
 of failed lookups to stderr: no accelerator type, no host bounds, no worker hostnames. `quiet_without_chips`
-tells it, before jax starts it, what such a host is: one host with no others. `import tuner` calls it, and so
-does the `tuner` command. Nothing changes on a host with a TPU chip on its PCI bus, and a variable the caller
-set keeps its value.
+tells it, before jax starts it, what such a host is: one host with no others. `import tuner` calls it (the
+`tuner` command too, which imports it). Nothing changes on a host with a TPU chip on its PCI bus, and a
+variable the caller set keeps its value.
 """
 
 from __future__ import annotations
