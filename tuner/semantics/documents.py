@@ -136,7 +136,7 @@ def packed_efficiencies(lengths: Sequence[int], spec: AttentionSpec, ring: int) 
     """`efficiency` on each of `PACKED_TILES`, from one program compiled once per row length: a declared
     packing's tile is chosen in about 0.7x the time three programs, one a tile, took."""
     row = _padded_row(lengths, ring)
-    return np.asarray(_run_row(_packed_efficiencies, row, spec, ring)).tolist()
+    return _run_row(_packed_efficiencies, row, spec, ring).tolist()
 
 
 def _packed_efficiencies(segments, spec: AttentionSpec, ring: int):

@@ -26,7 +26,7 @@ from tuner.semantics.spec import INT32_MAX, INT32_MIN, AttentionSpec
 def namespace(*arrays):
     """NumPy where every argument is a NumPy array or scalar (or a Python number), else jax.numpy: the library
     the range rules compute in."""
-    numpy_types = (np.ndarray, np.generic, int, bool)
+    numpy_types = (np.ndarray, np.generic, int)  # a bool is an int
     return np if all(isinstance(x, numpy_types) for x in arrays) else jnp
 
 
