@@ -149,6 +149,20 @@ def test_the_rows_choose_in_the_step_the_tile_their_packing_would(rows, ring, ca
     assert documents.PACKED_TILES[int(chosen)] == documents.packed_tile(rows, spec, ring)
 
 
+@given(st.lists(st.one_of(st.floats(0, 1, width=32), st.sampled_from([documents.EFFICIENT])),
+                min_size=len(documents.PACKED_TILES), max_size=len(documents.PACKED_TILES)))
+@settings(max_examples=40, deadline=None)
+def test_the_tile_rule_answers_alike_in_numpy_and_in_jax(efficiencies):
+    """`tile_choice` on the host (NumPy, a declared packing's) and in a step (jax) picks the same tile, at
+    the threshold too: both compare in float32."""
+    host = documents.tile_choice(np.asarray(efficiencies, np.float32))
+    assert isinstance(host, np.ndarray | np.integer)  # computed without jax
+    assert int(host) == int(_jitted_tile_choice(jnp.asarray(efficiencies, jnp.float32)))
+
+
+_jitted_tile_choice = jax.jit(documents.tile_choice)
+
+
 @given(st.lists(st.integers(1, 400), min_size=1, max_size=12), st.sampled_from([2, 4, 8]), st.booleans(),
        st.sampled_from([16, 32]))
 @settings(max_examples=5, deadline=None)

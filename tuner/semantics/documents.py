@@ -176,21 +176,23 @@ def tile_choice(efficiencies):
     each tile (`efficiencies`, longest tile first): the first tile, and the next while the one reached is
     under `EFFICIENT` and the next raises it. A longer tile runs each of its logits faster on every
     backend; a shorter one skips more of a short document's causal diagonal and of its neighbours, and
-    deals a long document more evenly. Traced or not."""
-    index, reached, walking = jnp.int32(0), efficiencies[0], jnp.bool_(True)
+    deals a long document more evenly. In NumPy for a NumPy array (a declared packing's, chosen on the host),
+    else in jax (traced or not)."""
+    xp = masks.namespace(efficiencies)
+    index, reached, walking = xp.int32(0), efficiencies[0], xp.bool_(True)
     for i in range(1, len(efficiencies)):
         walking = walking & (reached < EFFICIENT) & (efficiencies[i] > reached)
-        index = jnp.where(walking, i, index)
-        reached = jnp.where(walking, efficiencies[i], reached)
+        index = xp.where(walking, i, index)
+        reached = xp.where(walking, efficiencies[i], reached)
     return index
 
 
 def packed_tile(rows: Sequence[Sequence[int]], spec: AttentionSpec, ring: int) -> int:
     """The default tile of a packed call whose rows hold documents of these lengths (`rows`: a list of
-    rows' document lengths) over `ring` devices: `tile_choice` among `PACKED_TILES`, computed now."""
-    worst = np.min([packed_efficiencies(row, spec, ring) for row in rows], axis=0)
-    with jax.ensure_compile_time_eval(), host.on_host():
-        return PACKED_TILES[int(tile_choice(jnp.asarray(worst)))]
+    rows' document lengths) over `ring` devices: `tile_choice` among `PACKED_TILES`, computed now in NumPy,
+    in float32 as a traced call's rows choose."""
+    worst = np.min([packed_efficiencies(row, spec, ring) for row in rows], axis=0).astype(np.float32)
+    return PACKED_TILES[int(tile_choice(worst))]
 
 
 def rows_tile_choice(segments, spec: AttentionSpec, ring: int):
