@@ -319,11 +319,15 @@ def test_demo_checks_and_times_a_ring(tmp_path, cli):
     assert "ring" in result.stdout and "dense" in result.stdout
 
 
-def test_info_lists_backends_versions_and_the_cache(searched, cli):
+def test_info_lists_backends_versions_and_the_cache(searched, cli, monkeypatch):
     home, _ = searched
+    monkeypatch.setenv("COLUMNS", "100")
     result = cli("info", home=home)
     assert result.returncode == 0, result.stderr
     assert re.search(r"^scan\s+yes", result.stdout, re.M)
+    assert max(len(line) for line in result.stdout.splitlines()[:-2]) <= 100  # the table fits the terminal
+    note = re.search(r"^triton\s+no \[(\d)\]", result.stdout, re.M).group(1)  # why not: a note under the table
+    assert re.search(rf"^\[{note}\] no CUDA GPU visible to jax$", result.stdout, re.M), result.stdout
     assert "versions: jax" in result.stdout
     assert re.search(r"cache: .*tuning.sqlite \(1 tuned, 0 stale, 0 invalid\)", result.stdout)
 
@@ -336,6 +340,18 @@ def test_gpu_timing_issues_several_calls_per_run_unless_told():
     assert calls_of(parser.parse_args(["search", "--device", "gpu"])) == 5
     assert calls_of(parser.parse_args(["bench", "--device", "cpu"])) == 1
     assert calls_of(parser.parse_args(["bench", "--device", "gpu", "--calls", "2"])) == 2
+
+
+def test_a_table_wraps_its_last_column_to_the_width_and_keeps_the_others_aligned():
+    from tuner.support.tables import table
+
+    words = "all-to-all to head groups over the second axis, the ring over the first"
+    lines = table(["name", "n", "what"], [["a", 1, "short"], ["bb", 22, words]], width=40).splitlines()
+    assert lines[:3] == ["name   n  what", "----  --  " + "-" * 30, "a      1  short"]
+    assert all(len(line) <= 40 for line in lines) and len(lines) == 6, lines
+    assert lines[3].startswith("bb    22  all-to-all") and all(line.startswith(" " * 10) for line in lines[4:])
+    assert " ".join(line[10:] for line in lines[3:]) == words  # no word cut or lost
+    assert table(["name", "what"], [["a", words]]) == f"name  what\n----  {'-' * len(words)}\na     {words}"
 
 
 def test_a_reported_error_is_one_line_even_without_a_message():

@@ -5,6 +5,7 @@ why not), and the caches: the local file's entries by status and the shipped ent
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 
 import jax
@@ -17,14 +18,21 @@ from tuner.support.resources import shipped_dir
 from tuner.support.tables import table
 
 
-def implementations_table() -> str:
-    """A row per registered implementation: available here (or why not), in the interpreter, its code
-    hash (part of the versions its cache rows are matched against) and what it is."""
+def implementations_table(width: int | None = None) -> str:
+    """A row per registered implementation: available here (or a note saying why not), in the interpreter,
+    its code hash (part of the versions its cache rows are matched against) and what it is, wrapped to
+    `width` columns. The reasons follow the table, one line each, as many rows share one."""
     here, interpreter = registry.Target.here(), registry.Target.here(interpret=True)
-    rows = [[name, "yes" if impl.available(here) is None else "no", impl.code_hash(), impl.available(here) or "",
-             "yes" if impl.available(interpreter) is None else "no", impl.summary]
-            for name, impl in ((n, registry.get(n)) for n in registry.names())]
-    return table(["backend", "available", "code hash", "why not", "interpreter", "what"], rows)
+    reasons: dict[str, int] = {}
+    rows = []
+    for name in registry.names():
+        impl = registry.get(name)
+        why = impl.available(here)
+        here_cell = "yes" if why is None else f"no [{reasons.setdefault(why, len(reasons) + 1)}]"
+        rows.append([name, here_cell, "yes" if impl.available(interpreter) is None else "no", impl.code_hash(),
+                     impl.summary])
+    notes = [f"[{n}] {why}" for why, n in reasons.items()]
+    return "\n".join([table(["backend", "here", "interpreter", "code hash", "what"], rows, width), *notes])
 
 
 def info(cache: Cache) -> Iterator[str]:
@@ -36,7 +44,7 @@ def info(cache: Cache) -> Iterator[str]:
     versions = current_versions("-", triton=True)
     yield "versions: " + ", ".join(f"{k.removesuffix('_version')} {v}" for k, v in versions.items()
                                    if k != "code_hash")
-    yield implementations_table()
+    yield implementations_table(shutil.get_terminal_size((100, 24)).columns)
     try:
         tuned, stale, invalid, sources = counts(cache)
         kinds = {"bench": "bench times", "compiled": "compiled for a TPU target, not measured"}

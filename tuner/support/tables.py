@@ -3,24 +3,34 @@
 from __future__ import annotations
 
 import re
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
 
+MIN_WRAPPED = 24  # the narrowest a wrapped last column gets, whatever the width
 NUMBER = re.compile(r"^[-+]?[0-9][0-9.,e+-]*(x|%| s)?$|^-$")
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """Columns padded to their widest cell; numeric columns right-aligned, the others left-aligned."""
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]], width: int | None = None) -> str:
+    """Columns padded to their widest cell; numeric columns right-aligned, the others left-aligned. Given a
+    `width`, a text last column that would pass it is wrapped at word boundaries onto lines of its own (at
+    least `MIN_WRAPPED` characters wide), so that a long description does not widen the whole table."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     numeric = [len(cells) > 1 and all(NUMBER.match(row[i]) for row in cells[1:]) for i in range(len(headers))]
+    room = None if width is None else max(MIN_WRAPPED, width - sum(widths[:-1]) - 2 * (len(headers) - 1))
+    if room is not None and widths[-1] > room and not numeric[-1]:
+        widths[-1] = room
 
-    def line(row: Sequence[str]) -> str:
-        return "  ".join(c.rjust(w) if numeric[i] else c.ljust(w)
-                         for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+    def lines(row: Sequence[str]) -> list[str]:
+        last = textwrap.wrap(row[-1], widths[-1], break_on_hyphens=False) if len(row[-1]) > widths[-1] else [row[-1]]
+        firsts = [c.rjust(w) if numeric[i] else c.ljust(w) for i, (c, w) in enumerate(zip(row[:-1], widths))]
+        blank = [" " * w for w in widths[:-1]]
+        return ["  ".join([*(firsts if n == 0 else blank), part]).rstrip() for n, part in enumerate(last)]
 
-    return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths), *(line(r) for r in cells[1:])])
+    header, *body = [lines(row) for row in cells]
+    return "\n".join([*header, "  ".join("-" * w for w in widths), *(line for row in body for line in row)])
 
 
 def error_line(error: BaseException, limit: int = 300) -> str:
