@@ -273,3 +273,18 @@ def test_choice_space_walks_each_part_and_names_its_configs():
     assert space.grid(ChunkConfig(), ("bwd",)) == [ChunkConfig()]  # nothing to tune in the backward pass
     params = space.params(ChunkConfig(32), ("fwd",))
     assert params == {"fwd.chunk": 32} and space.config(params, ChunkConfig()) == ChunkConfig(32)
+
+
+def test_an_implementation_that_cannot_take_a_problem_is_refused_by_name():
+    """`registry.taking`, which the TPU and GPU compile reports and the dry run start from: the
+    implementation where it takes the problem wherever it runs (a TPU's, on this CPU host), else a
+    `ValueError` with its name and why."""
+    from dataclasses import replace
+
+    from tuner.semantics.problem import Problem
+
+    problem = Problem(batch=1, seq_len=1024, heads=4, kv_heads=2, head_dim=64, dtype="bfloat16", causal=True,
+                      ring_size=4, layout="zigzag")
+    assert registry.taking("pallas_tpu", problem) is registry.get("pallas_tpu")
+    with pytest.raises(ValueError, match=r"^all_to_all cannot run these shapes: .*head"):
+        registry.taking("all_to_all", replace(problem, heads=6, kv_heads=6))

@@ -18,7 +18,7 @@ this package (the cache imports `versions` too). The layer imports `support` and
 """
 
 from tuner.registry.choice import (FALLBACK, PREFERENCE, by_engine, choose, fallback_for, for_strategy,
-                                   over_kernel, problem_why_not, resolve_auto, strategy_choice, why_not)
+                                   over_kernel, problem_why_not, resolve_auto, strategy_choice, taking, why_not)
 from tuner.registry.contract import (GATHERED, OBJECTIVE_PARTS, PARTS, STRATEGIES, TWO_AXES, ChoiceSpace, Config,
                                      Implementation, Space, Target)
 from tuner.registry.table import (combine, config_from_parts, default_config, find, forward_tiles, get, key, label,
@@ -29,5 +29,5 @@ __all__ = ["FALLBACK", "GATHERED", "OBJECTIVE_PARTS", "PARTS", "PREFERENCE", "ST
            "Implementation", "Space", "TWO_AXES", "Target", "by_engine", "choose", "combine", "config_from_parts",
            "default_config", "fallback_for", "find", "for_strategy", "forward_tiles", "get", "key", "label",
            "mesh_axes", "names", "over_kernel", "problem_key", "problem_tile_shapes", "problem_why_not", "register",
-           "registered", "resolve_auto", "shape_violation", "strategy_choice", "strategy_of", "tile_shapes",
+           "registered", "resolve_auto", "shape_violation", "strategy_choice", "strategy_of", "taking", "tile_shapes",
            "unregister", "versions", "why_not"]

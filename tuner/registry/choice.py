@@ -50,6 +50,16 @@ def problem_why_not(implementation: Implementation, problem: Problem, target: Ta
                    shapes=problem.shapes, ring_size=problem.ring_size, group=problem.group)
 
 
+def taking(name: str, problem: Problem) -> Implementation:
+    """The registered implementation `name`, for a program compiled for `problem` wherever it runs;
+    `ValueError` saying why, with the name, where it cannot take the problem (`problem_why_not`)."""
+    implementation = get(name)
+    reason = problem_why_not(implementation, problem)
+    if reason is not None:
+        raise ValueError(f"{name} {reason}")
+    return implementation
+
+
 def by_engine(implementations: list[Implementation], platform: str) -> list[Implementation]:
     """`implementations`, those whose optional `engine` comes first in `platform`'s `PREFERENCE` first, in
     the order they were registered among equals (those without an engine, or with one the platform does
@@ -191,4 +201,4 @@ def fallback_for(implementation: Implementation) -> Implementation:
 
 
 __all__ = ["FALLBACK", "PREFERENCE", "by_engine", "choose", "fallback_for", "for_strategy", "over_kernel",
-           "problem_why_not", "resolve_auto", "strategy_choice", "why_not"]
+           "problem_why_not", "resolve_auto", "strategy_choice", "taking", "why_not"]

@@ -140,10 +140,7 @@ def variants_of(problem: Problem, mesh: Mesh, implementation: str = tpu_model.MO
     only when the constraints admit them, else beside the admitted forward tiles with the smallest VMEM
     estimate (a forward that cannot compile would fail every backward variant for a reason not its own)."""
     backend = pallas_tpu.PallasTpuBackend()
-    runs = registry.get(implementation)
-    reason = registry.problem_why_not(runs, problem)
-    if reason is not None:
-        raise ValueError(f"{implementation} {reason}")
+    runs = registry.taking(implementation, problem)
     shapes = registry.problem_tile_shapes(runs, problem)
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # the target chip's default tiles
         default_fwd, default_bwd = backend.default_params(shapes.q_len, shapes.kv_len, *shapes.head_dims)

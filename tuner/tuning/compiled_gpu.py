@@ -216,10 +216,7 @@ def compile_gpu_target(problem: Problem, target: str, *, sample: int | None = No
         raise ValueError(f"--target {target}: no such GPU in the model; GPU targets: {', '.join(TARGETS)}")
     gpu = gpu_model.GPUS[target]
     backend = triton.TritonBackend()
-    runs = registry.get(implementation)
-    reason = registry.problem_why_not(runs, problem)
-    if reason is not None:
-        raise ValueError(f"{implementation} {reason}")
+    runs = registry.taking(implementation, problem)
     started = time.perf_counter()
     shapes, spec = registry.problem_tile_shapes(runs, problem), problem.spec
     launches = [Launch(*launch) for launch in triton.space_launches(shapes, spec)]

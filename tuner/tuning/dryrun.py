@@ -117,10 +117,7 @@ def dry_run(problem: Problem, *, samples: int = 3, seed: int = 0,
     are lowered and samples run. `ValueError` when the implementation cannot take the problem."""
     started = time.perf_counter()
     backend = pallas_tpu.PallasTpuBackend()
-    runs = registry.get(implementation)
-    reason = registry.problem_why_not(runs, problem)
-    if reason is not None:
-        raise ValueError(f"{implementation} {reason}")
+    runs = registry.taking(implementation, problem)
     shapes = registry.problem_tile_shapes(runs, problem)
     space = backend.search_space(shapes, problem.spec)
     fwd_points, bwd_points = list(space.fwd_points()), list(space.bwd_points())
