@@ -20,6 +20,10 @@ from tuner.semantics.reference import dense_attention
 from tuner.semantics.spec import AttentionSpec, LocalShapes
 from tuner.support.work import count_work
 
+import scripts
+
+first_trace = scripts.load("benchmarks/suite/first_trace.py")
+
 
 def segment_ids(*rows: list[int]) -> np.ndarray:
     """`[len(rows), T]` segment ids of rows of documents of these lengths (ids 1, 2, ...)."""
@@ -218,10 +222,31 @@ def test_the_busiest_device_counts_the_tile_pairs_its_shard_may_compute(tile, la
     assert int(busiest(jnp.asarray(order), jnp.asarray(seg), ring, spec, (tile, tile))) == want
 
 
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=24), st.sampled_from([2, 4, 8]), st.booleans(),
+       st.sampled_from([None, (40, 0), (7, 9)]))
+@settings(max_examples=6, deadline=None)
+def test_a_rows_efficiency_is_the_same_in_numpy_and_in_jax(lengths, ring, causal, window):
+    """`row_efficiency` on the host (NumPy: a declared packing's rows) and in a step (jax: the rows a call
+    gets) gives the same float32 on every tile, and `row_useful` the same count."""
+    spec = AttentionSpec(scale=1.0, causal=causal, window=window, has_segments=True)
+    total = -(-sum(lengths) // ring) * ring
+    row = segment_ids(lengths + [total - sum(lengths)] if total > sum(lengths) else lengths)[0]
+    for tile in documents.PACKED_TILES:
+        host = documents.row_efficiency(row, spec, ring, tile)
+        assert isinstance(host, np.float32), type(host)
+        assert host == _jitted_efficiency(jnp.asarray(row), spec, ring, tile), tile
+    assert documents.row_useful(row, spec) == jax.jit(documents.row_useful, static_argnums=1)(jnp.asarray(row), spec)
+
+
+_jitted_efficiency = jax.jit(documents.row_efficiency, static_argnums=(1, 2, 3))
+
+
 def test_a_declared_packing_chooses_the_longest_tile_that_wastes_little():
     spec = AttentionSpec(scale=1.0, causal=True, has_segments=True)
     assert documents.declared_tile(None, 4096, 8, spec) is None
-    assert documents.declared_tile("2048,128x16", 4096, 8, spec) == 64  # one long document: tiles of 64 suffice
+    with first_trace.compiles_counted() as compiles:  # in NumPy: no program to compile, whatever mesh is set
+        assert documents.declared_tile("2048,128x16", 4096, 8, spec) == 64  # one long document: 64 suffices
+    assert compiles == []
     assert documents.declared_tile("64x64", 4096, 8, spec) == 16  # tiny ones: diagonals waste less in short tiles
     tailed = documents.declared_tile("lognormal:14", 4096, 8, spec)
     rows = [Packing.parse("lognormal:14").row_lengths(4096, r) for r in range(documents.DECLARED_ROWS)]

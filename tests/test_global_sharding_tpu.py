@@ -87,7 +87,7 @@ def test_under_an_explicit_mesh_of_a_tpu_topology_the_trace_decides_without_runn
     segment ids: the trace decides from the positions it knows which steps run (`tuner/semantics/known.py`).
     Its rules ran as jax programs, which jax placed on the mesh's devices, and a topology's devices cannot run
     one (`'Executable' object has no attribute 'local_devices'`); so did a declared packing's tile, computed
-    on the host as the call is traced (`tuner/support/host.py`). Lowered, the ring's forward and gradient and
+    on the host as the call is traced (now in NumPy, as the rules are). Lowered, the ring's forward and gradient and
     a packed documents-layout forward: nothing gathered but int32 ids and bounds (`masks.ring_mask`), and the
     outputs and gradients sharded as the inputs."""
     import jax

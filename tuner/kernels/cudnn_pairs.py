@@ -29,15 +29,15 @@ from jax import lax
 from tuner.semantics import masks
 from tuner.semantics.known import KnownBlock
 from tuner.semantics.spec import AttentionSpec
-from tuner.support import vma
+from tuner.support import arrays, vma
 
 SKIP, FULL, DIAGONAL, GENERAL = range(4)
 
 
 def row_kinds(spec: AttentionSpec, q_pos, kv_pos):
     """The `SKIP` / `FULL` / `DIAGONAL` / `GENERAL` of a chunk pair in each row of its `[B, T]` positions, in the
-    library of the positions (NumPy on the positions the trace knows, `masks.namespace`)."""
-    xp = masks.namespace(q_pos, kv_pos)
+    library of the positions (NumPy on the positions the trace knows, `arrays.namespace`)."""
+    xp = arrays.namespace(q_pos, kv_pos)
     q_lo, q_hi, k_lo, k_hi = q_pos.min(axis=1), q_pos.max(axis=1), kv_pos.min(axis=1), kv_pos.max(axis=1)
     may = masks.ranges_may_attend(q_lo, q_hi, k_lo, k_hi, None, spec)
     every = masks.ranges_fully_allowed(q_lo, q_hi, k_lo, k_hi, None, spec)

@@ -43,7 +43,7 @@ import numpy as np
 from tuner.semantics import masks
 from tuner.semantics.packing import Packing
 from tuner.semantics.spec import AttentionSpec
-from tuner.support import counting, host, permutations
+from tuner.support import arrays, counting, permutations
 
 DOCUMENTS = "documents"
 DEFAULT_TILE = 128  # the tile the layout is planned for when the caller does not say
@@ -70,34 +70,44 @@ def chunk_size(total: int, ring: int, tiles: tuple[int, int]) -> int:
 def row_useful(segments, spec: AttentionSpec):
     """The logits a row of segment ids `segments [T]` needs, in token order: the (query, key) pairs of each
     document (a run of equal ids) that the masks allow (its causal triangle, cut by the window). float32,
-    so that long rows do not overflow; traced or not."""
+    so that long rows do not overflow; traced or not, in NumPy for a NumPy row (`arrays.namespace`)."""
+    xp = arrays.namespace(segments)
     total = segments.shape[0]
-    token = jnp.arange(total)
-    start = jnp.concatenate([jnp.ones(1, bool), segments[1:] != segments[:-1]])  # a document's first token
-    document = counting.counted_before(start) + start.astype(jnp.int32) - 1  # each token's document, in row order
+    token = xp.arange(total)
+    start = xp.concatenate([xp.ones(1, bool), segments[1:] != segments[:-1]])  # a document's first token
+    document = counting.counted_before(start) + start.astype(xp.int32) - 1  # each token's document, in row order
     # where each document starts (counted and scattered: a running max over the row costs the TPU compiler
     # seconds); the documents after the last start at `total`, so that the last ends at the row's end
-    starts = jnp.full(total + 1, total).at[jnp.where(start, document, total + 1)].set(token, mode="drop")
+    starts = _scattered(xp.full(total + 1, total), document, token, start)
     first, last = starts[document], starts[document + 1] - 1
     left, right = (None, None) if spec.window is None else spec.window
     before, after = token - first, last - token
-    reads = (before if left is None else jnp.minimum(before, left)) + 1
+    reads = (before if left is None else xp.minimum(before, left)) + 1
     if not spec.causal:
-        reads = reads + (after if right is None else jnp.minimum(after, right))
-    return reads.astype(jnp.float32).sum()
+        reads = reads + (after if right is None else xp.minimum(after, right))
+    return reads.astype(xp.float32).sum()
+
+
+def _scattered(array, index, values, where):
+    """`array` with `array[index[i]] = values[i]` wherever `where[i]`, in the library of `array`."""
+    if isinstance(array, np.ndarray):
+        array = array.copy()
+        array[index[where]] = values[where]
+        return array
+    return array.at[jnp.where(where, index, array.shape[0])].set(values, mode="drop")
 
 
 def useful_logits(lengths: Sequence[int], spec: AttentionSpec) -> float:
-    """`row_useful` of a row of documents of these `lengths`, computed now, even inside a trace."""
-    row = _row(lengths, sum(lengths))
-    return float(_run_row(row_useful, row, spec))
+    """`row_useful` of a row of documents of these `lengths`, computed now in NumPy, even inside a trace."""
+    return float(row_useful(_row(lengths, sum(lengths)), spec))
 
 
 def chunk_costs(segments, spec: AttentionSpec, chunk: int):
     """Per chunk of `chunk` neighbouring tokens of `segments [T]` (T a multiple of `chunk`), the number of
-    chunks its queries may read, by the kernels' own rule: what `plan` deals by."""
+    chunks its queries may read, by the kernels' own rule: what `plan` deals by. In NumPy for a NumPy row."""
+    xp = arrays.namespace(segments)
     count = segments.shape[0] // chunk
-    first = jnp.arange(count, dtype=jnp.int32) * chunk
+    first = xp.arange(count, dtype=xp.int32) * chunk
     last = first + chunk - 1
     ids = segments.reshape(count, chunk)
     low, high = ids.min(axis=1), ids.max(axis=1)
@@ -108,62 +118,47 @@ def chunk_costs(segments, spec: AttentionSpec, chunk: int):
 
 def deal(cost, ring: int):
     """The device of each chunk of costs `cost [n]`, dealt costliest first in snake order (0, 1, ...,
-    P-1, P-1, ..., 0, 0, ...): the busiest device within the costliest chunk of the least busy one."""
-    rank = permutations.inverse(jnp.argsort(-cost, stable=True))
+    P-1, P-1, ..., 0, 0, ...): the busiest device within the costliest chunk of the least busy one. In
+    NumPy for NumPy costs."""
+    xp = arrays.namespace(cost)
+    rank = permutations.inverse(arrays.stable_argsort(-cost).astype(cost.dtype))
     lap, seat = rank // ring, rank % ring
-    return jnp.where(lap % 2 == 0, seat, ring - 1 - seat)
+    return xp.where(lap % 2 == 0, seat, ring - 1 - seat)
 
 
 def row_efficiency(segments, spec: AttentionSpec, ring: int, tile: int):
     """The share of the busiest device's logits that the documents of `segments [T]` need, times `ring`,
     when `plan` deals the row in tiles of `tile` over `ring` devices (counted in the plan's chunks, so a
     lower bound on a row of more than `COUNTED_TILES` tiles): 1 when the devices are balanced and no
-    tile pair is computed in vain. Traced or not."""
+    tile pair is computed in vain. Traced or not; float32 in NumPy for a NumPy row, as in a step."""
+    xp = arrays.namespace(segments)
     chunk = chunk_size(segments.shape[0], ring, (tile, tile))
     cost = chunk_costs(segments, spec, chunk)
-    busiest = jax.ops.segment_sum(cost, deal(cost, ring), ring).max()
-    return row_useful(segments, spec) / (ring * busiest.astype(jnp.float32) * chunk * chunk)
+    device = deal(cost, ring)
+    if xp is np:
+        loads = np.bincount(device, weights=cost, minlength=ring)
+    else:
+        loads = jax.ops.segment_sum(cost, device, ring)
+    busiest = loads.max().astype(xp.float32)
+    return row_useful(segments, spec) / (ring * busiest * chunk * chunk)
 
 
 def efficiency(lengths: Sequence[int], spec: AttentionSpec, ring: int, tile: int) -> float:
     """`row_efficiency` of a row of documents of these `lengths` (padded with one more document where the
-    ring does not divide it, as a call on global arrays is), computed now, even inside a trace."""
-    row = _padded_row(lengths, ring)
-    return float(_run_row(row_efficiency, row, spec, ring, tile))
+    ring does not divide it, as a call on global arrays is), computed now in NumPy, even inside a trace."""
+    return float(row_efficiency(_padded_row(lengths, ring), spec, ring, tile))
 
 
 def packed_efficiencies(lengths: Sequence[int], spec: AttentionSpec, ring: int) -> list[float]:
-    """`efficiency` on each of `PACKED_TILES`, from one program compiled once per row length: a declared
-    packing's tile is chosen in about 0.7x the time three programs, one a tile, took."""
+    """`efficiency` on each of `PACKED_TILES`."""
     row = _padded_row(lengths, ring)
-    return _run_row(_packed_efficiencies, row, spec, ring).tolist()
-
-
-def _packed_efficiencies(segments, spec: AttentionSpec, ring: int):
-    """`row_efficiency` of `segments [T]` on each of `PACKED_TILES`, `[3]`."""
-    return jnp.stack([row_efficiency(segments, spec, ring, tile) for tile in PACKED_TILES])
+    return [float(row_efficiency(row, spec, ring, tile)) for tile in PACKED_TILES]
 
 
 def _padded_row(lengths: Sequence[int], ring: int) -> np.ndarray:
     """The segment ids of a row of documents of these `lengths`, padded with one more to a multiple of `ring`."""
     total = sum(lengths)
     return _row(lengths, total + -total % ring)
-
-
-def _run_row(function, row: np.ndarray, *static):
-    """`function(row, *static)` run now, on the host (`tuner.support.host`: also inside a trace, under any
-    mesh of the caller's), by the program `_row_program` keeps."""
-    with host.on_host():
-        return np.asarray(_row_program(function, row.shape[0], *static)(row))
-
-
-@functools.lru_cache(maxsize=64)
-def _row_program(function, length: int, *static):
-    """`function(row, *static)` compiled for int32 rows of `length` tokens, to run now: one program, where op
-    by op each new row length compiled dozens of small ones (0.4 to 2 s for `row_efficiency`)."""
-    row = jax.ShapeDtypeStruct((length,), jnp.int32)
-    static_argnums = tuple(range(1, 1 + len(static)))
-    return jax.jit(function, static_argnums=static_argnums).lower(row, *static).compile()
 
 
 def _row(lengths: Sequence[int], total: int) -> np.ndarray:

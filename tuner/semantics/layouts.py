@@ -259,8 +259,7 @@ def restore_batch(batch: Mapping[str, Any], positions, *, mesh=None, axis_name: 
         raise ValueError(f"positions must be [B, T] (or [1, T]) for the arrays of batch [B, T, ...] = "
                          f"{shape[:2]}, got {given}")
     if mesh is None:
-        back = np.argsort(np.asarray(positions), axis=1) if isinstance(positions, np.ndarray) else \
-            permutations.inverse(positions)
+        back = permutations.inverse(positions)
         return tree.unflatten([_take_rows(x, back) for x in leaves])
     return tree.unflatten(_restore_sharded(leaves, positions, mesh, axis_name))
 

@@ -21,13 +21,7 @@ import numpy as np
 from jax import lax
 
 from tuner.semantics.spec import INT32_MAX, INT32_MIN, AttentionSpec
-
-
-def namespace(*arrays):
-    """NumPy where every argument is a NumPy array or scalar (or a Python number), else jax.numpy: the library
-    the range rules compute in."""
-    numpy_types = (np.ndarray, np.generic, int)  # a bool is an int
-    return np if all(isinstance(x, numpy_types) for x in arrays) else jnp
+from tuner.support.arrays import namespace
 
 
 def window_bounds(q_lo, q_hi, window: tuple[int, int]):

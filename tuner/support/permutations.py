@@ -9,12 +9,19 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 
 def inverse(order: jax.Array) -> jax.Array:
     """The inverse of each permutation along the last axis of `order` (`[..., T]`, integer, each row a
-    permutation of `0..T-1`): `inverse(order)[..., order[..., s]] == s`. Traced or not."""
+    permutation of `0..T-1`): `inverse(order)[..., order[..., s]] == s`. Traced or not; in NumPy for a
+    NumPy array."""
+    if isinstance(order, np.ndarray):
+        slots = np.empty_like(order)
+        np.put_along_axis(slots, order, np.broadcast_to(np.arange(order.shape[-1], dtype=order.dtype), order.shape),
+                          axis=-1)
+        return slots
     order = jnp.asarray(order)
     if order.ndim > 1:  # row by row: a scatter batched over the rows, which a row-sharded order splits
         return jax.vmap(inverse)(order)
