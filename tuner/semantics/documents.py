@@ -173,7 +173,7 @@ def tile_choice(efficiencies):
     backend; a shorter one skips more of a short document's causal diagonal and of its neighbours, and
     deals a long document more evenly. In NumPy for a NumPy array (a declared packing's, chosen on the host),
     else in jax (traced or not)."""
-    xp = masks.namespace(efficiencies)
+    xp = arrays.namespace(efficiencies)
     index, reached, walking = xp.int32(0), efficiencies[0], xp.bool_(True)
     for i in range(1, len(efficiencies)):
         walking = walking & (reached < EFFICIENT) & (efficiencies[i] > reached)
