@@ -121,7 +121,7 @@ def deal(cost, ring: int):
     P-1, P-1, ..., 0, 0, ...): the busiest device within the costliest chunk of the least busy one. In
     NumPy for NumPy costs."""
     xp = arrays.namespace(cost)
-    rank = permutations.inverse(arrays.stable_argsort(-cost).astype(cost.dtype))
+    rank = permutations.inverse(arrays.stable_argsort(-cost))
     lap, seat = rank // ring, rank % ring
     return xp.where(lap % 2 == 0, seat, ring - 1 - seat)
 
