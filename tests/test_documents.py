@@ -42,6 +42,31 @@ def test_each_row_is_a_permutation_that_fills_every_device_in_token_order():
     np.testing.assert_array_equal(np.asarray(traced), order)  # the same inside jit, on traced ids
 
 
+@given(st.lists(st.lists(st.integers(1, 200), min_size=1, max_size=6), min_size=1, max_size=3),
+       st.sampled_from([2, 4, 8]), st.booleans(), st.sampled_from([None, (0, 0), (40, 0), (7, 30)]),
+       st.sampled_from([8, 16, (16, 32)]))
+@settings(max_examples=6)
+def test_the_host_and_the_device_choose_the_same_layouts(rows, ring, causal, window, tile):
+    """NumPy in: the plan runs in NumPy and compiles nothing; the choice is the jitted program's."""
+    total = -(-max(map(sum, rows)) // (2 * ring)) * 2 * ring
+    seg = segment_ids(*[row + [total - sum(row)] if total > sum(row) else row for row in rows])
+    with first_trace.compiles_counted() as compiles:
+        host = layouts.document_order(seg, ring, causal=causal, window=window, tile=tile)
+    assert compiles == [] and isinstance(host, np.ndarray)
+    device = layouts.document_order(jnp.asarray(seg), ring, causal=causal, window=window, tile=tile)
+    np.testing.assert_array_equal(host, np.asarray(device))
+
+
+def test_a_long_row_is_counted_in_tile_pairs_not_in_an_area_that_overflows():
+    """At 262144 tokens on 8 devices a device's tile area passes 2**31: one causal document then wrapped
+    int32 and got the contiguous layout (its last device computes 15 times the first's) instead of zigzag."""
+    total, ring = 262144, 8
+    seg = np.ones((1, total), np.int32)
+    zigzag = layouts.global_order("zigzag", total, ring)
+    np.testing.assert_array_equal(layouts.document_order(seg, ring, tile=64)[0], zigzag)
+    np.testing.assert_array_equal(np.asarray(layouts.document_order(jnp.asarray(seg), ring, tile=64))[0], zigzag)
+
+
 @pytest.mark.parametrize("total, ring, tile, chunk", [
     (4096, 8, 64, 64), (131072, 8, 16, 128), (131072, 8, 64, 128),  # whole tiles; coarser on long rows
     (6144, 4, 128, 128), (12288, 4, 64, 64),
@@ -173,7 +198,7 @@ _jitted_tile_choice = jax.jit(documents.tile_choice)
 @settings(max_examples=5, deadline=None)
 def test_the_plan_deals_within_one_chunk_and_its_host_estimate_is_its_count(lengths, ring, causal, tile):
     """The documents plan's devices differ by at most one chunk's cost, and `efficiency` (the host-side
-    estimate the default tile is chosen by) is what `busiest` counts for the plan."""
+    estimate the default tile is chosen by) is what `busiest` counts for the plan (in tile pairs)."""
     total = -(-sum(lengths) // (ring * tile)) * ring * tile
     lengths = lengths + [total - sum(lengths)] if total > sum(lengths) else lengths
     spec = AttentionSpec(scale=1.0, causal=causal, has_segments=True)
@@ -188,7 +213,7 @@ def test_the_plan_deals_within_one_chunk_and_its_host_estimate_is_its_count(leng
     loads = cost[order.reshape(ring, -1, tile)[:, :, 0] // tile].sum(axis=1)
     assert loads.max() - loads.min() <= cost.max()
     useful = documents.useful_logits(lengths, spec)
-    assert documents.efficiency(lengths, spec, ring, tile) == pytest.approx(useful / (ring * int(counted)))
+    assert documents.efficiency(lengths, spec, ring, tile) == pytest.approx(useful / (ring * int(counted) * tile**2))
 
 
 @pytest.mark.parametrize("causal, window", [(True, None), (False, None), (True, (5, 0)), (False, (3, 7))])
@@ -218,9 +243,10 @@ def test_the_busiest_device_counts_the_tile_pairs_its_shard_may_compute(tile, la
     ids = [np.array([f(seg[x]) for x in tiles]) for f in (np.min, np.max)]
     may = np.asarray(masks.ranges_may_attend(bounds[0][:, None], bounds[1][:, None], bounds[0][None], bounds[1][None],
                                              (ids[0][:, None], ids[1][:, None], ids[0][None], ids[1][None]), spec))
-    want = may.sum(axis=1).reshape(ring, -1).sum(axis=1).max() * size * size
+    want = may.sum(axis=1).reshape(ring, -1).sum(axis=1).max()
     busiest = jax.jit(documents.busiest, static_argnums=(2, 3, 4))
     assert int(busiest(jnp.asarray(order), jnp.asarray(seg), ring, spec, (tile, tile))) == want
+    assert int(documents.busiest(order, seg, ring, spec, (tile, tile))) == want  # on the host, in NumPy
 
 
 @given(st.lists(st.integers(1, 250), min_size=1, max_size=16), st.sampled_from([2, 4, 8]), st.booleans(),

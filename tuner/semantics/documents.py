@@ -217,16 +217,20 @@ def declared_tile(packing: str | None, seq_len: int, ring: int, spec: AttentionS
 def plan(segments, ring: int, spec: AttentionSpec, chunk: int):
     """One row's layout (`[T]` token indices, device-major): the chunks of `chunk` tokens of
     `segments [T]` dealt to the `ring` devices (`deal`), each device's in token order."""
+    xp = arrays.namespace(segments)
     total = segments.shape[0]
     count = total // chunk
     device = deal(chunk_costs(segments, spec, chunk), ring)
-    chunks = jnp.argsort(device * count + jnp.arange(count), stable=True)  # device-major, token order within one
-    return (chunks[:, None] * chunk + jnp.arange(chunk)[None]).reshape(total).astype(jnp.int32)
+    chunks = arrays.stable_argsort(device * count + xp.arange(count))  # device-major, token order within one
+    return (chunks[:, None] * chunk + xp.arange(chunk)[None]).reshape(total).astype(xp.int32)
 
 
 def busiest(order, segments, ring: int, spec: AttentionSpec, tiles: tuple[int, int]):
-    """The busiest device's logit tile area under `order`: what the ring computes with `(query, key)`
-    tiles of these sizes (cut to the shard), skipping the tile pairs whose ranges cannot meet."""
+    """The tile pairs the busiest device computes under `order`, with `(query, key)` tiles of these sizes
+    (cut to the shard), skipping the pairs whose ranges cannot meet: what the ring computes, in tiles of one
+    area for every order (a count of pairs, at most `COUNTED_TILES` squared, where the area overflows int32
+    from about 2**17 tokens)."""
+    xp = arrays.namespace(order, segments)
     total = order.shape[0]
     local = total // ring
     segments = segments[order]
@@ -238,18 +242,18 @@ def busiest(order, segments, ring: int, spec: AttentionSpec, tiles: tuple[int, i
         per_shard = -(-local // tile)
 
         def tiled(x, fill):
-            shards = jnp.pad(x.reshape(ring, local), ((0, 0), (0, per_shard * tile - local)), constant_values=fill)
+            shards = xp.pad(x.reshape(ring, local), ((0, 0), (0, per_shard * tile - local)), constant_values=fill)
             return shards.reshape(ring * per_shard, tile)
 
         return tuple(reduce(tiled(x, fill), axis=1) for x in (order, segments)
-                     for reduce, fill in ((jnp.min, jnp.iinfo(x.dtype).max), (jnp.max, jnp.iinfo(x.dtype).min)))
+                     for reduce, fill in ((xp.min, np.iinfo(x.dtype).max), (xp.max, np.iinfo(x.dtype).min)))
 
     q_tile, kv_tile = (min(t, local) for t in tiles)
     q_lo, q_hi, q_seg_lo, q_seg_hi = bounds(q_tile)
     k_lo, k_hi, k_seg_lo, k_seg_hi = bounds(kv_tile)
     may = masks.ranges_may_attend(q_lo[:, None], q_hi[:, None], k_lo[None], k_hi[None],
                                   (q_seg_lo[:, None], q_seg_hi[:, None], k_seg_lo[None], k_seg_hi[None]), spec)
-    return may.sum(1).reshape(ring, -1).sum(1).max() * q_tile * kv_tile
+    return may.sum(1, dtype=xp.int32).reshape(ring, -1).sum(1).max()
 
 
 def lay_out_rows(x, order, *, axis: int = 1):

@@ -38,7 +38,7 @@ from jax import lax
 from tuner.semantics import documents, moves
 from tuner.semantics.documents import DEFAULT_TILE, DOCUMENTS, lay_out_rows, restore_rows
 from tuner.semantics.padding import Padding, padded_length
-from tuner.support import axes, ordering, permutations, placement
+from tuner.support import arrays, axes, ordering, permutations, placement
 from tuner.support.axes import sequence_axes
 from tuner.support.checks import check_bool, check_int
 from tuner.support.targets import compile_target
@@ -137,7 +137,8 @@ def document_order(segment_ids, ring_size: int, *, causal: bool = True, window: 
     `documents.COUNTED_TILES` tiles, counted in that many coarser tiles to bound the cost) under the masks
     `causal` and `window` `(left, right)`. Lay the arrays out with `lay_out_rows(x, order)`, pass the order
     as `q_positions`/`kv_positions` (lay given positions out instead), and `restore_rows` the output.
-    Works on traced segment ids inside `jax.jit`; NumPy in gives NumPy out, for a data pipeline."""
+    Works on traced segment ids inside `jax.jit`. NumPy in gives NumPy out, computed in NumPy on the host
+    (no program compiled, no device used), for a data pipeline."""
     ring_size = check_int("ring_size", ring_size, numeric=True)
     check_bool("causal", causal)
     tiles = (tile, tile) if isinstance(tile, int) else tuple(tile)
@@ -154,28 +155,32 @@ def document_order(segment_ids, ring_size: int, *, causal: bool = True, window: 
         raise ValueError(f"segment_ids: the documents layout splits each row evenly, so its length ({length}) must "
                          f"be a multiple of ring_size ({ring_size})")
     spec = AttentionSpec(scale=1.0, causal=causal, window=window, has_segments=True)
-    order = _document_order(jnp.asarray(segment_ids, jnp.int32), ring_size, spec, tiles)
-    return np.asarray(order) if isinstance(segment_ids, np.ndarray) else order
+    if isinstance(segment_ids, np.ndarray):
+        return _document_order(segment_ids.astype(np.int32), ring_size, spec, tiles)
+    return _document_order_program(jnp.asarray(segment_ids, jnp.int32), ring_size, spec, tiles)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _document_order(segment_ids: jax.Array, ring_size: int, spec: AttentionSpec, tiles: tuple[int, int]
-                    ) -> jax.Array:
-    """`document_order`'s choice, one compiled program per shape and masks (called eagerly, the plan's
-    many small operations would each be dispatched, and compiled, apart)."""
+def _document_order(segment_ids, ring_size: int, spec: AttentionSpec, tiles: tuple[int, int]):
+    """`document_order`'s choice, in the library of `segment_ids` (`tuner.support.arrays`)."""
+    xp = arrays.namespace(segment_ids)
     length = segment_ids.shape[1]
     local = length // ring_size
     counted = tuple(max(t, -(-length // documents.COUNTED_TILES)) for t in tiles)  # coarser on long rows
     fixed = [global_order(name, length, ring_size) for name in LAYOUTS if name != "zigzag" or local % 2 == 0]
-    fixed = jnp.asarray(np.stack(fixed), jnp.int32)
+    fixed = xp.asarray(np.stack(fixed), xp.int32)
     chunk = documents.chunk_size(length, ring_size, tiles)
 
     def row_order(segments):
-        candidates = jnp.concatenate([fixed, documents.plan(segments, ring_size, spec, chunk)[None]])
-        work = jax.vmap(lambda order: documents.busiest(order, segments, ring_size, spec, counted))(candidates)
-        return candidates[jnp.argmin(work)]  # ties: the first, a fixed layout
+        candidates = xp.concatenate([fixed, documents.plan(segments, ring_size, spec, chunk)[None]])
+        work = arrays.per_row(lambda order: documents.busiest(order, segments, ring_size, spec, counted), candidates)
+        return candidates[xp.argmin(work)]  # ties: the first, a fixed layout
 
-    return jax.vmap(row_order)(segment_ids)
+    return arrays.per_row(row_order, segment_ids)
+
+
+# one compiled program per shape and masks (called eagerly, the plan's many small operations would each be
+# dispatched, and compiled, apart)
+_document_order_program = jax.jit(_document_order, static_argnums=(1, 2, 3))
 
 
 def lay_out_batch(batch: Mapping[str, Any], ring_size: int, layout: str = DOCUMENTS, *,

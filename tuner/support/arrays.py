@@ -8,6 +8,9 @@ whatever mesh the caller set) and in jax on the device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -26,4 +29,11 @@ def stable_argsort(x):
     return jnp.argsort(x, axis=-1, stable=True)
 
 
-__all__ = ["namespace", "stable_argsort"]
+def per_row(fn: Callable, x):
+    """`fn` of each row of `x` (its leading axis), stacked: `jax.vmap` in jax, a loop in NumPy."""
+    if namespace(x) is np:
+        return np.stack([fn(row) for row in x])
+    return jax.vmap(fn)(x)
+
+
+__all__ = ["namespace", "per_row", "stable_argsort"]
