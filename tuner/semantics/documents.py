@@ -226,10 +226,9 @@ def plan(segments, ring: int, spec: AttentionSpec, chunk: int):
 
 
 def busiest(order, segments, ring: int, spec: AttentionSpec, tiles: tuple[int, int]):
-    """The tile pairs the busiest device computes under `order`, with `(query, key)` tiles of these sizes
-    (cut to the shard), skipping the pairs whose ranges cannot meet: what the ring computes, in tiles of one
-    area for every order (a count of pairs, at most `COUNTED_TILES` squared, where the area overflows int32
-    from about 2**17 tokens)."""
+    """How many tile pairs the busiest device computes under `order`, with `(query, key)` tiles of these
+    sizes (cut to the shard), skipping the pairs whose ranges cannot meet. A count, not an area: the orders
+    of a row are compared in the same tiles, and the area passes int32 from about 2**17 tokens."""
     xp = arrays.namespace(order, segments)
     total = order.shape[0]
     local = total // ring
