@@ -47,5 +47,30 @@ def short_params(values: dict[str, Any]) -> str:
 
 def describe_config(config: Any) -> str:
     """An implementation's config as `fwd(field=value ...) bwd(...)`; "-" when it has nothing to tune."""
-    parts = [f"{part}({short_params(values)})" for part, values in config.to_dict().items() if values]
-    return " ".join(parts) or "-"
+    return describe_parts(config.to_dict())
+
+
+def describe_parts(parts: dict[str, dict[str, Any]]) -> str:
+    """`describe_config` of a config's `to_dict()` (read back from JSON, where the config type is not at hand)."""
+    return " ".join(f"{part}({short_params(values)})" for part, values in parts.items() if values) or "-"
+
+
+def described_fields(text: str) -> dict[str, str]:
+    """The fields `describe_config` wrote, as `{"part.field": "value"}`: a config's settings read back from
+    the one line a trial keeps. `ValueError` for text it did not write."""
+    if text == "-":
+        return {}
+    parts = _DESCRIBED_PART.findall(text)
+    if not parts or " ".join(f"{part}({body})" for part, body in parts) != text:
+        raise ValueError(f"not a config description (part(field=value ...) ...): {text[:80]!r}")
+    fields = {}
+    for part, body in parts:
+        for item in body.split():
+            name, equals, value = item.partition("=")
+            if not equals:
+                raise ValueError(f"not a config description (part(field=value ...) ...): {text[:80]!r}")
+            fields[f"{part}.{name}"] = value
+    return fields
+
+
+_DESCRIBED_PART = re.compile(r"(\w+)\(([^()]*)\)")
