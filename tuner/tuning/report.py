@@ -20,8 +20,9 @@ from typing import Any
 
 import optuna
 
+from tuner import registry
 from tuner.semantics.problem import Problem
-from tuner.support.tables import describe_parts, described_fields
+from tuner.support.tables import describe_config, described_fields
 from tuner.tuning.shared import Shared
 from tuner.tuning.study import DUPLICATE, SURPLUS, open_storage
 
@@ -107,7 +108,8 @@ def write_report(study: str, storage: str, out: str | Path) -> int:
              "</h1>",
              f"<p><code>{html.escape(problem_line(attrs))}</code></p>",
              f"<p class='note'>study {html.escape(study)} in {html.escape(storage)}; {html.escape(versions)}</p>",
-             *_winner_section(winner, rows), *_trials_section(rows), *_figures(loaded, rows)]
+             *_winner_section(winner, rows, attrs.get("backend")), *_trials_section(rows, _hidden(loaded)),
+             *_figures(loaded, rows)]
     page = ("<!doctype html><html><head><meta charset='utf-8'><title>tuner report: "
             f"{html.escape(study)}</title><style>{STYLE}</style></head><body>" + "\n".join(parts) + "</body></html>")
     Path(out).write_text(page, encoding="utf-8")
@@ -128,7 +130,12 @@ def _table(headers: list[str], rows: list[list[str]], numeric: set[int], marked:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def _winner_section(winner: dict[str, Any] | None, rows: list[TrialRow]) -> list[str]:
+def _hidden(study: optuna.Study) -> list[int]:
+    """The trials that measured nothing (over the budget, or a config another trial held)."""
+    return [t.number for t in study.get_trials(deepcopy=False) if t.user_attrs.get("failure") in HIDDEN]
+
+
+def _winner_section(winner: dict[str, Any] | None, rows: list[TrialRow], backend: str | None) -> list[str]:
     """The default and the winner as re-timed side by side, and every re-timed candidate."""
     parts = ["<h2>Winner</h2>"]
     if winner is None:
@@ -138,7 +145,7 @@ def _winner_section(winner: dict[str, Any] | None, rows: list[TrialRow]) -> list
     total = {name: sum(m[p]["median_s"] for p in ("fwd", "bwd") if m[p] is not None) for name, m in measured.items()}
     table = [[name, *(_ms(None if m[p] is None else m[p]["median_s"]) for p in ("fwd", "bwd")), _ms(total[name]),
               f"{total['default'] / total[name]:.2f}x",
-              describe_parts(dict(sorted(m["config"].items(), key=lambda part: part[0] != "fwd"))),
+              describe_config(registry.get(backend).config_type.from_dict(m["config"])),
               "default" if name == "default" else winner.get("best_from", "-")] for name, m in measured.items()]
     parts += ["<p>The search re-timed its best trials side by side with the default at the end, and the "
               "fastest is the winner the cache keeps.</p>",
@@ -155,13 +162,17 @@ def _winner_section(winner: dict[str, Any] | None, rows: list[TrialRow]) -> list
     return parts
 
 
-def _trials_section(rows: list[TrialRow]) -> list[str]:
-    """Every trial: where its config came from, how it ended, its times, tiles and why it failed."""
+def _trials_section(rows: list[TrialRow], hidden: list[int]) -> list[str]:
+    """Every trial: where its config came from, how it ended, its times, tiles and why it failed; and the
+    numbers of those not shown."""
     states = Counter(r.state for r in rows)
     failed = Counter(r.note.partition(":")[0] for r in rows if r.state == "fail")
     summary = ", ".join(f"{n} {s}" for s, n in states.items())
     if failed:
         summary += " (failed: " + ", ".join(f"{reason} {n}" for reason, n in failed.items()) + ")"
+    if hidden:
+        summary += (f"; not shown, as they measured nothing: trial{'s' if len(hidden) > 1 else ''} "
+                    f"{', '.join(map(str, hidden))} (a config another trial held, or over the budget)")
     values = [r.value for r in rows if r.value is not None]
     best = {i for i, r in enumerate(rows) if values and r.value == min(values)}
     table = [[str(r.number), r.source, r.state, _ms(r.fwd_s), _ms(r.bwd_s),
