@@ -96,6 +96,17 @@ def test_one_complete_trial_says_what_the_figures_need(tmp_path):
     assert "(the study records no problem)" in text  # a study without the search's attributes gets its page
 
 
+def test_a_config_line_it_cannot_read_leaves_out_the_tiles_figure_and_says_why(tmp_path):
+    url = f"sqlite:///{tmp_path / 'odd.sqlite'}"
+    study = optuna.create_study(study_name="odd", storage=open_storage(url))
+    for value in (1.0, 0.9):
+        study.add_trial(optuna.trial.create_trial(value=value, user_attrs={"config": "fwd(window=(64, 0))"}))
+    write_report("odd", url, tmp_path / "odd.html")
+    text = html.unescape((tmp_path / "odd.html").read_text())
+    assert "<h2>Tiles tried</h2>" not in text
+    assert "the tiles tried are not drawn: not a config description" in text
+
+
 def test_a_config_line_reads_back_as_its_fields():
     parts = {"fwd": {"block_q": 64, "block_kv": None}, "bwd": {"block_q_dkv": 32, "dq_pass": "separate"}}
     assert described_fields(describe_parts(parts)) == {"fwd.block_q": "64", "bwd.block_q_dkv": "32",

@@ -192,7 +192,10 @@ def _figures(study: optuna.Study, rows: list[TrialRow]) -> list[str]:
     complete = [r for r in rows if r.value is not None]
     notes = []
     if len(complete) >= 2:
-        figures.append(("Tiles tried", _tiles(complete)))
+        try:
+            figures.append(("Tiles tried", _tiles(complete)))
+        except ValueError as error:  # a config line another version of the search wrote
+            notes.append(f"the tiles tried are not drawn: {error}")
         importances = _importances(study)
         if isinstance(importances, str):
             notes.append(importances)
