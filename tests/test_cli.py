@@ -119,8 +119,14 @@ def test_list_show_export_clear_import(searched, tmp_path, cli):
     assert skipping.returncode == 0 and "imported 1 entry" in skipping.stdout and "skipped 1 invalid" in skipping.stdout
 
 
-def test_report_writes_html(searched, tmp_path, cli):
+def test_report_writes_html(searched, tmp_path, cli, monkeypatch):
     home, result = searched
+    key = stored_key(result.stdout)
+    assert f"`tuner report {key[:8]}` writes a page on its study" in result.stdout
+    monkeypatch.chdir(tmp_path)
+    named = cli("report", key[:8], home=home)  # no --out: a file named after the entry, here
+    assert named.returncode == 0 and named.stdout.strip().endswith(f"to report-{key[:8]}.html"), named.stderr
+    assert (tmp_path / f"report-{key[:8]}.html").stat().st_size > 0
     page = tmp_path / "reports" / "today" / "report.html"  # its folder is created
     done = cli("report", stored_key(result.stdout)[:8], "--out", str(page), home=home)
     assert done.returncode == 0, done.stderr

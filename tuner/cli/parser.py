@@ -207,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     report = commands.add_parser("report", help="HTML report of the study behind a cache entry")
     report.add_argument("key", help="the entry's key, or a unique prefix of it")
-    report.add_argument("--out", required=True, help="HTML file to write")
+    report.add_argument("--out", default=None, help="HTML file to write (default: report-KEY.html here, KEY the "
+                        "entry's first 8 characters)")
     report.add_argument("--storage", default=None, help="optuna storage of the study")
     report.add_argument("--db", default=None, help="cache file")
     report.set_defaults(run=verbs.run_report)

@@ -111,5 +111,6 @@ def search_summary(result: SearchResult) -> list[str]:
         lines.append(f"time     {result.seconds:.0f} s")
     lines += [f"use      {line}" for line in loader_call(result.problem, result.backend)]
     lines.append(f"next     `tuner bench` with the same options times them against dense attention; "
-                 f"`tuner show {result.key.digest[:8]}` prints the entry")
+                 f"`tuner show {result.key.digest[:8]}` prints the entry, `tuner report {result.key.digest[:8]}` "
+                 f"writes a page on its study")
     return lines

@@ -229,16 +229,20 @@ def run_report(args: argparse.Namespace) -> int:
     from tuner.tuning.report import write_report
     from tuner.tuning.study import default_storage
 
-    prepare_output(args.out, "--out")
+    if args.out is not None:
+        prepare_output(args.out, "--out")  # a bad --out is told before anything is looked up
     if args.storage is not None:
         check_storage(args.storage)
     row = views.find_one(cache_of(args), args.key)
+    out = args.out or f"report-{row['key'][:8]}.html"
+    if args.out is None:
+        prepare_output(out, "--out")  # the default, here: this folder must take it
     storage = args.storage or default_storage(cache_of(args).path)
     try:
-        count = write_report(row["study"], storage, args.out)
+        count = write_report(row["study"], storage, out)
     except (KeyError, ValueError, ImportError) as error:
         raise UsageError(str(error)) from None
-    print(f"wrote the report of study {row['study']} ({count} trials) to {args.out}")
+    print(f"wrote the report of study {row['study']} ({count} trials) to {out}")
     return 0
 
 
