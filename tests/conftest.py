@@ -3,6 +3,7 @@ hypothesis profiles, and the heap frozen after each test.
 
     python -m pytest -q                     # everything (what CI runs)
     python -m pytest -q -m "not slow"       # the fast tier, while editing
+    HYPOTHESIS_PROFILE=fresh pytest         # the usual sizes, examples drawn anew each run
     HYPOTHESIS_PROFILE=thorough pytest      # many more hypothesis examples, on demand
 
 After each test, the objects still alive are frozen (`gc.freeze`): the garbage collector no longer walks
@@ -44,6 +45,10 @@ from cli_run import in_process  # noqa: E402
 
 settings.register_profile(
     "ci", max_examples=6, deadline=None, derandomize=True, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(  # the ci profile's sizes, new examples every run: a cheap hunt for what ci's never draw
+    "fresh", max_examples=6, deadline=None, derandomize=False, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.register_profile(
