@@ -105,6 +105,8 @@ def test_a_config_line_it_cannot_read_leaves_out_the_tiles_figure_and_says_why(t
     text = html.unescape((tmp_path / "odd.html").read_text())
     assert "<h2>Tiles tried</h2>" not in text
     assert "the tiles tried are not drawn: not a config description" in text
+    assert "<h2>Which settings mattered</h2>" not in text  # nothing was sampled: no empty chart
+    assert "which settings mattered is unavailable: its trials sampled no settings" in text
 
 
 def test_a_config_line_reads_back_as_its_fields():

@@ -196,11 +196,10 @@ def _figures(study: optuna.Study, rows: list[TrialRow]) -> list[str]:
             figures.append(("Tiles tried", _tiles(complete)))
         except ValueError as error:  # a config line another version of the search wrote
             notes.append(f"the tiles tried are not drawn: {error}")
-        importances = _importances(study)
-        if isinstance(importances, str):
-            notes.append(importances)
-        else:
-            figures.append(("Which settings mattered", importances))
+        try:
+            figures.append(("Which settings mattered", _importances(study)))
+        except (RuntimeError, ValueError) as error:  # optuna's evaluator, on trials it cannot fit
+            notes.append(f"which settings mattered is unavailable: {error}")
     else:
         notes.append("the tiles and what mattered need at least two complete trials")
     parts = []
@@ -258,15 +257,14 @@ def _tiles(complete: list[TrialRow]):
 
 def _importances(study: optuna.Study):
     """optuna's importance of each setting for the time over the default (its ranks read as the settings'
-    names), or why there is none."""
+    names); `ValueError` where there is nothing to weigh."""
     from plotly import graph_objects as go
 
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Some regimes for parameter")
-            found = optuna.importance.get_param_importances(study)
-    except (RuntimeError, ValueError) as error:
-        return f"which settings mattered is unavailable: {error}"
+    with warnings.catch_warnings():  # few trials: optuna warns that its fit sees few values of a setting
+        warnings.filterwarnings("ignore", message="Some regimes for parameter")
+        found = optuna.importance.get_param_importances(study)
+    if not found:
+        raise ValueError("its trials sampled no settings")
     names = [name.removesuffix("_rank") for name in found][::-1]
     figure = go.Figure(go.Bar(x=list(found.values())[::-1], y=names, orientation="h"))
     figure.update_layout(xaxis_title="importance (optuna's fANOVA, summing to 1)", height=120 + 30 * len(names),
