@@ -30,7 +30,7 @@ def made_study(tmp_path, problem: Problem):
         study.set_user_attr(name, value)
 
     def add(state, source, q, kv, value=None, **attrs):
-        config = describe_parts({"fwd": {"block_q": q, "block_kv": kv}, "bwd": {}})
+        config = describe_parts({"fwd": {"block_q": q, "block_kv": kv}, "bwd": {"block_q_dkv": 64}})
         ranks = {"fwd.block_q_rank": q.bit_length() - 6, "fwd.block_kv_rank": kv.bit_length() - 6}  # 32 is rank 0
         study.add_trial(optuna.trial.create_trial(
             state=state, value=value, params=ranks, distributions={name: RANK for name in ranks},
@@ -72,7 +72,7 @@ def test_the_page_shows_every_trial_that_measured_or_failed_for_a_reason(page):
     assert shown == 5 == len(trial_rows(study))  # the duplicate gave its config back: not shown
     assert problem.describe() in html.unescape(text)
     assert cells(text, 1) == ["1", "sampler", "complete", "9.40", "-", "0.750", "3.0",
-                              "fwd(block_q=64 block_kv=256)", ""]
+                              "fwd(block_q=64 block_kv=256) bwd(block_q_dkv=64)", ""]
     assert re.search(r"<tr class=best><td class=n>1</td>", text)  # the fastest trial is marked, and no other
     assert text.count("<tr class=best>") == 1
     assert cells(text, 3)[2] == "fail" and cells(text, 3)[-1] == "mismatch: max error 3e-2 over the 1e-5 bound <b>"
@@ -84,6 +84,10 @@ def test_the_page_shows_every_trial_that_measured_or_failed_for_a_reason(page):
     for title in ("Time over the default, trial by trial", "Tiles tried", "Which settings mattered"):
         assert f"<h2>{title}</h2>" in text
     assert text.count("plotly.js v") == 1  # the script inlined once: the page works offline
+    # the tiles' axes: the settings the trials varied, in sizes; the one they all shared has none
+    assert '{"label":"fwd.block_q","range":[0,2],"ticktext":["32","64","128"],"tickvals":[0,1,2],"values":[2,1,0]}' \
+        in text
+    assert '"label":"bwd.block_q_dkv"' not in text
 
 
 def test_one_complete_trial_says_what_the_figures_need(tmp_path):

@@ -235,7 +235,8 @@ def _history(rows: list[TrialRow]):
 
 def _tiles(complete: list[TrialRow]):
     """Parallel coordinates over the tile sizes the complete trials ran (each axis a setting, its values in
-    order, "-" where a trial's config leaves it unset), coloured by time over the default."""
+    order, "-" where a trial's config leaves it unset; a setting every trial shares has no axis), coloured by
+    time over the default."""
     from plotly import graph_objects as go
 
     fields = [described_fields(r.config) for r in complete]
@@ -243,6 +244,8 @@ def _tiles(complete: list[TrialRow]):
     dimensions = []
     for name in names:
         values = [f.get(name, "-") for f in fields]
+        if len(set(values)) == 1:
+            continue
         ordered = sorted(set(values), key=lambda v: (v == "-", not v.isdigit(), int(v) if v.isdigit() else 0, v))
         dimensions.append({"label": name, "values": [ordered.index(v) for v in values],
                            "tickvals": list(range(len(ordered))), "ticktext": ordered,
