@@ -47,7 +47,7 @@ settings.register_profile(
     "ci", max_examples=6, deadline=None, derandomize=True, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-settings.register_profile(  # the ci profile's sizes, new examples every run: a cheap hunt for what ci's never draw
+settings.register_profile(  # the ci profile's sizes with new examples each run (ci draws the same ones)
     "fresh", max_examples=6, deadline=None, derandomize=False, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
