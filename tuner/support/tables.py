@@ -47,12 +47,8 @@ def short_params(values: dict[str, Any]) -> str:
 
 def describe_config(config: Any) -> str:
     """An implementation's config as `fwd(field=value ...) bwd(...)`; "-" when it has nothing to tune."""
-    return describe_parts(config.to_dict())
-
-
-def describe_parts(parts: dict[str, dict[str, Any]]) -> str:
-    """`describe_config` of a config's `to_dict()` (read back from JSON, where the config type is not at hand)."""
-    return " ".join(f"{part}({short_params(values)})" for part, values in parts.items() if values) or "-"
+    parts = [f"{part}({short_params(values)})" for part, values in config.to_dict().items() if values]
+    return " ".join(parts) or "-"
 
 
 def described_fields(text: str) -> dict[str, str]:

@@ -25,6 +25,7 @@ from tuner.semantics.problem import Problem
 from tuner.support.tables import describe_config, described_fields
 from tuner.tuning.shared import Shared
 from tuner.tuning.study import DUPLICATE, SURPLUS, open_storage
+from tuner.tuning.trials import Measured
 
 HIDDEN = (SURPLUS, DUPLICATE)  # trials that measured nothing: over the budget, or a config another trial held
 STYLE = """body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 78em; padding: 0 1em; color: #222 }
@@ -51,10 +52,11 @@ class TrialRow:
     note: str
 
 
-def trial_rows(study: optuna.Study) -> list[TrialRow]:
-    """The trials that measured something or failed for a reason, in the order they ran."""
+def trial_rows(trials: list[optuna.trial.FrozenTrial]) -> list[TrialRow]:
+    """The trials (a study's `get_trials()`) that measured something or failed for a reason, in the order they
+    ran."""
     rows = []
-    for t in study.get_trials(deepcopy=False):
+    for t in trials:
         attrs = t.user_attrs
         if attrs.get("failure") in HIDDEN or t.state in (optuna.trial.TrialState.RUNNING,
                                                          optuna.trial.TrialState.WAITING):
@@ -99,7 +101,9 @@ def write_report(study: str, storage: str, out: str | Path) -> int:
         raise KeyError(f"no study {study!r} in {storage} (it has {len(names)}); pass the storage the "
                        f"search used with --storage")
     loaded = optuna.load_study(study_name=study, storage=opened)
-    rows = trial_rows(loaded)
+    trials = loaded.get_trials(deepcopy=False)
+    rows = trial_rows(trials)
+    hidden = [t.number for t in trials if t.user_attrs.get("failure") in HIDDEN]
     winner = Shared(opened).winner(study)
     attrs = loaded.user_attrs
     versions = ", ".join(f"{name.removesuffix('_version')} {value}"
@@ -108,7 +112,7 @@ def write_report(study: str, storage: str, out: str | Path) -> int:
              "</h1>",
              f"<p><code>{html.escape(problem_line(attrs))}</code></p>",
              f"<p class='note'>study {html.escape(study)} in {html.escape(storage)}; {html.escape(versions)}</p>",
-             *_winner_section(winner, rows, attrs.get("backend")), *_trials_section(rows, _hidden(loaded)),
+             *_winner_section(winner, rows, attrs.get("backend")), *_trials_section(rows, hidden),
              *_figures(loaded, rows)]
     page = ("<!doctype html><html><head><meta charset='utf-8'><title>tuner report: "
             f"{html.escape(study)}</title><style>{STYLE}</style></head><body>" + "\n".join(parts) + "</body></html>")
@@ -130,22 +134,16 @@ def _table(headers: list[str], rows: list[list[str]], numeric: set[int], marked:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def _hidden(study: optuna.Study) -> list[int]:
-    """The trials that measured nothing (over the budget, or a config another trial held)."""
-    return [t.number for t in study.get_trials(deepcopy=False) if t.user_attrs.get("failure") in HIDDEN]
-
-
 def _winner_section(winner: dict[str, Any] | None, rows: list[TrialRow], backend: str | None) -> list[str]:
     """The default and the winner as re-timed side by side, and every re-timed candidate."""
     parts = ["<h2>Winner</h2>"]
     if winner is None:
         return parts + ["<p>No winner was decided: the search stopped before it re-timed its best trials. Run the "
                         "same <code>tuner search</code> again to go on.</p>"]
-    measured = {name: winner[name] for name in ("default", "best")}
-    total = {name: sum(m[p]["median_s"] for p in ("fwd", "bwd") if m[p] is not None) for name, m in measured.items()}
-    table = [[name, *(_ms(None if m[p] is None else m[p]["median_s"]) for p in ("fwd", "bwd")), _ms(total[name]),
-              f"{total['default'] / total[name]:.2f}x",
-              describe_config(registry.get(backend).config_type.from_dict(m["config"])),
+    config_type = registry.get(backend).config_type
+    measured = {name: Measured.from_dict(winner[name], config_type) for name in ("default", "best")}
+    table = [[name, *(_ms(None if t is None else t.median) for t in (m.fwd, m.bwd)), _ms(m.seconds),
+              f"{measured['default'].seconds / m.seconds:.2f}x", describe_config(m.config),
               "default" if name == "default" else winner.get("best_from", "-")] for name, m in measured.items()]
     parts += ["<p>The search re-timed its best trials side by side with the default at the end, and the "
               "fastest is the winner the cache keeps.</p>",
@@ -173,8 +171,8 @@ def _trials_section(rows: list[TrialRow], hidden: list[int]) -> list[str]:
     if hidden:
         summary += (f"; not shown, as they measured nothing: trial{'s' if len(hidden) > 1 else ''} "
                     f"{', '.join(map(str, hidden))} (a config another trial held, or over the budget)")
-    values = [r.value for r in rows if r.value is not None]
-    best = {i for i, r in enumerate(rows) if values and r.value == min(values)}
+    fastest = min((r.value for r in rows if r.value is not None), default=None)
+    best = {i for i, r in enumerate(rows) if fastest is not None and r.value == fastest}
     table = [[str(r.number), r.source, r.state, _ms(r.fwd_s), _ms(r.bwd_s),
               "-" if r.value is None else f"{r.value:.3f}", "-" if r.compile_s is None else f"{r.compile_s:.1f}",
               r.config, r.note] for r in rows]
@@ -188,8 +186,8 @@ def _trials_section(rows: list[TrialRow], hidden: list[int]) -> list[str]:
 
 def _figures(study: optuna.Study, rows: list[TrialRow]) -> list[str]:
     """The three figures, plotly's script inlined once (the page works offline)."""
-    figures = [("Time over the default, trial by trial", _history(rows))]
     complete = [r for r in rows if r.value is not None]
+    figures = [("Time over the default, trial by trial", _history(complete))]
     notes = []
     if len(complete) >= 2:
         try:
@@ -208,12 +206,11 @@ def _figures(study: optuna.Study, rows: list[TrialRow]) -> list[str]:
     return parts + [f"<p class='note'>{html.escape(n)}</p>" for n in notes]
 
 
-def _history(rows: list[TrialRow]):
+def _history(complete: list[TrialRow]):
     """Each complete trial's time over the default, and its passes' where it timed both (the search keeps
     the best forward and the best backward apart, and tries them together), with the best so far."""
     from plotly import graph_objects as go
 
-    complete = [r for r in rows if r.value is not None]
     both = all(r.rel["fwd"] is not None and r.rel["bwd"] is not None for r in complete)
     series = [("fwd+bwd" if both else "time", [r.value for r in complete], 10)]
     if both:
