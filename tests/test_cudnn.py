@@ -229,6 +229,27 @@ def _branches(jaxpr) -> list[int]:
     return found
 
 
+@pytest.mark.parametrize("ring", [1, 4])
+def test_the_first_step_s_block_is_the_running_state_without_a_merge(ring, monkeypatch):
+    """Lowered for CUDA: each merge of a block into the running state is a pass over the output (`merge`'s
+    exponentials and its log1p). The first step's block is the state as it comes (`MergedBlocks` starts
+    fresh), so on one device the forward is cuDNN's call and no merge, and a ring of 4 merges its steps
+    past the first: the loop's and the last's."""
+    monkeypatch.setattr(ring_module, "compile_target", lambda: ("gpu", "NVIDIA H100"))
+    spec = AttentionSpec(scale=0.125)
+    mesh = Mesh(np.array(jax.devices()[:ring]), ("sp",))
+
+    def local(q, k, v):
+        return run_ring(q, k, v, spec=spec, backend="cudnn", fwd_params=FwdParams(64, 64),
+                        bwd_params=BwdParams(64, 64), axis_name="sp", layout="contiguous")
+
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"))
+    q = jax.ShapeDtypeStruct((1, 256 * ring, 4, 64), jnp.bfloat16)
+    text = jax.jit(sharded).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+    assert [target for target, _, _ in _custom_calls(text)] == ["__cudnn$fmhaSoftmax"] * (1 if ring == 1 else 3)
+    assert text.count("stablehlo.log_plus_one") == (0 if ring == 1 else 2)
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
 @pytest.mark.parametrize("window", [None, 5])
 def test_the_kinds_the_trace_knows_are_those_every_device_finds(layout, window):

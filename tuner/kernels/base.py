@@ -4,7 +4,7 @@ A backend computes attention between one block of queries and one block of keys 
 about rings. The ring driver (`tuner.strategies.ring`) calls it once per ring step and merges the results.
 
     block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec, params, interpret)
-        -> o_f32 [B,Tq,H,Dv], lse_f32 [B,H,Tq]
+        -> o_f32 [B,Tq,H,Dv], lse_f32 [B,H,Tq]     (0 and -inf for a query that reads no key)
     block_bwd(q, k, v, o, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec, params, interpret)
         -> dq, dk, dv (float32), dbias (bias's shape and float32, or None without bias)
 
@@ -14,7 +14,8 @@ each block's gradients into the running ones, where it keeps them, instead of re
     keys_start(k, v, *, params) -> (k, v)           k and v as they travel the ring, made once a ring for
                                                     the tiles of the part that reads them (Fwd/BwdParams)
     fwd_start(q, k, v, *, params) -> state          nothing read yet, for keys shaped as k and v
-    fwd_step(state, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec, params, interpret) -> state
+    fwd_step(state, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec, params, interpret, fresh)
+        -> state                                    fresh: `state` is fwd_start's, the ring's step 0
     fwd_finish(state, q) -> o_f32 [B,Tq,H,Dv], lse_f32 [B,H,Tq]
     bwd_start(q, do, *, params) -> rows               q and do as every step reads them, made once
     dq_start(q, k, *, params) -> dq                   the running dq, zero, as the kernel keeps it
@@ -32,8 +33,10 @@ each block's gradients into the running ones, where it keeps them, instead of re
 may have, when the ring's layout gives them (no explicit positions). A kernel that branches on the
 device by positions (cudnn: one cuDNN mask per chunk pair) decides there once, in the trace; a kernel
 that decides per tile inside its own loops (`DecidesOnDevice`) returns itself. The positions the steps
-get are the same either way. `decides_in_trace` says which of the two a kernel is: the ring driver keeps
-the forward's first step out of its loop only for a kernel that decides in the trace. In a backward,
+get are the same either way. `decides_in_trace` says which of the two a kernel is. `starts_fresh` says
+that a kernel makes the state of a `fresh` step from its block alone, without reading `fwd_start`'s (a
+merge into nothing still costs a pass over the output). The ring driver keeps the forward's first step
+out of its loop only for a kernel that decides in the trace or starts fresh. In a backward,
 `lse_cotangent` False says that the caller did not ask for the lse, whose cotangent is then zero: `delta`
 is `rowsum(do * o)`, which a kernel that computes it itself (cuDNN) need not reconcile with its own.
 
@@ -121,6 +124,7 @@ class Backend(Protocol):
     name: str
     masked_tile: int | None
     decides_in_trace: bool
+    starts_fresh: bool
 
     def unavailable_reason(self, interpret: bool = False, platform: str | None = None) -> str | None:
         """None when this backend's kernels can be built for `platform` (default: the program being
@@ -159,7 +163,7 @@ class Backend(Protocol):
     def fwd_start(self, q, k, v, *, params: FwdParams) -> Any: ...
 
     def fwd_step(self, state: Any, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec,
-                 params: FwdParams, interpret: bool) -> Any: ...
+                 params: FwdParams, interpret: bool, fresh: bool = False) -> Any: ...
 
     def fwd_finish(self, state: Any, q) -> tuple: ...
 
@@ -246,8 +250,11 @@ class BlockGrads(CallerLayout, AddedGrads):
 
 class MergedBlocks(BlockGrads):
     """The ring's steps of a kernel that returns each block's results: the forward's state is the running
-    float32 output `[B, Tq, H, Dv]` and lse `[B, H, Tq]`, into which each block's is merged (`merge`); the
-    backward's are `BlockGrads`'."""
+    float32 output `[B, Tq, H, Dv]` and lse `[B, H, Tq]`, into which each block's is merged (`merge`), but
+    for a `fresh` step's, which is the state (on one device, the ring's output is then the block's, with
+    no pass over it); the backward's are `BlockGrads`'."""
+
+    starts_fresh = True
 
     def fwd_start(self, q, k, v, *, params: FwdParams) -> tuple:
         b, t, h = q.shape[:3]
@@ -255,9 +262,12 @@ class MergedBlocks(BlockGrads):
                 vma.like(jnp.full((b, h, t), -jnp.inf, jnp.float32), q))
 
     def fwd_step(self, state: tuple, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec,
-                 params: FwdParams, interpret: bool) -> tuple:
-        return merge(*state, *self.block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, spec=spec, params=params,
-                                             interpret=interpret))
+                 params: FwdParams, interpret: bool, fresh: bool = False) -> tuple:
+        block = self.block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, spec=spec, params=params,
+                               interpret=interpret)
+        if fresh:  # merge(fwd_start's state, block) is the block: 0 and -inf where a query reads no key
+            return tuple(vma.like(x.astype(jnp.float32), q) for x in block)
+        return merge(*state, *block)
 
     def fwd_finish(self, state: tuple, q) -> tuple:
         return state

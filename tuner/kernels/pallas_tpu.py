@@ -126,6 +126,7 @@ class PallasTpuBackend(DecidesOnDevice, CallerLayout):
 
     name = "pallas_tpu"
     masked_tile = None  # its defaults are tuned per architecture for every mask
+    starts_fresh = False  # its forward kernel merges into the running state in place (`fwd_step`)
 
     def unavailable_reason(self, interpret: bool = False, platform: str | None = None) -> str | None:
         if interpret:
@@ -208,7 +209,8 @@ class PallasTpuBackend(DecidesOnDevice, CallerLayout):
         return _heads_major(k), _heads_major(v)
 
     def fwd_step(self, state: tuple, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec,
-                 params: FwdParams, interpret: bool = False) -> tuple:
+                 params: FwdParams, interpret: bool = False, fresh: bool = False) -> tuple:
+        """This block merged into the running state in place; a `fresh` state is read as any other."""
         out, lse = state
         tq, tk = q.shape[1], kv_pos.shape[1]
         block_q, block_kv, compute = fwd_tiles(params, tq, tk)

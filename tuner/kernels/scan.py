@@ -29,6 +29,7 @@ class ScanBackend(DecidesOnDevice, AddedGrads):
     # 128 skip most of the masked ones: within 3.5% of the best on 7 of the 8 recorded landscapes with a
     # position mask (benchmarks/cpu_ring/README.md, "A default tile for masked problems").
     masked_tile = 128
+    starts_fresh = False  # its state is its own tiles' (`fwd_step`)
 
     def unavailable_reason(self, interpret: bool = False, platform: str | None = None) -> str | None:
         return None
@@ -94,8 +95,9 @@ class ScanBackend(DecidesOnDevice, AddedGrads):
         return scan_kernel.empty_state(q, k, v, block_q=params.block_q, block_kv=params.block_kv)
 
     def fwd_step(self, state: tuple, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, *, spec: AttentionSpec,
-                 params: FwdParams, interpret: bool = False) -> tuple:
-        """Merged into the running state in place (`scan_kernel.accumulate`): no block output is made."""
+                 params: FwdParams, interpret: bool = False, fresh: bool = False) -> tuple:
+        """Merged into the running state in place (`scan_kernel.accumulate`): no block output is made, and a
+        `fresh` state is read as any other."""
         return scan_kernel.accumulate(state, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, spec=spec,
                                       block_q=params.block_q, block_kv=params.block_kv)
 

@@ -155,8 +155,9 @@ def _forward(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks
     size, rank = ring_geometry(cfg.axis_name)
     kv_len = k.shape[1]
 
-    def block(visiting, step, state, steps: range):
-        """Step `step` (one of `steps`, whose positions the trace may know) merged into `state`."""
+    def block(visiting, step, state, steps: range, fresh: bool = False):
+        """Step `step` (one of `steps`, whose positions the trace may know) merged into `state`; `fresh`
+        for step 0, whose `state` is `fwd_start`'s."""
         k_, v_, kv_pos_, kv_seg_ = _arrived(visiting)
         source = (rank - step) % size
         kernel, visited = _group(cfg, backend, q.shape[1], kv_len, size, steps)
@@ -165,7 +166,7 @@ def _forward(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks
             work.record("blocks", 1)
             return kernel.fwd_step(state, q, k_, v_, q_pos, kv_pos_, q_seg, kv_seg_,
                                    bias_columns(bias, source, kv_len), spec=cfg.spec, params=cfg.fwd_params,
-                                   interpret=cfg.interpret)
+                                   interpret=cfg.interpret, fresh=fresh)
 
         visits = _visits(cfg, ring_mask, step, size, visited)
         if visits is None:
@@ -180,11 +181,12 @@ def _forward(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks
         visiting = _travelling(*backend.keys_start(k, v, params=cfg.fwd_params), kv_pos, kv_seg)
         if size > 1:
             # Step 0 (each device's own keys) apart from the loop for a kernel that decides from known
-            # positions, which every device has alike there; for the others, only a kernel copy to compile.
-            first = 1 if backend.decides_in_trace else 0
+            # positions, which every device has alike there, or that starts its state from that step's
+            # block alone; for the others, only a kernel copy to compile.
+            first = 1 if backend.decides_in_trace or backend.starts_fresh else 0
             if first:
                 arriving = _send_to_next(visiting, cfg.axis_name, size)
-                visiting, state = arriving, block(visiting, 0, state, range(1))
+                visiting, state = arriving, block(visiting, 0, state, range(1), fresh=True)
 
             def step(i, carry):
                 visiting, state = carry
@@ -193,7 +195,8 @@ def _forward(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks
 
             if size - 1 > first:
                 visiting, state = lax.fori_loop(first, size - 1, step, (visiting, state))
-        out, lse = backend.fwd_finish(block(visiting, size - 1, state, range(size - 1, size)), q)
+        out, lse = backend.fwd_finish(block(visiting, size - 1, state, range(size - 1, size), fresh=size == 1),
+                                      q)
 
     return (*with_sinks(out, lse, sinks), ring_mask)
 
