@@ -78,6 +78,46 @@ def test_value_head_dim_other_than_the_query_key_one(head_dim, value_head_dim):
         assert error <= tol, f"{name} error {error:.2e}"
 
 
+def test_queries_that_read_none_of_their_own_keys_start_the_ring_from_nothing():
+    """The ring's first step makes the running state from its block alone (`MergedBlocks.starts_fresh`), so
+    a query that reads no key there must come out of the kernel as 0 with lse -inf, as from a merge into
+    nothing. Keys sit 4 positions after the queries (causal): on each device of a ring of 2 the first 4
+    queries read none of their own keys, and on device 0 they read no key at all, as no later step runs
+    there. In the interpreter against the dense float64 reference: those 4 rows exactly 0 and -inf, the
+    rest and the gradients at DESIGN tolerances."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    n, none = 32, 4
+    mesh = Mesh(np.array(jax.devices()[:2]), ("sp",))
+    q_pos = jnp.arange(2 * n, dtype=jnp.int32)[None]
+    kv_pos = q_pos + none
+    rng = np.random.default_rng(0)
+    q, k, v, do = (jnp.asarray(rng.standard_normal((1, 2 * n, 2, 16)), jnp.float32) for _ in range(4))
+
+    def local(q, k, v, q_pos, kv_pos):
+        return ring_attention(q, k, v, q_positions=q_pos, kv_positions=kv_pos, causal=True, axis_name="sp",
+                              backend="triton", fwd_params=FwdParams(16, 16), bwd_params=BwdParams(16, 16, 16, 16),
+                              interpret=True, return_lse=True)
+
+    ring = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "sp"),) * 5,
+                         out_specs=(P(None, "sp"), P(None, None, "sp")))
+    (out, lse), vjp = jax.vjp(lambda q, k, v: ring(q, k, v, q_pos, kv_pos), q, k, v)
+    got = dict(out=out, lse=lse, **dict(zip(("dq", "dk", "dv"), vjp((do, jnp.zeros_like(lse))))))
+    with jax.enable_x64(True):
+        f64 = [np.asarray(x, np.float64) for x in (q, k, v, do)]
+        (out, lse), vjp = jax.vjp(lambda q, k, v: dense_attention(q, k, v, causal=True, q_positions=q_pos,
+                                                                  kv_positions=kv_pos), *f64[:3])
+        want = dict(out=out, lse=lse, **dict(zip(("dq", "dk", "dv"), vjp((f64[3], jnp.zeros_like(lse))))))
+    got, want = ({name: np.asarray(x) for name, x in d.items()} for d in (got, want))
+    assert np.all(got["out"][:, :none] == 0) and np.all(got["lse"][..., :none] == -np.inf)
+    assert np.all(want["lse"][..., :none] == -np.inf) and np.all(np.isfinite(want["lse"][..., none:]))
+    got["lse"], want["lse"] = got["lse"][..., none:], want["lse"][..., none:]
+    for name, tol in (("out", 1e-5), ("lse", 1e-5), ("dq", 1e-4), ("dk", 1e-4), ("dv", 1e-4)):
+        error = rel_err(got[name], want[name])
+        assert error <= tol, f"{name} error {error:.2e}"
+
+
 # --------------------------------------------------------------------------------------------------
 # Code generation.
 # --------------------------------------------------------------------------------------------------
