@@ -4,16 +4,17 @@ The driver (DESIGN section 3) owns everything ring-specific; backends only compu
 
 Forward, on each of the P devices of `axis_name`: P steps. At every step the visiting key/value shard
 (in the kernel's layout, `keys_start`, made once a ring; with its positions and segment ids, stacked
-into one int32 array) is first sent on to the next device, so the transfer can overlap the compute,
-then this device's queries attend to it and the block is merged into the running `(out, lse)` in
-float32. The kernel keeps that state in its own layout (`fwd_start`, `fwd_step`, `fwd_finish` of the
-contract, `tuner.kernels.base`): the scan and Pallas kernels merge each block into it in place; the
-others return a block output, merged by `logaddexp`. There is no send after the last step. A step
-whose visiting shard is wholly excluded by the masks is skipped: which ones, `masks.ring_mask`
-resolves once before the ring turns, from every shard's position bounds. Where no positions were passed,
-the layout's are known in the trace (`tuner.semantics.known`): what every device decides alike at a step
-is decided there, with no branch, and the kernel gets them (`knowing`). Sinks join the softmax once,
-at the end.
+into one int32 array) is first sent on to the next device, so the transfer can overlap the compute, then
+this device's queries attend to it and the block is merged into the running `(out, lse)` in float32. The
+kernel keeps that state in its own layout (`fwd_start`, `fwd_step`, `fwd_finish` of the contract,
+`tuner.kernels.base`): the scan and Pallas kernels merge each block into it in place; the others return
+a block output, merged by `logaddexp`, but for step 0's, which is the state as it comes (`starts_fresh`:
+a merge into nothing would cost a pass over the output). There is no send after the last step. A step
+whose visiting shard is wholly excluded by the masks is skipped: which ones, `masks.ring_mask` resolves
+once before the ring turns, from every shard's position bounds. Where no positions were passed, the
+layout's are known in the trace (`tuner.semantics.known`): what every device decides alike at a step is
+decided there, with no branch, and the kernel gets them (`knowing`). Sinks join the softmax once, at the
+end.
 
 Backward replays the same steps with the final (sink-inclusive) lse and `delta = rowsum(dout * out)`:
 dq accumulates here, in the kernel's layout (`dq_start`, `dq_finish`; the kernel adds each block's
