@@ -2,7 +2,7 @@
 `ring_attention`) and agree with the ring; a backend of another strategy, an unknown strategy and the
 unimplemented "hybrid" are refused by name; all_to_all with heads that do not split over the ring is refused at
 resolve time when asked for and skipped, with its reason, under `auto`. On a TPU topology (libtpu compiles for
-one on this host) and an H100 target, the strategy model decides where nothing measured or tuned does."""
+one on this host) and an H100 or H200 target, the strategy model decides where nothing measured or tuned does."""
 
 import functools
 import importlib.util
@@ -239,17 +239,18 @@ def test_all_gather_over_the_memory_limit_is_refused_at_resolve(monkeypatch):
         attn.explain(*arrays(SMALL))
 
 
-def test_the_model_decides_for_an_h100_and_the_margin_holds(tmp_path, monkeypatch):
-    monkeypatch.setattr(dispatch, "compile_target", lambda mesh=None: ("gpu", "NVIDIA H100 80GB HBM3"))
+@pytest.mark.parametrize(("device_kind", "platform"), [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200")])
+def test_the_model_decides_for_an_h100_or_h200_and_the_margin_holds(device_kind, platform, tmp_path, monkeypatch):
+    monkeypatch.setattr(dispatch, "compile_target", lambda mesh=None: ("gpu", device_kind))
     short = Problem(batch=1, seq_len=4096, heads=8, kv_heads=8, head_dim=128, dtype="bfloat16", causal=True,
                     ring_size=RING, layout="zigzag")
-    ranked = {t.strategy: t.seconds for t in modelled.strategy_model.rank(short, "h100")}
+    ranked = {t.strategy: t.seconds for t in modelled.strategy_model.rank(short, platform)}
     assert ranked["all_gather"] < (1 - modelled.MARGIN) * ranked["ring"]  # the premise: all_gather clearly wins
     q = jax.ShapeDtypeStruct((1, short.seq_len, short.heads, short.head_dim), jnp.bfloat16)
     attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=cpu_mesh(), db=str(tmp_path / "t.sqlite"))
     decision = attn.explain(q, q, q)
     assert decision.backend == "all_gather", decision
-    assert "strategy model (h100)" in decision.reason and "picked all_gather" in decision.reason
+    assert f"strategy model ({platform})" in decision.reason and "picked all_gather" in decision.reason
     assert [s for s, _, _ in decision.predictions][0] == "all_gather"
     assert {s for s, _, _ in decision.predictions} == set(modelled.CANDIDATES)
 

@@ -150,6 +150,10 @@ def test_what_cannot_run_says_why_and_ranks_last():
     big = Problem(seq_len=2048, heads=8, kv_heads=4, head_dim=128, dtype="bfloat16", ring_size=4)
     assert "half the device memory" in predict(big, "all_gather", small).unsupported
     assert predict(big, "all_gather", "h100").gathered_bytes == 2 * 2048 * 4 * 128 * 2
+    # gathered K/V of 48 GiB: over half an H100's 80 GB, under half an H200's 141 GB
+    long = Problem(seq_len=6291456, heads=16, kv_heads=16, head_dim=128, dtype="bfloat16", ring_size=8)
+    assert "half the device memory" in predict(long, "all_gather", "h100").unsupported
+    assert predict(long, "all_gather", "h200").unsupported is None
     assert "no strategy can run" in strategy_model.verdict(rank(six, small, strategies=("all_to_all",)))
 
 

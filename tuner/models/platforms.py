@@ -5,6 +5,8 @@ Rates, per device, one direction (`PLATFORMS`; `Platform` fields override them):
 - h100: 989 TFLOP/s dense bf16, 67 TFLOP/s float32 (NVIDIA H100 SXM datasheet); NVLink 4, 900 GB/s
   bidirectional per GPU through NVSwitch, so 450 GB/s to one neighbour and per device in any collective
   (the switch is non-blocking); 80 GB HBM3.
+- h200: the H100's rates and links (NVIDIA H200 SXM datasheet: the same 989 TFLOP/s and NVLink 4; its
+  HBM's 4.8 TB/s, which these rates leave out, as the H100's 3.35); 141 GB HBM3e.
 - TPU generations: `tpu_model.CHIPS` (its sources), float32 at 1/6 of the bf16 peak. The ring uses one ICI
   link; an all-gather (or reduce-scatter) uses every port of the torus (bidirectional rings along each
   dimension: 4 ports on the 2-D tori of v5e / v6e, 6 on the 3-D ones of v4 / v5p); an all-to-all injects
@@ -17,6 +19,7 @@ Rates, per device, one direction (`PLATFORMS`; `Platform` fields override them):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import timeit
 from dataclasses import dataclass
@@ -84,6 +87,10 @@ PLATFORMS = {"h100": Platform("h100", 989e12, 67e12, EFFICIENCY, 450e9, 450e9, 4
                               f"{_H100.block_q}x{_H100.block_kv} tiles", (_H100.block_q, _H100.block_kv),
                               BACKENDS["triton"].masked_tile),
              **{name: _tpu(name) for name in CHIPS}}
+PLATFORMS["h200"] = dataclasses.replace(PLATFORMS["h100"], name="h200", memory=141e9,
+                                        source="NVIDIA H200 SXM datasheet: the H100's 989 TFLOP/s dense bf16, 67 "
+                                               "float32 and NVLink 4 900 GB/s, 141 GB; the Triton kernel's sm_90 "
+                                               f"{_H100.block_q}x{_H100.block_kv} tiles")
 
 
 @functools.cache
@@ -101,7 +108,7 @@ def measure_cpu() -> Platform:
 
 
 def get_platform(platform: str | Platform) -> Platform:
-    """The `Platform` named `platform` ("h100", a TPU generation of `tpu_model.CHIPS`, "cpu"), or itself."""
+    """The `Platform` named `platform` ("h100", "h200", a TPU generation of `tpu_model.CHIPS`, "cpu"), or itself."""
     if isinstance(platform, Platform):
         return platform
     if platform == "cpu":

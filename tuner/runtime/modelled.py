@@ -7,8 +7,8 @@ built for (`model_platform`); a strategy other than the ring is picked only when
 the ring, and the loader runs it only when `tuner.runtime.measured` decides nothing and the ring is not tuned
 for this problem (a search or compiled row of its own). Otherwise the ring runs, as without the model.
 
-The model decides on TPUs of a generation it has rates for and on H100s only. On the CPU, a simulation
-platform whose rates say nothing about real devices, and on other GPUs it never decides.
+The model decides on TPUs of a generation it has rates for, and on H100s and H200s only. On the CPU, a
+simulation platform whose rates say nothing about real devices, and on other GPUs it never decides.
 """
 
 from __future__ import annotations
@@ -44,12 +44,13 @@ class Verdict:
 
 def model_platform(platform: str, device_kind: str) -> str | None:
     """The `platforms.PLATFORMS` name of a device kind, or None where the model does not decide: a
-    TPU generation of `tpu_memory.CHIPS` the model has rates for, "h100" for an H100, else None."""
+    TPU generation of `tpu_memory.CHIPS` the model has rates for, "h100" for an H100, "h200" for an H200,
+    else None."""
     if platform == "tpu":
         name = CHIPS.get(device_kind)
         return name if name in platforms.PLATFORMS else None
-    if platform == "gpu" and "H100" in device_kind:
-        return "h100"
+    if platform == "gpu":
+        return next((name for name in ("h100", "h200") if name.upper() in device_kind), None)
     return None
 
 
