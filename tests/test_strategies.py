@@ -255,6 +255,12 @@ def test_the_model_decides_for_an_h100_or_h200_and_the_margin_holds(device_kind,
     assert {s for s, _, _ in decision.predictions} == set(modelled.CANDIDATES)
 
 
+def test_the_model_knows_a_gpu_by_a_word_of_its_device_kind():
+    """An H100 or H200 by name; a GH200 (its own memory) and an A100 (no rates here) get no model."""
+    kinds = ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA GH200 480GB", "NVIDIA A100-SXM4-80GB")
+    assert [modelled.model_platform("gpu", kind) for kind in kinds] == ["h100", "h200", None, None]
+
+
 def tpu_mesh(name: str = "v5e:2x2") -> Mesh:
     from jax.experimental import topologies
 

@@ -14,6 +14,7 @@ simulation platform whose rates say nothing about real devices, and on other GPU
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -49,8 +50,8 @@ def model_platform(platform: str, device_kind: str) -> str | None:
     if platform == "tpu":
         name = CHIPS.get(device_kind)
         return name if name in platforms.PLATFORMS else None
-    if platform == "gpu":
-        return next((name for name in ("h100", "h200") if name.upper() in device_kind), None)
+    if platform == "gpu":  # a word of the device kind: "NVIDIA GH200 480GB" is not an H200 by its memory
+        return next((name for name in ("h100", "h200") if re.search(rf"\b{name.upper()}\b", device_kind)), None)
     return None
 
 
