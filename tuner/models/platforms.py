@@ -6,7 +6,7 @@ Rates, per device, one direction (`PLATFORMS`; `Platform` fields override them):
   bidirectional per GPU through NVSwitch, so 450 GB/s to one neighbour and per device in any collective
   (the switch is non-blocking); 80 GB HBM3.
 - h200: the H100's rates and links (NVIDIA H200 SXM datasheet: the same 989 TFLOP/s and NVLink 4; its
-  HBM's 4.8 TB/s, which these rates leave out, as the H100's 3.35); 141 GB HBM3e.
+  faster HBM, 4.8 TB/s against 3.35, is not among these rates); 141 GB HBM3e.
 - TPU generations: `tpu_model.CHIPS` (its sources), float32 at 1/6 of the bf16 peak. The ring uses one ICI
   link; an all-gather (or reduce-scatter) uses every port of the torus (bidirectional rings along each
   dimension: 4 ports on the 2-D tori of v5e / v6e, 6 on the 3-D ones of v4 / v5p); an all-to-all injects
