@@ -50,8 +50,9 @@ def model_platform(platform: str, device_kind: str) -> str | None:
     if platform == "tpu":
         name = CHIPS.get(device_kind)
         return name if name in platforms.PLATFORMS else None
-    if platform == "gpu":  # a word of the device kind: "NVIDIA GH200 480GB" is not an H200 by its memory
-        return next((name for name in ("h100", "h200") if re.search(rf"\b{name.upper()}\b", device_kind)), None)
+    if platform == "gpu":  # a GPU platform's name as a word of the kind: "NVIDIA GH200 480GB" is no H200
+        gpus = [name for name in platforms.PLATFORMS if name not in CHIPS.values()]
+        return next((name for name in gpus if re.search(rf"\b{name.upper()}\b", device_kind)), None)
     return None
 
 
