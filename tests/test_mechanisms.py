@@ -143,3 +143,49 @@ def test_bench_mechanisms_names_the_implementations_it_times(tmp_path, capsys):
              if line.split() and line.split()[0] in ("ring/scan", "dense", "jax_nn", "all_to_all", "all_gather")}
     assert timed == {"ring/scan", "jax_nn"}, proc.stdout
     assert "skipped" not in proc.stdout, proc.stdout
+
+
+def test_contenders_are_the_preferred_engine_then_the_rivals_that_can_run_the_problem():
+    gpu = registry.Target("gpu", interpret=True)  # in their interpreters, both engines are available here
+    bf16 = dict(dtype="bfloat16", head_dim=128)
+    names = lambda problem: ([i.name for i in registry.contenders(problem, gpu)[0]],  # noqa: E731
+                             registry.contenders(problem, gpu)[1])
+    assert names(Problem(**bf16)) == (["triton", "cudnn"], [])
+    assert names(Problem(**bf16, window=(64, 0))) == (["triton", "cudnn"], [])
+    engines, why = names(Problem(**bf16, segments=3))
+    assert engines == ["triton"] and why[0].startswith("cudnn does not support segment ids"), why
+    engines, why = names(Problem(dtype="float32"))
+    assert engines == ["triton"] and why == ["cudnn does not support dtype float32 (cuDNN's flash attention "
+                                             "takes bfloat16 and float16)"]
+    assert names(Problem(**bf16, ring_size=4, a2a_size=2)) == (["hybrid_triton"], [])  # rivals are rings
+    assert [i.name for i in registry.contenders(Problem(), registry.Target("cpu"))[0]] == ["scan"]
+    assert [i.name for i in registry.contenders(Problem(), registry.Target("gpu"))[0]] == ["scan"]  # no GPU here
+
+
+def test_search_with_auto_searches_each_engine_then_times_their_winners_side_by_side(tmp_path, capsys, monkeypatch):
+    """On a GPU, `tuner search` with backend auto searches triton and cudnn; here the same flow over two engines
+    the CPU runs (dense as the scan ring's rival), down to the loader running the one timed faster."""
+    monkeypatch.setitem(registry.RIVALS, "cpu", ("dense",))
+    args = ["--device", "cpu", "--seq-len", "64", "--heads", "2", "--kv-heads", "2", "--head-dim", "8",
+            "--ring-size", "2", "--objective", "fwd", "--trials", "2", "--runs", "1"]
+    proc = in_process(capsys, "search", *args, home=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "auto searches each engine it may run here in turn (scan, dense)" in proc.stderr, proc.stderr
+    assert re.search(r"^scan backend on ", proc.stdout, re.M) and re.search(r"^dense backend on ", proc.stdout, re.M)
+    assert len(re.findall(r"^stored\s+key", proc.stdout, re.M)) == 2, proc.stdout  # a search row per engine
+    timed = {line.split()[0] for line in proc.stdout.splitlines() if line.split()[:1] in (["ring/scan"], ["dense"])}
+    assert timed == {"ring/scan", "dense"}, proc.stdout
+    winner = re.search(r"recorded (\S+) for key", proc.stdout)
+    assert winner, proc.stdout
+
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, layout="zigzag", db=str(tmp_path / "tuning.sqlite"))
+    local = jax.ShapeDtypeStruct((1, 32, 2, 8), jnp.float32)
+    decision = attn.explain(local, local, local, ring_size=2)
+    assert decision.backend == winner.group(1).removeprefix("ring/")
+    assert decision.reason.startswith(f"tuner bench --mechanisms measured {winner.group(1)} fastest"), decision.reason
+
+    monkeypatch.setitem(registry.RIVALS, "cpu", ("triton",))  # a rival that cannot run here is named, not searched
+    proc = in_process(capsys, "search", *args, home=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "not searched: triton cannot run here: no CUDA GPU" in proc.stderr, proc.stderr
+    assert "timing the winners" not in proc.stderr and "recorded" not in proc.stdout, proc.stdout

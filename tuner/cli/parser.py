@@ -9,7 +9,7 @@ import math
 from typing import NoReturn
 
 from tuner.cache.views import LIST_FILTERS
-from tuner.cli import verbs
+from tuner.cli import searching, verbs
 from tuner.cli.options import UsageError
 from tuner.semantics.problem import DEVICES, DTYPES, OBJECTIVES, SAMPLERS, Problem
 from tuner.semantics.spec import LAYOUTS
@@ -98,7 +98,8 @@ CALLS_HELP = ("calls issued back to back per timed run, timed per call: keeps th
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The parser of every verb; a parsed verb's `run` is its function in `tuner.cli.verbs`."""
+    """The parser of every verb; a parsed verb's `run` is its function in `tuner.cli.verbs` (`search`'s in
+    `tuner.cli.searching`)."""
     parser = _Parser(prog="tuner", description="Generate, verify, autotune and dispatch ring flash "
                                                "attention for JAX.")
     commands = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
@@ -108,10 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     tuning = search.add_argument_group("search")
     tuning.add_argument("--objective", choices=OBJECTIVES, default="fwd+bwd")
     tuning.add_argument("--trials", type=int, default=12, help="trials the study should reach (a re-run "
-                                                               "resumes and runs the rest)")
+                                                               "resumes and runs the rest); with --backend auto "
+                                                               "on a GPU, per engine (triton, cudnn)")
     tuning.add_argument("--timeout", type=_finite, default=None,
                         help="seconds for this run's trials, counted once the default is built (its trial "
-                             "always runs)")
+                             "always runs); shared equally by the engines searched")
     tuning.add_argument("--trial-timeout", type=_finite, default=120.0, help="seconds per trial")
     tuning.add_argument("--sampler", choices=SAMPLERS, default="tpe")
     tuning.add_argument("--seed", type=_seed, default=0)
@@ -153,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     tuning.add_argument("--from", dest="from_file", default=None, metavar="FILE",
                         help="tune every problem of a record file (tuner record) not tuned yet, instead of the "
                              "problem flags")
-    search.set_defaults(run=verbs.run_search)
+    search.set_defaults(run=searching.run_search)
 
     recorder = commands.add_parser("record", help="run a command and record the attention problems it traces")
     recorder.add_argument("--out", required=True, help="record file to write (JSON lines)")

@@ -17,16 +17,18 @@ up, the optional hooks, the cache key) and `choice` (which implementation runs a
 this package (the cache imports `versions` too). The layer imports `support` and `semantics` only.
 """
 
-from tuner.registry.choice import (FALLBACK, PREFERENCE, by_engine, choose, fallback_for, for_strategy,
-                                   over_kernel, problem_why_not, resolve_auto, strategy_choice, taking, why_not)
+from tuner.registry.choice import (FALLBACK, PREFERENCE, RIVALS, by_engine, choose, contenders, fallback_for,
+                                   for_strategy, over_kernel, problem_why_not, resolve_auto, strategy_choice, taking,
+                                   why_not)
 from tuner.registry.contract import (GATHERED, OBJECTIVE_PARTS, PARTS, STRATEGIES, TWO_AXES, ChoiceSpace, Config,
                                      Implementation, Space, Target)
 from tuner.registry.table import (combine, config_from_parts, default_config, find, forward_tiles, get, key, label,
                                   mesh_axes, names, problem_key, problem_tile_shapes, register, registered,
                                   shape_violation, strategy_of, tile_shapes, unregister, versions)
 
-__all__ = ["FALLBACK", "GATHERED", "OBJECTIVE_PARTS", "PARTS", "PREFERENCE", "STRATEGIES", "ChoiceSpace", "Config",
-           "Implementation", "Space", "TWO_AXES", "Target", "by_engine", "choose", "combine", "config_from_parts",
+__all__ = ["FALLBACK", "GATHERED", "OBJECTIVE_PARTS", "PARTS", "PREFERENCE", "RIVALS", "STRATEGIES", "ChoiceSpace",
+           "Config", "Implementation", "Space", "TWO_AXES", "Target", "by_engine", "choose", "combine", "contenders",
+           "config_from_parts",
            "default_config", "fallback_for", "find", "for_strategy", "forward_tiles", "get", "key", "label",
            "mesh_axes", "names", "over_kernel", "problem_key", "problem_tile_shapes", "problem_why_not", "register",
            "registered", "resolve_auto", "shape_violation", "strategy_choice", "strategy_of", "taking", "tile_shapes",

@@ -21,6 +21,11 @@ PREFERENCE: dict[str, tuple[str, ...]] = {
     "cpu": ("scan",),
 }
 FALLBACK = "scan"  # every platform, every feature
+# The rings `backend="auto"` runs on a platform only where a measurement found them faster than its preference
+# (`tuner.runtime.measured`); a search with backend auto tunes them too and times the winners side by side.
+RIVALS: dict[str, tuple[str, ...]] = {
+    "gpu": ("cudnn",),
+}
 
 
 def why_not(implementation: Implementation, spec: AttentionSpec, dtype: Any, head_dim: int, target: Target | None,
@@ -108,6 +113,25 @@ def resolve_auto(spec: AttentionSpec, dtype: Any, head_dim: int, target: Target,
     if group is not None:
         raise ValueError(f"no implementation over two mesh axes can run this call: {'; '.join(_passed_over(tries))}")
     return get(FALLBACK), _passed_over(tries)
+
+
+def contenders(problem: Problem, target: Target) -> tuple[list[Implementation], list[str]]:
+    """What a search with backend "auto" tunes for `problem` on `target`: the implementation auto runs with
+    nothing measured (`resolve_auto`), then each of the platform's `RIVALS` that can run the problem; and why
+    each rival that cannot was passed over. A problem over two mesh axes has no rivals (they are rings)."""
+    dtype = jnp.dtype(problem.dtype)
+    placement = dict(shapes=problem.shapes, ring_size=problem.ring_size, group=problem.group)
+    preferred = resolve_auto(problem.spec, dtype, problem.head_dim, target, **placement)[0]
+    if problem.group is not None:
+        return [preferred], []
+    chosen, passed_over = [preferred], []
+    for rival in (get(name) for name in RIVALS.get(target.platform, ()) if name != preferred.name):
+        reason = why_not(rival, problem.spec, dtype, problem.head_dim, target, **placement)
+        if reason is None:
+            chosen.append(rival)
+        else:
+            passed_over.append(f"{rival.name} {reason}")
+    return chosen, passed_over
 
 
 def _strategy_tries(strategy: str, spec: AttentionSpec, dtype: Any, head_dim: int, target: Target,
@@ -200,5 +224,5 @@ def fallback_for(implementation: Implementation) -> Implementation:
     return same[0] if same else get(FALLBACK)
 
 
-__all__ = ["FALLBACK", "PREFERENCE", "by_engine", "choose", "fallback_for", "for_strategy", "over_kernel",
-           "problem_why_not", "resolve_auto", "strategy_choice", "taking", "why_not"]
+__all__ = ["FALLBACK", "PREFERENCE", "RIVALS", "by_engine", "choose", "contenders", "fallback_for", "for_strategy",
+           "over_kernel", "problem_why_not", "resolve_auto", "strategy_choice", "taking", "why_not"]

@@ -127,6 +127,17 @@ def resolve_backend(name: str, problem: Problem, device: str, interpret: bool = 
                            group=problem.group)
 
 
+def contenders(problem: Problem, device: str, backend: str = "auto", interpret: bool = False
+               ) -> tuple[list[registry.Implementation], list[str]]:
+    """What a search of `problem` with `backend` tunes on `device`, in order: the implementation it names;
+    for "auto", the one auto runs with nothing measured, then each of the platform's rivals that can run the
+    problem (`registry.contenders`: cudnn beside triton on a GPU), with why each rival that cannot was
+    passed over. `ValueError` as `resolve_backend`."""
+    if backend != "auto":
+        return [resolve_backend(backend, problem, device, interpret)], []
+    return registry.contenders(problem, registry.Target(device, interpret))
+
+
 def search(
     problem: Problem,
     *,
@@ -252,4 +263,5 @@ def study_of(problem: Problem, device: str, backend: str, options: SearchOptions
     return chosen, device_kind, key, versions, study_name(key, options.objective, versions, problem.drawn)
 
 
-__all__ = ["Measured", "SearchOptions", "SearchResult", "check_device", "resolve_backend", "search", "study_of"]
+__all__ = ["Measured", "SearchOptions", "SearchResult", "check_device", "contenders", "resolve_backend", "search",
+           "study_of"]
