@@ -147,6 +147,31 @@ def test_autotune_tunes_an_undeclared_packing_on_the_rows_the_step_gets(tmp_path
     assert [(o.before, o.note) for o in again.outcomes] == [("exact", "already tuned")]
 
 
+def test_autotune_weighs_the_rival_engines_of_a_call_that_left_the_choice_to_auto(tmp_path, monkeypatch):
+    """On a GPU a call of backend auto runs triton until cudnn is measured faster; autotune searches both and
+    times them side by side. Here the same flow with dense as the scan ring's rival on the CPU: the call then
+    runs the engine timed faster, from that measurement; a call that names its backend is tuned alone."""
+    from tuner import registry
+
+    monkeypatch.setitem(registry.RIVALS, "cpu", ("dense",))
+    mesh = quiet_mesh(2)
+    q = jax.ShapeDtypeStruct((1, 32, 2, 8), jnp.float32)
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, db=tmp_path / "db.sqlite")
+    report = autotuning.autotune(lambda q: attn(q, q, q), q, trials=1, options=QUICK, progress=False)
+    [outcome] = report.outcomes
+    assert outcome.note.startswith("tuned (fwd, 1 trial); dense tuned too; ") and "timed fastest side by side" \
+        in outcome.note, outcome.note
+    winner = outcome.note.split("; ")[-1].split()[0]
+    [after] = record.calls_in(lambda q: attn(q, q, q), q)
+    assert (outcome.after, after.decision["implementation"]) == ("exact", winner), after.decision
+    assert after.decision["reason"].startswith(f"tuner bench --mechanisms measured {registry.label(winner)} fastest")
+
+    named = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=mesh, backend="scan",
+                                     db=tmp_path / "named.sqlite")
+    [alone] = autotuning.autotune(lambda q: named(q, q, q), q, trials=1, options=QUICK, progress=False).outcomes
+    assert alone.note == "tuned (fwd, 1 trial)" and alone.after == "exact", alone.note
+
+
 def recorded_call(tmp_path) -> record.Call:
     attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=quiet_mesh(2), db=tmp_path / "db.sqlite")
     q = jax.ShapeDtypeStruct((1, 32, 2, 16), jnp.float32)

@@ -82,7 +82,7 @@ def run_search(args: argparse.Namespace) -> int:
             failed.append(engine.name)
             print(f"{engine.name}: {error}", file=sys.stderr)
     if len(searched) > 1:
-        _time_side_by_side(args, problem, [result.backend for result in searched])
+        _time_side_by_side(args, problem, [result.backend for result in searched], options)
     return 1 if failed else 0
 
 
@@ -125,15 +125,15 @@ def _search_one(args: argparse.Namespace, problem: Problem, backend: str, option
     return result
 
 
-def _time_side_by_side(args: argparse.Namespace, problem: Problem, names: list[str]) -> None:
+def _time_side_by_side(args: argparse.Namespace, problem: Problem, names: list[str], options: SearchOptions
+                       ) -> None:
     """The engines' winners timed side by side on the same inputs (`tuner bench --mechanisms`), which records
     the faster for `backend="auto"`; a bench that cannot run is said, and leaves the search rows to decide."""
-    from tuner.tuning.bench import bench_mechanisms
+    from tuner.tuning.bench import time_winners
 
     print(f"\ntiming the winners of {', '.join(names)} side by side", file=sys.stderr)
     try:
-        report = bench_mechanisms(problem, device=args.device, objective=args.objective, runs=args.runs,
-                                  calls=calls_of(args), db=args.db, names=names)[0]
+        report = time_winners(problem, names, device=args.device, options=options, db=args.db)[0]
     except (RuntimeError, ValueError) as error:
         print(f"\nnot timed side by side ({error}): auto takes the fastest search row", file=sys.stderr)
         return

@@ -7,12 +7,14 @@
 loader's and `ring_attention`'s, with whether gradients flow through them), merges the calls that are
 one problem, and runs `tuner.tuning.search` for each problem its loader does not already have tuned for this
 device and these versions (objective `fwd+bwd` where the program takes gradients, else `fwd`), into
-the cache file that loader reads. When it stored anything it clears jax's caches, so the next call of
-the program traces again and runs the tuned kernels, and it traces once more to report what the loader
-decides now. It runs the program once only where a loader's packed calls declare no packing and the
-example arguments are arrays: to see the rows those calls get (`record.observe`), whose packing their
-search then draws. `tune` does the same for calls read from a record file (`tuner search --from`), and
-`doctor` says, per recorded call, what the loader will use and why, without tuning.
+the cache file that loader reads; for a call that leaves the engine to auto, each rival engine of the
+platform too, and then the winners timed side by side (`registry.contenders`). When it stored anything
+it clears jax's caches, so the next call of the program traces again and runs the tuned kernels, and it
+traces once more to report what the loader decides now. It runs the program once only where a
+loader's packed calls declare no packing and the example arguments are arrays: to see the rows those
+calls get (`record.observe`), whose packing their search then draws. `tune` does the same for calls read
+from a record file (`tuner search --from`), and `doctor` says, per recorded call, what the loader will use
+and why, without tuning.
 """
 
 from __future__ import annotations
@@ -151,8 +153,39 @@ def tune(calls: Sequence[Call], *, device: str | None = None, trials: int = 12,
             note = f"tuned ({chosen.objective}, {ran})"
         else:
             note = "tuned; the cache kept a better row from another search"
+        note += _weigh_rivals(call, problem, target, chosen, f"problem {number}/{len(todo)}", progress)
         outcomes[number] = Outcome(call, problem, call.source, None, result.speedup, note)
     return [outcomes[number] for number in sorted(outcomes)]
+
+
+def _weigh_rivals(call: Call, problem: Problem, target: str, options: SearchOptions, label: str, progress: bool
+                  ) -> str:
+    """For a loader call that left the choice to auto, running the platform's preferred engine: search each
+    rival engine that can run `problem` too (`registry.contenders`: cudnn beside triton on a GPU), then time
+    the winners side by side (`time_winners`), so that auto runs the faster. What it did, for the note."""
+    from tuner.tuning.bench import time_winners
+    from tuner.tuning.search import search
+
+    if call.caller != "loader" or (call.backend, call.strategy) != ("auto", "auto"):
+        return ""
+    preferred, *rivals = registry.contenders(problem, registry.Target(target, call.interpret))[0]
+    if preferred.name != call.decision["implementation"] or not rivals:
+        return ""
+    searched, notes = [preferred.name], []
+    for rival in rivals:
+        try:
+            with _bar(f"{label} {rival.name}", options.trials, progress) as update:
+                search(problem, device=target, backend=rival.name, options=options, db=call.db, progress=update)
+            searched.append(rival.name)
+        except (RuntimeError, ValueError) as error:
+            notes.append(f"{rival.name}'s search failed: {error_line(error)}")
+    if len(searched) > 1:
+        try:
+            winner = time_winners(problem, searched, device=target, options=options, db=call.db)[1]["backend"]
+            notes.append(f"{', '.join(searched[1:])} tuned too; {winner} timed fastest side by side")
+        except (RuntimeError, ValueError) as error:
+            notes.append(f"{', '.join(searched[1:])} tuned too; not timed side by side: {error_line(error)}")
+    return "".join(f"; {note}" for note in notes)
 
 
 def _claimed_first(searches: list[tuple]) -> Iterator[tuple]:

@@ -10,7 +10,7 @@ runs here -- each ring, gathered dense attention, any a user registered -- on th
 each checked against the scan ring first, and records the run in the cache: one bench row per
 implementation that ran correctly, in place of the problem's earlier run (`tuner.cache.rows`).
 `--mechanisms triton,cudnn` times only the implementations named: two engines compared alone, without
-gathered attention's memory at long sequences.
+gathered attention's memory at long sequences. `time_winners` does that after a search of each engine.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from tuner import registry
 from tuner.cache import Cache, make_row
 from tuner.semantics.problem import Problem
 from tuner.tuning.decision import loader_plan
+from tuner.tuning.options import SearchOptions
 from tuner.tuning.search import resolve_backend
 from tuner.tuning.verify import ReferenceCheck, TrialFailed
 from tuner.support.tables import describe_config, table
@@ -181,3 +182,12 @@ def bench_mechanisms(problem: Problem, *, device: str, objective: str = "fwd+bwd
                  f"time{'' if len(recorded) == 2 else 's'} of this run): get_tuned_ring_attention(backend='auto') "
                  f"now runs it for this problem")
     return "\n".join(lines), winning
+
+
+def time_winners(problem: Problem, names: Sequence[str], *, device: str, options: SearchOptions,
+                 db: str | None = None) -> tuple[str, dict[str, Any]]:
+    """The winners of the searches of `names` on `problem` (each at the config the loader takes) timed side
+    by side, as a search re-times its candidates (`options.final_runs` runs of `options.calls` calls, its
+    objective), and recorded so that `backend="auto"` runs the fastest (`bench_mechanisms`)."""
+    return bench_mechanisms(problem, device=device, objective=options.objective, runs=options.final_runs,
+                            calls=options.calls, db=db, names=names)
