@@ -168,6 +168,20 @@ def test_grid_covers_forward_and_backward_spaces_side_by_side():
     assert len(points) == len(list(space.bwd_points())) == 4 * (1 + 4)
 
 
+def test_a_space_the_trials_can_walk_is_walked_without_the_points_its_constraints_rule_out(faulty, tmp_path):
+    """4 forward points and 4 trials: with the sampler (TPE) the default's 3 siblings are queued as the grid,
+    but for the one the constraints rule out (16 x 16): every point that can run is tried, none pruned."""
+    options = SearchOptions(objective="fwd", trials=4, runs=1, final_runs=1)
+    result = search(TINY, device="cpu", backend="faulty", options=options, db=tmp_path / "tuning.sqlite")
+    study = optuna.load_study(study_name=result.study, storage=default_storage(tmp_path / "tuning.sqlite"))
+    space = TileSpace(Faulty().search_space(TINY.shapes, TINY.spec))
+    grid = {(f.block_q, f.block_kv): t for t in study.trials if t.user_attrs.get("source") == "grid"
+            for f in [space.config(t.params, result.default.config).fwd]}
+    assert set(grid) == {(8, 8), (8, 16)}, study.trials  # (16, 8) is the default, (16, 16) is ruled out
+    assert all(t.state != optuna.trial.TrialState.PRUNED for t in grid.values())
+    assert result.failed == {"wrong": 1, "compile": 1} and result.best.config.fwd == FwdParams(16, 8)
+
+
 def test_study_names_change_with_versions_objective_and_drawn_rows():
     key = registry.problem_key(TINY, "scan", "cpu")
     assert study_name(key, "fwd", {"jax_version": "1"}) != study_name(key, "fwd", {"jax_version": "2"})

@@ -180,6 +180,8 @@ def search(
     if options.sampler == "grid":
         grid = [c for c in state.space.grid(state.default, state.parts) if c != state.default]
         enqueue(study, grid[:options.trials - 1], state.space, state.parts, source="grid")
+    elif state.whole:  # the trials can walk the whole space: each point once, and none the constraints rule out
+        enqueue(study, [c for c in state.pool if c != state.default], state.space, state.parts, source="grid")
     new_trials = 0
 
     def after_trial(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:

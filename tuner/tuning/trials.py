@@ -72,6 +72,11 @@ class Trials:
             default = registry.default_config(implementation, self.tile_shapes, problem.spec, tile)
         self.default = default
         self.pool = self.space.grid(self.default, self.parts)  # where a duplicate's replacement comes from
+        # A space the trials can walk whole is walked (`tuner.tuning.search`), each point once, without the
+        # points the constraints rule out (the cudnn kernel's non-square chunks are 6 of its 9).
+        self.whole = len(self.pool) <= options.trials
+        if self.whole:
+            self.pool = [c for c in self.pool if self.violation(c) is None]
         random.Random(options.seed).shuffle(self.pool)
         self.duplicates, self.exhausted = 0, False
         self.reference = ReferenceCheck(self.workload, seed=10_000 + options.seed, backward=options.tunes_bwd)
@@ -92,6 +97,10 @@ class Trials:
     def spent(self) -> Counter[str]:
         """Wall seconds spent compiling, checking and timing (`DeviceGate.spent`)."""
         return self.gate.spent
+
+    def violation(self, config: Config) -> str | None:
+        """Why the implementation's constraints rule `config` out for this problem, or None."""
+        return self.implementation.violation(self.tile_shapes, self.problem.spec, config, self.parts)
 
     def compile(self, config: Config, deadline: float | None) -> tuple[Compiled, float]:
         """Compile `config` for timing, checked first (at float32) against the reference; a config
@@ -140,7 +149,7 @@ class Trials:
             self._duplicate(trial, holder)
         self.duplicates = 0
         try:
-            reason = self.implementation.violation(self.tile_shapes, self.problem.spec, config, self.parts)
+            reason = self.violation(config)
             if reason is not None:
                 trial.set_user_attr("pruned", reason)
                 raise optuna.TrialPruned(reason)
