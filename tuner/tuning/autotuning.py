@@ -139,6 +139,9 @@ def tune(calls: Sequence[Call], *, device: str | None = None, trials: int = 12,
         searches.append((number, call, problem, target, dataclasses.replace(options, objective=objective,
                                                                             trials=trials)))
     for number, call, problem, target, chosen in _claimed_first(searches):
+        rivals = _rivals(call, problem, target)
+        if rivals and chosen.timeout is not None:  # shared equally by the engines searched, as `tuner search` does
+            chosen = dataclasses.replace(chosen, timeout=chosen.timeout / (1 + len(rivals)))
         try:
             with _bar(f"problem {number}/{len(todo)}", trials, progress) as update:
                 result = search(problem, device=target, backend=call.decision["implementation"], options=chosen,
@@ -153,38 +156,42 @@ def tune(calls: Sequence[Call], *, device: str | None = None, trials: int = 12,
             note = f"tuned ({chosen.objective}, {ran})"
         else:
             note = "tuned; the cache kept a better row from another search"
-        note += _weigh_rivals(call, problem, target, chosen, f"problem {number}/{len(todo)}", progress)
+        note += _weigh(rivals, call, problem, target, chosen, f"problem {number}/{len(todo)}", progress)
         outcomes[number] = Outcome(call, problem, call.source, None, result.speedup, note)
     return [outcomes[number] for number in sorted(outcomes)]
 
 
-def _weigh_rivals(call: Call, problem: Problem, target: str, options: SearchOptions, label: str, progress: bool
-                  ) -> str:
-    """For a loader call that left the choice to auto, running the platform's preferred engine: search each
-    rival engine that can run `problem` too (`registry.contenders`: cudnn beside triton on a GPU), then time
-    the winners side by side (`time_winners`), so that auto runs the faster. What it did, for the note."""
+def _rivals(call: Call, problem: Problem, target: str) -> list[str]:
+    """The platform's rival engines that can run `problem` (`registry.contenders`: cudnn beside triton on a
+    GPU), for a loader call that left the choice to auto and runs the preferred engine; else none."""
+    if call.caller != "loader" or (call.backend, call.strategy) != ("auto", "auto"):
+        return []
+    preferred, *rivals = registry.contenders(problem, registry.Target(target, call.interpret))[0]
+    return [r.name for r in rivals] if preferred.name == call.decision["implementation"] else []
+
+
+def _weigh(rivals: list[str], call: Call, problem: Problem, target: str, options: SearchOptions, label: str,
+           progress: bool) -> str:
+    """Search each of `rivals` on `problem` after the call's own engine, then time the winners side by side
+    (`time_winners`), so that auto runs the faster. What it did, for the outcome's note."""
     from tuner.tuning.bench import time_winners
     from tuner.tuning.search import search
 
-    if call.caller != "loader" or (call.backend, call.strategy) != ("auto", "auto"):
-        return ""
-    preferred, *rivals = registry.contenders(problem, registry.Target(target, call.interpret))[0]
-    if preferred.name != call.decision["implementation"] or not rivals:
-        return ""
-    searched, notes = [preferred.name], []
+    searched, notes = [call.decision["implementation"]], []
     for rival in rivals:
         try:
-            with _bar(f"{label} {rival.name}", options.trials, progress) as update:
-                search(problem, device=target, backend=rival.name, options=options, db=call.db, progress=update)
-            searched.append(rival.name)
+            with _bar(f"{label} {rival}", options.trials, progress) as update:
+                search(problem, device=target, backend=rival, options=options, db=call.db, progress=update)
+            searched.append(rival)
         except (RuntimeError, ValueError) as error:
-            notes.append(f"{rival.name}'s search failed: {error_line(error)}")
+            notes.append(f"{rival}'s search failed: {error_line(error)}")
     if len(searched) > 1:
+        tuned = f"{', '.join(searched[1:])} tuned too"
         try:
             winner = time_winners(problem, searched, device=target, options=options, db=call.db)[1]["backend"]
-            notes.append(f"{', '.join(searched[1:])} tuned too; {winner} timed fastest side by side")
+            notes.append(f"{tuned}; {winner} timed fastest side by side")
         except (RuntimeError, ValueError) as error:
-            notes.append(f"{', '.join(searched[1:])} tuned too; not timed side by side: {error_line(error)}")
+            notes.append(f"{tuned}; not timed side by side: {error_line(error)}")
     return "".join(f"; {note}" for note in notes)
 
 
