@@ -38,7 +38,7 @@ for seq in ${seqs//,/ }; do
             continue
         fi
         trials_s=$(( per < room - 120 ? per : room - 120 ))
-        timeout $(( trials_s + 120 )) python3 -m tuner.cli search --device gpu --batch $((16384 / seq)) \
+        timeout $(( trials_s + 120 )) python3 -m tuner.cli search --device gpu --backend triton --batch $((16384 / seq)) \
             --seq-len "$seq" --heads 16 --kv-heads 16 --head-dim 128 --dtype bfloat16 "$causal" --ring-size 1 \
             --trials 200 --timeout "$trials_s" --db "$db" 2>&1 | tee -a "$out/search.log"
     done
