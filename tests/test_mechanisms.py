@@ -1,7 +1,8 @@
 """Mechanism selection by measurement: the gathered mechanisms equal the scan ring (forward and
 gradients) on every feature they take; `tuner bench --mechanisms` records the fastest correct one;
 `get_tuned_ring_attention(backend="auto")` follows a current record -- a gathered winner ("dense is
-faster at this length") or a ring backend -- and says so in `explain`, and ignores stale ones."""
+faster at this length") or a ring backend -- and says so in `explain`, and ignores stale ones; `tuner search`
+with backend auto searches each engine auto may run (`registry.contenders`) and records their winners' race."""
 
 import re
 
