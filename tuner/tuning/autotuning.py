@@ -142,8 +142,9 @@ def tune(calls: Sequence[Call], *, device: str | None = None, trials: int = 12,
         rivals = _rivals(call, problem, target)
         if rivals and chosen.timeout is not None:  # shared equally by the engines searched, as `tuner search` does
             chosen = dataclasses.replace(chosen, timeout=chosen.timeout / (1 + len(rivals)))
+        label = f"problem {number}/{len(todo)}"
         try:
-            with _bar(f"problem {number}/{len(todo)}", trials, progress) as update:
+            with _bar(f"{label} {call.decision['implementation']}" if rivals else label, trials, progress) as update:
                 result = search(problem, device=target, backend=call.decision["implementation"], options=chosen,
                                 db=call.db, progress=update)
         except (RuntimeError, ValueError) as error:
@@ -156,7 +157,7 @@ def tune(calls: Sequence[Call], *, device: str | None = None, trials: int = 12,
             note = f"tuned ({chosen.objective}, {ran})"
         else:
             note = "tuned; the cache kept a better row from another search"
-        note += _weigh(rivals, call, problem, target, chosen, f"problem {number}/{len(todo)}", progress)
+        note += _weigh(rivals, call, problem, target, chosen, label, progress)
         outcomes[number] = Outcome(call, problem, call.source, None, result.speedup, note)
     return [outcomes[number] for number in sorted(outcomes)]
 
