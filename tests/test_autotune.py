@@ -172,6 +172,29 @@ def test_autotune_weighs_the_rival_engines_of_a_call_that_left_the_choice_to_aut
     assert alone.note == "tuned (fwd, 1 trial)" and alone.after == "exact", alone.note
 
 
+def test_a_problem_tuned_before_its_rivals_were_weighed_has_them_weighed_once(tmp_path, monkeypatch):
+    """A cache tuned when the platform had no rival (the scan ring's exact row) gets the rival's search and
+    the race on the next autotune, without the tuned engine's search again; the one after has nothing to do."""
+    from tuner import registry
+
+    q = jax.ShapeDtypeStruct((1, 32, 2, 8), jnp.float32)
+    attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=quiet_mesh(2), db=tmp_path / "db.sqlite")
+    step = lambda q: attn(q, q, q)  # noqa: E731
+    [first] = autotuning.autotune(step, q, trials=1, options=QUICK, progress=False).outcomes
+    assert (first.note, first.after) == ("tuned (fwd, 1 trial)", "exact")
+
+    monkeypatch.setitem(registry.RIVALS, "cpu", ("dense",))
+    [told] = autotuning.doctor(record.calls_in(step, q))
+    assert told.note.startswith("covered; not raced against dense yet (autotune"), told.note
+    [weighed] = autotuning.autotune(step, q, trials=1, options=QUICK, progress=False).outcomes
+    assert weighed.note.startswith("already tuned; dense tuned too; ") and weighed.weighed, weighed.note
+    winner = weighed.note.split("; ")[-1].split()[0]
+    assert record.calls_in(step, q)[0].decision["implementation"] == winner
+    assert autotuning.doctor(record.calls_in(step, q))[0].note == "covered"
+    [again] = autotuning.autotune(step, q, trials=1, options=QUICK, progress=False).outcomes
+    assert (again.note, again.weighed) == ("already tuned", False)
+
+
 def recorded_call(tmp_path) -> record.Call:
     attn = get_tuned_ring_attention(axis_name="sp", causal=True, mesh=quiet_mesh(2), db=tmp_path / "db.sqlite")
     q = jax.ShapeDtypeStruct((1, 32, 2, 16), jnp.float32)

@@ -46,7 +46,8 @@ REPLAY_AXES = ("ring", "a2a")  # the axis names a replayed call is explained wit
 class Outcome:
     """One problem of a program: a call standing for every call of it (gradients merged), the problem
     a search tunes (None when it cannot be tuned), the loader's config source before and after, the
-    search's speed-up over the default, and a note: tuned, already tuned, or why not."""
+    search's speed-up over the default, and a note: tuned, already tuned, or why not (`weighed`: a problem
+    tuned before had only its rival engines searched and raced now)."""
 
     call: Call
     problem: Problem | None
@@ -54,6 +55,7 @@ class Outcome:
     after: str | None
     speedup: float | None
     note: str
+    weighed: bool = False  # only rival engines were searched and raced (the call's own was tuned before)
 
     @property
     def described(self) -> str:
@@ -125,12 +127,13 @@ def tune(calls: Sequence[Call], *, device: str | None = None, trials: int = 12,
         if problem is None:
             outcomes[number] = Outcome(call, None, before, None, None, f"not tuned: {why}")
             continue
-        if before in COVERED:
-            outcomes[number] = Outcome(call, problem, before, None, None, "already tuned")
-            continue
         target = device or call.platform
         kind = _device_kind(target)
-        if target != call.platform or kind != call.device_kind:
+        here = target == call.platform and kind == call.device_kind
+        if before in COVERED and not (here and _unweighed(call, problem, target)):
+            outcomes[number] = Outcome(call, problem, before, None, None, "already tuned")
+            continue
+        if not here:
             outcomes[number] = Outcome(call, problem, before, None, None,
                                        f"not tuned: traced for {call.device_kind} ({call.platform}), this search "
                                        f"would tune {kind or 'no device'} ({target}); tune where it runs")
@@ -140,9 +143,13 @@ def tune(calls: Sequence[Call], *, device: str | None = None, trials: int = 12,
                                                                             trials=trials)))
     for number, call, problem, target, chosen in _claimed_first(searches):
         rivals = _rivals(call, problem, target)
+        label = f"problem {number}/{len(todo)}"
+        if call.source in COVERED:  # tuned before its rivals were weighed: weigh them now
+            note = "already tuned" + _weigh(rivals, call, problem, target, chosen, label, progress)
+            outcomes[number] = Outcome(call, problem, call.source, None, None, note, weighed=True)
+            continue
         if rivals and chosen.timeout is not None:  # shared equally by the engines searched, as `tuner search` does
             chosen = dataclasses.replace(chosen, timeout=chosen.timeout / (1 + len(rivals)))
-        label = f"problem {number}/{len(todo)}"
         try:
             with _bar(f"{label} {call.decision['implementation']}" if rivals else label, trials, progress) as update:
                 result = search(problem, device=target, backend=call.decision["implementation"], options=chosen,
@@ -169,6 +176,19 @@ def _rivals(call: Call, problem: Problem, target: str) -> list[str]:
         return []
     preferred, *rivals = registry.contenders(problem, registry.Target(target, call.interpret))[0]
     return [r.name for r in rivals] if preferred.name == call.decision["implementation"] else []
+
+
+def _unweighed(call: Call, problem: Problem, target: str) -> list[str]:
+    """`_rivals` of a call, unless one of them has a current row for `problem` in the call's cache already (a
+    search or a race: they were weighed)."""
+    from tuner.cache import Cache
+    from tuner.runtime.measured import decisions
+
+    rivals = _rivals(call, problem, target)
+    if not rivals:
+        return []
+    key = registry.problem_key(problem, call.decision["implementation"], call.device_kind)
+    return [] if any(row["backend"] in rivals for row in decisions(Cache(call.db), key, problem.spec)) else rivals
 
 
 def _weigh(rivals: list[str], call: Call, problem: Problem, target: str, options: SearchOptions, label: str,
@@ -249,7 +269,7 @@ def autotune(step_fn: Callable, *example_args: Any, device: str | None = None, t
                              f"to get_tuned_ring_attention, or leave db unset")
     outcomes = tune(calls, device=device, trials=trials, options=options, progress=progress,
                     drawn=_observed_packings(step_fn, example_args, static_argnums, calls))
-    if any(o.speedup is not None for o in outcomes):
+    if any(o.speedup is not None or o.weighed for o in outcomes):
         jax.clear_caches()  # the program traces again, and its loaders read what the searches stored
         after = {c.id: c.source for c in record.calls_in(step_fn, *example_args, static_argnums=static_argnums)}
     else:
@@ -299,7 +319,9 @@ def doctor(calls: Sequence[Call], db: str | None = None) -> list[Outcome]:
         if problem is None:
             note = f"not tunable: {why}"
         elif now.source in COVERED:
-            note = "covered"
+            unweighed = _unweighed(dataclasses.replace(now, db=db or now.db), problem, now.platform)
+            note = "covered" + (f"; not raced against {', '.join(unweighed)} yet (autotune or `tuner search --from` "
+                                f"does it)" if unweighed else "")
         else:
             note = "not tuned yet"
         if call.caller == "loader" and call.device_kind != here:
