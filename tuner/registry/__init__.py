@@ -28,8 +28,7 @@ from tuner.registry.table import (combine, config_from_parts, default_config, fi
 
 __all__ = ["FALLBACK", "GATHERED", "OBJECTIVE_PARTS", "PARTS", "PREFERENCE", "RIVALS", "STRATEGIES", "ChoiceSpace",
            "Config", "Implementation", "Space", "TWO_AXES", "Target", "by_engine", "choose", "combine", "contenders",
-           "config_from_parts",
-           "default_config", "fallback_for", "find", "for_strategy", "forward_tiles", "get", "key", "label",
-           "mesh_axes", "names", "over_kernel", "problem_key", "problem_tile_shapes", "problem_why_not", "register",
-           "registered", "resolve_auto", "shape_violation", "strategy_choice", "strategy_of", "taking", "tile_shapes",
-           "unregister", "versions", "why_not"]
+           "config_from_parts", "default_config", "fallback_for", "find", "for_strategy", "forward_tiles", "get",
+           "key", "label", "mesh_axes", "names", "over_kernel", "problem_key", "problem_tile_shapes",
+           "problem_why_not", "register", "registered", "resolve_auto", "shape_violation", "strategy_choice",
+           "strategy_of", "taking", "tile_shapes", "unregister", "versions", "why_not"]
