@@ -189,6 +189,11 @@ def test_study_names_change_with_versions_objective_and_drawn_rows():
     assert study_name(key, "fwd", {"jax_version": "1"}, "lognormal:14") != study_name(key, "fwd", {"jax_version": "1"})
 
 
+def test_engines_searched_in_turn_share_the_timeout_equally():
+    assert SearchOptions(timeout=60.0, trials=5).shared_by(3) == SearchOptions(timeout=20.0, trials=5)
+    assert SearchOptions().shared_by(2) == SearchOptions()  # no timeout: nothing to share
+
+
 def test_bad_options_name_the_field():
     with pytest.raises(ValueError, match="objective"):
         SearchOptions(objective="both")

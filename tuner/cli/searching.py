@@ -9,7 +9,6 @@ cudnn beside triton on a GPU) has each engine searched in turn, and their winner
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import signal
 import sys
 from typing import TYPE_CHECKING, Any
@@ -55,8 +54,7 @@ def run_search(args: argparse.Namespace) -> int:
         check_storage(args.storage)
 
     several = len(engines) > 1
-    if several and args.timeout is not None:
-        options = dataclasses.replace(options, timeout=args.timeout / len(engines))
+    options = options.shared_by(len(engines))
     print(f"tuning {problem.describe()}\n  on {args.device}, objective {args.objective}, "
           f"{args.trials} trials ({args.sampler})", file=sys.stderr)
     if several:

@@ -148,8 +148,7 @@ def tune(calls: Sequence[Call], *, device: str | None = None, trials: int = 12,
             note = "already tuned" + _weigh(rivals, call, problem, target, chosen, label, progress)
             outcomes[number] = Outcome(call, problem, call.source, None, None, note, weighed=True)
             continue
-        if rivals and chosen.timeout is not None:  # shared equally by the engines searched, as `tuner search` does
-            chosen = dataclasses.replace(chosen, timeout=chosen.timeout / (1 + len(rivals)))
+        chosen = chosen.shared_by(1 + len(rivals))
         try:
             with _bar(f"{label} {call.decision['implementation']}" if rivals else label, trials, progress) as update:
                 result = search(problem, device=target, backend=call.decision["implementation"], options=chosen,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tuner.semantics.problem import OBJECTIVES, SAMPLERS
 from tuner.support.checks import check_int
@@ -50,6 +50,11 @@ class SearchOptions:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
+    def shared_by(self, engines: int) -> SearchOptions:
+        """These options for one of `engines` searches of a problem run in turn (each engine auto may run):
+        the timeout shared equally, the rest the same."""
+        return self if self.timeout is None else replace(self, timeout=self.timeout / engines)
 
     @property
     def tunes_fwd(self) -> bool:
