@@ -37,6 +37,7 @@ different (192 and 128).
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -201,6 +202,14 @@ def backward(q, k, v, o, lse, do, delta, q_pos, kv_pos, *, spec: AttentionSpec, 
     return added_at(dq, dq_c, at_q), added_at(dk, dk_c, at_kv), added_at(dv, dv_c, at_kv)
 
 
+def cuda_plugin() -> bool:
+    """Whether jax's CUDA plugin is installed: with it, XLA:GPU compiles for a GPU topology on a host
+    without one (`jax.experimental.topologies`, `benchmarks/gpu/xla_gpu_compile.py`)."""
+    if importlib.util.find_spec("jax_plugins") is None:
+        return False
+    return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{major}") is not None for major in (12, 13))
+
+
 class CudnnBackend(MergedBlocks):
     """cuDNN's flash attention per chunk pair of a ring step (module docstring); `known`, the positions the
     trace knows the steps' blocks have (`knowing`), or None."""
@@ -225,7 +234,9 @@ class CudnnBackend(MergedBlocks):
             return None  # the XLA twin engine needs none of cuDNN
         if module is None:
             return reason
-        if (platform or compile_target()[0]) != "gpu" or not any(d.platform == "gpu" for d in jax.devices()):
+        # a GPU present compiles for itself; jax's CUDA plugin compiles for a GPU topology on any host
+        building_for_gpu = (platform or compile_target()[0]) == "gpu"
+        if not building_for_gpu or not (any(d.platform == "gpu" for d in jax.devices()) or cuda_plugin()):
             return "no CUDA GPU visible to jax"
         return None
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 RING_OPS = ("collective-permute-start", "collective-permute-done", "conditional")
 KERNEL_TARGETS = ("tpu_custom_call",)  # Mosaic kernels
@@ -223,22 +223,16 @@ def with_trip_counts(text: str) -> str:
     return "\n".join(lines)
 
 
-def collective_bytes(hlo: str, kinds: tuple[str, ...] = COLLECTIVE_KINDS) -> dict[str, int]:
-    """Bytes each device's collectives produce in a compiled module (`compiled.as_text()`), per kind of
-    `COLLECTIVE_KINDS`: for every execution of a collective instruction, the size of its result on one
-    device -- an all-gather's gathered buffer, an all-to-all's exchanged tensor, a collective-permute's
-    received shard, a reduce-scatter's scattered piece -- summed over tuple results. An async pair counts
-    once, by its `-done` (a generic `async-start` by the collective in the computation it calls). `kinds`
-    may add "all-reduce" (its result: the whole reduced buffer).
-
-    Executions, not instructions: an instruction in a while body counts the loop's `known_trip_count`
+def _executions(hlo: str) -> Iterator[tuple[dict, re.Match, int]]:
+    """Each instruction of a compiled module (`compiled.as_text()`) that runs, with how many times: the
+    module's computations by name (as `_computations` reads them), the instruction's match of
+    `_INSTRUCTION`, and its executions. An instruction in a while body runs the loop's `known_trip_count`
     times (read from the loop itself where the compiler does not write it: `with_trip_counts`), nested
-    loops multiply; each branch of a
-    conditional counts once, as if it ran (an upper bound). `tuner.models.strategy_model` reports the same
-    quantity, and from it the bytes each device puts on its links."""
+    loops multiply; each branch of a conditional counts once, as if it ran (an upper bound)."""
+    text = with_trip_counts(hlo)
     computations: dict[str, list[str]] = {}
     entry = name = None
-    for line in with_trip_counts(hlo).split("\n"):
+    for line in text.split("\n"):
         if line and not line[0].isspace() and line.rstrip().endswith("{"):
             name = re.match(r"(?:ENTRY\s+)?" + _NAME, line).group(1)
             computations[name] = []
@@ -247,18 +241,64 @@ def collective_bytes(hlo: str, kinds: tuple[str, ...] = COLLECTIVE_KINDS) -> dic
             computations[name].append(line)
     if entry is None:
         raise ValueError("hlo is not an HLO module's text: it has no ENTRY computation")
+    bodies = _computations(text)
     runs = dict.fromkeys(computations, 0)
     runs[entry] = 1
-    counts = dict.fromkeys(kinds, 0)
     for comp in reversed(list(computations)):  # callers print after their callees: walk from ENTRY down
         for match in filter(None, map(_INSTRUCTION.match, computations[comp] if runs[comp] else ())):
-            op = match.group("op")
-            kind = op.removesuffix("-done")
-            if kind in counts:
-                counts[kind] += runs[comp] * _type_bytes(match.group("type"))
-            for callee, times in _callees(match.string, op):
+            yield bodies, match, runs[comp]
+            for callee, times in _callees(match.string, match.group("op")):
                 if callee in runs:
                     runs[callee] += runs[comp] * times
+
+
+def collective_bytes(hlo: str, kinds: tuple[str, ...] = COLLECTIVE_KINDS) -> dict[str, int]:
+    """Bytes each device's collectives produce in a compiled module (`compiled.as_text()`), per kind of
+    `COLLECTIVE_KINDS`: for every execution of a collective instruction (`_executions`), the size of its
+    result on one device -- an all-gather's gathered buffer, an all-to-all's exchanged tensor, a
+    collective-permute's received shard, a reduce-scatter's scattered piece -- summed over tuple results.
+    An async pair counts once, by its `-done` (a generic `async-start` by the collective in the
+    computation it calls). `kinds` may add "all-reduce" (its result: the whole reduced buffer).
+    `tuner.models.strategy_model` reports the same quantity, and from it the bytes each device puts on its
+    links."""
+    counts = dict.fromkeys(kinds, 0)
+    for _, match, runs in _executions(hlo):
+        kind = match.group("op").removesuffix("-done")
+        if kind in counts:
+            counts[kind] += runs * _type_bytes(match.group("type"))
+    return counts
+
+
+MOVES = ("copy", "slice", "concatenate")  # the kinds of `moved_bytes`
+_MOVING = {"parameter", "constant", "bitcast", "reshape", "transpose", "copy", "tuple", "get-tuple-element",
+           "slice", "dynamic-slice", "concatenate"}
+
+
+def _moves(bodies: dict, match: re.Match) -> str | None:
+    """The kind of `MOVES` of an instruction that only moves data, or None: a copy, or a fusion of nothing
+    but slices, concatenations, copies and relayouts (what XLA:GPU wraps a slice fed to a custom call in,
+    `wrapped_slice`)."""
+    op = match.group("op")
+    if op in ("copy", "copy-done"):
+        return "copy"
+    called = re.search(r"\bcalls=" + _NAME, match.string) if op == "fusion" else None
+    ops = {entry[0] for key, entry in bodies.get(called.group(1), {}).items() if key != "ROOT"} if called else set()
+    if not ops or not ops <= _MOVING:
+        return None
+    return "concatenate" if "concatenate" in ops else "slice" if ops & {"slice", "dynamic-slice"} else "copy"
+
+
+def moved_bytes(hlo: str) -> dict[str, int]:
+    """Bytes each device writes in a compiled module (`compiled.as_text()`) with kernels that compute
+    nothing, per kind of `MOVES`: copies (`copy`, an async copy by its `-done`, a fusion of relayouts),
+    slices (a fusion of slices, such as the copy XLA:GPU makes of a slice it feeds to cuDNN) and
+    concatenations; the result size of each execution (`_executions`). A dynamic-update-slice writes in
+    place, and is not counted."""
+    counts = dict.fromkeys(MOVES, 0)
+    for bodies, match, runs in _executions(hlo):
+        kind = _moves(bodies, match)
+        if kind is not None:
+            counts[kind] += runs * _type_bytes(match.group("type"))
     return counts
 
 
@@ -293,5 +333,5 @@ def unordered_collectives(hlo: str, kind: str = "collective-permute") -> list[tu
     return pairs
 
 
-__all__ = ["COLLECTIVE_KINDS", "collective_bytes", "gathers", "kernel_vmem", "loop_bodies", "overlap_problem",
-           "unordered_collectives", "with_trip_counts"]
+__all__ = ["COLLECTIVE_KINDS", "MOVES", "collective_bytes", "gathers", "kernel_vmem", "loop_bodies", "moved_bytes",
+           "overlap_problem", "unordered_collectives", "with_trip_counts"]

@@ -1,0 +1,110 @@
+"""What XLA:GPU makes of the ring, read without a GPU: the bytes a compiled module moves without computing
+(`hlo.moved_bytes`), and, where jax's CUDA plugin is installed, the ring compiled for an H100 topology
+(`benchmarks/gpu/xla_gpu_compile.py` reports the same for several rings and implementations)."""
+
+import os
+
+import jax
+import pytest
+
+from tuner.kernels.cudnn import CudnnBackend, cuda_plugin
+from tuner.models import hlo
+
+MODULE = """HloModule m
+
+%wrapped_slice_computation (a: bf16[1,64,2,8]) -> bf16[1,32,2,8] {
+  %a = bf16[1,64,2,8]{3,2,1,0} parameter(0)
+  ROOT %s = bf16[1,32,2,8]{3,2,1,0} slice(%a), slice={[0:1], [32:64], [0:2], [0:8]}
+}
+
+%fused_merge (x: f32[1,32,2,8], y: f32[1,32,2,8]) -> f32[1,32,2,8] {
+  %x = f32[1,32,2,8]{3,2,1,0} parameter(0)
+  %y = f32[1,32,2,8]{3,2,1,0} parameter(1)
+  ROOT %m = f32[1,32,2,8]{3,2,1,0} multiply(%x, %y)
+}
+
+%input_concatenate_fusion_computation (x: f32[1,32,2,8], y: f32[1,32,2,8]) -> f32[1,64,2,8] {
+  %x = f32[1,32,2,8]{3,2,1,0} parameter(0)
+  %y = f32[1,32,2,8]{3,2,1,0} parameter(1)
+  ROOT %c = f32[1,64,2,8]{3,2,1,0} concatenate(%x, %y), dimensions={1}
+}
+
+%body (p: (s32[], bf16[1,64,2,8])) -> (s32[], bf16[1,64,2,8]) {
+  %p = (s32[], bf16[1,64,2,8]{3,2,1,0}) parameter(0)
+  %k = bf16[1,64,2,8]{3,2,1,0} get-tuple-element(%p), index=1
+  %copy.1 = bf16[1,64,2,8]{3,2,1,0} copy(%k)
+  %wrapped_slice = bf16[1,32,2,8]{3,2,1,0} fusion(%copy.1), kind=kLoop, calls=%wrapped_slice_computation
+  %merged = f32[1,32,2,8]{3,2,1,0} fusion(%o, %o), kind=kLoop, calls=%fused_merge
+  %dus = f32[1,64,2,8]{3,2,1,0} dynamic-update-slice(%big, %merged, %z, %z, %z, %z)
+  ROOT %t = (s32[], bf16[1,64,2,8]{3,2,1,0}) tuple(%i, %copy.1)
+}
+
+%cond (p: (s32[], bf16[1,64,2,8])) -> pred[] {
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (k: bf16[1,64,2,8]) -> f32[1,64,2,8] {
+  %w = (s32[], bf16[1,64,2,8]{3,2,1,0}) while(%t0), condition=%cond, body=%body, backend_config={TRIPS}
+  %copy-start = (f32[1,32,2,8]{3,2,1,0}, f32[1,32,2,8]{3,2,1,0}, u32[]) copy-start(%a)
+  %copy-done = f32[1,32,2,8]{3,2,1,0} copy-done(%copy-start)
+  ROOT %cat = f32[1,64,2,8]{3,2,1,0} fusion(%a, %copy-done), kind=kInput, calls=%input_concatenate_fusion_computation
+}
+""".replace("{TRIPS}", '{"known_trip_count":{"n":"3"}}')
+SHARD = 64 * 2 * 8  # elements of the module's k
+
+
+def test_moved_bytes_counts_kernels_that_compute_nothing_once_per_execution():
+    assert hlo.moved_bytes(MODULE) == {
+        "copy": 3 * SHARD * 2 + SHARD // 2 * 4,  # the loop's copy, 3 trips; the async copy once, by its done
+        "slice": 3 * SHARD // 2 * 2,  # the wrapped slice, 3 trips
+        "concatenate": SHARD * 4,  # a fusion of nothing but a concatenation
+    }  # the merge computes, and the dynamic-update-slice writes in place: neither counts
+
+
+def test_the_cudnn_kernel_compiles_for_a_gpu_the_cuda_plugin_describes(monkeypatch):
+    """With jax's CUDA plugin XLA:GPU compiles for a GPU topology on a host without one, as libtpu does
+    for a TPU topology: the cudnn kernel is then available where the program is built for a GPU."""
+    kernel = CudnnBackend()
+    monkeypatch.setattr(jax, "devices", lambda *a: [type("Cpu", (), {"platform": "cpu"})()])
+    monkeypatch.setattr("tuner.kernels.cudnn.cuda_plugin", lambda: True)
+    assert kernel.unavailable_reason(platform="gpu") is None
+    assert kernel.unavailable_reason(platform="cpu") == "no CUDA GPU visible to jax"
+    monkeypatch.setattr("tuner.kernels.cudnn.cuda_plugin", lambda: False)
+    assert kernel.unavailable_reason(platform="gpu") == "no CUDA GPU visible to jax"
+
+
+TARGET = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "gpu", "targets", "h100.txtpb")
+
+
+@pytest.mark.skipif(not cuda_plugin(), reason="needs jax's CUDA plugin (pip install 'jax[cuda12]' of the installed "
+                                              "jax's version; benchmarks/gpu/xla_gpu_compile.py); the CUDA "
+                                              "lowering tests of test_cudnn.py run instead")
+def test_the_cudnn_ring_compiled_for_an_h100_moves_its_shards_and_gathers_nothing():
+    from jax.experimental import topologies
+
+    from tuner import registry
+    from tuner.semantics.problem import Problem
+    from tuner.tuning.workload import Workload, vjp_of
+
+    ring = 8
+    with open(TARGET) as f:
+        devices = topologies.get_topology_desc("h100", "cuda", target_config=f.read(), topology=f"1x1x{ring}").devices
+    problem = Problem(seq_len=1024 * ring, heads=4, kv_heads=4, head_dim=128, dtype="bfloat16", causal=True,
+                      ring_size=ring, layout="zigzag", batch=1)
+    workload = Workload(problem, devices=devices)
+    with jax.sharding.use_abstract_mesh(workload.mesh.abstract_mesh):
+        config = registry.default_config(registry.get("cudnn"), problem.shapes, problem.spec, None)
+    fn = workload.attend("cudnn", config)
+    inputs, dout = workload.structs()
+
+    def forward_and_backward(x, cotangent):
+        out, vjp = vjp_of(fn, x)
+        return out, vjp(cotangent)
+
+    text = jax.jit(forward_and_backward).lower(inputs, dout).compile().as_text()
+    shard = 1024 * 4 * 128 * 2  # one device's k, in bytes
+    assert not hlo.gathers(text)
+    assert text.count('custom_call_target="__cudnn$fmhaSoftmaxBackward"') > 0
+    received = hlo.collective_bytes(text)["collective-permute"]
+    assert received >= (ring - 1) * 2 * shard  # k and v, each step but the last, forward and backward
+    assert received < 8 * ring * shard  # and not a sequence's worth of anything more
