@@ -141,6 +141,24 @@ def _visits(cfg: RingConfig, ring_mask: masks.RingMask, step, size: int, visited
     return None
 
 
+def _steps(lower: int, upper: int, step, carry):
+    """`lax.fori_loop(lower, upper, step, carry)`; on a GPU two ring steps an iteration (an odd one first,
+    before the loop). A loop of one step a turn sends the keys it reads while it reads them, and the keys
+    that arrive must take their place in the loop's state: XLA:GPU copies every travelling array once a
+    step to make room. Two steps a turn, the keys that arrive in the second take the place of those read
+    in the first, which are done with: no copy."""
+    if compile_target()[0] != "gpu" or upper - lower < 2:
+        return lax.fori_loop(lower, upper, step, carry)
+    if (upper - lower) % 2:
+        carry, lower = step(lower, carry), lower + 1
+
+    def two(turn, carry):
+        i = lower + 2 * turn
+        return step(i + 1, lax.optimization_barrier(step(i, carry)))
+
+    return lax.fori_loop(0, (upper - lower) // 2, two, carry)
+
+
 def _idle_together(spec: AttentionSpec) -> bool:
     """Whether every device of the ring can skip the same step: with a window, chunks or segments.
     Without them a step is skipped on a device only while another runs a whole block (causal, contiguous
@@ -195,7 +213,7 @@ def _forward(cfg: RingConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias, sinks
                 return arriving, block(visiting, i, state, range(first, size - 1))
 
             if size - 1 > first:
-                visiting, state = lax.fori_loop(first, size - 1, step, (visiting, state))
+                visiting, state = _steps(first, size - 1, step, (visiting, state))
         out, lse = backend.fwd_finish(block(visiting, size - 1, state, range(size - 1, size), fresh=size == 1),
                                       q)
 
@@ -290,7 +308,7 @@ def _backward(cfg: RingConfig, residuals, cotangents):
                 incoming, dq = lax.optimization_barrier((incoming, dq))
                 return arriving, accumulate(visiting, i, incoming, pending, range(1, size - 1)), dq, dbias
 
-            visiting, outgoing, dq, dbias = lax.fori_loop(1, size - 1, step, (arriving, outgoing, dq, dbias))
+            visiting, outgoing, dq, dbias = _steps(1, size - 1, step, (arriving, outgoing, dq, dbias))
             incoming = send(outgoing, after=jax.tree.leaves(visiting)[-1:])  # a ring of 2 has no loop
             last = range(size - 1, size)
             dq, dbias, pending = block(visiting, size - 1, dq, dbias, last)
