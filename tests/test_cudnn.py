@@ -196,8 +196,15 @@ def test_the_ring_lowers_for_cuda_to_cudnn_s_custom_calls(causal, window):
     calls = _custom_calls(forward)
     assert {t for t, _, _ in calls} == {"__cudnn$fmhaSoftmax"}
     assert sorted({c["mask_type"] for _, _, c in calls}) == sorted(masked)
+
+    def rows(config) -> int:
+        """A call's query (and key) rows: the shard without a mask, and on the diagonal step (its own keys,
+        rising positions: causal in cuDNN's index order) without a window; else a half (the zigzag chunks)."""
+        return 256 if not causal or (window is None and config["mask_type"] == "CAUSAL") else 128
+
     for _, types, config in calls:
-        assert types == ["tensor<1x128x4x128xbf16>", "tensor<1x128x2x128xbf16>", "tensor<1x128x2x128xbf16>"] \
+        n = rows(config)
+        assert types == [f"tensor<1x{n}x4x128xbf16>", f"tensor<1x{n}x2x128xbf16>", f"tensor<1x{n}x2x128xbf16>"] \
             if causal else types[0] == "tensor<1x256x4x128xbf16>", types
         assert config["fmha_scale"] == 0.125
         expected_window = window + 1 if (window is not None and config["mask_type"] == "CAUSAL") else 0
@@ -205,10 +212,9 @@ def test_the_ring_lowers_for_cuda_to_cudnn_s_custom_calls(causal, window):
 
     backward = [c for c in _custom_calls(both) if c[0] == "__cudnn$fmhaSoftmaxBackward"]
     assert backward and sorted({c["mask_type"] for _, _, c in backward}) == sorted(masked)
-    rows = 128 if causal else 256
-    for _, types, _ in backward:  # q, k, v, the softmax statistics (float32 lse), do, o
-        assert types[3] == f"tensor<1x4x{rows}xf32>", types
-        assert types[4] == types[5] == f"tensor<1x{rows}x4x128xbf16>", types
+    for _, types, config in backward:  # q, k, v, the softmax statistics (float32 lse), do, o
+        assert types[3] == f"tensor<1x4x{rows(config)}xf32>", types
+        assert types[4] == types[5] == f"tensor<1x{rows(config)}x4x128xbf16>", types
 
 
 def _branches(jaxpr) -> list[int]:

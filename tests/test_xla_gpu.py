@@ -39,11 +39,21 @@ MODULE = """HloModule m
   ROOT %c = f32[1,64,2,8]{3,2,1,0} concatenate(%x, %y), dimensions={1}
 }
 
+%fused_dynamic_slice (a: bf16[1,64,2,8], i: s32[]) -> bf16[1,32,2,8] {
+  %a = bf16[1,64,2,8]{3,2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %two = s32[] constant(2)
+  %offset = s32[] multiply(%i, %two)
+  %z = s32[] constant(0)
+  ROOT %d = bf16[1,32,2,8]{3,2,1,0} dynamic-slice(%a, %z, %offset, %z, %z), dynamic_slice_sizes={1,32,2,8}
+}
+
 %body (p: (s32[], bf16[1,64,2,8])) -> (s32[], bf16[1,64,2,8]) {
   %p = (s32[], bf16[1,64,2,8]{3,2,1,0}) parameter(0)
   %k = bf16[1,64,2,8]{3,2,1,0} get-tuple-element(%p), index=1
   %copy.1 = bf16[1,64,2,8]{3,2,1,0} copy(%k)
   %wrapped_slice = bf16[1,32,2,8]{3,2,1,0} fusion(%copy.1), kind=kLoop, calls=%wrapped_slice_computation
+  %chosen = bf16[1,32,2,8]{3,2,1,0} fusion(%k, %i), kind=kLoop, calls=%fused_dynamic_slice
   %merged = f32[1,32,2,8]{3,2,1,0} fusion(%o, %o), kind=kLoop, calls=%fused_merge
   %dus = f32[1,64,2,8]{3,2,1,0} dynamic-update-slice(%big, %merged, %z, %z, %z, %z)
   ROOT %t = (s32[], bf16[1,64,2,8]{3,2,1,0}) tuple(%i, %copy.1)
@@ -66,7 +76,7 @@ SHARD = 64 * 2 * 8  # elements of the module's k
 def test_moved_bytes_counts_kernels_that_compute_nothing_once_per_execution():
     assert hlo.moved_bytes(MODULE) == {
         "copy": 3 * SHARD * 2 + SHARD // 2 * 4,  # the loop's copy, 3 trips; the async copy once, by its done
-        "slice": 3 * SHARD // 2 * 2,  # the wrapped slice, 3 trips
+        "slice": 2 * 3 * SHARD // 2 * 2,  # the wrapped slice and the dynamic one (its offset's scalar math aside)
         "concatenate": SHARD * 4,  # a fusion of nothing but a concatenation
     }  # the merge computes, and the dynamic-update-slice writes in place: neither counts
 

@@ -16,7 +16,8 @@ For each implementation, ring size and mask (causal zigzag, and no mask), the ri
 default tiles is compiled as a forward and as a forward and backward, 4096 tokens a device, 16 heads of
 128, bfloat16, batch 1. From the compiled module (`tuner.models.hlo`) it reads the bytes a device writes
 with kernels that compute nothing (`moved_bytes`: copies, slices), the bytes its collective permutes
-receive and any all-gather (there must be none), and from `memory_analysis()` its temporaries. The Triton
+receive and any all-gather (there must be none), and from `memory_analysis()` its temporaries; each side's
+module is read by this tree's reader. The Triton
 ring is not among them: jax_triton asks the GPU for its compute capability when it lowers.
 """
 
@@ -26,6 +27,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from revisions import check_tree, this_and_against  # noqa: E402
@@ -45,12 +47,12 @@ def worker(args: argparse.Namespace) -> None:
     from jax.experimental import topologies
 
     from tuner import registry
-    from tuner.models import hlo
     from tuner.semantics.problem import Problem
     from tuner.tuning.workload import Workload, vjp_of
 
     with open(TARGETS[args.target]) as f:
         config_text = f.read()
+    folder = tempfile.mkdtemp(dir=args.hlo_dir)  # this tree's, beside the other's
     for ring in args.rings:
         devices = topologies.get_topology_desc(args.target, "cuda", target_config=config_text,
                                                topology=f"1x1x{ring}").devices
@@ -72,14 +74,24 @@ def worker(args: argparse.Namespace) -> None:
                     lowered = (jax.jit(fn).lower(inputs) if objective == "fwd"
                                else jax.jit(forward_and_backward).lower(inputs, dout))
                     compiled = lowered.compile()
-                    text = compiled.as_text()
-                    memory = compiled.memory_analysis()
-                    print(json.dumps({
-                        "implementation": name, "ring": ring, "causal": causal, "objective": objective,
-                        "moved": hlo.moved_bytes(text), "received": hlo.collective_bytes(text),
-                        "gathers": len(hlo.gathers(text)), "temp": memory.temp_size_in_bytes,
-                        "cudnn_calls": text.count('custom_call_target="__cudnn$fmha'),
-                        "conditionals": text.count(" conditional(")}), flush=True)
+                    row = {"implementation": name, "ring": ring, "causal": causal, "objective": objective}
+                    path = os.path.join(folder, "{implementation}-{ring}-{causal}-{objective}.hlo".format(**row))
+                    with open(path, "w") as f:
+                        f.write(compiled.as_text())
+                    print(json.dumps({**row, "hlo": path, "temp": compiled.memory_analysis().temp_size_in_bytes}),
+                          flush=True)
+
+
+def read(row: dict) -> dict:
+    """A worker's row with what this tree's `tuner.models.hlo` reads in its compiled module (the same reader
+    for both trees)."""
+    from tuner.models import hlo
+
+    with open(row["hlo"]) as f:
+        text = f.read()
+    return {**row, "moved": hlo.moved_bytes(text), "received": hlo.collective_bytes(text),
+            "gathers": len(hlo.gathers(text)), "cudnn_calls": text.count('custom_call_target="__cudnn$fmha'),
+            "conditionals": text.count(" conditional(")}
 
 
 def _mib(n: float | None) -> str:
@@ -94,14 +106,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--against", help="a git revision to compare with")
     parser.add_argument("--out", help="write the results here as JSON")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--hlo-dir", help=argparse.SUPPRESS)  # where the workers write the compiled modules
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
         return 0
 
-    forwarded = list(argv if argv is not None else sys.argv[1:])
-    this, that = ({(r["implementation"], r["ring"], r["causal"], r["objective"]): r for r in rows}
-                  for rows in this_and_against(os.path.abspath(__file__), forwarded, args.against))
+    with tempfile.TemporaryDirectory() as folder:
+        forwarded = [*(argv if argv is not None else sys.argv[1:]), "--hlo-dir", folder]
+        this, that = ({(r["implementation"], r["ring"], r["causal"], r["objective"]): read(r) for r in rows}
+                      for rows in this_and_against(os.path.abspath(__file__), forwarded, args.against))
     print(f"XLA:GPU for {args.target}, {LOCAL_TOKENS} tokens a device, H=16, D=128, bfloat16, zigzag; MiB a device"
           + (f"; before: {args.against}" if args.against else ""))
     header = (f"{'implementation':<15} {'ring':>4} {'mask':<7} {'objective':<8} {'copied':>8} {'before':>8} "
@@ -111,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     for key, row in this.items():
         name, ring, causal, objective = key
         before = that.get(key)
-        rows.append({**row, "before": before})
+        rows.append({**{k: v for k, v in row.items() if k != "hlo"},
+                     "before": before and {k: v for k, v in before.items() if k != "hlo"}})
         print(f"{name:<15} {ring:>4} {'causal' if causal else 'none':<7} {objective:<8} "
               f"{_mib(row['moved']['copy']):>8} {_mib(before and before['moved']['copy']):>8} "
               f"{_mib(row['moved']['slice']):>8} {_mib(before and before['moved']['slice']):>8} "

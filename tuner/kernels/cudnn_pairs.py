@@ -6,7 +6,8 @@ into `block_q` x `block_kv` chunks, and each chunk pair is of one kind:
 
     SKIP      no query may read any key of the pair: nothing runs
     FULL      every query may read every key: cuDNN without a mask
-    DIAGONAL  the pair's queries and keys hold the same consecutive positions: cuDNN causal (+ window)
+    DIAGONAL  the pair's queries and keys hold the same rising positions (consecutive under a window):
+              cuDNN causal (+ window); a ring step's own keys, under a causal mask, are one such pair
     GENERAL   anything else: the scan kernel, exact for every mask
 
 Where the trace knows the positions (`tuner.semantics.known`), a pair whose kind every known case shares
@@ -43,8 +44,10 @@ def row_kinds(spec: AttentionSpec, q_pos, kv_pos):
     every = masks.ranges_fully_allowed(q_lo, q_hi, k_lo, k_hi, None, spec)
     diagonal = xp.zeros(may.shape, bool)
     if q_pos.shape[1] == kv_pos.shape[1]:
-        steps = xp.arange(q_pos.shape[1], dtype=q_pos.dtype)[None]
-        diagonal = xp.all((q_pos == kv_pos) & (q_pos == q_pos[:, :1] + steps), axis=1)
+        # cuDNN's causal mask compares indices; so does its window, which positions must then step by one
+        rising = q_pos[:, 1:] - q_pos[:, :-1]
+        rising = rising > 0 if spec.window is None else rising == 1
+        diagonal = xp.all(q_pos == kv_pos, axis=1) & xp.all(rising, axis=1)
     kinds = xp.where(every, FULL, xp.where(diagonal, DIAGONAL, GENERAL))
     return xp.where(may, kinds, SKIP).astype(xp.int32)
 

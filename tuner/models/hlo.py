@@ -277,15 +277,22 @@ _MOVING = {"parameter", "constant", "bitcast", "reshape", "transpose", "copy", "
 def _moves(bodies: dict, match: re.Match) -> str | None:
     """The kind of `MOVES` of an instruction that only moves data, or None: a copy, or a fusion of nothing
     but slices, concatenations, copies and relayouts (what XLA:GPU wraps a slice fed to a custom call in,
-    `wrapped_slice`)."""
+    `wrapped_slice`), and the scalar arithmetic of a dynamic slice's offsets."""
     op = match.group("op")
     if op in ("copy", "copy-done"):
         return "copy"
     called = re.search(r"\bcalls=" + _NAME, match.string) if op == "fusion" else None
-    ops = {entry[0] for key, entry in bodies.get(called.group(1), {}).items() if key != "ROOT"} if called else set()
+    fused = bodies.get(called.group(1), {}) if called else {}
+    ops = {entry[0] for key, entry in fused.items() if key != "ROOT" and not _scalar(entry[2])}
     if not ops or not ops <= _MOVING:
         return None
     return "concatenate" if "concatenate" in ops else "slice" if ops & {"slice", "dynamic-slice"} else "copy"
+
+
+def _scalar(line: str) -> bool:
+    """Whether an instruction's result is a scalar (an offset's arithmetic, in a fused dynamic slice)."""
+    match = _INSTRUCTION.match(line)
+    return match is not None and re.fullmatch(r"\w+\[\]", match.group("type").strip()) is not None
 
 
 def moved_bytes(hlo: str) -> dict[str, int]:
