@@ -192,20 +192,24 @@ def test_the_ring_lowers_for_cuda_to_cudnn_s_custom_calls(causal, window):
     both = jax.jit(jax.grad(lambda q, k, v: sharded(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))).trace(
         q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
 
-    masked = ["CAUSAL", "NO_MASK"] if causal else ["NO_MASK"]
+    # past the first step, the zigzag halves that run are prefixes of the queries (halves swapped) and keys,
+    # one call under a padding mask whose lengths follow q, k and v; under a window, pairs of halves
+    masked = ["NO_MASK"] if not causal else ["CAUSAL", "PADDING"] if window is None else ["CAUSAL", "NO_MASK"]
     calls = _custom_calls(forward)
     assert {t for t, _, _ in calls} == {"__cudnn$fmhaSoftmax"}
     assert sorted({c["mask_type"] for _, _, c in calls}) == sorted(masked)
 
     def rows(config) -> int:
-        """A call's query (and key) rows: the shard without a mask, and on the diagonal step (its own keys,
-        rising positions: causal in cuDNN's index order) without a window; else a half (the zigzag chunks)."""
-        return 256 if not causal or (window is None and config["mask_type"] == "CAUSAL") else 128
+        """A call's query (and key) rows: the shard without a mask, on the diagonal step (its own keys,
+        rising positions: causal in cuDNN's index order) without a window, and under a padding mask; else a
+        half (the zigzag chunks)."""
+        return 256 if not causal or (window is None and config["mask_type"] != "NO_MASK") else 128
 
     for _, types, config in calls:
         n = rows(config)
-        assert types == [f"tensor<1x{n}x4x128xbf16>", f"tensor<1x{n}x2x128xbf16>", f"tensor<1x{n}x2x128xbf16>"] \
-            if causal else types[0] == "tensor<1x256x4x128xbf16>", types
+        lengths = ["tensor<1xi32>"] * 2 if config["mask_type"] == "PADDING" else []
+        assert types == [f"tensor<1x{n}x4x128xbf16>", f"tensor<1x{n}x2x128xbf16>", f"tensor<1x{n}x2x128xbf16>",
+                         *lengths] if causal else types[0] == "tensor<1x256x4x128xbf16>", types
         assert config["fmha_scale"] == 0.125
         expected_window = window + 1 if (window is not None and config["mask_type"] == "CAUSAL") else 0
         assert config["sliding_window_length"] == expected_window, config

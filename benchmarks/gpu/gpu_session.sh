@@ -15,8 +15,8 @@
 #                            16k tokens, causal and not, forward and backward, interleaved, medians
 #   OUT/auto.json            on the same problems, `tuner bench --mechanisms triton,cudnn`, then which
 #                            engine backend="auto" runs: the one measured faster? (auto_pick.py)
-#   OUT/zigzag-step.json     one causal zigzag ring step past the first: the cudnn kernel's pair chosen on
-#                            the device, its `switch` per pair, and the two cuDNN calls alone (zigzag_step.py)
+#   OUT/zigzag-step.json     one causal zigzag ring step past the first: the cudnn kernel's halves read as
+#                            prefixes, its `switch` per pair, and the two cuDNN calls alone (zigzag_step.py)
 #   OUT/session.log          what each step printed; OUT/steps.txt each step's exit status
 #
 # The steps run in the order of what they are worth: environment, bf16 check, timings, auto, zigzag step,

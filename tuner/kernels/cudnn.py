@@ -46,7 +46,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from tuner.kernels import cudnn_engine, cudnn_pairs, scan_kernel
-from tuner.kernels.cudnn_pairs import GENERAL, added_at, at, chosen_offsets, chunks, decided, known_kind, plan
+from tuner.kernels.cudnn_pairs import (GENERAL, added_at, at, chosen_offsets, chunks, decided, halves_as_prefixes,
+                                       known_kind, plan, prefix_lengths, swapped)
 from tuner.kernels.base import MergedBlocks, SearchSpace, merge, reject_settings, source_hash
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.semantics.known import KnownBlock
@@ -94,6 +95,12 @@ def forward(q, k, v, q_pos, kv_pos, *, spec: AttentionSpec, params: FwdParams, i
     if whole is not None and whole != GENERAL:
         return decided(whole, spec, branches, q, q_pos, kv_pos, q, k, v)
     kinds, candidates, one = plan(spec, known, q.shape[1], k.shape[1], size_q, size_kv)
+    if halves_as_prefixes(kinds, candidates, one, q.shape[1] // size_q, k.shape[1] // size_kv):
+        lengths = prefix_lengths(spec, candidates, q_pos, kv_pos, size_q, size_kv)
+        o, lse = engine.forward(swapped(q), k, v, scale=spec.scale, causal=False, window=None, lengths=lengths)
+        rows = _rows(lengths, q.shape[1])
+        return (swapped(jnp.where(rows[:, :, None, None], o.astype(F32), 0.0)),
+                swapped(jnp.where(rows[:, None, :], lse, -jnp.inf), axis=2))
     key_chunks = list(zip(chunks(k, size_kv), chunks(v, size_kv), chunks(kv_pos, size_kv)))
     outs, lses = [], []
     for i, (q_, qp) in enumerate(zip(chunks(q, size_q), chunks(q_pos, size_q))):
@@ -116,11 +123,16 @@ def forward(q, k, v, q_pos, kv_pos, *, spec: AttentionSpec, params: FwdParams, i
             lax.dynamic_update_slice_in_dim(lse, lse_, at_q, axis=2))
 
 
+def _rows(lengths: tuple, length: int):
+    """`[B, length]`: whether each row lies within the first of a padding mask's `lengths`."""
+    return jnp.arange(length)[None] < lengths[0][:, None]
+
+
 def _engine_backward(engine, spec: AttentionSpec, q, k, v, o, lse, do, delta, *, causal: bool,
-                     window: int | None, correct: bool):
+                     window: int | None, correct: bool, lengths: tuple | None = None):
     """dq, dk, dv (float32) of one chunk pair by `engine`, with the lse correction where `correct` (module
-    docstring)."""
-    call = dict(scale=spec.scale, causal=causal, window=window)
+    docstring); under a padding mask (`lengths`), zero past its lengths."""
+    call = dict(scale=spec.scale, causal=causal, window=window, lengths=lengths)
     dq, dk, dv = (x.astype(F32) for x in engine.backward(q, k, v, o, lse, do, **call))
     if not correct:
         return dq, dk, dv
@@ -137,6 +149,15 @@ def _engine_backward(engine, spec: AttentionSpec, q, k, v, o, lse, do, delta, *,
 
     dq, dk = lax.cond(jnp.any(jnp.abs(difference) > resolution), corrected, lambda grads: grads, (dq, dk))
     return dq, dk, dv
+
+
+def _masked_grads(dq, dk, dv, lengths: tuple | None):
+    """dq, dk, dv zero past a padding mask's lengths (what cuDNN leaves there is not documented)."""
+    if lengths is None:
+        return dq, dk, dv
+    keys = (jnp.arange(dk.shape[1])[None] < lengths[1][:, None])[:, :, None, None]
+    return (jnp.where(_rows(lengths, dq.shape[1])[:, :, None, None], dq, 0.0), jnp.where(keys, dk, 0.0),
+            jnp.where(keys, dv, 0.0))
 
 
 def backward(q, k, v, o, lse, do, delta, q_pos, kv_pos, *, spec: AttentionSpec, params: BwdParams,
@@ -174,6 +195,12 @@ def backward(q, k, v, o, lse, do, delta, q_pos, kv_pos, *, spec: AttentionSpec, 
     if whole is not None and whole != GENERAL:
         return decided(whole, spec, branches, q, q_pos, kv_pos, q, k, v, o, lse, do, delta)
     kinds, candidates, one = plan(spec, known, q.shape[1], k.shape[1], size_q, size_kv)
+    if halves_as_prefixes(kinds, candidates, one, q.shape[1] // size_q, k.shape[1] // size_kv):
+        lengths = prefix_lengths(spec, candidates, q_pos, kv_pos, size_q, size_kv)
+        dq, dk, dv = _masked_grads(*_engine_backward(
+            engine, spec, swapped(q), k, v, swapped(o), swapped(lse, axis=2), swapped(do), swapped(delta, axis=2),
+            causal=False, window=None, correct=lse_cotangent, lengths=lengths), lengths)
+        return swapped(dq), dk, dv
     key_chunks = list(zip(chunks(k, size_kv), chunks(v, size_kv), chunks(kv_pos, size_kv)))
     dks, dvs = [None] * len(key_chunks), [None] * len(key_chunks)  # None while no pair added into them
     dqs = []

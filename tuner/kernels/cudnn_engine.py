@@ -3,11 +3,14 @@
 Both compute attention of a query chunk against a key chunk under one of the masks cuDNN's flash
 attention expresses, with one contract:
 
-    forward(q, k, v, *, scale, causal, window) -> o [B, Tq, H, Dv] (q's dtype), lse [B, H, Tq] (float32)
-    backward(q, k, v, o, lse, do, *, scale, causal, window) -> dq, dk, dv (their inputs' dtypes)
+    forward(q, k, v, *, scale, causal, window, lengths=None) -> o [B, Tq, H, Dv] (q's dtype), lse [B, H, Tq] (float32)
+    backward(q, k, v, o, lse, do, *, scale, causal, window, lengths=None) -> dq, dk, dv (their inputs' dtypes)
 
 `causal` is cuDNN's top-left causal mask (key j for query i when j <= i); `window` (with `causal`) keeps
-the keys j >= i - window as well. `lse` is the natural-log logsumexp of the scaled logits. The backward
+the keys j >= i - window as well. `lengths`, int32 `[B]` arrays `(queries, keys)` on the device, is cuDNN's
+padding mask (without `causal`): in batch row b only queries i < queries[b] read, and only keys j < keys[b]
+are read. What the engines leave in the other query rows differs (cuDNN's is not documented): the cudnn
+kernel masks them. `lse` is the natural-log logsumexp of the scaled logits. The backward
 takes the final `o` and `lse` of the whole softmax, not this chunk's, and computes `delta = rowsum(do * o)`
 itself, as cuDNN does.
 
@@ -41,10 +44,14 @@ TESTED_JAX = ("0.10.0", "0.12.0.1")  # the jax versions whose private module thi
 RELEASE_PARAMS: dict[tuple[int, int], dict[str, Any]] = {(0, 10): {}, (0, 11): {}, (0, 12): {"score_mod": None}}
 
 
-class Engine(Protocol):
-    def forward(self, q, k, v, *, scale: float, causal: bool, window: int | None): ...
+Lengths = tuple[Any, Any] | None  # (query lengths, key lengths), int32 [B] each: cuDNN's padding mask
 
-    def backward(self, q, k, v, o, lse, do, *, scale: float, causal: bool, window: int | None): ...
+
+class Engine(Protocol):
+    def forward(self, q, k, v, *, scale: float, causal: bool, window: int | None, lengths: Lengths = None): ...
+
+    def backward(self, q, k, v, o, lse, do, *, scale: float, causal: bool, window: int | None,
+                 lengths: Lengths = None): ...
 
 
 @functools.lru_cache(maxsize=1)
@@ -74,28 +81,34 @@ def release() -> tuple[int, int]:
 class CudnnEngine:
     """cuDNN's flash attention through jax's primitives, layout `[B, T, N, H]`."""
 
-    def _common(self, q, scale: float, causal: bool, window: int | None) -> tuple[Any, tuple, dict[str, Any]]:
-        """(the bound module, the unused operands, the primitives' parameters)."""
+    def _common(self, q, scale: float, causal: bool, window: int | None, lengths: Lengths
+                ) -> tuple[Any, tuple, dict[str, Any]]:
+        """(the bound module, the operands after q, k, v and before the primitive's own: bias, the query and
+        key lengths, offsets and page tables, empty but for the lengths of a padding mask; the primitives'
+        parameters)."""
         fa, reason = private_module()
         if fa is None:
             raise RuntimeError(reason)
         unused = jnp.zeros((0,), q.dtype)
-        mask = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
+        if lengths is not None and causal:
+            raise ValueError("lengths: the cudnn engines take a padding mask without the causal one")
+        mask = fa.MaskType.PADDING if lengths is not None else fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
         # cuDNN's window keeps the keys (i - length, i]: `window` keys back and the query's own
         length = None if window is None else window + 1
-        return fa, (unused,) * 7, dict(scale=float(scale), seed=0, dropout_rate=0.0,
-                                       variadic_args=(False, False), mask_type=mask,
-                                       layout=fa.AttentionLayout.BTNH.value, sliding_window_length=length,
-                                       **RELEASE_PARAMS[release()])
+        operands = (unused, *(lengths if lengths is not None else (unused, unused)), *(unused,) * 4)
+        return fa, operands, dict(scale=float(scale), seed=0, dropout_rate=0.0, variadic_args=(False, False),
+                                  mask_type=mask, layout=fa.AttentionLayout.BTNH.value,
+                                  sliding_window_length=length, **RELEASE_PARAMS[release()])
 
-    def forward(self, q, k, v, *, scale: float, causal: bool, window: int | None):
-        fa, unused, params = self._common(q, scale, causal, window)
-        o, lse = fa._dot_product_attention_fwd_p_wrapper.bind(q, k, v, *unused, **params, is_training=True)
+    def forward(self, q, k, v, *, scale: float, causal: bool, window: int | None, lengths: Lengths = None):
+        fa, operands, params = self._common(q, scale, causal, window, lengths)
+        o, lse = fa._dot_product_attention_fwd_p_wrapper.bind(q, k, v, *operands, **params, is_training=True)
         return o, lse
 
-    def backward(self, q, k, v, o, lse, do, *, scale: float, causal: bool, window: int | None):
-        fa, unused, params = self._common(q, scale, causal, window)
-        dq, dk, dv = fa._dot_product_attention_bwd_p_wrapper.bind(q, k, v, *unused, lse, o, do, **params)
+    def backward(self, q, k, v, o, lse, do, *, scale: float, causal: bool, window: int | None,
+                 lengths: Lengths = None):
+        fa, operands, params = self._common(q, scale, causal, window, lengths)
+        dq, dk, dv = fa._dot_product_attention_bwd_p_wrapper.bind(q, k, v, *operands, lse, o, do, **params)
         return dq, dk, dv
 
 
@@ -103,30 +116,36 @@ class XlaEngine:
     """The same contract in XLA, float32 inside: the twin the CPU runs the cudnn kernel with."""
 
     @staticmethod
-    def _logits(q, k, *, scale: float, causal: bool, window: int | None):
+    def _logits(q, k, *, scale: float, causal: bool, window: int | None, lengths: Lengths):
         """The scaled logits, `[B, Hkv, G, Tq, Tk]` float32, -inf where the mask excludes a key."""
         b, tq, h, d = q.shape
         hkv = k.shape[2]
         grouped = q.astype(F32).reshape(b, tq, hkv, h // hkv, d)
         logits = jnp.einsum("bqhgd,bkhd->bhgqk", grouped, k.astype(F32)) * scale
+        i, j = jnp.arange(tq)[:, None], jnp.arange(k.shape[1])[None, :]
+        if lengths is not None:
+            rows, keys = lengths
+            allowed = (i[None] < rows[:, None, None]) & (j[None] < keys[:, None, None])  # [B, Tq, Tk]
+            return jnp.where(allowed[:, None, None], logits, -jnp.inf)
         if not causal:
             return logits
-        i, j = jnp.arange(tq)[:, None], jnp.arange(k.shape[1])[None, :]
         allowed = j <= i if window is None else (j <= i) & (i - j <= window)
         return jnp.where(allowed[None, None, None], logits, -jnp.inf)
 
-    def forward(self, q, k, v, *, scale: float, causal: bool, window: int | None):
+    def forward(self, q, k, v, *, scale: float, causal: bool, window: int | None, lengths: Lengths = None):
         b, tq, h, _ = q.shape
-        logits = self._logits(q, k, scale=scale, causal=causal, window=window)
-        lse = jax.nn.logsumexp(logits, axis=-1)  # every row reads its own key at least: finite
-        o = jnp.einsum("bhgqk,bkhd->bqhgd", jnp.exp(logits - lse[..., None]), v.astype(F32))
+        logits = self._logits(q, k, scale=scale, causal=causal, window=window, lengths=lengths)
+        lse = jax.nn.logsumexp(logits, axis=-1)  # -inf only in a padding mask's rows past the queries' length
+        p = jnp.exp(logits - jnp.where(lse == -jnp.inf, 0.0, lse)[..., None])
+        o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(F32))
         return o.reshape(b, tq, h, v.shape[3]).astype(q.dtype), lse.reshape(b, h, tq)
 
-    def backward(self, q, k, v, o, lse, do, *, scale: float, causal: bool, window: int | None):
+    def backward(self, q, k, v, o, lse, do, *, scale: float, causal: bool, window: int | None,
+                 lengths: Lengths = None):
         b, tq, h, d = q.shape
         hkv, g = k.shape[2], h // k.shape[2]
-        logits = self._logits(q, k, scale=scale, causal=causal, window=window)
-        p = jnp.exp(logits - lse.reshape(b, hkv, g, tq)[..., None])
+        logits = self._logits(q, k, scale=scale, causal=causal, window=window, lengths=lengths)
+        p = jnp.exp(logits - lse.reshape(b, hkv, g, tq)[..., None])  # 0 where masked: the lse passed is finite
         do_g = do.astype(F32).reshape(b, tq, hkv, g, do.shape[3])
         delta = jnp.einsum("bqhgd,bqhgd->bhgq", do_g, o.astype(F32).reshape(do_g.shape))
         dv = jnp.einsum("bhgqk,bqhgd->bkhd", p, do_g)
@@ -145,5 +164,5 @@ def engine(interpret: bool) -> Engine:
     return ENGINES["xla" if interpret else "cudnn"]
 
 
-__all__ = ["ENGINES", "Engine", "CudnnEngine", "RELEASE_PARAMS", "TESTED_JAX", "XlaEngine", "engine", "private_module",
-           "release"]
+__all__ = ["ENGINES", "Engine", "CudnnEngine", "Lengths", "RELEASE_PARAMS", "TESTED_JAX", "XlaEngine", "engine",
+           "private_module", "release"]

@@ -15,7 +15,9 @@ runs that kind's call directly (`plan`, `decided`); the others are classified on
 `lax.switch` (`pair_kind`). Where, in every known case, exactly one of the undecided pairs runs and always as
 the same kind (the zigzag ring's steps past the first: a query half reads the low or the high half of the
 visiting keys by which device sent them), the device runs that one pair, found from its positions
-(`chosen_offsets`) and read at offsets (`at`), with no branch.
+(`chosen_offsets`) and read at offsets (`at`), with no branch. Where the block is cut in halves, that pair
+and the one that always runs are instead one call on prefixes of the queries (halves swapped) and of the
+keys (`halves_as_prefixes`): XLA:GPU copies every slice it feeds to cuDNN, and this one reads none.
 """
 
 from __future__ import annotations
@@ -135,6 +137,36 @@ def plan(spec: AttentionSpec, known: KnownBlock | None, q_len: int, kv_len: int,
     if one is None:
         return kinds, [], None
     return {pair: kind for pair, kind in kinds.items() if kind is not None}, undecided, one
+
+
+def halves_as_prefixes(kinds: dict, candidates: list, one: int | None, q_chunks: int, kv_chunks: int) -> bool:
+    """Whether a block cut in halves runs, on every device, the pair of high queries and low keys and one
+    of the two pairs on the diagonal of chunks, low with low or high with high (`plan`'s answer: the zigzag
+    ring's steps past the first). With the query halves swapped, the pairs that run are then a prefix of
+    the queries against a prefix of the keys: every query against the low keys, or the high queries against
+    every key. That is one cuDNN call under a padding mask (`prefix_lengths`), which reads q with its halves
+    swapped, and k and v as they are: no slice of them."""
+    return (q_chunks == kv_chunks == 2 and one == FULL and sorted(candidates) == [(0, 0), (1, 1)]
+            and kinds == {(1, 0): FULL})
+
+
+def prefix_lengths(spec: AttentionSpec, candidates: list, q_pos, kv_pos, size_q: int, size_kv: int) -> tuple:
+    """The query and key lengths, int32 `[B]` each, of the padding mask of a block whose halves run as
+    prefixes (`halves_as_prefixes`) on this device: every query and the low keys where the low queries read
+    the low keys, else the high queries and every key."""
+    at_q, _ = chosen_offsets(spec, candidates, size_q, size_kv, q_pos, kv_pos)
+    low = at_q == 0
+    rows = jnp.where(low, 2 * size_q, size_q).astype(jnp.int32)
+    keys = jnp.where(low, size_kv, 2 * size_kv).astype(jnp.int32)
+    batch = q_pos.shape[0]
+    return jnp.broadcast_to(rows, (batch,)), jnp.broadcast_to(keys, (batch,))
+
+
+def swapped(x, axis: int = 1):
+    """`x` with its two halves along `axis` swapped (its own inverse)."""
+    half = x.shape[axis] // 2
+    return jnp.concatenate([lax.slice_in_dim(x, half, x.shape[axis], axis=axis),
+                            lax.slice_in_dim(x, 0, half, axis=axis)], axis=axis)
 
 
 def at(x, start, size: int, axis: int = 1):
