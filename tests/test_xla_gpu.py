@@ -99,7 +99,11 @@ TARGET = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "gpu",
 @pytest.mark.skipif(not cuda_plugin(), reason="needs jax's CUDA plugin (pip install 'jax[cuda12]' of the installed "
                                               "jax's version; benchmarks/gpu/xla_gpu_compile.py); the CUDA "
                                               "lowering tests of test_cudnn.py run instead")
-def test_the_cudnn_ring_compiled_for_an_h100_moves_its_shards_and_gathers_nothing():
+def test_the_cudnn_ring_compiled_for_an_h100_copies_and_slices_nothing_a_step_and_gathers_nothing():
+    """A causal zigzag ring of 8 (a loop of three turns), forward and backward: the loop copies no travelling
+    array (two steps a turn) and no step slices q, k or v for cuDNN (the diagonal step is one causal call,
+    the others one call on prefixes). What is left are the backward's copies of k and v once, before its
+    loop, the query halves swapped once a turn, and slices of positions."""
     from jax.experimental import topologies
 
     from tuner import registry
@@ -124,6 +128,10 @@ def test_the_cudnn_ring_compiled_for_an_h100_moves_its_shards_and_gathers_nothin
     text = jax.jit(forward_and_backward).lower(inputs, dout).compile().as_text()
     shard = 1024 * 4 * 128 * 2  # one device's k, in bytes
     assert not hlo.gathers(text)
+    moved = hlo.moved_bytes(text)
+    assert moved["slice"] < shard // 100 and moved["copy"] <= 2 * shard + shard // 100, moved  # + positions
+    # the forward's q and the backward's q, o and do swapped once a turn (3) and at the last step
+    assert moved["concatenate"] <= 4 * 4 * shard, moved
     assert text.count('custom_call_target="__cudnn$fmhaSoftmaxBackward"') > 0
     received = hlo.collective_bytes(text)["collective-permute"]
     assert received >= (ring - 1) * 2 * shard  # k and v, each step but the last, forward and backward

@@ -11,7 +11,9 @@ for every mask and slower (GENERAL: a window cut off the diagonal, a striped sha
 passed; `auto` and the search choose by measurement, so a layout that lands here loses to the Triton
 kernels). What the trace knows of the positions (`knowing`) decides as much as it can there; the rest
 is decided on the device. A GPU branch waits for its predicate and writes its results out in float32
-at its boundary.
+at its boundary. XLA:GPU copies every slice it feeds to cuDNN, so two cases read none: a step's own keys
+under a causal mask without a window are one causal call over the shard (positions rise along it), and
+the zigzag halves that run past the first step are one call on prefixes (`cudnn_pairs.halves_as_prefixes`).
 
 Without a position mask a block is one cuDNN call, whatever the tiles. Chunk results merge into the
 running output and lse in float32 (cuDNN returns each chunk's output in the input dtype); the backward's
