@@ -62,3 +62,11 @@ def this_and_against(script: str, argv: list[str], against: str | None) -> tuple
         return this, []
     with checkout(against) as other:
         return this, worker_rows(script, other, argv)
+
+
+def write_results(path: str | None, args, rows: list[dict]) -> None:
+    """`rows` and the command's arguments, but the workers' own, as JSON at `path` where one is given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k not in ("worker", "hlo_dir")}, "rows": rows},
+                      f, indent=1)

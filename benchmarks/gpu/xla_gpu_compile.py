@@ -30,7 +30,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from revisions import check_tree, this_and_against  # noqa: E402
+from revisions import check_tree, this_and_against, write_results  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TARGETS = {"h100": os.path.join(HERE, "targets", "h100.txtpb")}
@@ -134,9 +134,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{_mib(before and before['temp']):>8} {row['cudnn_calls']:>5} {row['conditionals']:>8}")
         if row["gathers"]:
             print(f"  {row['gathers']} all-gathers: the ring must not gather")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "worker"}, "rows": rows}, f, indent=1)
+    write_results(args.out, args, rows)
     return 0
 
 

@@ -27,7 +27,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from revisions import check_tree, this_and_against  # noqa: E402
+from revisions import check_tree, this_and_against, write_results  # noqa: E402
 
 OBJECTIVES = ("fwd", "fwd+bwd")
 
@@ -132,9 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({**row, "floor": low, "before": before, "hbm_temp": hbm})
         print(f"{target:<9} {tokens:>8} {dtype:<9} {objective:<8} {low / 2**20:8.1f} {_cell(before, low):>16} "
               f"{_cell(row['temp'], low):>16}" + ("" if args.cpu else f" {_cell(hbm, low):>16}"))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "worker"}, "rows": rows}, f, indent=1)
+    write_results(args.out, args, rows)
     return 0
 
 

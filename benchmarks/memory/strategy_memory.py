@@ -18,7 +18,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from revisions import check_tree, this_and_against  # noqa: E402
+from revisions import check_tree, this_and_against, write_results  # noqa: E402
 
 IMPLEMENTATIONS = ("scan", "all_to_all", "all_gather")
 OBJECTIVES = ("fwd", "fwd+bwd")
@@ -123,9 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({**row, "before": that.get(key)})
         print(f"{implementation:<14} {dtype:<9} {objective:<8} {low:>12} {_value(that.get(key)):>14} "
               f"{_value(row):>14}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "worker"}, "rows": rows}, f, indent=1)
+    write_results(args.out, args, rows)
     return 0
 
 
