@@ -230,22 +230,15 @@ def _executions(hlo: str) -> Iterator[tuple[dict, re.Match, int]]:
     times (read from the loop itself where the compiler does not write it: `with_trip_counts`), nested
     loops multiply; each branch of a conditional counts once, as if it ran (an upper bound)."""
     text = with_trip_counts(hlo)
-    computations: dict[str, list[str]] = {}
-    entry = name = None
-    for line in text.split("\n"):
-        if line and not line[0].isspace() and line.rstrip().endswith("{"):
-            name = re.match(r"(?:ENTRY\s+)?" + _NAME, line).group(1)
-            computations[name] = []
-            entry = name if line.startswith("ENTRY") else entry
-        elif line[:1].isspace() and name is not None:
-            computations[name].append(line)
+    entry = re.search(r"^ENTRY\s+" + _NAME, text, re.MULTILINE)
     if entry is None:
         raise ValueError("hlo is not an HLO module's text: it has no ENTRY computation")
     bodies = _computations(text)
-    runs = dict.fromkeys(computations, 0)
-    runs[entry] = 1
-    for comp in reversed(list(computations)):  # callers print after their callees: walk from ENTRY down
-        for match in filter(None, map(_INSTRUCTION.match, computations[comp] if runs[comp] else ())):
+    runs = dict.fromkeys(bodies, 0)
+    runs[entry.group(1)] = 1
+    for comp in reversed(list(bodies)):  # callers print after their callees: walk from ENTRY down
+        lines = [line for key, (_, _, line) in bodies[comp].items() if key != "ROOT"] if runs[comp] else []
+        for match in filter(None, map(_INSTRUCTION.match, lines)):
             yield bodies, match, runs[comp]
             for callee, times in _callees(match.string, match.group("op")):
                 if callee in runs:
