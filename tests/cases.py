@@ -263,6 +263,15 @@ def run_ring(case: Case, a: Arrays, *, use_axis: bool = True):
                                       None if dsinks is None else np.asarray(dsinks, np.float64)]
 
 
+def inner_jaxprs(eqn) -> list:
+    """The jaxprs an equation holds in its parameters (a loop's body, a branch, a custom rule's), to walk."""
+    from jax.extend import core
+
+    return [getattr(sub, "jaxpr", sub) for param in eqn.params.values()
+            for sub in (param if isinstance(param, (list, tuple)) else (param,))
+            if isinstance(sub, (core.ClosedJaxpr, core.Jaxpr))]
+
+
 def rel_err(got: np.ndarray, want: np.ndarray) -> float:
     """Relative Frobenius error; NaN anywhere counts as infinitely wrong."""
     if not np.all(np.isfinite(got)):

@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from cases import Case, check_low_precision, rel_err
+from cases import Case, check_low_precision, inner_jaxprs, rel_err
 from tuner.kernels import BACKENDS, cudnn_engine, cudnn_pairs
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.semantics import known, layouts
@@ -224,18 +224,14 @@ def test_the_ring_lowers_for_cuda_to_cudnn_s_custom_calls(causal, window):
 def _branches(jaxpr) -> list[int]:
     """The branch count of every `cond` in `jaxpr` and the jaxprs inside it, the branches of a chunk pair's
     4-way `switch` left unread (its scan kernel has branches of its own)."""
-    from jax.extend import core
-
     found = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "cond":
             found.append(len(eqn.params["branches"]))
             if found[-1] == 4:
                 continue
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else (param,):
-                if isinstance(sub, (core.ClosedJaxpr, core.Jaxpr)):
-                    found += _branches(getattr(sub, "jaxpr", sub))
+        for inner in inner_jaxprs(eqn):
+            found += _branches(inner)
     return found
 
 

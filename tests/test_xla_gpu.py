@@ -8,11 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend import core
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from tests.cases import Case, check_case
+from tests.cases import Case, check_case, inner_jaxprs
 from tuner.kernels.cudnn import CudnnBackend, cuda_plugin
 from tuner.kernels.params import BwdParams, FwdParams
 from tuner.models import hlo
@@ -146,10 +145,8 @@ def _sends_per_turn(jaxpr) -> list[int]:
         body = {"while": "body_jaxpr", "scan": "jaxpr"}.get(eqn.primitive.name)
         sends = sum(e.primitive.name == "ppermute" for e in eqn.params[body].jaxpr.eqns) if body else 0
         found += [sends] if sends else []
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else (param,):
-                if isinstance(sub, (core.ClosedJaxpr, core.Jaxpr)):
-                    found += _sends_per_turn(getattr(sub, "jaxpr", sub))
+        for inner in inner_jaxprs(eqn):
+            found += _sends_per_turn(inner)
     return found
 
 
