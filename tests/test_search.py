@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 import sqlite3
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +25,8 @@ from tuner.strategies.implementations import Ring
 from tuner.strategies.configs import TileConfig, TileSpace
 from tuner.semantics.problem import Problem
 from tuner.tuning.search import SearchOptions, search
-from tuner.tuning.study import counted, default_storage, fail_stale, open_storage, study_name
+from tuner.tuning.study import (await_retries, counted, default_storage, fail_stale, open_storage, study_name,
+                                surplus)
 from tuner.tuning.timing import Timing
 from tuner.tuning.trials import Trials
 
@@ -234,6 +236,41 @@ def test_a_running_trial_that_never_beat_is_failed_and_retried(tmp_path):
     assert optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(retry) == orphan.number
     fail_stale(study, storage, orphan_after=0)  # a second worker's check finds nothing more to do
     assert len(study.get_trials(deepcopy=False)) == len(trials)
+
+
+def test_the_retry_of_a_trial_killed_just_now_takes_its_place_before_a_trial_started_meanwhile(tmp_path):
+    """optuna fails a stale trial and queues its retry a moment later; a trial another worker started in
+    between is numbered below the retry. It waits for the retry and is surplus: the retry holds the
+    killed trial's place (before, it took that place and the retry was left waiting for ever). A killed
+    trial that is never retried holds nothing once the wait is over."""
+    storage = open_storage(f"sqlite:///{tmp_path / 'studies.sqlite'}", heartbeat=1)
+    study = optuna.create_study(study_name="race", storage=storage)
+    x = optuna.distributions.IntDistribution(0, 9)
+    study.add_trial(optuna.create_trial(params={"x": 0}, distributions={"x": x}, value=1.0))
+    killed = study.ask()
+    killed.suggest_int("x", 0, 9)
+    storage.set_trial_state_values(killed._trial_id, state=optuna.trial.TrialState.FAIL)
+    meanwhile = study.ask()
+    queue_retry = threading.Timer(0.3, storage.get_heartbeat_stale_trial_callback(),
+                                  (study, storage.get_trial(killed._trial_id)))
+    queue_retry.start()
+    start = time.monotonic()
+    assert surplus(meanwhile, total=2)
+    assert 0.2 < time.monotonic() - start < 5.0
+    (retry,) = [t for t in study.get_trials() if t.state == optuna.trial.TrialState.WAITING]
+    assert retry.number > meanwhile.number and retry.system_attrs["failed_trial"] == killed.number
+
+    assert study.ask().number == retry.number  # the retry runs next
+    crashed = study.ask()  # failed without a reason and never retried: its worker crashed meanwhile
+    crashed.suggest_int("x", 0, 9)
+    start = time.monotonic()
+    storage.set_trial_state_values(crashed._trial_id, state=optuna.trial.TrialState.FAIL)
+    later = study.ask()
+    assert len(await_retries(study, later.number, patience=0.5)) == 6
+    assert 0.5 <= time.monotonic() - start < 2.0
+    start = time.monotonic()
+    await_retries(study, later.number, patience=0.5)  # failed longer ago than that: not waited for
+    assert time.monotonic() - start < 0.3
 
 
 def test_workers_sharing_a_study_run_its_total_between_them(faulty, tmp_path, monkeypatch):

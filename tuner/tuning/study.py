@@ -28,6 +28,7 @@ SURPLUS = "surplus"
 DUPLICATE = "duplicate"  # a config another trial of the study holds: given back to the sampler
 HEARTBEAT_S = 30  # seconds between a running trial's heartbeats
 ORPHAN_S = 30.0  # seconds after which a running trial that never beat is failed (`fail_stale`)
+RETRY_WAIT_S = 5.0  # the longest a starting trial waits for the retry of a trial failed as stale just now
 # Running trials of a study without a heartbeat row, started before a time (optuna's RDB schema).
 _ORPHANS = sqlalchemy.text(
     "SELECT t.trial_id FROM trials t LEFT JOIN trial_heartbeats h ON h.trial_id = t.trial_id "
@@ -143,9 +144,42 @@ def surplus(trial: optuna.Trial, total: int) -> bool:
     """Whether `trial`, just started, is one too many: the trials numbered below it (optuna numbers a
     study's trials in the order they are created, atomically across workers) that count, run or wait to
     run already reach `total`. Running trials of a dead worker are not among them: optuna fails the
-    trials whose heartbeat is stale before each trial starts."""
-    below = [t for t in trial.study.get_trials(deepcopy=False) if t.number < trial.number]
-    return sum(not t.state.is_finished() or counted(t) for t in below) >= total
+    trials whose heartbeat is stale before each trial starts. The retry of a killed trial stands in the
+    killed trial's place, whatever its own number; a trial that starts between the kill being recorded
+    and its retry being queued waits for the retry first (`await_retries`)."""
+    trials = await_retries(trial.study, trial.number)
+    below = [t for t in trials if t.number < trial.number]
+    numbers = {t.number for t in below}
+    stand_ins = [t for t in trials if t.number > trial.number and t.system_attrs.get("failed_trial") in numbers]
+    return sum(not t.state.is_finished() or counted(t) for t in below + stand_ins) >= total
+
+
+def await_retries(study: optuna.Study, number: int, patience: float = RETRY_WAIT_S
+                  ) -> list[optuna.trial.FrozenTrial]:
+    """The study's trials, once every trial numbered below `number` that was failed as stale in the last
+    `patience` seconds has its retry queued, or `patience` seconds from now.
+
+    optuna fails a stale trial first and queues its retry a moment later. Two workers look for stale
+    trials as each of their trials starts: the one that fails the trial queues the retry, the other
+    finds the trial failed already and creates its next trial at once, numbered below the retry. Counted
+    before the retry exists, that trial took the killed trial's place, the study reached its total,
+    and the retry was left waiting, its config never run again."""
+    deadline = time.monotonic() + patience
+    while True:
+        trials = study.get_trials(deepcopy=False)
+        if time.monotonic() >= deadline or not _retry_due(trials, number, patience):
+            return trials
+        time.sleep(0.05)
+
+
+def _retry_due(trials: list[optuna.trial.FrozenTrial], number: int, patience: float) -> bool:
+    """Whether a trial numbered below `number` was failed as stale in the last `patience` seconds (failed
+    without a reason, `counted`) and has no retry yet. A retry is not retried again (`open_storage`)."""
+    retried = {t.system_attrs.get("failed_trial") for t in trials}
+    recently = datetime.datetime.now() - datetime.timedelta(seconds=patience)
+    return any(t.number < number and t.state == optuna.trial.TrialState.FAIL and "failure" not in t.user_attrs
+               and "failed_trial" not in t.system_attrs and t.number not in retried
+               and t.datetime_complete is not None and t.datetime_complete > recently for t in trials)
 
 
 def fail_stale(study: optuna.Study, storage: optuna.storages.RDBStorage, orphan_after: float = ORPHAN_S) -> None:
@@ -200,6 +234,7 @@ def study_name(key: ProblemKey, objective: str, versions: dict[str, str], drawn:
     return f"ring-{key.digest}-{objective}-{digest}{rows}"
 
 
-__all__ = ["DRIVER_HINT", "DUPLICATE", "HEARTBEAT_S", "INTERRUPTED", "SURPLUS", "check_driver", "counted",
+__all__ = ["DRIVER_HINT", "DUPLICATE", "HEARTBEAT_S", "INTERRUPTED", "RETRY_WAIT_S", "SURPLUS",
+           "await_retries", "check_driver", "counted",
            "default_storage", "enqueue", "fail_stale", "finished", "make_sampler", "open_storage", "study_name",
            "surplus", "taken"]
