@@ -229,6 +229,32 @@ def test_packed_work_is_what_the_scan_ring_computes_tile_by_tile(packing, causal
     assert counted < 0.5  # the documents' tiles are skipped
 
 
+def test_the_tile_count_is_the_tile_by_tile_rule_on_any_layout():
+    """`_computed` counts with sorted key tiles; here the rule is applied to every pair of tiles, on random
+    layouts, tiles, documents and masks: each tile pair is computed unless its keys all follow its queries
+    (causal) or its documents cannot meet."""
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        ring = int(rng.choice([1, 2, 4, 8]))
+        seq = ring * 2 * int(rng.integers(1, 40))
+        layout = str(rng.choice(["zigzag", "contiguous", "striped"]))
+        queries = layouts.local_positions_np(layout, seq // ring, ring, int(rng.integers(ring)))
+        keys = layouts.global_order(layout, seq, ring) if rng.random() < 0.5 else queries[::-1]
+        tiles = (int(rng.integers(1, 24)), int(rng.integers(1, 24)))
+        docs = None if rng.random() < 0.3 else np.sort(rng.integers(1, int(rng.integers(2, 10)), seq))
+        causal = bool(rng.random() < 0.6)
+        expected = 0
+        for q in np.array_split(queries, range(tiles[0], len(queries), tiles[0])):
+            for k in np.array_split(keys, range(tiles[1], len(keys), tiles[1])):
+                skipped = causal and k.min() > q.max()
+                if docs is not None:
+                    skipped |= docs[k].max() < docs[q].min() or docs[k].min() > docs[q].max()
+                expected += 0 if skipped else len(q) * len(k)
+        assert strategy_model._computed(queries, keys, tiles, causal, docs) == expected, (layout, tiles, causal)
+    with pytest.raises(ValueError, match="documents must be numbered in token order"):
+        strategy_model._computed(np.arange(4), np.arange(4), (2, 2), True, np.array([1, 2, 1, 2]))
+
+
 def test_a_long_document_costs_the_ring_and_not_all_to_all():
     """Half the sequence one document: the ring's slowest device holds more of its causal work than of a
     single sequence's, and all_to_all, whose devices each hold the whole sequence, overtakes the ring."""

@@ -145,23 +145,36 @@ def _computed(queries: np.ndarray, keys: np.ndarray, tiles: tuple[int, int], cau
               documents: np.ndarray | None) -> int:
     """The logits a kernel computes of `queries` against `keys` (positions, in the order it walks them) in
     tiles of `tiles`, cut to the lengths: every tile but those whose keys all follow its queries (`causal`)
-    and those whose documents' ranges cannot meet (`documents`: the document of every position of a row)."""
+    and those whose documents' ranges cannot meet (`documents`: the document of every position of a row).
+
+    Documents are numbered in token order, so a tile's documents run from its first position's to its last
+    one's. Then a key tile whose documents all come before a query tile's also precedes it (it is never
+    causally skipped), and one whose documents all come after follows it (always causally skipped): each
+    rule is a count over sorted key tiles, and the whole count takes O(n log n) in the tiles, not n^2 (a
+    6M-token sequence has 49152 tiles of 128)."""
     block_q, block_kv = min(tiles[0], len(queries)), min(tiles[1], len(keys))
 
     def cut(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         starts = np.arange(0, len(x), block)
         return np.minimum.reduceat(x, starts), np.maximum.reduceat(x, starts), np.diff([*starts, len(x)])
 
-    _, q_last, q_size = cut(queries, block_q)
-    k_first, _, k_size = cut(keys, block_kv)
-    computed = np.ones((len(q_size), len(k_size)), bool)
-    if causal:
-        computed &= k_first[None, :] <= q_last[:, None]
+    q_first, q_last, q_size = cut(queries, block_q)
+    k_first, k_last, k_size = cut(keys, block_kv)
+    reached = _weight_up_to(k_first, k_size, q_last) if causal else np.full(len(q_size), k_size.sum())
     if documents is not None:
-        q_lo, q_hi, _ = cut(documents[queries], block_q)
-        k_lo, k_hi, _ = cut(documents[keys], block_kv)
-        computed &= (q_lo[:, None] <= k_hi[None, :]) & (k_lo[None, :] <= q_hi[:, None])
-    return int(np.sum(np.outer(q_size, k_size) * computed))
+        if np.any(np.diff(documents) < 0):
+            raise ValueError("documents must be numbered in token order (non-decreasing along the row)")
+        reached -= _weight_up_to(documents[k_last], k_size, documents[q_first] - 1)  # their documents end first
+        if not causal:  # their documents start after the queries' last one
+            reached -= k_size.sum() - _weight_up_to(documents[k_first], k_size, documents[q_last])
+    return int(np.sum(q_size * reached))
+
+
+def _weight_up_to(values: np.ndarray, weights: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """For each of `bounds`, the sum of the `weights` whose value is at most that bound."""
+    order = np.argsort(values, kind="stable")
+    cumulative = np.concatenate([[0], np.cumsum(weights[order])])
+    return cumulative[np.searchsorted(values[order], bounds, side="right")]
 
 
 def _work_share(problem: Problem, queries: list[np.ndarray], keys: list[np.ndarray], tiles: tuple[int, int]
