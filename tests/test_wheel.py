@@ -44,7 +44,8 @@ def _expected_files() -> set[str]:
     modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tuner").rglob("*.py")}
     templates = [*(ROOT / "templates").rglob("*.j2"), ROOT / "templates" / "README.md"]
     configs = [*(ROOT / "cache_db").glob("*.jsonl"), ROOT / "cache_db" / "README.md"]
-    return modules | {f"tuner/_data/{p.relative_to(ROOT).as_posix()}" for p in templates + configs}
+    targets = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tuner" / "models" / "targets").glob("*.txtpb")}
+    return modules | targets | {f"tuner/_data/{p.relative_to(ROOT).as_posix()}" for p in templates + configs}
 
 
 def _files(folder: Path) -> set[Path]:

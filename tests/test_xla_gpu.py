@@ -3,6 +3,8 @@
 (`benchmarks/gpu/xla_gpu_compile.py` reports the same for several rings and implementations)."""
 
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -92,7 +94,7 @@ def test_the_cudnn_kernel_compiles_for_a_gpu_the_cuda_plugin_describes(monkeypat
     assert kernel.unavailable_reason(platform="gpu") == "no CUDA GPU visible to jax"
 
 
-TARGET = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "gpu", "targets", "h100.txtpb")
+TARGET = os.path.join(os.path.dirname(__file__), os.pardir, "tuner", "models", "targets", "h100.txtpb")
 
 
 @pytest.mark.skipif(not cuda_plugin(), reason="needs jax's CUDA plugin (pip install 'jax[cuda12]' of the installed "
@@ -175,3 +177,43 @@ def test_on_a_gpu_the_ring_loop_runs_two_steps_a_turn_and_computes_the_same(ring
     assert sends_per_turn() == [6, 10]
     check_case(Case(batch=1, length=32 * ring, heads=2, kv_heads=1, head_dim=8, ring=ring, layout="zigzag",
                     causal=True, window=(40, 0), seed=ring))
+
+
+def test_a_gpu_target_for_tuner_memory_names_what_is_wrong(monkeypatch, capsys):
+    """`tuner memory --device gpu --target NAME:COUNT`: a name it has no description of, a count missing or
+    past a node's GPUs, and a host without jax's CUDA plugin are each one line saying what to do."""
+    from tuner.cli import main
+
+    monkeypatch.setattr("tuner.tuning.gpu_topology.cuda_plugin", lambda: True)
+    for target, words in (("a100:8", "no GPU named 'a100'; GPU targets: h100:COUNT"),
+                          ("h100", "write the number of GPUs after the colon, 1 to 8"),
+                          ("h100:16", "write the number of GPUs after the colon, 1 to 8")):
+        assert main(["memory", "--device", "gpu", "--target", target]) != 0
+        assert f"--target {target}: {words}" in capsys.readouterr().err
+    monkeypatch.setattr("tuner.tuning.gpu_topology.cuda_plugin", lambda: False)
+    assert main(["memory", "--device", "gpu", "--target", "h100:8"]) != 0
+    assert f"needs jax's CUDA plugin: pip install 'jax[cuda12]=={jax.__version__}'" in capsys.readouterr().err
+    assert main(["memory", "--device", "cpu", "--target", "h100:8"]) != 0
+    assert "pass it with --device tpu or gpu" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not cuda_plugin(), reason="needs jax's CUDA plugin (pip install 'jax[cuda12]' of the installed "
+                                              "jax's version); the errors of the GPU target are tested without it")
+def test_tuner_memory_compiles_the_cudnn_ring_for_h100s_without_one(tmp_path):
+    """The verb in a process of its own (it tells jax, before jax starts, that the host's devices are the
+    CPU's): two H100s, the cudnn ring, what a device holds and the longest sequence an H100 holds. Asked for
+    the loader's own choice, it says why it fell back (Triton does not build without a GPU)."""
+    env = {**os.environ, "TUNER_HOME": str(tmp_path)}
+    env.pop("XLA_FLAGS", None)
+    env.pop("JAX_PLATFORMS", None)
+    problem = ["--seq-len", "16384", "--heads", "8", "--kv-heads", "8", "--head-dim", "128", "--dtype", "bfloat16"]
+    run = subprocess.run([sys.executable, "-m", "tuner.cli", "memory", "--device", "gpu", "--target", "h100:2",
+                          *problem, "--backend", "cudnn"], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "compiled for h100:2: what the loader runs, cudnn" in run.stdout, run.stdout
+    held = {line.split()[0]: line.split() for line in run.stdout.splitlines() if line.startswith(("fwd ", "fwd+bwd "))}
+    assert set(held) == {"fwd", "fwd+bwd"} and "H100  80 GiB" in run.stdout, run.stdout
+    run = subprocess.run([sys.executable, "-m", "tuner.cli", "memory", "--device", "gpu", "--target", "h100:2",
+                          *problem, "--objective", "fwd"], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "(fallback)" in run.stdout and "fallback: " in run.stdout and "triton cannot run here" in run.stdout

@@ -3,8 +3,9 @@ holds, this tree against another commit.
 
     python benchmarks/gpu/xla_gpu_compile.py --implementations cudnn scan --rings 1 4 8 --against HEAD~1
 
-XLA:GPU compiles for a GPU it is told about (`targets/h100.txtpb`, the device description XLA reads in
-place of a GPU's) through `jax.experimental.topologies`; nothing runs. That needs jax's CUDA plugin of the
+XLA:GPU compiles for a GPU it is told about (`tuner/models/targets/h100.txtpb`, the device description XLA
+reads in place of a GPU's) through `jax.experimental.topologies`, as `tuner.tuning.gpu_topology` does;
+nothing runs. That needs jax's CUDA plugin of the
 installed jax's version, best in a virtual environment of its own (with it, jax looks for a GPU at every
 start):
 
@@ -33,7 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from revisions import check_tree, this_and_against, write_results  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TARGETS = {"h100": os.path.join(HERE, "targets", "h100.txtpb")}
+# read from this tree, whichever tree's `tuner` a worker compiles
+TARGETS = {"h100": os.path.join(HERE, os.pardir, os.pardir, "tuner", "models", "targets", "h100.txtpb")}
 OBJECTIVES = ("fwd", "fwd+bwd")
 LOCAL_TOKENS = 4096
 

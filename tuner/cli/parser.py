@@ -250,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_problem(memory)
     memory.add_argument("--target", default=None, metavar="TOPOLOGY",
                         help="--device tpu without a TPU: compile for this topology (v5e:2x2, v6e:2x2, v5p:2x2x1, "
-                             "v4:2x2x1; needs libtpu)")
+                             "v4:2x2x1; needs libtpu); --device gpu without a GPU: for this many GPUs (h100:8; "
+                             "needs jax's CUDA plugin; the cudnn and scan rings build, not triton)")
     memory.add_argument("--objective", choices=("fwd", "fwd+bwd", "both"), default="both")
     memory.add_argument("--headroom", type=float, default=0.2,
                         help="the fraction of a chip's memory left for the rest of the model (default 0.2)")

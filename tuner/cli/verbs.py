@@ -194,15 +194,23 @@ def run_memory(args: argparse.Namespace) -> int:
         except ValueError as error:
             raise UsageError(str(error)) from None
         target = args.target
+    elif args.device == "gpu" and args.target is not None:
+        from tuner.tuning import gpu_topology
+
+        try:
+            devices = gpu_topology.devices(args.target)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+        target = args.target
     else:
         import jax
 
         if args.target is not None:
-            raise UsageError("--target compiles for a TPU topology: pass it with --device tpu")
+            raise UsageError("--target compiles for a TPU topology or a GPU: pass it with --device tpu or gpu")
         devices = [d for d in jax.devices() if d.platform == args.device]
         if not devices:
-            raise UsageError(f"no {args.device} device visible to jax: run this where one is, or, for a TPU, pass "
-                             f"--target TOPOLOGY (e.g. v5e:2x2) to compile for it here")
+            raise UsageError(f"no {args.device} device visible to jax: run this where one is, or pass --target "
+                             f"(a TPU topology such as v5e:2x2, or a GPU such as h100:8) to compile for it here")
         target = devices[0].device_kind
     problem = problem_of(args)
     if args.ring_size is None:

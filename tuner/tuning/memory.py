@@ -1,7 +1,8 @@
 """What one device holds for a ring, known before it runs (`tuner memory`).
 
 The compiler's count: what the loader runs for the problem (its plan, `tuner.tuning.decision`) compiled
-for a target (the CPU's simulated devices, or a TPU topology through libtpu, no TPU needed), forward or
+for a target (the CPU's simulated devices, a TPU topology through libtpu, no TPU needed, or GPUs
+through jax's CUDA plugin, no GPU needed: `tuner.tuning.gpu_topology`), forward or
 forward and backward, and its `memory_analysis()` read per device: the temporaries, the arguments (the
 q, k, v shards; and the output's cotangent) and the outputs. Beside it, the analytic floor: the
 temporaries a ring cannot do without, beyond the program's arguments and outputs.
@@ -26,8 +27,8 @@ the output's cotangent into it.
 What a device holds: on a TPU the compiler's peak (`peak_memory_in_bytes`), the high-water mark of its
 HBM buffer assignment, arguments and outputs included. The temporaries it counts (`temp_size_in_bytes`)
 are more than those that assignment places in HBM, and the compiler accepts a program whose peak fits a
-chip though its temporaries, arguments and outputs together do not (docs/memory.md). XLA:CPU counts no
-peak beyond the arguments and outputs, so on the CPU a device holds its temporaries, arguments and
+chip though its temporaries, arguments and outputs together do not (docs/memory.md). XLA:CPU and XLA:GPU
+count no peak beyond the arguments and outputs, so there a device holds its temporaries, arguments and
 outputs.
 
 What a device holds is affine in its shard's length (the tiles' working set is fixed), so two compiles,
@@ -53,7 +54,7 @@ from tuner.tuning.workload import Workload, vjp_of
 
 GIB = 2**30
 # Memory a chip offers the program: HBM per chip of the TPU generations and of an H100.
-HBM_BYTES = {"v5e": 16 * GIB, "v6e": 32 * GIB, "v5p": 95 * GIB, "H100": 80 * GIB}
+HBM_BYTES = {"v5e": 16 * GIB, "v6e": 32 * GIB, "v5p": 95 * GIB, "H100": 80 * GIB, "H200": 140 * GIB}
 OBJECTIVES = ("fwd", "fwd+bwd")
 ARGUMENT_LAYOUTS = {"fixed": "row-major arguments", "compiler": "arguments laid out by the compiler, as inside a model"}
 TOKEN_MULTIPLE = 128  # the longest shard is rounded down to this (a TPU lane's width)
@@ -96,6 +97,7 @@ class Report:
     argument_layouts: str = "fixed"  # a key of ARGUMENT_LAYOUTS
     peak: int | None = None  # the compiler's peak, where it counts one (a TPU); None on the CPU
     multiple: int = TOKEN_MULTIPLE  # a shard length the plan's tiles divide is a multiple of this (`tile_multiple`)
+    reason: str = ""  # why the loader chose the plan (`Decision.reason`)
 
     @property
     def floor_bytes(self) -> int:
@@ -217,7 +219,7 @@ def compiled_memory(problem: Problem, devices: list, target: str, objective: str
     return Report(problem, target, objective, plan.backend, describe_config(plan.config), plan.source,
                   memory.temp_size_in_bytes, memory.argument_size_in_bytes, memory.output_size_in_bytes,
                   floor(problem.shapes, objective, problem.ring_positions), growth, argument_layouts,
-                  _peak(memory, platform), tile_multiple(plan.config))
+                  _peak(memory, platform), tile_multiple(plan.config), plan.reason)
 
 
 def _mib(n: float) -> str:
@@ -238,6 +240,8 @@ def render(reports: list[Report], headroom: float) -> str:
                      _mib(r.outputs), _mib(r.held), f"{r.growth:,.0f}"] for r in reports]),
              "held: " + ("the compiler's peak (HBM), arguments and outputs included" if first.peak is not None
                          else "temp, arguments and outputs"), ""]
+    if first.source == "fallback":  # not what was asked for: say why, the kernel asked for cannot build here
+        lines[2:2] = [f"         fallback: {first.reason}"]
     lines.append(f"floor ({last.objective}): " + ", ".join(f"{name} {_mib(n)}" for name, n in last.floor.items()))
     lines += ["", f"longest sequence with {headroom:.0%} of each chip left for the rest of the model "
                   f"({last.objective}, these heads, a ring of {p.ring_size}; from what {first.target}'s compiler "
