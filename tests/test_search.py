@@ -267,7 +267,7 @@ def test_the_retry_of_a_trial_killed_just_now_takes_its_place_before_a_trial_sta
     storage.set_trial_state_values(crashed._trial_id, state=optuna.trial.TrialState.FAIL)
     later = study.ask()
     assert len(await_retries(study, later.number, patience=0.5)) == 6
-    assert 0.5 <= time.monotonic() - start < 2.0
+    assert 0.5 <= time.monotonic() - start < 3.0
     start = time.monotonic()
     await_retries(study, later.number, patience=0.5)  # failed longer ago than that: not waited for
     assert time.monotonic() - start < 0.3

@@ -184,6 +184,8 @@ def test_a_gpu_target_for_tuner_memory_names_what_is_wrong(monkeypatch, capsys):
     past a node's GPUs, and a host without jax's CUDA plugin are each one line saying what to do."""
     from tuner.cli import main
 
+    for name in ("XLA_FLAGS", "JAX_PLATFORMS"):  # `--device cpu` sets them for a jax it would start: restored after
+        monkeypatch.setenv(name, os.environ[name])
     monkeypatch.setattr("tuner.tuning.gpu_topology.cuda_plugin", lambda: True)
     for target, words in (("a100:8", "no GPU named 'a100'; GPU targets: h100:COUNT"),
                           ("h100", "write the number of GPUs after the colon, 1 to 8"),

@@ -57,8 +57,8 @@ def devices(target: str) -> list:
         return list(topologies.get_topology_desc(name, "cuda", target_config=description,
                                                  topology=f"1x1x{count}").devices)
     except NotImplementedError:
-        raise ValueError(f"--target {target}: jax started its GPU backend before the target was asked for; "
-                         f"run with JAX_PLATFORMS=cpu") from None
+        raise ValueError(f"--target {target}: jax started its backends, without the CUDA one, before the "
+                         f"target was asked for; run with JAX_PLATFORMS=cpu") from None
 
 
 __all__ = ["MOST_DEVICES", "TARGETS", "devices", "parse", "plugin_missing"]

@@ -53,7 +53,7 @@ from tuner.tuning.decision import loader_plan
 from tuner.tuning.workload import Workload, vjp_of
 
 GIB = 2**30
-# Memory a chip offers the program: HBM per chip of the TPU generations and of an H100.
+# Memory a chip offers the program: HBM per chip of the TPU generations, an H100 and an H200.
 HBM_BYTES = {"v5e": 16 * GIB, "v6e": 32 * GIB, "v5p": 95 * GIB, "H100": 80 * GIB, "H200": 140 * GIB}
 OBJECTIVES = ("fwd", "fwd+bwd")
 ARGUMENT_LAYOUTS = {"fixed": "row-major arguments", "compiler": "arguments laid out by the compiler, as inside a model"}
@@ -95,7 +95,7 @@ class Report:
     floor: dict[str, int]
     growth: float
     argument_layouts: str = "fixed"  # a key of ARGUMENT_LAYOUTS
-    peak: int | None = None  # the compiler's peak, where it counts one (a TPU); None on the CPU
+    peak: int | None = None  # the compiler's peak, where it counts one (a TPU); None on the CPU and GPU
     multiple: int = TOKEN_MULTIPLE  # a shard length the plan's tiles divide is a multiple of this (`tile_multiple`)
     reason: str = ""  # why the loader chose the plan (`Decision.reason`)
 
