@@ -192,6 +192,9 @@ def test_a_gpu_target_for_tuner_memory_names_what_is_wrong(monkeypatch, capsys):
                           ("h100:16", "write the number of GPUs after the colon, 1 to 8")):
         assert main(["memory", "--device", "gpu", "--target", target]) != 0
         assert f"--target {target}: {words}" in capsys.readouterr().err
+    from tuner.tuning import gpu_topology
+
+    assert [gpu_topology.parse(t) for t in ("h100:1", "h200:8")] == [("h100", 1), ("h200", 8)]
     monkeypatch.setattr("tuner.tuning.gpu_topology.cuda_plugin", lambda: False)
     assert main(["memory", "--device", "gpu", "--target", "h100:8"]) != 0
     assert f"needs jax's CUDA plugin: pip install 'jax[cuda12]=={jax.__version__}'" in capsys.readouterr().err
@@ -201,10 +204,10 @@ def test_a_gpu_target_for_tuner_memory_names_what_is_wrong(monkeypatch, capsys):
 
 @pytest.mark.skipif(not cuda_plugin(), reason="needs jax's CUDA plugin (pip install 'jax[cuda12]' of the installed "
                                               "jax's version); the errors of the GPU target are tested without it")
-def test_tuner_memory_compiles_the_cudnn_ring_for_h100s_without_one(tmp_path):
+def test_tuner_memory_compiles_the_cudnn_ring_for_h100s_and_h200s_without_one(tmp_path):
     """The verb in a process of its own (it tells jax, before jax starts, that the host's devices are the
     CPU's): two H100s, the cudnn ring, what a device holds and the longest sequence an H100 holds. Asked for
-    the loader's own choice, it says why it fell back (Triton does not build without a GPU)."""
+    the loader's own choice, for two H200s, it says why it fell back (Triton does not build without a GPU)."""
     env = {**os.environ, "TUNER_HOME": str(tmp_path)}
     env.pop("XLA_FLAGS", None)
     env.pop("JAX_PLATFORMS", None)
@@ -215,7 +218,7 @@ def test_tuner_memory_compiles_the_cudnn_ring_for_h100s_without_one(tmp_path):
     assert "compiled for h100:2: what the loader runs, cudnn" in run.stdout, run.stdout
     held = {line.split()[0]: line.split() for line in run.stdout.splitlines() if line.startswith(("fwd ", "fwd+bwd "))}
     assert set(held) == {"fwd", "fwd+bwd"} and "H100  80 GiB" in run.stdout, run.stdout
-    run = subprocess.run([sys.executable, "-m", "tuner.cli", "memory", "--device", "gpu", "--target", "h100:2",
+    run = subprocess.run([sys.executable, "-m", "tuner.cli", "memory", "--device", "gpu", "--target", "h200:2",
                           *problem, "--objective", "fwd"], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "(fallback)" in run.stdout and "fallback: " in run.stdout and "triton cannot run here" in run.stdout

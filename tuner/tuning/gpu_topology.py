@@ -14,7 +14,7 @@ import os
 
 from tuner.kernels.cudnn import cuda_plugin
 
-TARGETS = {"h100": "an NVIDIA H100 SXM, 80 GB"}  # the chips described in tuner/models/targets/
+TARGETS = {"h100": "an NVIDIA H100 SXM, 80 GB", "h200": "an NVIDIA H200 SXM, 141 GB"}  # in tuner/models/targets/
 MOST_DEVICES = 8  # the GPUs of one node, which a ring spans
 
 
