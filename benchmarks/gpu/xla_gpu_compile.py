@@ -34,8 +34,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from revisions import check_tree, this_and_against, write_results  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# read from this tree, whichever tree's `tuner` a worker compiles
-TARGETS = {"h100": os.path.join(HERE, os.pardir, os.pardir, "tuner", "models", "targets", "h100.txtpb")}
+# the chips described in this tree (`tuner/models/targets/`), whichever tree's `tuner` a worker compiles
+DESCRIBED = os.path.join(HERE, os.pardir, os.pardir, "tuner", "models", "targets")
+TARGETS = {name.removesuffix(".txtpb"): os.path.join(DESCRIBED, name) for name in sorted(os.listdir(DESCRIBED))}
 OBJECTIVES = ("fwd", "fwd+bwd")
 LOCAL_TOKENS = 4096
 

@@ -234,14 +234,15 @@ def render(reports: list[Report], headroom: float) -> str:
     p = first.problem
     lines = [f"memory   {p.describe()}",
              f"         one device, compiled for {first.target}: what the loader runs, {first.implementation} "
-             f"{first.config} ({first.source}); {ARGUMENT_LAYOUTS[first.argument_layouts]}", "",
-             table(["objective", "temp", "floor", "temp/floor", "arguments", "outputs", "held", "bytes a token more"],
-                   [[r.objective, _mib(r.temp), _mib(r.floor_bytes), f"{r.ratio:.2f}x", _mib(r.arguments),
-                     _mib(r.outputs), _mib(r.held), f"{r.growth:,.0f}"] for r in reports]),
-             "held: " + ("the compiler's peak (HBM), arguments and outputs included" if first.peak is not None
-                         else "temp, arguments and outputs"), ""]
+             f"{first.config} ({first.source}); {ARGUMENT_LAYOUTS[first.argument_layouts]}"]
     if first.source == "fallback":  # not what was asked for: say why, the kernel asked for cannot build here
-        lines[2:2] = [f"         fallback: {first.reason}"]
+        lines.append(f"         fallback: {first.reason}")
+    lines += ["",
+              table(["objective", "temp", "floor", "temp/floor", "arguments", "outputs", "held", "bytes a token more"],
+                    [[r.objective, _mib(r.temp), _mib(r.floor_bytes), f"{r.ratio:.2f}x", _mib(r.arguments),
+                      _mib(r.outputs), _mib(r.held), f"{r.growth:,.0f}"] for r in reports]),
+              "held: " + ("the compiler's peak (HBM), arguments and outputs included" if first.peak is not None
+                          else "temp, arguments and outputs"), ""]
     lines.append(f"floor ({last.objective}): " + ", ".join(f"{name} {_mib(n)}" for name, n in last.floor.items()))
     lines += ["", f"longest sequence with {headroom:.0%} of each chip left for the rest of the model "
                   f"({last.objective}, these heads, a ring of {p.ring_size}; from what {first.target}'s compiler "
