@@ -11,7 +11,7 @@ import pytest
 
 from tuner import registry
 from tuner.cache import Cache
-from tuner.kernels import codegen, triton, triton_compile, triton_launch
+from tuner.kernels import triton, triton_compile, triton_launch
 from tuner.kernels.params import FwdParams
 from tuner.models import gpu_model
 from tuner.semantics.problem import Problem
@@ -94,20 +94,6 @@ def test_the_defaults_are_the_models_choice_among_the_launches_the_compiler_admi
         assert all(launch["mma"] != "none" for launch in entry["launches"].values())
         covered += 1
     assert covered >= 6
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("capability", [80, 90, 100])
-@pytest.mark.parametrize("dims", [(64, 64), (128, 128), (192, 128), (256, 256)])
-def test_every_default_compiles_without_spills_on_the_tensor_core_path(capability, dims):
-    """Each architecture's defaults, compiled for it as jax_triton does (causal bf16, 4096 tokens, 16
-    heads): no stack bytes, the architecture's own MMA, a block fits an SM."""
-    head_dim, value_head_dim = dims
-    source = codegen.Variant("triton", triton_launch.TEMPLATE, {
-        "causal": True, "window": False, "chunk": False, "segments": False, "softcap": False, "dtype": "bfloat16",
-        "head_dim": head_dim, "value_head_dim": value_head_dim, "precision": "tf32"})
-    for row in triton.standard_resources(source, capability):
-        assert row["spill_bytes"] == 0 and row["tensor_core"] and row["blocks_per_sm"] > 0, row
 
 
 def test_the_tensor_core_path_beats_mma_sync_and_float32_runs_on_the_cuda_cores():
