@@ -4,7 +4,8 @@ A traced call with packed rows and no declared packing plans one config per defa
 choose (`tuner.semantics.documents.PACKED_TILES`), and compiles one ring per distinct config. This
 compiles the loader's gradient in the documents layout for a TPU topology (libtpu; nothing runs), with
 or without a declared packing, and prints the seconds to lower and to compile, the temporaries
-(`memory_analysis()`), and each plan's implementation, source and forward tiles.
+(`memory_analysis()`), and each plan's implementation, source and forward tiles (plans of the same
+tiles share one ring).
 
     python benchmarks/suite/documents_rings.py                                  # undeclared packing
     python benchmarks/suite/documents_rings.py --packing lognormal:4,sigma=0.9  # declared
@@ -56,8 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     q = jax.ShapeDtypeStruct((B, args.tokens, H, D), jnp.bfloat16, sharding=sharded)
     kv = jax.ShapeDtypeStruct((B, args.tokens, HKV, D), jnp.bfloat16, sharding=sharded)
     ids = jax.ShapeDtypeStruct((B, args.tokens), jnp.int32, sharding=sharded)
-    attn = get_tuned_ring_attention(axis_name=axis, mesh=mesh, causal=True, layout="documents", packing=args.packing,
-                                    strategy=args.strategy)
+    try:
+        attn = get_tuned_ring_attention(axis_name=axis, mesh=mesh, causal=True, layout="documents",
+                                        packing=args.packing, strategy=args.strategy)
+    except ValueError as error:  # a strategy or packing the loader refuses: its one line
+        parser.error(str(error))
 
     def loss(q, k, v, ids):
         return jnp.sum(attn(q, k, v, q_segment_ids=ids, kv_segment_ids=ids).astype(jnp.float32))
@@ -69,13 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     program = lowered.compile()
     compiled_at = time.perf_counter()
     temp = program.memory_analysis().temp_size_in_bytes
-    plans = [(plan.backend, plan.source, plan.config.to_dict()["fwd"]) for plan in attn.traced]
-    tiles = [(fwd["block_q"], fwd["block_kv"]) for _, _, fwd in plans]
+    plans = [(plan.backend, plan.source, plan.config.to_dict().get("fwd") or {}) for plan in attn.traced]
+    tiles = [(fwd.get("block_q"), fwd.get("block_kv")) for _, _, fwd in plans]
     packing = args.packing or "undeclared"
     print(f"{args.target}, {args.tokens} tokens, strategy {args.strategy}, packing {packing}: "
           f"lower {lowered_at - start:.2f} s, compile {compiled_at - lowered_at:.2f} s, "
           f"temporaries {temp / 2**20:.1f} MiB")
-    print(f"{len(plans)} plan(s), {len(set(tiles))} config(s):")
+    print(f"{len(plans)} plan(s), {len(set(tiles))} distinct forward tile(s):")
     for (backend, source, _), (block_q, block_kv) in zip(plans, tiles):
         print(f"  {backend} ({source}): forward tiles {block_q} x {block_kv}")
     return 0
