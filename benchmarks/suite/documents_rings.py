@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 if __name__ == "__main__":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -32,6 +31,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from tuner import get_tuned_ring_attention  # noqa: E402
 from tuner.tuning import compiled as tpu  # noqa: E402
+
+from compile_one import compiled_gradient  # noqa: E402 - this folder's script, on sys.path when run
 
 B, H, HKV, D = 1, 8, 2, 128
 
@@ -62,22 +63,13 @@ def main(argv: list[str] | None = None) -> int:
                                         packing=args.packing, strategy=args.strategy)
     except ValueError as error:  # a strategy or packing the loader refuses: its one line
         parser.error(str(error))
-
-    def loss(q, k, v, ids):
-        return jnp.sum(attn(q, k, v, q_segment_ids=ids, kv_segment_ids=ids).astype(jnp.float32))
-
-    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    start = time.perf_counter()
-    lowered = step.lower(q, kv, kv, ids)
-    lowered_at = time.perf_counter()
-    program = lowered.compile()
-    compiled_at = time.perf_counter()
+    program, lower_s, compile_s = compiled_gradient(attn, q, kv, kv, ids)
     temp = program.memory_analysis().temp_size_in_bytes
     plans = [(plan.backend, plan.source, plan.config.to_dict().get("fwd") or {}) for plan in attn.traced]
     tiles = [(fwd.get("block_q"), fwd.get("block_kv")) for _, _, fwd in plans]
     packing = args.packing or "undeclared"
     print(f"{args.target}, {args.tokens} tokens, strategy {args.strategy}, packing {packing}: "
-          f"lower {lowered_at - start:.2f} s, compile {compiled_at - lowered_at:.2f} s, "
+          f"lower {lower_s:.2f} s, compile {compile_s:.2f} s, "
           f"temporaries {temp / 2**20:.1f} MiB")
     print(f"{len(plans)} plan(s), {len(set(tiles))} distinct forward tile(s):")
     for (backend, source, _), (block_q, block_kv) in zip(plans, tiles):
