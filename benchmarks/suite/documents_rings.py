@@ -37,6 +37,12 @@ from compile_one import compiled_gradient  # noqa: E402 - this folder's script, 
 B, H, HKV, D = 1, 8, 2, 128
 
 
+def forward_tiles(plan) -> tuple[int | None, int | None]:
+    """A plan's forward query and key tiles (None where its config has no forward tiles)."""
+    fwd = plan.config.to_dict().get("fwd") or {}
+    return fwd.get("block_q"), fwd.get("block_kv")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="v5e:2x2", help="a TPU topology (default: v5e:2x2)")
@@ -65,15 +71,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(error))
     program, lower_s, compile_s = compiled_gradient(attn, q, kv, kv, ids)
     temp = program.memory_analysis().temp_size_in_bytes
-    plans = [(plan.backend, plan.source, plan.config.to_dict().get("fwd") or {}) for plan in attn.traced]
-    tiles = [(fwd.get("block_q"), fwd.get("block_kv")) for _, _, fwd in plans]
+    plans = attn.traced
+    tiles = [forward_tiles(plan) for plan in plans]
     packing = args.packing or "undeclared"
     print(f"{args.target}, {args.tokens} tokens, strategy {args.strategy}, packing {packing}: "
           f"lower {lower_s:.2f} s, compile {compile_s:.2f} s, "
           f"temporaries {temp / 2**20:.1f} MiB")
-    print(f"{len(plans)} plan(s), {len(set(tiles))} distinct forward tile(s):")
-    for (backend, source, _), (block_q, block_kv) in zip(plans, tiles):
-        print(f"  {backend} ({source}): forward tiles {block_q} x {block_kv}")
+    print(f"{len(tiles)} plan(s), {len(set(tiles))} distinct forward tile(s):")
+    for plan, (block_q, block_kv) in zip(plans, tiles):
+        print(f"  {plan.backend} ({plan.source}): forward tiles {block_q} x {block_kv}")
     return 0
 
 
