@@ -4,8 +4,8 @@ A traced call with packed rows and no declared packing plans one config per defa
 choose (`tuner.semantics.documents.PACKED_TILES`), and compiles one ring per distinct config. This
 compiles the loader's gradient in the documents layout for a TPU topology (libtpu; nothing runs), with
 or without a declared packing, and prints the seconds to lower and to compile, the temporaries
-(`memory_analysis()`), and each plan's implementation, source and forward tiles (plans of the same
-tiles share one ring).
+(`memory_analysis()`), the number of rings (one per distinct config, as the loader compiles them), and
+each plan's implementation, source and forward tiles.
 
     python benchmarks/suite/documents_rings.py                                  # undeclared packing
     python benchmarks/suite/documents_rings.py --packing lognormal:4,sigma=0.9  # declared
@@ -29,18 +29,12 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from tuner import get_tuned_ring_attention  # noqa: E402
+from tuner import get_tuned_ring_attention, registry  # noqa: E402
 from tuner.tuning import compiled as tpu  # noqa: E402
 
 from compile_one import compiled_gradient  # noqa: E402 - this folder's script, on sys.path when run
 
 B, H, HKV, D = 1, 8, 2, 128
-
-
-def forward_tiles(plan) -> tuple[int | None, int | None]:
-    """A plan's forward query and key tiles (None where its config has no forward tiles)."""
-    fwd = plan.config.to_dict().get("fwd") or {}
-    return fwd.get("block_q"), fwd.get("block_kv")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,14 +66,15 @@ def main(argv: list[str] | None = None) -> int:
     program, lower_s, compile_s = compiled_gradient(attn, q, kv, kv, ids)
     temp = program.memory_analysis().temp_size_in_bytes
     plans = attn.traced
-    tiles = [forward_tiles(plan) for plan in plans]
     packing = args.packing or "undeclared"
     print(f"{args.target}, {args.tokens} tokens, strategy {args.strategy}, packing {packing}: "
           f"lower {lower_s:.2f} s, compile {compile_s:.2f} s, "
           f"temporaries {temp / 2**20:.1f} MiB")
-    print(f"{len(tiles)} plan(s), {len(set(tiles))} distinct forward tile(s):")
-    for plan, (block_q, block_kv) in zip(plans, tiles):
-        print(f"  {plan.backend} ({plan.source}): forward tiles {block_q} x {block_kv}")
+    print(f"{len(plans)} plan(s), {len({plan.config for plan in plans})} ring(s) (one per distinct config):")
+    for plan in plans:
+        tiles = registry.forward_tiles(plan.config)
+        shown = "none" if tiles is None else f"{tiles[0]} x {tiles[1]}"
+        print(f"  {plan.backend} ({plan.source}): forward tiles {shown}")
     return 0
 
 
